@@ -1,0 +1,173 @@
+"""Scheduler-side clients of one rank's daemon: `AsyncClient` for asyncio
+schedulers, `Client` for synchronous scheduler loops.
+
+Both raise the same `cpcache.errors` family the daemon raises, rebuilt from
+the status code, so a scheduler handles `Unavailable` or `Divergence` without
+knowing gRPC.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cpcache import errors
+from cpcache.daemon.status import STATUS_OF
+from cpcache.rounds import Reduce
+from cpcache.v1 import daemon_pb2 as pb
+from cpcache.v1 import daemon_pb2_grpc as pb_grpc
+
+_ERROR_OF = {code: kind for kind, code in STATUS_OF}
+_ERROR_OF[grpc.StatusCode.DEADLINE_EXCEEDED] = errors.Unavailable
+_REDUCE_TO_WIRE = {Reduce.MIN: pb.REDUCE_MIN, Reduce.MAX: pb.REDUCE_MAX}
+
+# Reconnect quickly: the daemon is local and may be restarting.
+CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 50),
+    ("grpc.min_reconnect_backoff_ms", 50),
+    ("grpc.max_reconnect_backoff_ms", 500),
+]
+
+
+def target_of(address: str) -> str:
+    """A socket path, `unix:PATH`, or `host:port`."""
+    if address.startswith(("unix:", "dns:", "ipv4:", "ipv6:")):
+        return address
+    if address.startswith("/") or address.endswith(".sock"):
+        return "unix:" + address
+    return address
+
+
+def error_from(exc: grpc.RpcError) -> errors.CacheError:
+    kind = _ERROR_OF.get(exc.code(), errors.CacheError)
+    if kind is errors.FailedPrecondition and "divergence" in (exc.details() or ""):
+        kind = errors.Divergence
+    return kind(f"{exc.code().name}: {exc.details()}")
+
+
+@dataclass(frozen=True)
+class StepResult:
+    step: int
+    round: int  # the step whose round these decisions come from; 0: none yet
+    decisions: dict[int, int]  # op id -> agreed value
+    digest: int
+    wire: bytes  # the reply as sent, for byte-for-byte comparisons across ranks
+
+
+def step_request(step: int, votes: Iterable[tuple[int, Reduce, int]] = ()) -> pb.StepRequest:
+    request = pb.StepRequest(step=step)
+    for op_id, reduce, value in votes:
+        request.votes.op_ids.append(op_id)
+        request.votes.reduces.append(_REDUCE_TO_WIRE[Reduce(reduce)])
+        request.votes.values.append(value)
+    return request
+
+
+def step_result(reply: pb.StepReply) -> StepResult:
+    return StepResult(
+        step=reply.step,
+        round=reply.round,
+        decisions=dict(zip(reply.decisions.op_ids, reply.decisions.values)),
+        digest=reply.state_digest,
+        wire=reply.SerializeToString(),
+    )
+
+
+def _metadata(token: str | None):
+    return (("authorization", f"Bearer {token}"),) if token else None
+
+
+class AsyncClient:
+    def __init__(self, address: str, token: str | None = None, credentials=None, timeout_s: float | None = None):
+        target = target_of(address)
+        if credentials is not None:
+            self._channel = grpc.aio.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
+        else:
+            self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self._stub = pb_grpc.CacheDaemonStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._metadata = _metadata(token)
+        self._timeout_s = timeout_s
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def _call(self, method, request):
+        try:
+            return await method(request, timeout=self._timeout_s, metadata=self._metadata)
+        except grpc.aio.AioRpcError as exc:
+            raise error_from(exc) from None
+
+    async def step(self, step: int, votes: Iterable[tuple[int, Reduce, int]] = ()) -> StepResult:
+        return step_result(await self._call(self._stub.Step, step_request(step, votes)))
+
+    async def status(self) -> pb.StatusReply:
+        return await self._call(self._stub.Status, pb.StatusRequest())
+
+    async def health(self, service: str = "") -> int:
+        reply = await self._call(self._health.Check, health_pb2.HealthCheckRequest(service=service))
+        return reply.status
+
+    async def wait_serving(self, timeout_s: float) -> None:
+        """Wait until the daemon reports SERVING: waits for the socket to
+        appear and for the health status to change, without polling."""
+        call = self._health.Watch(
+            health_pb2.HealthCheckRequest(service=""), timeout=timeout_s, wait_for_ready=True, metadata=self._metadata
+        )
+        try:
+            async for reply in call:
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+        except grpc.aio.AioRpcError as exc:
+            raise error_from(exc) from None
+        finally:
+            call.cancel()
+        raise errors.Unavailable("the daemon closed its health stream before serving")
+
+
+class Client:
+    """Blocking client with the same calls, for synchronous scheduler loops."""
+
+    def __init__(self, address: str, token: str | None = None, credentials=None, timeout_s: float | None = None):
+        target = target_of(address)
+        if credentials is not None:
+            self._channel = grpc.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
+        else:
+            self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self._stub = pb_grpc.CacheDaemonStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._metadata = _metadata(token)
+        self._timeout_s = timeout_s
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def _call(self, method, request):
+        try:
+            return method(request, timeout=self._timeout_s, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise error_from(exc) from None
+
+    def step(self, step: int, votes: Iterable[tuple[int, Reduce, int]] = ()) -> StepResult:
+        return step_result(self._call(self._stub.Step, step_request(step, votes)))
+
+    def status(self) -> pb.StatusReply:
+        return self._call(self._stub.Status, pb.StatusRequest())
+
+    def health(self, service: str = "") -> int:
+        return self._call(self._health.Check, health_pb2.HealthCheckRequest(service=service)).status

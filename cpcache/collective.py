@@ -1,0 +1,122 @@
+"""The daemons' own gloo world: rendezvous store and the process groups a
+rank reduces over.
+
+Groups are built directly as `ProcessGroupGloo` objects over a `PrefixStore`,
+so they never touch (or need) torch's default process group, and keys are
+namespaced by deployment and epoch so two deployments or two restarts of one
+never meet in the store.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+from torch.distributed import AllreduceOptions, PrefixStore, ProcessGroupGloo, ReduceOp, TCPStore
+
+from cpcache.errors import InvalidArgument
+from cpcache.topology import MODES, Group, Topology
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where the ranks meet: a TCPStore and a key namespace."""
+
+    host: str
+    port: int
+    deployment: str = "cpcache"
+    epoch: int = 0
+    timeout_s: float = 60.0
+
+    @property
+    def namespace(self) -> str:
+        return f"cpcache/{self.deployment}/epoch{self.epoch}"
+
+    def connect(self, timeout_s: float | None = None) -> TCPStore:
+        """A client connection to the store (one per thread that uses it)."""
+        return TCPStore(
+            self.host,
+            self.port,
+            is_master=False,
+            timeout=datetime.timedelta(seconds=timeout_s or self.timeout_s),
+            wait_for_workers=False,
+        )
+
+
+def host_store(host: str = "127.0.0.1", port: int = 0) -> TCPStore:
+    """Serve a rendezvous store (port 0: any free port, read back `.port`)."""
+    return TCPStore(host, port, is_master=True, wait_for_workers=False)
+
+
+class Reducer(Protocol):
+    """Reduces an int64 vector with MIN over the whole agreement domain."""
+
+    def min_inplace(self, vector: np.ndarray) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _gloo_group(
+    store: TCPStore, rdzv: Rendezvous, group: Group, rank: int, timeout_s: float, bind_host: str
+) -> ProcessGroupGloo:
+    """Join one group. Joining waits up to the rendezvous timeout (peers may
+    still be starting); collectives then wait at most `timeout_s`."""
+    key = f"{rdzv.namespace}/{group.name}/" + "-".join(map(str, group.ranks)) + "/"
+    options = ProcessGroupGloo._Options()
+    options._timeout = datetime.timedelta(seconds=rdzv.timeout_s)
+    options._devices = [ProcessGroupGloo.create_device(hostname=bind_host)]
+    pg = ProcessGroupGloo(PrefixStore(key, store), group.index(rank), group.size, options)
+    pg.set_timeout(datetime.timedelta(seconds=timeout_s))
+    return pg
+
+
+_MIN = AllreduceOptions()
+_MIN.reduceOp = ReduceOp.MIN
+
+
+class GroupReducer:
+    """Sequential MIN all-reduces over a list of groups. One group covering
+    the domain is `domain` mode; attn_cp then attn_tp (then pp) is `grid`
+    mode; an empty list is a domain of one rank."""
+
+    def __init__(self, groups: list[ProcessGroupGloo]) -> None:
+        self._groups = groups
+
+    def min_inplace(self, vector: np.ndarray) -> None:
+        tensor = torch.from_numpy(vector)
+        for group in self._groups:
+            group.allreduce([tensor], _MIN).wait()
+
+    def close(self) -> None:
+        for group in self._groups:
+            try:
+                group.shutdown()
+            except RuntimeError:
+                pass  # already broken by a lost peer; nothing left to release
+        self._groups = []
+
+
+def reducer_groups(topology: Topology, rank: int, mode: str) -> list[Group]:
+    if mode == "domain":
+        domain = topology.domain(rank)
+        return [domain] if domain.size > 1 else []
+    if mode == "grid":
+        return topology.grid_groups(rank)
+    raise InvalidArgument(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+
+
+def build_reducer(
+    store: TCPStore,
+    rdzv: Rendezvous,
+    topology: Topology,
+    rank: int,
+    mode: str,
+    timeout_s: float,
+    bind_host: str = "127.0.0.1",
+) -> GroupReducer:
+    """Join this rank's groups; blocks until every member has joined."""
+    groups = reducer_groups(topology, rank, mode)
+    return GroupReducer([_gloo_group(store, rdzv, g, rank, timeout_s, bind_host) for g in groups])

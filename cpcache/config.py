@@ -1,0 +1,89 @@
+"""Typed daemon configuration.
+
+One dataclass, one docstring per setting (`help` metadata), checks that name
+the setting. The library only takes a `DaemonConfig`; reading flags, the
+environment and files happens once, at the edge (`cpcache.daemon.settings`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from cpcache.errors import InvalidArgument
+from cpcache.topology import MODES, Topology
+
+
+def setting(default, help: str, **kwargs):
+    return field(default=default, metadata={"help": help, **kwargs})
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    rank: int = setting(-1, "Global rank of this daemon (required).")
+    tp: int = setting(1, "Tensor-parallel size of the deployment.")
+    pp: int = setting(1, "Pipeline-parallel size.")
+    dp: int = setting(1, "Attention data-parallel size.")
+    cp: int = setting(1, "Attention context-parallel size (splits the TP ranks).")
+    mode: str = setting("domain", "How rounds reduce: 'domain' (one group) or 'grid' (attn_cp then attn_tp).")
+    agreement_lag: int = setting(0, "Steps between a round and the reply that carries it (0: synchronous).")
+    agreement_timeout_s: float = setting(10.0, "Longest a round may wait for peers before they count as lost.")
+    rendezvous: str = setting("127.0.0.1:29650", "host:port of the TCPStore where the daemons meet.")
+    host_store: bool = setting(False, "Serve the rendezvous store from this daemon (one daemon per deployment).")
+    deployment: str = setting("cpcache", "Name that keeps this deployment's store keys apart from others'.")
+    epoch: int = setting(0, "Restart generation; a restarted domain must use a new epoch.")
+    rendezvous_timeout_s: float = setting(120.0, "Longest start-up may wait for every peer to join.")
+    gloo_host: str = setting("127.0.0.1", "Address gloo binds and advertises to peers.")
+    socket: str = setting("/run/cpcache/rank-{rank}.sock", "Unix socket path for the gRPC API ({rank} expands).")
+    socket_group: str = setting("", "Group that may use the socket (mode 0660); empty: owner only (0600).")
+    listen_tcp: str = setting("", "Also serve gRPC on host:port; needs token_file or tls_cert/tls_key.")
+    token_file: str = setting("", "File holding the shared token TCP clients must send.")
+    tls_cert: str = setting("", "PEM certificate chain for TCP with TLS.")
+    tls_key: str = setting("", "PEM private key for TCP with TLS.")
+    heartbeat_interval_s: float = setting(0.1, "How often this daemon publishes its heartbeat.")
+    drain_timeout_s: float = setting(0.0, "Longest shutdown waits for in-flight calls (0: agreement_timeout_s + 1).")
+    fault_delay_ms: float = setting(0.0, "Fault injection: each round waits uniform(0, this) ms first.")
+    fault_seed: int = setting(0, "Seed of the fault injection.")
+    log_level: str = setting("INFO", "Logging level.")
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> InvalidArgument:
+            return InvalidArgument(f"setting {name}: {why} (got {getattr(self, name)!r})")
+
+        self.topology  # validates the sizes, naming them
+        if self.rank < 0:
+            raise bad("rank", "is required and must be >= 0")
+        self.topology.check_rank(self.rank)
+        if self.mode not in MODES:
+            raise bad("mode", f"must be one of {', '.join(MODES)}")
+        if self.agreement_lag < 0:
+            raise bad("agreement_lag", "must be >= 0")
+        for name in ("agreement_timeout_s", "rendezvous_timeout_s", "heartbeat_interval_s"):
+            if getattr(self, name) <= 0:
+                raise bad(name, "must be > 0")
+        if self.heartbeat_interval_s * 3 >= self.agreement_timeout_s:
+            raise bad("heartbeat_interval_s", "must be under a third of agreement_timeout_s")
+        host, _, port = self.rendezvous.rpartition(":")
+        if not host or not port.isdigit():
+            raise bad("rendezvous", "must be host:port")
+        if self.listen_tcp and not (self.token_file or (self.tls_cert and self.tls_key)):
+            raise bad("listen_tcp", "TCP needs token_file or both tls_cert and tls_key")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise bad("tls_cert", "tls_cert and tls_key go together")
+        if not self.socket:
+            raise bad("socket", "must be a path")
+
+    @property
+    def topology(self) -> Topology:
+        return Topology(tp=self.tp, pp=self.pp, dp=self.dp, cp=self.cp)
+
+    @property
+    def socket_path(self) -> str:
+        return self.socket.replace("{rank}", str(self.rank))
+
+    @property
+    def drain_s(self) -> float:
+        return self.drain_timeout_s or self.agreement_timeout_s + 1.0
+
+
+SETTINGS = {f.name: f for f in dataclasses.fields(DaemonConfig)}

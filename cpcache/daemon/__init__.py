@@ -1,0 +1,1 @@
+"""cpcached: the gRPC servicer, the server lifecycle and the entry point."""

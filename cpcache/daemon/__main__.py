@@ -1,0 +1,5 @@
+import sys
+
+from cpcache.daemon.main import main
+
+sys.exit(main())

@@ -1,0 +1,41 @@
+"""The `cpcached` entry point: resolve settings, run the daemon on uvloop,
+exit with a code that says how it ended."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+
+from cpcache.daemon.server import Daemon, ExitCode
+from cpcache.daemon.settings import resolve
+from cpcache.errors import InvalidArgument
+
+
+def loop_factory():
+    try:
+        import uvloop
+    except ImportError:  # uvloop is optional off Linux; asyncio's loop works too
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        config = resolve(argv)
+    except InvalidArgument as exc:
+        print(f"cpcached: {exc}", file=sys.stderr)
+        return ExitCode.CONFIG
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format=f"%(asctime)s rank{config.rank} %(name)s %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        code = runner.run(Daemon(config).run())
+    logging.getLogger("cpcached").info("exit code %d (%s)", code, ExitCode(code).name)
+    return int(code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,253 @@
+"""The daemon's lifecycle: start, rendezvous, serve, drain, stop.
+
+States move one way: STARTING -> JOINING -> SERVING -> DRAINING -> STOPPED,
+with BROKEN beside SERVING once the domain has lost a peer (decisions are
+then refused with UNAVAILABLE; health is NOT_SERVING). Signal handlers only
+set an event; a second signal forces exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import grp
+import logging
+import os
+import signal
+
+import grpc
+from grpc_health.v1 import _async as health_async
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cpcache.agreement import AgreementEngine, DivergenceExchange, FaultInjection, peer_lost
+from cpcache.collective import Rendezvous, build_reducer, host_store
+from cpcache.config import DaemonConfig
+from cpcache.coordinator import Coordinator
+from cpcache.daemon.auth import TokenInterceptor
+from cpcache.errors import CacheError, Unavailable
+from cpcache.liveness import Heartbeat, diagnose
+from cpcache.v1 import daemon_pb2 as pb
+from cpcache.v1 import daemon_pb2_grpc as pb_grpc
+
+log = logging.getLogger("cpcached")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CacheDaemon"].full_name
+
+
+class State(enum.Enum):
+    STARTING = "starting"
+    JOINING = "joining"  # rendezvous with the peers
+    SERVING = "serving"
+    BROKEN = "broken"  # a peer was lost: decisions are refused
+    DRAINING = "draining"
+    STOPPED = "stopped"
+
+
+class ExitCode(enum.IntEnum):
+    STOPPED = 0  # stopped on request, cleanly
+    CONFIG = 2  # settings were invalid
+    RENDEZVOUS_FAILED = 3  # peers did not join in time
+    PEER_LOST = 4  # stopped on request after the domain had lost a peer
+    FORCED = 130  # a second signal cut the drain short
+
+
+class Daemon:
+    def __init__(self, config: DaemonConfig) -> None:
+        self.config = config
+        self.state = State.STARTING
+        self._topology = config.topology
+        self._domain = self._topology.domain(config.rank)
+        self._rdzv = Rendezvous(
+            *_split_host_port(config.rendezvous), config.deployment, config.epoch, config.rendezvous_timeout_s
+        )
+        self._health = health_async.HealthServicer()
+        self._servers: list[grpc.aio.Server] = []
+        self._stop_requested = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._in_flight = 0
+        self._signals = 0
+        self._store_server = None
+        self._heartbeat: Heartbeat | None = None
+        self._engine: AgreementEngine | None = None
+        self._coordinator: Coordinator | None = None
+
+    # -- what the servicer sees -------------------------------------------
+
+    def admit_decision(self) -> Coordinator:
+        if self.state is State.SERVING and self._coordinator is not None:
+            return self._coordinator
+        if self.state is State.BROKEN and self._engine is not None and self._engine.failure is not None:
+            raise self._engine.failure
+        raise Unavailable(f"rank {self.config.rank} is {self.state.value}, not serving decisions")
+
+    @contextlib.contextmanager
+    def in_flight(self):
+        self._in_flight += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._idle.set()
+
+    def status(self) -> pb.StatusReply:
+        coordinator, engine = self._coordinator, self._engine
+        failure = engine.failure if engine is not None else None
+        return pb.StatusReply(
+            rank=self.config.rank,
+            world_size=self._topology.world_size,
+            domain_ranks=self._domain.ranks,
+            mode=self.config.mode,
+            agreement_lag=self.config.agreement_lag,
+            last_step=coordinator.last_step if coordinator else 0,
+            rounds_completed=engine.rounds_completed if engine else 0,
+            open_questions=coordinator.open_questions if coordinator else 0,
+            state=self.state.value,
+            failure=str(failure) if failure else "",
+        )
+
+    # -- lifecycle ----------------------------------------------------------
+
+    async def run(self) -> ExitCode:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal)
+        await self._start_servers()
+        self.state = State.JOINING
+        joining = asyncio.ensure_future(asyncio.to_thread(self._join))
+        stop = asyncio.ensure_future(self._stop_requested.wait())
+        await asyncio.wait({joining, stop}, return_when=asyncio.FIRST_COMPLETED)
+        if not joining.done():
+            log.info("stop requested while joining peers")
+            joining.cancel()
+            await self._shutdown()
+            return ExitCode.STOPPED
+        stop.cancel()
+        try:
+            reducer = joining.result()
+        except (RuntimeError, CacheError) as exc:
+            log.error("rendezvous failed: %s", exc)
+            await self._shutdown()
+            return ExitCode.RENDEZVOUS_FAILED
+        self._engine = AgreementEngine(
+            reducer,
+            DivergenceExchange(
+                self._rdzv.connect(), self._rdzv.namespace, self.config.rank, self._domain.ranks,
+                self.config.agreement_timeout_s,
+            ),
+            self._diagnose,
+            heartbeat=self._heartbeat,
+            faults=FaultInjection(self.config.fault_delay_ms, self.config.fault_seed + self.config.rank),
+            on_failure=lambda failure: loop.call_soon_threadsafe(self._on_broken, failure),
+        )
+        self._coordinator = Coordinator(self._engine, self.config.agreement_lag)
+        self.state = State.SERVING
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        log.info("serving rank %d of domain %s (%s mode, lag %d)", self.config.rank, list(self._domain.ranks),
+                 self.config.mode, self.config.agreement_lag)
+        await self._stop_requested.wait()
+        broken = self.state is State.BROKEN
+        await self._shutdown()
+        return ExitCode.PEER_LOST if broken else ExitCode.STOPPED
+
+    def _join(self):
+        """Blocking rendezvous, on a worker thread."""
+        if self.config.host_store:
+            host, port = _split_host_port(self.config.rendezvous)
+            self._store_server = host_store(host, port)
+        store = self._rdzv.connect()
+        self._heartbeat = Heartbeat(self._rdzv, self.config.rank, self.config.heartbeat_interval_s)
+        self._heartbeat.start()
+        return build_reducer(
+            store, self._rdzv, self._topology, self.config.rank, self.config.mode,
+            self.config.agreement_timeout_s, self.config.gloo_host,
+        )
+
+    def _diagnose(self, round_number: int, exc: BaseException):
+        peers = tuple(r for r in self._domain.ranks if r != self.config.rank)
+        window = max(0.3, 3 * self.config.heartbeat_interval_s)
+        return peer_lost(round_number, exc, diagnose(self._rdzv, peers, round_number, window))
+
+    def _on_broken(self, failure: CacheError) -> None:
+        if self.state is State.SERVING:
+            self.state = State.BROKEN
+            asyncio.ensure_future(self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
+
+    def _on_signal(self) -> None:
+        self._signals += 1
+        if self._signals > 1:
+            log.warning("second signal: exiting without draining")
+            os._exit(ExitCode.FORCED)
+        self._stop_requested.set()
+
+    async def _shutdown(self) -> None:
+        previous = self.state
+        self.state = State.DRAINING
+        await self._health.enter_graceful_shutdown()
+        log.info("draining %d in-flight calls (was %s)", self._in_flight, previous.value)
+        try:
+            await asyncio.wait_for(self._idle.wait(), self.config.drain_s)
+        except asyncio.TimeoutError:
+            log.warning("%d calls still in flight after %.1fs; stopping anyway", self._in_flight, self.config.drain_s)
+        for server in self._servers:
+            await server.stop(grace=1.0)
+        if self._engine is not None:
+            await asyncio.to_thread(self._engine.close)
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+        self._store_server = None
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.config.socket_path)
+        self.state = State.STOPPED
+        log.info("stopped")
+
+    async def _set_health(self, status) -> None:
+        for service in ("", SERVICE_NAME):
+            await self._health.set(service, status)
+
+    async def _start_servers(self) -> None:
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        unix = self._new_server()
+        path = self.config.socket_path
+        os.makedirs(os.path.dirname(path) or ".", mode=0o750, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # a stale socket from a previous run
+        old_umask = os.umask(0o177)  # the socket is born 0600, never wider
+        try:
+            unix.add_insecure_port("unix:" + path)
+            await unix.start()
+        finally:
+            os.umask(old_umask)
+        if self.config.socket_group:
+            os.chown(path, -1, grp.getgrnam(self.config.socket_group).gr_gid)
+            os.chmod(path, 0o660)
+        self._servers.append(unix)
+        if self.config.listen_tcp:
+            tcp = self._new_server(interceptors=[TokenInterceptor.from_file(self.config.token_file)]
+                                   if self.config.token_file else [])
+            if self.config.tls_cert:
+                with open(self.config.tls_key, "rb") as k, open(self.config.tls_cert, "rb") as c:
+                    credentials = grpc.ssl_server_credentials([(k.read(), c.read())])
+                port = tcp.add_secure_port(self.config.listen_tcp, credentials)
+            else:
+                port = tcp.add_insecure_port(self.config.listen_tcp)
+            await tcp.start()
+            self._servers.append(tcp)
+            log.info("also listening on tcp port %d", port)
+        log.info("listening on unix:%s", path)
+
+    def _new_server(self, interceptors=()) -> grpc.aio.Server:
+        from cpcache.daemon.servicer import CacheDaemonServicer
+
+        server = grpc.aio.server(interceptors=list(interceptors))
+        pb_grpc.add_CacheDaemonServicer_to_server(CacheDaemonServicer(self), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        return server
+
+
+def _split_host_port(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host, int(port)
