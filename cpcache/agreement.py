@@ -20,7 +20,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from cpcache.errors import CacheError, Divergence, PeerLost, Unavailable
-from cpcache.rounds import RoundInput, explain_divergence
+from cpcache.rounds import MIN_CAPACITY, RoundInput, explain_divergence
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,7 @@ class AgreementEngine:
         self._failure: CacheError | None = None
         self._closed = False
         self.rounds_completed = 0
+        self._capacity = MIN_CAPACITY  # touched only by the agreement thread
         self._thread = threading.Thread(target=self._run, name="agreement", daemon=True)
         self._thread.start()
 
@@ -134,9 +135,8 @@ class AgreementEngine:
             self._heartbeat.entered(round_input.number)
         if self._faults.delay_ms:
             time.sleep(self._random.uniform(0, self._faults.delay_ms) / 1000)
-        vector = round_input.vector.copy()
         try:
-            self._reducer.min_inplace(vector)
+            vector, self._capacity = round_input.reduce(self._reducer.min_inplace, self._capacity)
         except RuntimeError as exc:
             failure = self._diagnose(round_input.number, exc)
             self._break(failure)

@@ -59,10 +59,12 @@ class StepResult:
 
 def step_request(step: int, votes: Iterable[tuple[int, Reduce, int]] = ()) -> pb.StepRequest:
     request = pb.StepRequest(step=step)
-    for op_id, reduce, value in votes:
-        request.votes.op_ids.append(op_id)
-        request.votes.reduces.append(_REDUCE_TO_WIRE[Reduce(reduce)])
-        request.votes.values.append(value)
+    votes = list(votes)
+    if votes:
+        op_ids, reduces, values = zip(*votes)
+        request.votes.op_ids.extend(op_ids)
+        request.votes.reduces.extend(_REDUCE_TO_WIRE[Reduce(r)] for r in reduces)
+        request.votes.values.extend(values)
     return request
 
 

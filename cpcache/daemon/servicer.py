@@ -5,37 +5,23 @@ from __future__ import annotations
 
 import grpc
 
-from cpcache.coordinator import Coordinator, StepOutcome, Vote
+from cpcache.coordinator import Coordinator, StepOutcome
 from cpcache.daemon.status import guarded
 from cpcache.errors import InvalidArgument
-from cpcache.rounds import Reduce
+from cpcache.rounds import Questions
 from cpcache.v1 import daemon_pb2 as pb
 from cpcache.v1 import daemon_pb2_grpc as pb_grpc
 
-_REDUCE_FROM_WIRE = {pb.REDUCE_MIN: Reduce.MIN, pb.REDUCE_MAX: Reduce.MAX}
-
-
-def votes_from_wire(votes: pb.Votes) -> list[Vote]:
-    n = len(votes.op_ids)
-    if len(votes.reduces) != n or len(votes.values) != n:
-        raise InvalidArgument(
-            f"votes: op_ids, reduces and values must have equal lengths, got "
-            f"{n}, {len(votes.reduces)}, {len(votes.values)}"
-        )
-    out = []
-    for op_id, reduce, value in zip(votes.op_ids, votes.reduces, votes.values):
-        if reduce not in _REDUCE_FROM_WIRE:
-            raise InvalidArgument(f"votes: operation {op_id} has no valid reduce (REDUCE_MIN or REDUCE_MAX)")
-        out.append(Vote(op_id, _REDUCE_FROM_WIRE[reduce], value))
-    return out
+def votes_from_wire(votes: pb.Votes) -> Questions:
+    # The wire's Reduce numbers are the core's (REDUCE_MIN = 1, REDUCE_MAX = 2);
+    # anything else is refused by the validation in `Questions.votes`.
+    return Questions.votes(votes.op_ids, votes.reduces, votes.values)
 
 
 def step_reply(outcome: StepOutcome) -> pb.StepReply:
     reply = pb.StepReply(step=outcome.step, round=outcome.round, state_digest=outcome.digest)
-    if outcome.decisions:
-        op_ids, values = zip(*outcome.decisions)
-        reply.decisions.op_ids.extend(op_ids)
-        reply.decisions.values.extend(values)
+    reply.decisions.op_ids.extend(outcome.op_ids.tolist())
+    reply.decisions.values.extend(outcome.values.tolist())
     return reply
 
 

@@ -1,0 +1,124 @@
+"""One daemon's lifecycle and its answers to bad input, over its real unix
+socket."""
+
+import asyncio
+import os
+import stat
+import subprocess
+import sys
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+
+from cpcache import errors
+from cpcache.client import AsyncClient
+from cpcache.daemon.server import ExitCode
+from cpcache.launcher import DomainSpec, LocalDomain
+from cpcache.rounds import Reduce
+from cpcache.topology import Topology
+from cpcache.v1 import daemon_pb2 as pb
+from cpcache.v1 import daemon_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+async def single(run_dir):
+    async with LocalDomain(DomainSpec(Topology(tp=1), run_dir)) as domain:
+        yield domain
+
+
+async def test_socket_is_private_to_its_owner(single):
+    mode = stat.S_IMODE(os.stat(single.sockets[0]).st_mode)
+    assert mode == 0o600
+
+
+BAD_REQUESTS = [
+    (pb.StepRequest(step=0), grpc.StatusCode.INVALID_ARGUMENT, "step must be >= 1"),
+    (pb.StepRequest(step=5, votes=pb.Votes(op_ids=[1, 2], reduces=[pb.REDUCE_MIN], values=[1, 2])),
+     grpc.StatusCode.INVALID_ARGUMENT, "equal lengths"),
+    (pb.StepRequest(step=5, votes=pb.Votes(op_ids=[1], reduces=[pb.REDUCE_UNSPECIFIED], values=[1])),
+     grpc.StatusCode.INVALID_ARGUMENT, "no valid reduce"),
+    (pb.StepRequest(step=5, votes=pb.Votes(op_ids=[1, 1], reduces=[pb.REDUCE_MIN] * 2, values=[1, 2])),
+     grpc.StatusCode.INVALID_ARGUMENT, "appears twice"),
+    (pb.StepRequest(step=5, votes=pb.Votes(op_ids=[2**63], reduces=[pb.REDUCE_MIN], values=[1])),
+     grpc.StatusCode.INVALID_ARGUMENT, "outside"),
+    (pb.StepRequest(step=5, votes=pb.Votes(op_ids=[1], reduces=[pb.REDUCE_MIN], values=[-(2**63)])),
+     grpc.StatusCode.INVALID_ARGUMENT, "int64 range"),
+    (pb.StepRequest(step=3), grpc.StatusCode.FAILED_PRECONDITION, "strictly increase"),
+]
+
+
+@pytest.mark.parametrize("request_, code, words", BAD_REQUESTS, ids=[w for _, _, w in BAD_REQUESTS])
+async def test_bad_input_gets_its_status_and_changes_nothing(single, request_, code, words):
+    async with AsyncClient(single.sockets[0]) as client:
+        before = await client.step(3, [(1, Reduce.MIN, 4)])
+        async with grpc.aio.insecure_channel("unix:" + single.sockets[0]) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await pb_grpc.CacheDaemonStub(channel).Step(request_)
+        assert info.value.code() == code
+        assert words in info.value.details()
+        status = await client.status()
+        assert status.last_step == 3 and status.open_questions == 0
+        after = await client.step(4, [(1, Reduce.MIN, 4)])
+        assert after.decisions == before.decisions == {1: 4}
+
+
+async def test_sigterm_drains_in_flight_calls_and_refuses_new_ones(run_dir):
+    async with LocalDomain(DomainSpec(Topology(tp=2), run_dir)) as domain:
+        a, b = AsyncClient(domain.sockets[0]), AsyncClient(domain.sockets[1])
+        in_flight = asyncio.ensure_future(a.step(1, [(1, Reduce.MIN, 10)]))
+        while (await a.status()).last_step < 1:  # the step has reached rank 0
+            await asyncio.sleep(0)
+        watch = a._health.Watch(health_pb2.HealthCheckRequest(service=""))
+        assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+        domain.signal(0, 15)
+        assert (await watch.read()).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        with pytest.raises(errors.Unavailable, match="draining"):
+            await a.step(2, [])
+        # Rank 1 joins the round: rank 0's in-flight call completes, then it exits.
+        reply_b = await b.step(1, [(1, Reduce.MIN, 3)])
+        reply_a = await in_flight
+        assert reply_a.wire == reply_b.wire and reply_a.decisions == {1: 3}
+        assert await domain.wait_exit(0, timeout_s=10) == ExitCode.STOPPED
+        assert not os.path.exists(domain.sockets[0])
+        for c in (a, b):
+            await c.close()
+
+
+def run_cpcached(*flags, env=None):
+    return subprocess.run(
+        [sys.executable, "-m", "cpcache.daemon", *flags],
+        capture_output=True, text=True, timeout=30, env=env,
+    )
+
+
+def test_tcp_without_token_or_tls_is_refused_at_start(run_dir):
+    result = run_cpcached("--rank", "0", "--socket", str(run_dir / "s.sock"), "--listen-tcp", "127.0.0.1:0")
+    assert result.returncode == ExitCode.CONFIG
+    assert "setting listen_tcp" in result.stderr and "token_file" in result.stderr
+
+
+def test_bad_setting_is_named(run_dir):
+    result = run_cpcached("--rank", "0", "--tp", "8", "--cp", "3")
+    assert result.returncode == ExitCode.CONFIG
+    assert "tp=8" in result.stderr and "dp*cp=1*3" in result.stderr
+    result = run_cpcached("--rank", "0", "--agreement-timeout-s", "soon")
+    assert "setting agreement_timeout_s from --agreement-timeout-s: 'soon' is not a valid float" in result.stderr
+
+
+async def test_tcp_listener_requires_the_token(run_dir):
+    token_file = run_dir / "token"
+    token_file.write_text("s3cret\n")
+    port_probe = __import__("socket").socket()
+    port_probe.bind(("127.0.0.1", 0))
+    port = port_probe.getsockname()[1]
+    port_probe.close()
+    spec = DomainSpec(Topology(tp=1), run_dir, extra=dict(listen_tcp=f"127.0.0.1:{port}", token_file=str(token_file)))
+    async with LocalDomain(spec):
+        async with AsyncClient(f"127.0.0.1:{port}") as anonymous:
+            with pytest.raises(errors.CacheError, match="UNAUTHENTICATED"):
+                await anonymous.step(1, [])
+        async with AsyncClient(f"127.0.0.1:{port}", token="s3cret") as client:
+            assert (await client.step(1, [(9, Reduce.MAX, 2)])).decisions == {9: 2}
