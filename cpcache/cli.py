@@ -87,6 +87,13 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.add_argument("--steps", type=int, default=200, help="measured steps per case")
 
+    demo = sub.add_parser("demo", help="launch a local domain and drive it with a scheduler per rank")
+    add_topology_flags(demo)
+    demo.add_argument("--steps", type=int, default=300)
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--fault-delay-ms", type=float, default=2.0, help="per-rank injected round delay")
+    demo.add_argument("--json", action="store_true", help="print the report as one JSON object")
+
     args = parser.parse_args(argv)
     from cpcache.errors import CacheError
 
@@ -95,6 +102,10 @@ def main(argv: list[str] | None = None) -> int:
             return asyncio.run(_launch(args))
         if args.command == "status":
             return asyncio.run(_status(args))
+        if args.command == "demo":
+            from cpcache import demo as demo_module
+
+            return asyncio.run(demo_module.main(args))
         if args.command == "bench":
             from cpcache.bench import agreement
 

@@ -21,7 +21,7 @@ from cpcache.topology import Topology
 
 TOPOLOGY = Topology(tp=4, cp=2)
 QUESTION_COUNTS = (1, 64, 256, 1024)
-FORWARD_PASS_S = 0.010
+FORWARD_PASS_S = 0.010  # what a scheduler spends between two steps in the lag-1 case
 
 
 def gloo_baselines() -> dict:
@@ -40,36 +40,33 @@ def gloo_baselines() -> dict:
     return json.loads(outputs[0])
 
 
-def votes(count: int, rank: int) -> list[tuple[int, Reduce, int]]:
-    return [(op, Reduce.MIN if op % 2 else Reduce.MAX, rank * 1000 + op) for op in range(1, count + 1)]
+async def schedulers(domain: LocalDomain, counts, steps: int, think_ms: float = 0.0, bare_rpc: bool = False):
+    """Run one scheduler process per rank against `domain`; pool their samples."""
+    procs = [
+        await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "cpcache.bench.scheduler", "--socket", socket, "--rank", str(rank),
+            "--counts", ",".join(map(str, counts)), "--steps", str(steps), "--think-ms", str(think_ms),
+            *(["--bare-rpc"] if bare_rpc else []),
+            stdout=asyncio.subprocess.PIPE,
+        )
+        for rank, socket in enumerate(domain.sockets)
+    ]
+    outputs = [json.loads((await p.communicate())[0]) for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"a scheduler failed: exit codes {[p.returncode for p in procs]}")
+    pooled = {"bare_rpc": [s for o in outputs for s in o["bare_rpc"]]}
+    pooled["steps"] = {c: [s for o in outputs for s in o["steps"][str(c)]] for c in counts}
+    return pooled
 
 
-async def measure_steps(clients, count: int, steps: int, first_step: int, think_s: float = 0.0) -> list[float]:
-    """Latency of each rank's Step call, as its scheduler sees it."""
-    requests = [votes(count, r) for r in range(len(clients))]
-
-    async def one(client, step, request):
-        start = time.perf_counter()
-        await client.step(step, request)
-        return time.perf_counter() - start
-
-    samples: list[float] = []
-    for i in range(steps):
-        step = first_step + i
-        results = await asyncio.gather(*(one(c, step, req) for c, req in zip(clients, requests)))
-        if i >= 5:  # warm-up
-            samples.extend(results)
-        if think_s:
-            await asyncio.sleep(think_s)  # the forward pass the scheduler would run
-    return samples
-
-
-async def bare_rpc(client: AsyncClient, calls: int) -> list[float]:
+async def idle_rpc(socket: str, calls: int) -> list[float]:
+    """A bare call with nothing else running: for reference only."""
     samples = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        await client.health()
-        samples.append(time.perf_counter() - start)
+    async with AsyncClient(socket) as client:
+        for _ in range(calls + 10):
+            start = time.perf_counter()
+            await client.health()
+            samples.append(time.perf_counter() - start)
     return samples[10:]
 
 
@@ -78,22 +75,13 @@ async def run(steps: int) -> dict:
     report: dict = {"ranks": TOPOLOGY.world_size, "topology": TOPOLOGY.describe(), "steps_per_case": steps}
     with tempfile.TemporaryDirectory(prefix="cpc-bench-") as tmp:
         async with LocalDomain(DomainSpec(TOPOLOGY, Path(tmp) / "lag0")) as domain:
-            clients = [AsyncClient(s) for s in domain.sockets]
-            report["bare_rpc_us"] = percentiles_us(await bare_rpc(clients[0], steps + 10))
-            report["round_us"] = {}
-            step = 1
-            for count in QUESTION_COUNTS:
-                samples = await measure_steps(clients, count, steps, step)
-                step += steps
-                report["round_us"][str(count)] = percentiles_us(samples)
-            for c in clients:
-                await c.close()
+            report["bare_rpc_idle_us"] = percentiles_us(await idle_rpc(domain.sockets[0], steps))
+            pooled = await schedulers(domain, QUESTION_COUNTS, steps, bare_rpc=True)
+            report["bare_rpc_us"] = percentiles_us(pooled["bare_rpc"])
+            report["round_us"] = {str(c): percentiles_us(pooled["steps"][c]) for c in QUESTION_COUNTS}
         async with LocalDomain(DomainSpec(TOPOLOGY, Path(tmp) / "lag1", agreement_lag=1)) as domain:
-            clients = [AsyncClient(s) for s in domain.sockets]
-            samples = await measure_steps(clients, 256, steps, 1, think_s=FORWARD_PASS_S)
-            report["lag1_round_us"] = percentiles_us(samples)
-            for c in clients:
-                await c.close()
+            pooled = await schedulers(domain, [256], steps, think_ms=FORWARD_PASS_S * 1000)
+            report["lag1_round_us"] = percentiles_us(pooled["steps"][256])
     report["bare_allreduce_us"] = baselines["bare_allreduce"]
     report["sglang_style_256_us"] = baselines["sglang_style"]
     r = report["round_us"]
