@@ -19,7 +19,8 @@ $(STAMP): pyproject.toml
 	fi
 	@[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_PIN)"
-	$(PY) -m pip install -q -e '.[dev]'
+	@if command -v nvidia-smi >/dev/null 2>&1; then extra=mooncake; else extra=mooncake-cpu; fi; \
+	  echo "$(PY) -m pip install -q -e '.[dev,$$extra]'"; $(PY) -m pip install -q -e ".[dev,$$extra]"
 	@touch $(STAMP)
 
 demo: setup

@@ -13,3 +13,12 @@ def run_dir():
     path = Path(tempfile.mkdtemp(prefix="cpc-"))
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def mooncake_master(tmp_path_factory):
+    """A real mooncake_master on loopback for the whole session."""
+    from cpcache.storage.mooncake_master import MooncakeMaster
+
+    with MooncakeMaster(tmp_path_factory.mktemp("mooncake") / "master.log") as master:
+        yield master

@@ -1,0 +1,78 @@
+"""The shape of a model's KV cache, as attached by the inference process.
+
+A page holds `page_size` tokens of every layer. MHA keeps K and V (two
+components of `heads x head_dim`); MLA keeps one latent component (heads = 1,
+head_dim = kv_lora_rank + rope dim).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cpcache.errors import InvalidArgument
+from cpcache.rounds import hash62
+
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "uint8": torch.uint8,
+}
+KV_KINDS = ("mha", "mla")
+MAX_PAGE_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    layers: int
+    kv_kind: str  # "mha" (K and V) or "mla" (one latent)
+    heads: int
+    head_dim: int
+    dtype: str
+    page_size: int  # tokens per page
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "heads", "head_dim", "page_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise InvalidArgument(f"geometry: {name} must be a positive integer, got {value!r}")
+        if self.kv_kind not in KV_KINDS:
+            raise InvalidArgument(f"geometry: kv_kind must be one of {', '.join(KV_KINDS)}, got {self.kv_kind!r}")
+        if self.kv_kind == "mla" and self.heads != 1:
+            raise InvalidArgument(f"geometry: MLA keeps one latent head, got heads={self.heads}")
+        if self.dtype not in DTYPES:
+            raise InvalidArgument(f"geometry: dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.page_bytes > MAX_PAGE_BYTES:
+            raise InvalidArgument(f"geometry: a page of {self.page_bytes} bytes exceeds {MAX_PAGE_BYTES}")
+
+    @property
+    def components(self) -> int:
+        return 2 if self.kv_kind == "mha" else 1
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def element_bytes(self) -> int:
+        return torch.empty(0, dtype=self.torch_dtype).element_size()
+
+    @property
+    def token_bytes(self) -> int:
+        return self.layers * self.components * self.heads * self.head_dim * self.element_bytes
+
+    @property
+    def page_bytes(self) -> int:
+        return self.token_bytes * self.page_size
+
+    def pool_shape(self, pages: int) -> tuple[int, ...]:
+        """The device pool's shape: [layers, components, tokens, heads, head_dim]."""
+        return (self.layers, self.components, pages * self.page_size, self.heads, self.head_dim)
+
+    def fingerprint(self) -> int:
+        """Identifies this geometry in stored page headers."""
+        return hash62(repr(tuple(getattr(self, f) for f in self.__dataclass_fields__)).encode())

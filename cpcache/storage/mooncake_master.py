@@ -1,0 +1,94 @@
+"""Run a `mooncake_master` (shipped in the Mooncake wheel) on loopback, for
+the local launcher, the demo and the tests. Readiness is read from the
+master's own log, not guessed with sleeps."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from cpcache.errors import Unavailable
+
+READY_LINE = "Master admin server started"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def master_binary() -> str:
+    beside_python = Path(sys.executable).with_name("mooncake_master")
+    found = str(beside_python) if beside_python.exists() else shutil.which("mooncake_master")
+    if not found:
+        raise Unavailable("mooncake_master is not installed (pip install mooncake-transfer-engine-non-cuda)")
+    return found
+
+
+class MooncakeMaster:
+    """Context manager: a master with an embedded HTTP metadata server."""
+
+    def __init__(self, log_path: Path, start_timeout_s: float = 30.0) -> None:
+        self.log_path = log_path
+        self.start_timeout_s = start_timeout_s
+        self.proc: subprocess.Popen | None = None
+        self.rpc_port = self.http_port = 0
+
+    @property
+    def master(self) -> str:
+        return f"127.0.0.1:{self.rpc_port}"
+
+    @property
+    def metadata_server(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}/metadata"
+
+    def __enter__(self) -> "MooncakeMaster":
+        for _ in range(3):  # a port picked free may be taken before the master binds it
+            if self._start():
+                return self
+        raise Unavailable(f"mooncake_master did not start; see {self.log_path}")
+
+    def _start(self) -> bool:
+        self.rpc_port, self.http_port, metrics_port = _free_port(), _free_port(), _free_port()
+        self.proc = subprocess.Popen(
+            [master_binary(), "--rpc_address=127.0.0.1", f"--rpc_port={self.rpc_port}",
+             "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
+             f"--http_metadata_server_port={self.http_port}", f"--metrics_port={metrics_port}",
+             "--enable_metric_reporting=false"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=dict(os.environ, GLOG_logtostderr="1"),
+        )
+        ready = threading.Event()
+        threading.Thread(target=self._drain, args=(self.proc, ready), daemon=True).start()
+        if ready.wait(self.start_timeout_s) and self.proc.poll() is None:
+            return True
+        self.stop()
+        return False
+
+    def _drain(self, proc: subprocess.Popen, ready: threading.Event) -> None:
+        """Copy the master's output to its log; flag the ready line."""
+        with open(self.log_path, "ab") as log, proc.stdout:
+            for line in proc.stdout:
+                log.write(line)
+                log.flush()
+                if READY_LINE.encode() in line:
+                    ready.set()
+        ready.set()  # the master exited: stop waiting
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

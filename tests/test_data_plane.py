@@ -1,0 +1,189 @@
+"""Pages move bit-exact device -> host -> storage -> host -> device, for
+every host layout, MHA and MLA, with the file backend and with Mooncake
+Store on a real mooncake_master."""
+
+import os
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from cpcache.errors import InvalidArgument, ResourceExhausted, Unavailable
+from cpcache.geometry import KVGeometry
+from cpcache.movers import DEVICE, HOST, STORAGE, Tiers, Transfers
+from cpcache.storage import StorageBackend, open_backend
+from cpcache.storage.faults import FaultyBackend, StorageFaults
+from cpcache.tiers import LAYOUTS, DevicePool, HostPool, PageAllocator
+
+pytestmark = pytest.mark.timeout(60)
+
+GEOMETRIES = {
+    "mha": KVGeometry(layers=3, kv_kind="mha", heads=2, head_dim=8, dtype="bfloat16", page_size=4),
+    "mla": KVGeometry(layers=3, kv_kind="mla", heads=1, head_dim=24, dtype="float16", page_size=8),
+}
+
+
+def fill_random(pool: DevicePool, seed: int) -> None:
+    raw = pool.tensor.view(-1).view(torch.uint8)
+    raw.copy_(torch.from_numpy(np.random.default_rng(seed).integers(0, 256, raw.numel(), dtype=np.uint8)))
+
+
+def make_backend(kind, tmp_path, geometry, host, master=None) -> StorageBackend:
+    if kind == "file":
+        return open_backend("file", root=str(tmp_path / "store"), geometry_fingerprint=geometry.fingerprint())
+    return open_backend(
+        "mooncake", master=master.master, metadata_server=master.metadata_server,
+        buffers=[(host.tensor.data_ptr(), host.nbytes)],
+    )
+
+
+@pytest.fixture(params=["file", "mooncake"])
+def backend_kind(request):
+    if request.param == "mooncake":
+        request.getfixturevalue("mooncake_master")
+    return request.param
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("kv", ["mha", "mla"])
+def test_round_trip_is_bit_exact(tmp_path, backend_kind, request, layout, kv):
+    geometry = GEOMETRIES[kv]
+    device = DevicePool.create_shared_file(str(tmp_path / "pool"), geometry, pages=16)
+    fill_random(device, seed=len(layout) + len(kv))
+    original = device.tensor.clone()
+    host = HostPool(geometry, pages=8, layout=layout)
+    master = request.getfixturevalue("mooncake_master") if backend_kind == "mooncake" else None
+    tiers = Tiers(host, device, make_backend(backend_kind, tmp_path, geometry, host, master))
+    transfers = Transfers(tiers, threads=2)
+    try:
+        keys = [f"k{backend_kind}_{layout}_{kv}_{i}" for i in range(5)]
+        device_pages, slots = [9, 2, 3, 4, 15], [7, 0, 1, 2, 5]
+        assert transfers.submit((DEVICE, HOST), device_pages, slots).result().success
+        assert transfers.submit((HOST, STORAGE), slots, keys).result().success
+        host.tensor.zero_()
+        assert tiers.storage.exists_prefix(keys + ["absent"]) == 5
+        back_slots = [3, 4, 5, 6, 0]
+        result = transfers.submit((STORAGE, HOST), keys, back_slots).result()
+        assert result.success and result.pages_done == 5
+        device.tensor.zero_()
+        assert transfers.submit((HOST, DEVICE), back_slots, device_pages).result().success
+        s = geometry.page_size
+        for p in device_pages:
+            assert torch.equal(device.tensor[:, :, p * s : (p + 1) * s].view(torch.uint8),
+                               original[:, :, p * s : (p + 1) * s].view(torch.uint8)), f"page {p} differs"
+        untouched = [p for p in range(16) if p not in device_pages]
+        assert all(device.tensor[:, :, p * s : (p + 1) * s].count_nonzero() == 0 for p in untouched)
+        assert transfers.pages_moved[(STORAGE, HOST)] == 5
+    finally:
+        transfers.close()
+
+
+def write_pages(tmp_path, keys, geometry=GEOMETRIES["mha"]):
+    host = HostPool(geometry, pages=len(keys))
+    host.tensor.view(-1).view(torch.uint8).copy_(torch.arange(host.nbytes) % 251)
+    backend = open_backend("file", root=str(tmp_path / "store"), geometry_fingerprint=geometry.fingerprint())
+    tiers = Tiers(host, storage=backend)
+    assert backend.put_from(keys, tiers.host_buffers(range(len(keys)))) == [True] * len(keys)
+    return backend, tiers
+
+
+def test_corrupt_truncated_and_foreign_pages_read_as_misses(tmp_path):
+    keys = ["good", "corrupt", "truncated", "foreign"]
+    backend, tiers = write_pages(tmp_path, keys)
+    with open(backend.path("corrupt"), "r+b") as fh:
+        fh.seek(100)
+        byte = fh.read(1)
+        fh.seek(100)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    with open(backend.path("truncated"), "r+b") as fh:
+        fh.truncate(os.path.getsize(backend.path("truncated")) - 1)
+    other = KVGeometry(layers=3, kv_kind="mha", heads=2, head_dim=8, dtype="float16", page_size=4)
+    foreign = open_backend("file", root=str(tmp_path / "store"), geometry_fingerprint=other.fingerprint())
+    assert foreign.get_into(["good"], tiers.host_buffers([0])) == [False]
+    assert backend.get_into(keys, tiers.host_buffers(range(4))) == [True, False, False, True]
+
+
+@pytest.mark.parametrize("key", ["../escape", "a/../../etc", "/etc/passwd", "..", ".hidden", "a/b", "", "x" * 300])
+def test_keys_that_could_escape_the_root_are_refused(tmp_path, key):
+    backend, tiers = write_pages(tmp_path, ["ok"])
+    with pytest.raises(InvalidArgument, match="not a plain name"):
+        backend.put_from([key], tiers.host_buffers([0]))
+    assert sorted(os.listdir(tmp_path)) == ["store"]
+
+
+def test_capacity_evicts_least_recently_used(tmp_path):
+    keys = [f"p{i}" for i in range(4)]
+    geometry = GEOMETRIES["mha"]
+    host = HostPool(geometry, pages=4)
+    page_file = geometry.page_bytes + 40
+    backend = open_backend("file", root=str(tmp_path / "s"), geometry_fingerprint=geometry.fingerprint(),
+                           capacity_bytes=3 * page_file)
+    tiers = Tiers(host, storage=backend)
+    backend.put_from(keys[:3], tiers.host_buffers([0, 1, 2]))
+    backend.get_into(["p0"], tiers.host_buffers([0]))  # p0 is now the most recent
+    backend.put_from(["p3"], tiers.host_buffers([3]))
+    assert [backend.exists_prefix([k]) for k in keys] == [1, 0, 1, 1]
+    assert backend.used_bytes == 3 * page_file
+
+
+def test_unreachable_mooncake_master_is_a_clear_error():
+    with pytest.raises(Unavailable, match="master at 127.0.0.1:1 cannot be reached"):
+        open_backend("mooncake", master="127.0.0.1:1", metadata_server="http://127.0.0.1:1/metadata", buffers=[],
+                     connect_timeout_s=1)
+
+
+def test_allocator_is_deterministic_and_never_hands_out_retiring_slots():
+    a, b = PageAllocator(8), PageAllocator(8)
+    for alloc in (a, b):
+        first = alloc.allocate(3)
+        alloc.retire(first[:2])
+        alloc.allocate(2)
+        alloc.reclaim([first[0]])
+    assert a.digest_items() == b.digest_items()
+    assert a.allocate(1) == [0]  # reclaimed, lowest first
+    with pytest.raises(ResourceExhausted, match="4 pages asked, 3 of 8 free"):
+        a.allocate(4)
+
+
+def test_slow_read_keeps_its_slot_out_of_reuse_until_it_ends(tmp_path):
+    """A read into slot 0 is slow; its owner gives the slot up meanwhile. The
+    slot is not handed out again until the read has ended."""
+    backend, tiers = write_pages(tmp_path, ["slow"])
+    release = threading.Event()
+
+    class Gate(StorageBackend):  # the slow storage: a real backend behind an event
+        name = "gate"
+
+        def exists_prefix(self, keys):
+            return backend.exists_prefix(keys)
+
+        def get_into(self, keys, pages):
+            release.wait(30)
+            return backend.get_into(keys, pages)
+
+        def put_from(self, keys, pages):
+            return backend.put_from(keys, pages)
+
+    tiers.storage = FaultyBackend(Gate(), StorageFaults(delay_ms=5, seed=1))
+    transfers = Transfers(tiers, threads=1)
+    allocator = PageAllocator(1)
+    slot = allocator.allocate(1)
+    pending = transfers.submit((STORAGE, HOST), ["slow"], slot)
+    allocator.retire(slot)  # e.g. the prefetch was revoked
+    assert transfers.in_flight.busy(slot)
+    with pytest.raises(ResourceExhausted):
+        allocator.allocate(1)
+    release.set()
+    assert pending.result().success
+    assert transfers.in_flight.wait_idle(slot, timeout_s=5)
+    allocator.reclaim(slot)
+    assert allocator.allocate(1) == slot
+    transfers.close()
+
+
+def test_device_pool_file_too_small_for_the_geometry_is_refused(tmp_path):
+    path = tmp_path / "pool"
+    path.write_bytes(b"\0" * 100)
+    with pytest.raises(InvalidArgument, match="need .* bytes, but .* holds 100"):
+        DevicePool.from_shared_file(str(path), GEOMETRIES["mha"], pages=4)

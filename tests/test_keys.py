@@ -1,0 +1,66 @@
+"""Page keys: SGLang's get_hash_str bytes, namespaces, sharding suffixes and
+writer election."""
+
+import hashlib
+import struct
+
+import pytest
+
+from cpcache.errors import InvalidArgument
+from cpcache.keys import ShardingSpec, chain, namespace_seed, page_hash
+
+
+def reference_chain(tokens, page_size, prior_hex):
+    """Written from the definition: sha256(prior bytes || uint32 LE tokens)."""
+    out = []
+    for i in range(0, len(tokens) // page_size * page_size, page_size):
+        h = hashlib.sha256()
+        if prior_hex:
+            h.update(bytes.fromhex(prior_hex))
+        h.update(struct.pack(f"<{page_size}I", *tokens[i : i + page_size]))
+        prior_hex = h.hexdigest()
+        out.append(prior_hex)
+    return out
+
+
+def test_first_page_without_prior_matches_a_fixed_vector():
+    # sha256 of the little-endian bytes 01 00 00 00 02 00 00 00 03 00 00 00 04 00 00 00
+    assert page_hash([1, 2, 3, 4], None) == hashlib.sha256(bytes.fromhex("01000000020000000300000004000000")).hexdigest()
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 64])
+def test_chains_match_the_reference(page_size):
+    tokens = [(i * 7919) % 151936 for i in range(300)]
+    seed = namespace_seed("llama-3-8b", "bfloat16", "page_first", page_size)
+    assert chain(tokens, page_size, seed) == reference_chain(tokens, page_size, seed)
+    assert len(chain(tokens, page_size, seed)) == 300 // page_size
+
+
+def test_namespaces_keep_models_apart():
+    tokens = list(range(64))
+    a = chain(tokens, 64, namespace_seed("model-a", "bfloat16", "page_first", 64))
+    b = chain(tokens, 64, namespace_seed("model-b", "bfloat16", "page_first", 64))
+    c = chain(tokens, 64, namespace_seed("model-a", "float8_e4m3fn", "page_first", 64))
+    assert len({a[0], b[0], c[0]}) == 3
+
+
+def test_suffixes_follow_the_sharding_spec():
+    page = "ab" * 32
+    assert ShardingSpec(cp="cp_replicated", tp_sharded_heads=True, cp_rank=1, cp_size=2, tp_rank=3, tp_size=4
+                        ).storage_key(page) == page + "_tp3_4"
+    assert ShardingSpec(cp="cp_sharded", tp_sharded_heads=True, cp_rank=1, cp_size=2, tp_rank=3, tp_size=4
+                        ).storage_key(page) == page + "_cp1_2_tp3_4"
+    assert ShardingSpec(cp="cp_replicated", tp_sharded_heads=False, cp_rank=1, cp_size=2).storage_key(page) == page
+    with pytest.raises(InvalidArgument):
+        ShardingSpec(cp="replicated")
+
+
+def test_one_writer_per_replicated_page_and_balanced():
+    pages = chain(list(range(64 * 400)), 64, namespace_seed("m", "bfloat16", "page_first", 64))
+    specs = [ShardingSpec(cp="cp_replicated", cp_rank=r, cp_size=4) for r in range(4)]
+    writers = [[s.writes(p) for s in specs] for p in pages]
+    assert all(sum(w) == 1 for w in writers)
+    per_rank = [sum(w[r] for w in writers) for r in range(4)]
+    assert min(per_rank) > 0.15 * len(pages)
+    sharded = [ShardingSpec(cp="cp_sharded", cp_rank=r, cp_size=4) for r in range(4)]
+    assert all(s.writes(pages[0]) for s in sharded)
