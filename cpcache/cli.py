@@ -83,9 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     status.add_argument("--timeout", type=float, default=5.0)
 
     bench = sub.add_parser("bench", help="run a benchmark and print its figures")
-    bench.add_argument("name", choices=["agreement"])
+    bench.add_argument("name", choices=["agreement", "movers"])
     bench.add_argument("--json", action="store_true", help="print one JSON object")
-    bench.add_argument("--steps", type=int, default=200, help="measured steps per case")
+    bench.add_argument("--steps", type=int, default=200, help="agreement: measured steps per case")
+    bench.add_argument("--no-mooncake", action="store_true", help="movers: skip Mooncake Store")
 
     demo = sub.add_parser("demo", help="launch a local domain and drive it with a scheduler per rank")
     add_topology_flags(demo)
@@ -106,10 +107,14 @@ def main(argv: list[str] | None = None) -> int:
             from cpcache import demo as demo_module
 
             return asyncio.run(demo_module.main(args))
-        if args.command == "bench":
+        if args.command == "bench" and args.name == "agreement":
             from cpcache.bench import agreement
 
             return asyncio.run(agreement.main(args))
+        if args.command == "bench" and args.name == "movers":
+            from cpcache.bench import movers
+
+            return movers.main(args)
     except CacheError as exc:
         print(f"cpcache: {exc}", file=sys.stderr)
         return 1

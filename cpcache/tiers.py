@@ -117,6 +117,7 @@ class HostPool:
         pin = torch.cuda.is_available()
         self.tensor = torch.zeros(shape, dtype=g.torch_dtype, pin_memory=pin)
         self.pinned = pin
+        self._bytes = self.tensor.view(-1).view(torch.uint8).numpy()  # the same memory, as bytes
 
     @property
     def contiguous_pages(self) -> bool:
@@ -140,10 +141,8 @@ class HostPool:
         """The bytes of one page, in place (contiguous layouts only)."""
         if not self.contiguous_pages:
             raise InvalidArgument(f"host pool: pages are not contiguous in the {self.layout} layout")
-        g = self.geometry
-        flat = self.tensor.view(-1).view(torch.uint8)
-        start = slot * g.page_bytes
-        return flat[start : start + g.page_bytes].numpy()
+        start = slot * self.geometry.page_bytes
+        return self._bytes[start : start + self.geometry.page_bytes]
 
     def page_address(self, slot: int) -> int:
         return self.tensor.data_ptr() + slot * self.geometry.page_bytes
