@@ -8,7 +8,7 @@ knowing gRPC.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable
 
 import grpc
@@ -52,13 +52,40 @@ def error_from(exc: grpc.RpcError) -> errors.CacheError:
 class StepResult:
     step: int
     round: int  # the step whose round these decisions come from; 0: none yet
-    decisions: dict[int, int]  # op id -> agreed value
+    decisions: dict[int, int]  # vote op id -> agreed value
     digest: int
     wire: bytes  # the reply as sent, for byte-for-byte comparisons across ranks
+    prefetch_hits: dict[int, int] = field(default_factory=dict)  # op -> pages in storage
+    prefetch_done: dict[int, int] = field(default_factory=dict)  # op -> pages now in host
+    prefetch_revoked: dict[int, str] = field(default_factory=dict)  # op -> why
+    write_acks: tuple[int, ...] = ()
+    backups: dict[int, bool] = field(default_factory=dict)
+    loads: dict[int, int] = field(default_factory=dict)
 
 
-def step_request(step: int, votes: Iterable[tuple[int, Reduce, int]] = ()) -> pb.StepRequest:
+@dataclass(frozen=True)
+class Ops:
+    """Cache operations for one step (see `StepOps` in cpcache.cache)."""
+
+    prefetches: tuple = ()  # (op_id, pages, tokens[, parent])
+    polls: tuple = ()  # prefetch op ids
+    revokes: tuple = ()  # prefetch op ids
+    writes: tuple = ()  # (op_id, pages, device_pages[, parent])
+    loads: tuple = ()  # (op_id, pages, device_pages)
+
+
+def step_request(step: int, votes: Iterable[tuple[int, Reduce, int]] = (), ops: Ops | None = None) -> pb.StepRequest:
     request = pb.StepRequest(step=step)
+    if ops is not None:
+        for op_id, pages, tokens, *parent in ops.prefetches:
+            request.prefetches.add(op_id=op_id, pages=pages, tokens=tokens, parent=parent[0] if parent else b"")
+        request.prefetch_polls.extend(ops.polls)
+        request.revokes.extend(ops.revokes)
+        for op_id, pages, device_pages, *parent in ops.writes:
+            request.writes.add(op_id=op_id, pages=pages, device_pages=device_pages,
+                               parent=parent[0] if parent and parent[0] else b"")
+        for op_id, pages, device_pages in ops.loads:
+            request.loads.add(op_id=op_id, pages=pages, device_pages=device_pages)
     votes = list(votes)
     if votes:
         op_ids, reduces, values = zip(*votes)
@@ -69,13 +96,33 @@ def step_request(step: int, votes: Iterable[tuple[int, Reduce, int]] = ()) -> pb
 
 
 def step_result(reply: pb.StepReply) -> StepResult:
+    by_outcome = {pb.PrefetchDecision.HIT: {}, pb.PrefetchDecision.DONE: {}, pb.PrefetchDecision.REVOKED: {}}
+    for d in reply.prefetches:
+        by_outcome[d.outcome][d.op_id] = d.reason if d.outcome == pb.PrefetchDecision.REVOKED else d.pages
     return StepResult(
         step=reply.step,
         round=reply.round,
         decisions=dict(zip(reply.decisions.op_ids, reply.decisions.values)),
         digest=reply.state_digest,
-        wire=reply.SerializeToString(),
+        wire=reply.SerializeToString(deterministic=True),
+        prefetch_hits=by_outcome[pb.PrefetchDecision.HIT],
+        prefetch_done=by_outcome[pb.PrefetchDecision.DONE],
+        prefetch_revoked=by_outcome[pb.PrefetchDecision.REVOKED],
+        write_acks=tuple(reply.write_acks),
+        backups={b.op_id: b.stored for b in reply.backups},
+        loads={x.op_id: x.pages for x in reply.loads},
     )
+
+
+def attach_request(model_id: str, geometry, device_pages: int, shm_path: str = "", cuda_ipc: dict | None = None):
+    request = pb.AttachRequest(model_id=model_id, device_pages=device_pages, geometry=pb.Geometry(
+        layers=geometry.layers, kv_kind=geometry.kv_kind, heads=geometry.heads, head_dim=geometry.head_dim,
+        dtype=geometry.dtype, page_size=geometry.page_size))
+    if cuda_ipc is not None:
+        request.cuda_ipc.CopyFrom(pb.CudaIpcHandle(**cuda_ipc))
+    else:
+        request.shm_path = shm_path
+    return request
 
 
 def _metadata(token: str | None):
@@ -109,8 +156,20 @@ class AsyncClient:
         except grpc.aio.AioRpcError as exc:
             raise error_from(exc) from None
 
-    async def step(self, step: int, votes: Iterable[tuple[int, Reduce, int]] = ()) -> StepResult:
-        return step_result(await self._call(self._stub.Step, step_request(step, votes)))
+    async def step(self, step: int, votes: Iterable[tuple[int, Reduce, int]] = (), ops: Ops | None = None) -> StepResult:
+        return step_result(await self._call(self._stub.Step, step_request(step, votes, ops)))
+
+    async def attach(self, model_id: str, geometry, device_pages: int, shm_path: str = "", cuda_ipc=None):
+        return await self._call(self._stub.Attach, attach_request(model_id, geometry, device_pages, shm_path, cuda_ipc))
+
+    async def wait_loads(self, op_ids, timeout_s: float = 30.0) -> None:
+        await self._call(self._stub.WaitLoads, pb.WaitLoadsRequest(op_ids=op_ids, timeout_s=timeout_s))
+
+    async def match(self, pages) -> pb.MatchReply:
+        return await self._call(self._stub.Match, pb.MatchRequest(pages=pages))
+
+    async def stats(self) -> dict[str, int]:
+        return dict((await self._call(self._stub.Stats, pb.StatsRequest())).counters)
 
     async def status(self) -> pb.StatusReply:
         return await self._call(self._stub.Status, pb.StatusRequest())
@@ -165,8 +224,20 @@ class Client:
         except grpc.RpcError as exc:
             raise error_from(exc) from None
 
-    def step(self, step: int, votes: Iterable[tuple[int, Reduce, int]] = ()) -> StepResult:
-        return step_result(self._call(self._stub.Step, step_request(step, votes)))
+    def step(self, step: int, votes: Iterable[tuple[int, Reduce, int]] = (), ops: Ops | None = None) -> StepResult:
+        return step_result(self._call(self._stub.Step, step_request(step, votes, ops)))
+
+    def attach(self, model_id: str, geometry, device_pages: int, shm_path: str = "", cuda_ipc=None):
+        return self._call(self._stub.Attach, attach_request(model_id, geometry, device_pages, shm_path, cuda_ipc))
+
+    def wait_loads(self, op_ids, timeout_s: float = 30.0) -> None:
+        self._call(self._stub.WaitLoads, pb.WaitLoadsRequest(op_ids=op_ids, timeout_s=timeout_s))
+
+    def match(self, pages) -> pb.MatchReply:
+        return self._call(self._stub.Match, pb.MatchRequest(pages=pages))
+
+    def stats(self) -> dict[str, int]:
+        return dict(self._call(self._stub.Stats, pb.StatsRequest()).counters)
 
     def status(self) -> pb.StatusReply:
         return self._call(self._stub.Status, pb.StatusRequest())

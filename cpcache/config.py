@@ -42,7 +42,28 @@ class DaemonConfig:
     tls_key: str = setting("", "PEM private key for TCP with TLS.")
     heartbeat_interval_s: float = setting(0.1, "How often this daemon publishes its heartbeat.")
     drain_timeout_s: float = setting(0.0, "Longest shutdown waits for in-flight calls (0: agreement_timeout_s + 1).")
+    host_pool_pages: int = setting(1024, "Pages in this daemon's host pool (the same on every rank).")
+    host_layout: str = setting("page_first_direct", "Host pool layout: layer_first, page_first, page_first_direct.")
+    io_threads: int = setting(4, "Threads that run transfers and storage calls.")
+    storage: str = setting("none", "Storage backend: none, file or mooncake.")
+    storage_root: str = setting("/var/lib/cpcache/pages", "file: root directory (shared by the ranks that share pages).")
+    storage_capacity_bytes: int = setting(0, "file: evict least recently used pages above this size (0: no limit).")
+    storage_master: str = setting("127.0.0.1:50051", "mooncake: master address host:port.")
+    storage_metadata_server: str = setting("http://127.0.0.1:8080/metadata", "mooncake: metadata server URL.")
+    storage_protocol: str = setting("tcp", "mooncake: transfer protocol (tcp, rdma).")
+    storage_device: str = setting("", "mooncake: RDMA device names, when the protocol is rdma.")
+    storage_segment_bytes: int = setting(256 << 20, "mooncake: memory this rank contributes to the store.")
+    kv_cp_sharding: str = setting("cp_replicated", "How CP ranks hold a page: cp_replicated or cp_sharded.")
+    prefetch_policy: str = setting("best_effort", "When a prefetch may end: best_effort, wait_complete, timeout.")
+    prefetch_threshold_tokens: int = setting(256, "Prefetches whose storage hit is below this are revoked.")
+    prefetch_timeout_base_s: float = setting(2.0, "timeout policy: base seconds.")
+    prefetch_timeout_per_ki_token_s: float = setting(0.1, "timeout policy: seconds per 1024 tokens.")
+    prefetch_timeout_max_s: float = setting(30.0, "timeout policy: upper bound in seconds.")
+    write_policy: str = setting("write_through", "Backups to storage: write_through, write_through_selective, write_back.")
     fault_delay_ms: float = setting(0.0, "Fault injection: each round waits uniform(0, this) ms first.")
+    fault_storage_delay_ms: float = setting(0.0, "Fault injection: each storage batch waits uniform(0, this) ms.")
+    fault_storage_fail_rate: float = setting(0.0, "Fault injection: probability that a page's storage I/O fails.")
+    fault_storage_truncate_rate: float = setting(0.0, "Fault injection: probability that a storage batch stops early.")
     fault_seed: int = setting(0, "Seed of the fault injection.")
     log_level: str = setting("INFO", "Logging level.")
 
@@ -72,10 +93,33 @@ class DaemonConfig:
             raise bad("tls_cert", "tls_cert and tls_key go together")
         if not self.socket:
             raise bad("socket", "must be a path")
+        if self.storage not in ("none", "file", "mooncake"):
+            raise bad("storage", "must be none, file or mooncake")
+        if self.host_pool_pages < 1 or self.io_threads < 1:
+            raise bad("host_pool_pages" if self.host_pool_pages < 1 else "io_threads", "must be >= 1")
+        if self.kv_cp_sharding not in ("cp_replicated", "cp_sharded"):
+            raise bad("kv_cp_sharding", "must be cp_replicated or cp_sharded")
+        for name in ("fault_storage_fail_rate", "fault_storage_truncate_rate"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise bad(name, "must be between 0 and 1")
+        self.cache_config  # validates the policies, naming them
 
     @property
     def topology(self) -> Topology:
         return Topology(tp=self.tp, pp=self.pp, dp=self.dp, cp=self.cp)
+
+    @property
+    def cache_config(self):
+        from cpcache.cache import CacheConfig
+
+        return CacheConfig(
+            prefetch_policy=self.prefetch_policy,
+            prefetch_threshold_tokens=self.prefetch_threshold_tokens,
+            prefetch_timeout_base_s=self.prefetch_timeout_base_s,
+            prefetch_timeout_per_ki_token_s=self.prefetch_timeout_per_ki_token_s,
+            prefetch_timeout_max_s=self.prefetch_timeout_max_s,
+            write_policy=self.write_policy,
+        )
 
     @property
     def socket_path(self) -> str:

@@ -1,21 +1,23 @@
 """One rank's view of the scheduler protocol: steps in, agreed decisions out.
 
 The coordinator is touched only from the event loop. It checks step order,
-gathers the step's questions, packs one round per step (whatever happened
-locally: no path skips a round), hands it to the agreement engine and returns
-the decisions of the round `agreement_lag` steps back.
+opens the step's operations in the shared state, packs one round per step
+(whatever happened locally: no path skips a round), hands it to the agreement
+engine and applies the round `agreement_lag` steps back.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from cpcache.agreement import AgreementEngine
+from cpcache.cache import CacheState, Decisions, StepOps, check_step_allowed
 from cpcache.errors import FailedPrecondition, InvalidArgument
+from cpcache.local_io import LocalIO
 from cpcache.rounds import Kind, QuestionTable, Questions, RoundInput, RoundResult, hash62
 
 MAX_VOTES_PER_STEP = 1 << 16
@@ -28,6 +30,15 @@ class StepOutcome:
     op_ids: np.ndarray  # decided votes, by op id
     values: np.ndarray  # their agreed values
     digest: int
+    cache: Decisions = field(default_factory=Decisions)
+
+
+@dataclass
+class CacheRuntime:
+    """The shared cache state and this rank's I/O, once a pool is attached."""
+
+    state: CacheState
+    io: LocalIO
 
 
 class Coordinator:
@@ -38,29 +49,39 @@ class Coordinator:
         self._lag = agreement_lag
         self._table = QuestionTable()
         self._in_flight: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
-        self._applied_chain = 0  # hash chain of every agreed result applied here
+        self._applied_chain = 0  # hash chain of every agreed vote result applied here
+        self.cache: CacheRuntime | None = None
         self.last_step = 0
+        self.decision_count = 0
 
     @property
     def open_questions(self) -> int:
-        return len(self._table)
+        return len(self._table) + (len(self.cache.state.prefetches) if self.cache else 0)
 
     @property
     def digest(self) -> int:
         """Digest of the shared state: identical on every rank of the domain."""
-        return self._applied_chain
+        if self.cache is None:
+            return self._applied_chain
+        return hash62(np.array([self._applied_chain, self.cache.state.digest], dtype=np.int64).tobytes())
 
-    async def step(self, step: int, votes: Questions) -> StepOutcome:
+    async def step(self, step: int, votes: Questions, ops: StepOps = StepOps()) -> StepOutcome:
         # Everything up to the submit is synchronous, so rounds are submitted
-        # in the order steps arrive, and a bad request changes nothing.
+        # in the order steps arrive, and a rejected step changes nothing.
         if step <= self.last_step:
             raise FailedPrecondition(
                 f"step {step} is not after the last step {self.last_step}: steps must strictly increase"
             )
         if len(votes) > MAX_VOTES_PER_STEP:
             raise InvalidArgument(f"a step carries at most {MAX_VOTES_PER_STEP} votes, got {len(votes)}")
+        check_step_allowed(self.cache is not None, ops)
+        questions = self._table.columns().concat(votes)
+        if self.cache is not None:
+            intents = self.cache.state.open_step(step, ops)
+            self.cache.io.start(intents)
+            questions = questions.concat(self.cache.state.questions(self.cache.io))
         self.last_step = step
-        round_input = RoundInput.pack(step, self._table.columns().concat(votes), self.digest)
+        round_input = RoundInput.pack(step, questions, self.digest)
         future = asyncio.wrap_future(self._engine.submit(round_input))
         self._in_flight.append((step, future))
         if len(self._in_flight) <= self._lag:
@@ -70,11 +91,20 @@ class Coordinator:
         # Shielded: a cancelled RPC must never cancel a round, or this rank
         # would skip a collective its peers are waiting in.
         result = await asyncio.shield(oldest)
-        op_ids, values = self._apply(result)
-        return StepOutcome(step, round_number, op_ids, values, result.digest)
+        return self._apply(round_number, result)
 
-    def _apply(self, result: RoundResult) -> tuple[np.ndarray, np.ndarray]:
+    def _apply(self, round_number: int, result: RoundResult) -> StepOutcome:
         op_ids, values = result.of_kind(Kind.VOTE)
         chain = np.array([self._applied_chain, result.number], dtype=np.int64)
         self._applied_chain = hash62(chain.tobytes() + op_ids.tobytes() + values.tobytes())
-        return op_ids, values
+        decisions = Decisions()
+        if self.cache is not None:
+            decisions, intents = self.cache.state.apply(result)
+            self.cache.io.start(intents)
+            self.cache.io.forget(decisions)
+        self.decision_count += len(op_ids) + count_decisions(decisions)
+        return StepOutcome(self.last_step, round_number, op_ids, values, result.digest, decisions)
+
+
+def count_decisions(decisions: Decisions) -> int:
+    return sum(len(v) for v in vars(decisions).values())

@@ -156,6 +156,11 @@ class Transfers:
         self.in_flight.begin(slots)
         return self._pool.submit(self._run, route, job, slots)
 
+    def run_blocking(self, fn) -> Future:
+        """Run a blocking call that is not a transfer (a storage lookup) on the
+        same I/O threads."""
+        return self._pool.submit(fn)
+
     def _run(self, route, job: TransferJob, slots) -> TransferResult:
         try:
             result = MOVERS[route](self.tiers, job)

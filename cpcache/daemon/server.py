@@ -25,7 +25,10 @@ from cpcache.collective import Rendezvous, build_reducer, host_store
 from cpcache.config import DaemonConfig
 from cpcache.coordinator import Coordinator
 from cpcache.daemon.auth import TokenInterceptor
-from cpcache.errors import CacheError, Unavailable
+from cpcache.errors import CacheError, FailedPrecondition, Unavailable
+from cpcache.keys import namespace_seed
+from cpcache.runtime import open_cache
+from cpcache.tiers import DevicePool
 from cpcache.liveness import Heartbeat, diagnose
 from cpcache.v1 import daemon_pb2 as pb
 from cpcache.v1 import daemon_pb2_grpc as pb_grpc
@@ -92,6 +95,49 @@ class Daemon:
             self._in_flight -= 1
             if self._in_flight == 0:
                 self._idle.set()
+
+    def cache_runtime(self):
+        coordinator = self.admit_decision()
+        if coordinator.cache is None:
+            raise FailedPrecondition("no device pool is attached: call Attach first")
+        return coordinator.cache
+
+    async def attach(self, model_id: str, geometry, device_pages: int, kind: str, pool) -> pb.AttachReply:
+        coordinator = self.admit_decision()
+        if coordinator.cache is not None:
+            raise FailedPrecondition("a device pool is already attached to this daemon")
+        if kind == "shm_path":
+            device = await asyncio.to_thread(DevicePool.from_shared_file, pool, geometry, device_pages)
+        else:
+            handle = {f.name: getattr(pool, f.name) for f in pool.DESCRIPTOR.fields}
+            device = await asyncio.to_thread(DevicePool.from_cuda_ipc, handle, geometry, device_pages)
+        runtime = await asyncio.to_thread(open_cache, self.config, geometry, device)
+        if coordinator.cache is not None:  # a concurrent Attach won
+            runtime.io.transfers.close()
+            raise FailedPrecondition("a device pool is already attached to this daemon")
+        coordinator.cache = runtime
+        self._key_seed = namespace_seed(model_id, geometry.dtype, self.config.host_layout, geometry.page_size)
+        log.info("attached %s: %d device pages of %d bytes (%s)", model_id, device_pages, geometry.page_bytes, kind)
+        storage = runtime.io.transfers.tiers.storage
+        return pb.AttachReply(
+            page_bytes=geometry.page_bytes, host_pages=self.config.host_pool_pages,
+            host_layout=self.config.host_layout, storage=storage.name if storage else "none",
+            key_seed=self._key_seed,
+        )
+
+    def stats(self) -> dict[str, int]:
+        counters = {"rounds_completed": self._engine.rounds_completed if self._engine else 0}
+        coordinator = self._coordinator
+        if coordinator is not None:
+            counters["last_step"] = coordinator.last_step
+            counters["decisions"] = coordinator.decision_count
+            if coordinator.cache is not None:
+                counters.update(coordinator.cache.state.stats())
+                transfers = coordinator.cache.io.transfers
+                for (src, dst), pages in transfers.pages_moved.items():
+                    counters[f"pages_moved_{src}_to_{dst}"] = pages
+                    counters[f"bytes_moved_{src}_to_{dst}"] = transfers.bytes_moved[(src, dst)]
+        return counters
 
     def status(self) -> pb.StatusReply:
         coordinator, engine = self._coordinator, self._engine
@@ -196,6 +242,8 @@ class Daemon:
             await server.stop(grace=1.0)
         if self._engine is not None:
             await asyncio.to_thread(self._engine.close)
+        if self._coordinator is not None and self._coordinator.cache is not None:
+            await asyncio.to_thread(self._coordinator.cache.io.transfers.close)
         if self._heartbeat is not None:
             self._heartbeat.stop()
         self._store_server = None

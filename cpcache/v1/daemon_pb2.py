@@ -24,27 +24,71 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x63pcache/v1/daemon.proto\x12\ncpcache.v1\"L\n\x05Votes\x12\x0e\n\x06op_ids\x18\x01 \x03(\x04\x12#\n\x07reduces\x18\x02 \x03(\x0e\x32\x12.cpcache.v1.Reduce\x12\x0e\n\x06values\x18\x03 \x03(\x03\"+\n\tDecisions\x12\x0e\n\x06op_ids\x18\x01 \x03(\x04\x12\x0e\n\x06values\x18\x02 \x03(\x03\"=\n\x0bStepRequest\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12 \n\x05votes\x18\x02 \x01(\x0b\x32\x11.cpcache.v1.Votes\"h\n\tStepReply\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\r\n\x05round\x18\x02 \x01(\x04\x12(\n\tdecisions\x18\x03 \x01(\x0b\x32\x15.cpcache.v1.Decisions\x12\x14\n\x0cstate_digest\x18\x04 \x01(\x06\"\x0f\n\rStatusRequest\"\xcf\x01\n\x0bStatusReply\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\x14\n\x0c\x64omain_ranks\x18\x03 \x03(\r\x12\x0c\n\x04mode\x18\x04 \x01(\t\x12\x15\n\ragreement_lag\x18\x05 \x01(\r\x12\x11\n\tlast_step\x18\x06 \x01(\x04\x12\x18\n\x10rounds_completed\x18\x07 \x01(\x04\x12\x16\n\x0eopen_questions\x18\x08 \x01(\r\x12\r\n\x05state\x18\t \x01(\t\x12\x0f\n\x07\x66\x61ilure\x18\n \x01(\t*@\n\x06Reduce\x12\x16\n\x12REDUCE_UNSPECIFIED\x10\x00\x12\x0e\n\nREDUCE_MIN\x10\x01\x12\x0e\n\nREDUCE_MAX\x10\x02\x32\x83\x01\n\x0b\x43\x61\x63heDaemon\x12\x36\n\x04Step\x12\x17.cpcache.v1.StepRequest\x1a\x15.cpcache.v1.StepReply\x12<\n\x06Status\x12\x19.cpcache.v1.StatusRequest\x1a\x17.cpcache.v1.StatusReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x63pcache/v1/daemon.proto\x12\ncpcache.v1\"n\n\x08Geometry\x12\x0e\n\x06layers\x18\x01 \x01(\r\x12\x0f\n\x07kv_kind\x18\x02 \x01(\t\x12\r\n\x05heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x11\n\tpage_size\x18\x06 \x01(\r\"\xc8\x01\n\rCudaIpcHandle\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\x05\x12\x0e\n\x06handle\x18\x02 \x01(\x0c\x12\x14\n\x0cstorage_size\x18\x03 \x01(\x04\x12\x16\n\x0estorage_offset\x18\x04 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x05 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x06 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x07 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x08 \x01(\x08\"\xaa\x01\n\rAttachRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12&\n\x08geometry\x18\x02 \x01(\x0b\x32\x14.cpcache.v1.Geometry\x12\x14\n\x0c\x64\x65vice_pages\x18\x03 \x01(\r\x12\x12\n\x08shm_path\x18\x04 \x01(\tH\x00\x12-\n\x08\x63uda_ipc\x18\x05 \x01(\x0b\x32\x19.cpcache.v1.CudaIpcHandleH\x00\x42\x06\n\x04pool\"m\n\x0b\x41ttachReply\x12\x12\n\npage_bytes\x18\x01 \x01(\x04\x12\x12\n\nhost_pages\x18\x02 \x01(\r\x12\x13\n\x0bhost_layout\x18\x03 \x01(\t\x12\x0f\n\x07storage\x18\x04 \x01(\t\x12\x10\n\x08key_seed\x18\x05 \x01(\t\"J\n\nPrefetchOp\x12\r\n\x05op_id\x18\x01 \x01(\x04\x12\r\n\x05pages\x18\x02 \x03(\x0c\x12\x0e\n\x06tokens\x18\x03 \x01(\x04\x12\x0e\n\x06parent\x18\x04 \x01(\x0c\"M\n\x07WriteOp\x12\r\n\x05op_id\x18\x01 \x01(\x04\x12\r\n\x05pages\x18\x02 \x03(\x0c\x12\x14\n\x0c\x64\x65vice_pages\x18\x03 \x03(\r\x12\x0e\n\x06parent\x18\x04 \x01(\x0c\"<\n\x06LoadOp\x12\r\n\x05op_id\x18\x01 \x01(\x04\x12\r\n\x05pages\x18\x02 \x03(\x0c\x12\x14\n\x0c\x64\x65vice_pages\x18\x03 \x03(\r\"Z\n\x0fPrefetchRequest\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12*\n\nprefetches\x18\x02 \x03(\x0b\x32\x16.cpcache.v1.PrefetchOp\x12\r\n\x05polls\x18\x03 \x03(\x04\"-\n\rRevokeRequest\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0e\n\x06op_ids\x18\x02 \x03(\x04\"\x1a\n\nAckRequest\x12\x0c\n\x04step\x18\x01 \x01(\x04\"5\n\x10WaitLoadsRequest\x12\x0e\n\x06op_ids\x18\x01 \x03(\x04\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\"\x10\n\x0eWaitLoadsReply\"\x1d\n\x0cMatchRequest\x12\r\n\x05pages\x18\x01 \x03(\x0c\"7\n\nMatchReply\x12\x12\n\nhost_pages\x18\x01 \x01(\r\x12\x15\n\rstorage_pages\x18\x02 \x01(\r\"\x0e\n\x0cStatsRequest\"u\n\nStatsReply\x12\x36\n\x08\x63ounters\x18\x01 \x03(\x0b\x32$.cpcache.v1.StatsReply.CountersEntry\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"L\n\x05Votes\x12\x0e\n\x06op_ids\x18\x01 \x03(\x04\x12#\n\x07reduces\x18\x02 \x03(\x0e\x32\x12.cpcache.v1.Reduce\x12\x0e\n\x06values\x18\x03 \x03(\x03\"+\n\tDecisions\x12\x0e\n\x06op_ids\x18\x01 \x03(\x04\x12\x0e\n\x06values\x18\x02 \x03(\x03\"\xda\x01\n\x0bStepRequest\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12 \n\x05votes\x18\x02 \x01(\x0b\x32\x11.cpcache.v1.Votes\x12*\n\nprefetches\x18\x03 \x03(\x0b\x32\x16.cpcache.v1.PrefetchOp\x12\x16\n\x0eprefetch_polls\x18\x04 \x03(\x04\x12\x0f\n\x07revokes\x18\x05 \x03(\x04\x12#\n\x06writes\x18\x06 \x03(\x0b\x32\x13.cpcache.v1.WriteOp\x12!\n\x05loads\x18\x07 \x03(\x0b\x32\x12.cpcache.v1.LoadOp\"\xbb\x01\n\x10PrefetchDecision\x12\r\n\x05op_id\x18\x01 \x01(\x04\x12\x35\n\x07outcome\x18\x02 \x01(\x0e\x32$.cpcache.v1.PrefetchDecision.Outcome\x12\r\n\x05pages\x18\x03 \x01(\r\x12\x0e\n\x06reason\x18\x04 \x01(\t\"B\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\x07\n\x03HIT\x10\x01\x12\x08\n\x04\x44ONE\x10\x02\x12\x0b\n\x07REVOKED\x10\x03\"/\n\x0e\x42\x61\x63kupDecision\x12\r\n\x05op_id\x18\x01 \x01(\x04\x12\x0e\n\x06stored\x18\x02 \x01(\x08\",\n\x0cLoadDecision\x12\r\n\x05op_id\x18\x01 \x01(\x04\x12\r\n\x05pages\x18\x02 \x01(\r\"\x84\x02\n\tStepReply\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\r\n\x05round\x18\x02 \x01(\x04\x12(\n\tdecisions\x18\x03 \x01(\x0b\x32\x15.cpcache.v1.Decisions\x12\x14\n\x0cstate_digest\x18\x04 \x01(\x06\x12\x30\n\nprefetches\x18\x05 \x03(\x0b\x32\x1c.cpcache.v1.PrefetchDecision\x12\x12\n\nwrite_acks\x18\x06 \x03(\x04\x12+\n\x07\x62\x61\x63kups\x18\x07 \x03(\x0b\x32\x1a.cpcache.v1.BackupDecision\x12\'\n\x05loads\x18\x08 \x03(\x0b\x32\x18.cpcache.v1.LoadDecision\"\x0f\n\rStatusRequest\"\xcf\x01\n\x0bStatusReply\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\x14\n\x0c\x64omain_ranks\x18\x03 \x03(\r\x12\x0c\n\x04mode\x18\x04 \x01(\t\x12\x15\n\ragreement_lag\x18\x05 \x01(\r\x12\x11\n\tlast_step\x18\x06 \x01(\x04\x12\x18\n\x10rounds_completed\x18\x07 \x01(\x04\x12\x16\n\x0eopen_questions\x18\x08 \x01(\r\x12\r\n\x05state\x18\t \x01(\t\x12\x0f\n\x07\x66\x61ilure\x18\n \x01(\t*@\n\x06Reduce\x12\x16\n\x12REDUCE_UNSPECIFIED\x10\x00\x12\x0e\n\nREDUCE_MIN\x10\x01\x12\x0e\n\nREDUCE_MAX\x10\x02\x32\xb0\x04\n\x0b\x43\x61\x63heDaemon\x12<\n\x06\x41ttach\x12\x19.cpcache.v1.AttachRequest\x1a\x17.cpcache.v1.AttachReply\x12\x36\n\x04Step\x12\x17.cpcache.v1.StepRequest\x1a\x15.cpcache.v1.StepReply\x12>\n\x08Prefetch\x12\x1b.cpcache.v1.PrefetchRequest\x1a\x15.cpcache.v1.StepReply\x12:\n\x06Revoke\x12\x19.cpcache.v1.RevokeRequest\x1a\x15.cpcache.v1.StepReply\x12\x34\n\x03\x41\x63k\x12\x16.cpcache.v1.AckRequest\x1a\x15.cpcache.v1.StepReply\x12\x45\n\tWaitLoads\x12\x1c.cpcache.v1.WaitLoadsRequest\x1a\x1a.cpcache.v1.WaitLoadsReply\x12\x39\n\x05Match\x12\x18.cpcache.v1.MatchRequest\x1a\x16.cpcache.v1.MatchReply\x12\x39\n\x05Stats\x12\x18.cpcache.v1.StatsRequest\x1a\x16.cpcache.v1.StatsReply\x12<\n\x06Status\x12\x19.cpcache.v1.StatusRequest\x1a\x17.cpcache.v1.StatusReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'cpcache.v1.daemon_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_REDUCE']._serialized_start=558
-  _globals['_REDUCE']._serialized_end=622
-  _globals['_VOTES']._serialized_start=39
-  _globals['_VOTES']._serialized_end=115
-  _globals['_DECISIONS']._serialized_start=117
-  _globals['_DECISIONS']._serialized_end=160
-  _globals['_STEPREQUEST']._serialized_start=162
-  _globals['_STEPREQUEST']._serialized_end=223
-  _globals['_STEPREPLY']._serialized_start=225
-  _globals['_STEPREPLY']._serialized_end=329
-  _globals['_STATUSREQUEST']._serialized_start=331
-  _globals['_STATUSREQUEST']._serialized_end=346
-  _globals['_STATUSREPLY']._serialized_start=349
-  _globals['_STATUSREPLY']._serialized_end=556
-  _globals['_CACHEDAEMON']._serialized_start=625
-  _globals['_CACHEDAEMON']._serialized_end=756
+  _globals['_STATSREPLY_COUNTERSENTRY']._loaded_options = None
+  _globals['_STATSREPLY_COUNTERSENTRY']._serialized_options = b'8\001'
+  _globals['_REDUCE']._serialized_start=2437
+  _globals['_REDUCE']._serialized_end=2501
+  _globals['_GEOMETRY']._serialized_start=39
+  _globals['_GEOMETRY']._serialized_end=149
+  _globals['_CUDAIPCHANDLE']._serialized_start=152
+  _globals['_CUDAIPCHANDLE']._serialized_end=352
+  _globals['_ATTACHREQUEST']._serialized_start=355
+  _globals['_ATTACHREQUEST']._serialized_end=525
+  _globals['_ATTACHREPLY']._serialized_start=527
+  _globals['_ATTACHREPLY']._serialized_end=636
+  _globals['_PREFETCHOP']._serialized_start=638
+  _globals['_PREFETCHOP']._serialized_end=712
+  _globals['_WRITEOP']._serialized_start=714
+  _globals['_WRITEOP']._serialized_end=791
+  _globals['_LOADOP']._serialized_start=793
+  _globals['_LOADOP']._serialized_end=853
+  _globals['_PREFETCHREQUEST']._serialized_start=855
+  _globals['_PREFETCHREQUEST']._serialized_end=945
+  _globals['_REVOKEREQUEST']._serialized_start=947
+  _globals['_REVOKEREQUEST']._serialized_end=992
+  _globals['_ACKREQUEST']._serialized_start=994
+  _globals['_ACKREQUEST']._serialized_end=1020
+  _globals['_WAITLOADSREQUEST']._serialized_start=1022
+  _globals['_WAITLOADSREQUEST']._serialized_end=1075
+  _globals['_WAITLOADSREPLY']._serialized_start=1077
+  _globals['_WAITLOADSREPLY']._serialized_end=1093
+  _globals['_MATCHREQUEST']._serialized_start=1095
+  _globals['_MATCHREQUEST']._serialized_end=1124
+  _globals['_MATCHREPLY']._serialized_start=1126
+  _globals['_MATCHREPLY']._serialized_end=1181
+  _globals['_STATSREQUEST']._serialized_start=1183
+  _globals['_STATSREQUEST']._serialized_end=1197
+  _globals['_STATSREPLY']._serialized_start=1199
+  _globals['_STATSREPLY']._serialized_end=1316
+  _globals['_STATSREPLY_COUNTERSENTRY']._serialized_start=1269
+  _globals['_STATSREPLY_COUNTERSENTRY']._serialized_end=1316
+  _globals['_VOTES']._serialized_start=1318
+  _globals['_VOTES']._serialized_end=1394
+  _globals['_DECISIONS']._serialized_start=1396
+  _globals['_DECISIONS']._serialized_end=1439
+  _globals['_STEPREQUEST']._serialized_start=1442
+  _globals['_STEPREQUEST']._serialized_end=1660
+  _globals['_PREFETCHDECISION']._serialized_start=1663
+  _globals['_PREFETCHDECISION']._serialized_end=1850
+  _globals['_PREFETCHDECISION_OUTCOME']._serialized_start=1784
+  _globals['_PREFETCHDECISION_OUTCOME']._serialized_end=1850
+  _globals['_BACKUPDECISION']._serialized_start=1852
+  _globals['_BACKUPDECISION']._serialized_end=1899
+  _globals['_LOADDECISION']._serialized_start=1901
+  _globals['_LOADDECISION']._serialized_end=1945
+  _globals['_STEPREPLY']._serialized_start=1948
+  _globals['_STEPREPLY']._serialized_end=2208
+  _globals['_STATUSREQUEST']._serialized_start=2210
+  _globals['_STATUSREQUEST']._serialized_end=2225
+  _globals['_STATUSREPLY']._serialized_start=2228
+  _globals['_STATUSREPLY']._serialized_end=2435
+  _globals['_CACHEDAEMON']._serialized_start=2504
+  _globals['_CACHEDAEMON']._serialized_end=3064
 # @@protoc_insertion_point(module_scope)

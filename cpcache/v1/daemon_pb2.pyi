@@ -16,6 +16,171 @@ REDUCE_UNSPECIFIED: Reduce
 REDUCE_MIN: Reduce
 REDUCE_MAX: Reduce
 
+class Geometry(_message.Message):
+    __slots__ = ("layers", "kv_kind", "heads", "head_dim", "dtype", "page_size")
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    KV_KIND_FIELD_NUMBER: _ClassVar[int]
+    HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    layers: int
+    kv_kind: str
+    heads: int
+    head_dim: int
+    dtype: str
+    page_size: int
+    def __init__(self, layers: _Optional[int] = ..., kv_kind: _Optional[str] = ..., heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., page_size: _Optional[int] = ...) -> None: ...
+
+class CudaIpcHandle(_message.Message):
+    __slots__ = ("device", "handle", "storage_size", "storage_offset", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    device: int
+    handle: bytes
+    storage_size: int
+    storage_offset: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    def __init__(self, device: _Optional[int] = ..., handle: _Optional[bytes] = ..., storage_size: _Optional[int] = ..., storage_offset: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
+
+class AttachRequest(_message.Message):
+    __slots__ = ("model_id", "geometry", "device_pages", "shm_path", "cuda_ipc")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    GEOMETRY_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    SHM_PATH_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    geometry: Geometry
+    device_pages: int
+    shm_path: str
+    cuda_ipc: CudaIpcHandle
+    def __init__(self, model_id: _Optional[str] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., device_pages: _Optional[int] = ..., shm_path: _Optional[str] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...) -> None: ...
+
+class AttachReply(_message.Message):
+    __slots__ = ("page_bytes", "host_pages", "host_layout", "storage", "key_seed")
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOST_PAGES_FIELD_NUMBER: _ClassVar[int]
+    HOST_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_FIELD_NUMBER: _ClassVar[int]
+    KEY_SEED_FIELD_NUMBER: _ClassVar[int]
+    page_bytes: int
+    host_pages: int
+    host_layout: str
+    storage: str
+    key_seed: str
+    def __init__(self, page_bytes: _Optional[int] = ..., host_pages: _Optional[int] = ..., host_layout: _Optional[str] = ..., storage: _Optional[str] = ..., key_seed: _Optional[str] = ...) -> None: ...
+
+class PrefetchOp(_message.Message):
+    __slots__ = ("op_id", "pages", "tokens", "parent")
+    OP_ID_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    op_id: int
+    pages: _containers.RepeatedScalarFieldContainer[bytes]
+    tokens: int
+    parent: bytes
+    def __init__(self, op_id: _Optional[int] = ..., pages: _Optional[_Iterable[bytes]] = ..., tokens: _Optional[int] = ..., parent: _Optional[bytes] = ...) -> None: ...
+
+class WriteOp(_message.Message):
+    __slots__ = ("op_id", "pages", "device_pages", "parent")
+    OP_ID_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    op_id: int
+    pages: _containers.RepeatedScalarFieldContainer[bytes]
+    device_pages: _containers.RepeatedScalarFieldContainer[int]
+    parent: bytes
+    def __init__(self, op_id: _Optional[int] = ..., pages: _Optional[_Iterable[bytes]] = ..., device_pages: _Optional[_Iterable[int]] = ..., parent: _Optional[bytes] = ...) -> None: ...
+
+class LoadOp(_message.Message):
+    __slots__ = ("op_id", "pages", "device_pages")
+    OP_ID_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    op_id: int
+    pages: _containers.RepeatedScalarFieldContainer[bytes]
+    device_pages: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, op_id: _Optional[int] = ..., pages: _Optional[_Iterable[bytes]] = ..., device_pages: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PrefetchRequest(_message.Message):
+    __slots__ = ("step", "prefetches", "polls")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PREFETCHES_FIELD_NUMBER: _ClassVar[int]
+    POLLS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    prefetches: _containers.RepeatedCompositeFieldContainer[PrefetchOp]
+    polls: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step: _Optional[int] = ..., prefetches: _Optional[_Iterable[_Union[PrefetchOp, _Mapping]]] = ..., polls: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class RevokeRequest(_message.Message):
+    __slots__ = ("step", "op_ids")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    OP_IDS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    op_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step: _Optional[int] = ..., op_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class AckRequest(_message.Message):
+    __slots__ = ("step",)
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    def __init__(self, step: _Optional[int] = ...) -> None: ...
+
+class WaitLoadsRequest(_message.Message):
+    __slots__ = ("op_ids", "timeout_s")
+    OP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    op_ids: _containers.RepeatedScalarFieldContainer[int]
+    timeout_s: float
+    def __init__(self, op_ids: _Optional[_Iterable[int]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class WaitLoadsReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class MatchRequest(_message.Message):
+    __slots__ = ("pages",)
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    pages: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, pages: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class MatchReply(_message.Message):
+    __slots__ = ("host_pages", "storage_pages")
+    HOST_PAGES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    host_pages: int
+    storage_pages: int
+    def __init__(self, host_pages: _Optional[int] = ..., storage_pages: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatsReply(_message.Message):
+    __slots__ = ("counters",)
+    class CountersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    counters: _containers.ScalarMap[str, int]
+    def __init__(self, counters: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
 class Votes(_message.Message):
     __slots__ = ("op_ids", "reduces", "values")
     OP_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -35,24 +200,80 @@ class Decisions(_message.Message):
     def __init__(self, op_ids: _Optional[_Iterable[int]] = ..., values: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step", "votes")
+    __slots__ = ("step", "votes", "prefetches", "prefetch_polls", "revokes", "writes", "loads")
     STEP_FIELD_NUMBER: _ClassVar[int]
     VOTES_FIELD_NUMBER: _ClassVar[int]
+    PREFETCHES_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_POLLS_FIELD_NUMBER: _ClassVar[int]
+    REVOKES_FIELD_NUMBER: _ClassVar[int]
+    WRITES_FIELD_NUMBER: _ClassVar[int]
+    LOADS_FIELD_NUMBER: _ClassVar[int]
     step: int
     votes: Votes
-    def __init__(self, step: _Optional[int] = ..., votes: _Optional[_Union[Votes, _Mapping]] = ...) -> None: ...
+    prefetches: _containers.RepeatedCompositeFieldContainer[PrefetchOp]
+    prefetch_polls: _containers.RepeatedScalarFieldContainer[int]
+    revokes: _containers.RepeatedScalarFieldContainer[int]
+    writes: _containers.RepeatedCompositeFieldContainer[WriteOp]
+    loads: _containers.RepeatedCompositeFieldContainer[LoadOp]
+    def __init__(self, step: _Optional[int] = ..., votes: _Optional[_Union[Votes, _Mapping]] = ..., prefetches: _Optional[_Iterable[_Union[PrefetchOp, _Mapping]]] = ..., prefetch_polls: _Optional[_Iterable[int]] = ..., revokes: _Optional[_Iterable[int]] = ..., writes: _Optional[_Iterable[_Union[WriteOp, _Mapping]]] = ..., loads: _Optional[_Iterable[_Union[LoadOp, _Mapping]]] = ...) -> None: ...
+
+class PrefetchDecision(_message.Message):
+    __slots__ = ("op_id", "outcome", "pages", "reason")
+    class Outcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        OUTCOME_UNSPECIFIED: _ClassVar[PrefetchDecision.Outcome]
+        HIT: _ClassVar[PrefetchDecision.Outcome]
+        DONE: _ClassVar[PrefetchDecision.Outcome]
+        REVOKED: _ClassVar[PrefetchDecision.Outcome]
+    OUTCOME_UNSPECIFIED: PrefetchDecision.Outcome
+    HIT: PrefetchDecision.Outcome
+    DONE: PrefetchDecision.Outcome
+    REVOKED: PrefetchDecision.Outcome
+    OP_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    op_id: int
+    outcome: PrefetchDecision.Outcome
+    pages: int
+    reason: str
+    def __init__(self, op_id: _Optional[int] = ..., outcome: _Optional[_Union[PrefetchDecision.Outcome, str]] = ..., pages: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class BackupDecision(_message.Message):
+    __slots__ = ("op_id", "stored")
+    OP_ID_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    op_id: int
+    stored: bool
+    def __init__(self, op_id: _Optional[int] = ..., stored: _Optional[bool] = ...) -> None: ...
+
+class LoadDecision(_message.Message):
+    __slots__ = ("op_id", "pages")
+    OP_ID_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    op_id: int
+    pages: int
+    def __init__(self, op_id: _Optional[int] = ..., pages: _Optional[int] = ...) -> None: ...
 
 class StepReply(_message.Message):
-    __slots__ = ("step", "round", "decisions", "state_digest")
+    __slots__ = ("step", "round", "decisions", "state_digest", "prefetches", "write_acks", "backups", "loads")
     STEP_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     DECISIONS_FIELD_NUMBER: _ClassVar[int]
     STATE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    PREFETCHES_FIELD_NUMBER: _ClassVar[int]
+    WRITE_ACKS_FIELD_NUMBER: _ClassVar[int]
+    BACKUPS_FIELD_NUMBER: _ClassVar[int]
+    LOADS_FIELD_NUMBER: _ClassVar[int]
     step: int
     round: int
     decisions: Decisions
     state_digest: int
-    def __init__(self, step: _Optional[int] = ..., round: _Optional[int] = ..., decisions: _Optional[_Union[Decisions, _Mapping]] = ..., state_digest: _Optional[int] = ...) -> None: ...
+    prefetches: _containers.RepeatedCompositeFieldContainer[PrefetchDecision]
+    write_acks: _containers.RepeatedScalarFieldContainer[int]
+    backups: _containers.RepeatedCompositeFieldContainer[BackupDecision]
+    loads: _containers.RepeatedCompositeFieldContainer[LoadDecision]
+    def __init__(self, step: _Optional[int] = ..., round: _Optional[int] = ..., decisions: _Optional[_Union[Decisions, _Mapping]] = ..., state_digest: _Optional[int] = ..., prefetches: _Optional[_Iterable[_Union[PrefetchDecision, _Mapping]]] = ..., write_acks: _Optional[_Iterable[int]] = ..., backups: _Optional[_Iterable[_Union[BackupDecision, _Mapping]]] = ..., loads: _Optional[_Iterable[_Union[LoadDecision, _Mapping]]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

@@ -34,10 +34,45 @@ class CacheDaemonStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.Attach = channel.unary_unary(
+                '/cpcache.v1.CacheDaemon/Attach',
+                request_serializer=cpcache_dot_v1_dot_daemon__pb2.AttachRequest.SerializeToString,
+                response_deserializer=cpcache_dot_v1_dot_daemon__pb2.AttachReply.FromString,
+                _registered_method=True)
         self.Step = channel.unary_unary(
                 '/cpcache.v1.CacheDaemon/Step',
                 request_serializer=cpcache_dot_v1_dot_daemon__pb2.StepRequest.SerializeToString,
                 response_deserializer=cpcache_dot_v1_dot_daemon__pb2.StepReply.FromString,
+                _registered_method=True)
+        self.Prefetch = channel.unary_unary(
+                '/cpcache.v1.CacheDaemon/Prefetch',
+                request_serializer=cpcache_dot_v1_dot_daemon__pb2.PrefetchRequest.SerializeToString,
+                response_deserializer=cpcache_dot_v1_dot_daemon__pb2.StepReply.FromString,
+                _registered_method=True)
+        self.Revoke = channel.unary_unary(
+                '/cpcache.v1.CacheDaemon/Revoke',
+                request_serializer=cpcache_dot_v1_dot_daemon__pb2.RevokeRequest.SerializeToString,
+                response_deserializer=cpcache_dot_v1_dot_daemon__pb2.StepReply.FromString,
+                _registered_method=True)
+        self.Ack = channel.unary_unary(
+                '/cpcache.v1.CacheDaemon/Ack',
+                request_serializer=cpcache_dot_v1_dot_daemon__pb2.AckRequest.SerializeToString,
+                response_deserializer=cpcache_dot_v1_dot_daemon__pb2.StepReply.FromString,
+                _registered_method=True)
+        self.WaitLoads = channel.unary_unary(
+                '/cpcache.v1.CacheDaemon/WaitLoads',
+                request_serializer=cpcache_dot_v1_dot_daemon__pb2.WaitLoadsRequest.SerializeToString,
+                response_deserializer=cpcache_dot_v1_dot_daemon__pb2.WaitLoadsReply.FromString,
+                _registered_method=True)
+        self.Match = channel.unary_unary(
+                '/cpcache.v1.CacheDaemon/Match',
+                request_serializer=cpcache_dot_v1_dot_daemon__pb2.MatchRequest.SerializeToString,
+                response_deserializer=cpcache_dot_v1_dot_daemon__pb2.MatchReply.FromString,
+                _registered_method=True)
+        self.Stats = channel.unary_unary(
+                '/cpcache.v1.CacheDaemon/Stats',
+                request_serializer=cpcache_dot_v1_dot_daemon__pb2.StatsRequest.SerializeToString,
+                response_deserializer=cpcache_dot_v1_dot_daemon__pb2.StatsReply.FromString,
                 _registered_method=True)
         self.Status = channel.unary_unary(
                 '/cpcache.v1.CacheDaemon/Status',
@@ -49,8 +84,55 @@ class CacheDaemonStub:
 class CacheDaemonServicer:
     """Missing associated documentation comment in .proto file."""
 
+    def Attach(self, request, context):
+        """Attach the inference process's device KV pool (once, before cache ops).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Step(self, request, context):
         """One scheduler iteration: everything it needs, decided in one round.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Prefetch(self, request, context):
+        """Single-purpose decision calls: each is one round (and takes a step number).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Revoke(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Ack(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WaitLoads(self, request, context):
+        """Local, no round: wait until this rank's load-backs have reached the device.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Match(self, request, context):
+        """Local, no round: host (agreed) and storage (this rank's view) prefix hits.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Stats(self, request, context):
+        """Counters and occupancy.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -66,10 +148,45 @@ class CacheDaemonServicer:
 
 def add_CacheDaemonServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'Attach': grpc.unary_unary_rpc_method_handler(
+                    servicer.Attach,
+                    request_deserializer=cpcache_dot_v1_dot_daemon__pb2.AttachRequest.FromString,
+                    response_serializer=cpcache_dot_v1_dot_daemon__pb2.AttachReply.SerializeToString,
+            ),
             'Step': grpc.unary_unary_rpc_method_handler(
                     servicer.Step,
                     request_deserializer=cpcache_dot_v1_dot_daemon__pb2.StepRequest.FromString,
                     response_serializer=cpcache_dot_v1_dot_daemon__pb2.StepReply.SerializeToString,
+            ),
+            'Prefetch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prefetch,
+                    request_deserializer=cpcache_dot_v1_dot_daemon__pb2.PrefetchRequest.FromString,
+                    response_serializer=cpcache_dot_v1_dot_daemon__pb2.StepReply.SerializeToString,
+            ),
+            'Revoke': grpc.unary_unary_rpc_method_handler(
+                    servicer.Revoke,
+                    request_deserializer=cpcache_dot_v1_dot_daemon__pb2.RevokeRequest.FromString,
+                    response_serializer=cpcache_dot_v1_dot_daemon__pb2.StepReply.SerializeToString,
+            ),
+            'Ack': grpc.unary_unary_rpc_method_handler(
+                    servicer.Ack,
+                    request_deserializer=cpcache_dot_v1_dot_daemon__pb2.AckRequest.FromString,
+                    response_serializer=cpcache_dot_v1_dot_daemon__pb2.StepReply.SerializeToString,
+            ),
+            'WaitLoads': grpc.unary_unary_rpc_method_handler(
+                    servicer.WaitLoads,
+                    request_deserializer=cpcache_dot_v1_dot_daemon__pb2.WaitLoadsRequest.FromString,
+                    response_serializer=cpcache_dot_v1_dot_daemon__pb2.WaitLoadsReply.SerializeToString,
+            ),
+            'Match': grpc.unary_unary_rpc_method_handler(
+                    servicer.Match,
+                    request_deserializer=cpcache_dot_v1_dot_daemon__pb2.MatchRequest.FromString,
+                    response_serializer=cpcache_dot_v1_dot_daemon__pb2.MatchReply.SerializeToString,
+            ),
+            'Stats': grpc.unary_unary_rpc_method_handler(
+                    servicer.Stats,
+                    request_deserializer=cpcache_dot_v1_dot_daemon__pb2.StatsRequest.FromString,
+                    response_serializer=cpcache_dot_v1_dot_daemon__pb2.StatsReply.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
@@ -88,6 +205,33 @@ class CacheDaemon:
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
+    def Attach(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cpcache.v1.CacheDaemon/Attach',
+            cpcache_dot_v1_dot_daemon__pb2.AttachRequest.SerializeToString,
+            cpcache_dot_v1_dot_daemon__pb2.AttachReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def Step(request,
             target,
             options=(),
@@ -104,6 +248,168 @@ class CacheDaemon:
             '/cpcache.v1.CacheDaemon/Step',
             cpcache_dot_v1_dot_daemon__pb2.StepRequest.SerializeToString,
             cpcache_dot_v1_dot_daemon__pb2.StepReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prefetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cpcache.v1.CacheDaemon/Prefetch',
+            cpcache_dot_v1_dot_daemon__pb2.PrefetchRequest.SerializeToString,
+            cpcache_dot_v1_dot_daemon__pb2.StepReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Revoke(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cpcache.v1.CacheDaemon/Revoke',
+            cpcache_dot_v1_dot_daemon__pb2.RevokeRequest.SerializeToString,
+            cpcache_dot_v1_dot_daemon__pb2.StepReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Ack(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cpcache.v1.CacheDaemon/Ack',
+            cpcache_dot_v1_dot_daemon__pb2.AckRequest.SerializeToString,
+            cpcache_dot_v1_dot_daemon__pb2.StepReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WaitLoads(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cpcache.v1.CacheDaemon/WaitLoads',
+            cpcache_dot_v1_dot_daemon__pb2.WaitLoadsRequest.SerializeToString,
+            cpcache_dot_v1_dot_daemon__pb2.WaitLoadsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Match(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cpcache.v1.CacheDaemon/Match',
+            cpcache_dot_v1_dot_daemon__pb2.MatchRequest.SerializeToString,
+            cpcache_dot_v1_dot_daemon__pb2.MatchReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cpcache.v1.CacheDaemon/Stats',
+            cpcache_dot_v1_dot_daemon__pb2.StatsRequest.SerializeToString,
+            cpcache_dot_v1_dot_daemon__pb2.StatsReply.FromString,
             options,
             channel_credentials,
             insecure,

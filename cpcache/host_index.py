@@ -1,0 +1,99 @@
+"""The host-page index: which page hashes are resident in which host slots.
+
+Shared state: it changes only through scheduler calls and agreed results, so
+it is identical on every rank. Pages form prefix chains (each page's key
+hashes its predecessor's), so eviction takes unreferenced *leaves* only, the
+least recently used first; "recently" is measured in scheduler steps, never
+in local time, and ties break by hash.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+
+@dataclass
+class Entry:
+    slot: int
+    parent: bytes | None
+    children: int = 0
+    refs: int = 0  # operations currently reading this page (loads, backups)
+    last_used: int = 0  # step of the last use
+    hits: int = 0  # times matched by a load (write_through_selective)
+    backed_up: bool = False
+
+
+class HostIndex:
+    def __init__(self) -> None:
+        self._entries: dict[bytes, Entry] = {}
+        self._leaves: list[tuple[int, bytes]] = []  # lazy heap of (last_used, hash)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, page: bytes) -> bool:
+        return page in self._entries
+
+    def get(self, page: bytes) -> Entry | None:
+        return self._entries.get(page)
+
+    def prefix(self, pages: list[bytes]) -> int:
+        """How many of `pages`, from the first, are resident."""
+        for i, page in enumerate(pages):
+            if page not in self._entries:
+                return i
+        return len(pages)
+
+    def insert(self, pages: list[bytes], slots: list[int], parent: bytes | None, step: int) -> None:
+        """Insert a chain `pages` whose first page follows `parent`."""
+        for page, slot in zip(pages, slots):
+            if parent is not None and parent in self._entries:
+                self._entries[parent].children += 1
+            self._entries[page] = Entry(slot=slot, parent=parent, last_used=step)
+            parent = page
+        if pages:
+            heapq.heappush(self._leaves, (step, pages[-1]))
+
+    def touch(self, pages: list[bytes], step: int, hit: bool = False) -> None:
+        for page in pages:
+            entry = self._entries[page]
+            entry.last_used = step
+            entry.hits += hit
+        if pages:
+            heapq.heappush(self._leaves, (step, pages[-1]))
+
+    def ref(self, pages: list[bytes], delta: int) -> None:
+        for page in pages:
+            self._entries[page].refs += delta
+
+    def evictable(self) -> int:
+        return sum(1 for e in self._entries.values() if e.refs == 0)
+
+    def evict(self, count: int, skip=lambda page, entry: False) -> list[tuple[bytes, Entry]]:
+        """Remove up to `count` unreferenced leaves, least recently used first
+        (a removed leaf may expose its parent as the next leaf). `skip` keeps
+        a page in place (e.g. not yet written back)."""
+        evicted: list[tuple[bytes, Entry]] = []
+        kept: list[tuple[int, bytes]] = []
+        while self._leaves and len(evicted) < count:
+            stamp, page = heapq.heappop(self._leaves)
+            entry = self._entries.get(page)
+            if entry is None or entry.last_used != stamp:
+                continue  # stale heap item
+            if entry.children or entry.refs or skip(page, entry):
+                kept.append((stamp, page))
+                continue
+            del self._entries[page]
+            evicted.append((page, entry))
+            parent = self._entries.get(entry.parent) if entry.parent is not None else None
+            if parent is not None:
+                parent.children -= 1
+                if parent.children == 0:
+                    heapq.heappush(self._leaves, (parent.last_used, entry.parent))
+        for item in kept:
+            heapq.heappush(self._leaves, item)
+        return evicted
+
+    def items(self):
+        return self._entries.items()

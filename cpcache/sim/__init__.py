@@ -1,0 +1,1 @@
+"""Trace replay: a scheduler simulator that drives a local domain."""
