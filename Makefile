@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 demo: setup
-	$(VENV)/bin/cpcache demo
+	$(VENV)/bin/cpcache demo --trace ../shared/traces/conversation_trace.jsonl --plot demo.png
 
 test: setup
 	$(PY) -m pytest

@@ -225,17 +225,24 @@ class CacheState:
             self._record("retire", self._next_retirement, tuple(slots))
             self._next_retirement += 1
 
-    def _make_room(self, count: int) -> bool:
+    def _make_room(self, count: int, keep: set[bytes] = frozenset()) -> bool:
         """Free host slots by evicting least recently used pages; under
         write_back, pages not yet in storage are backed up first instead."""
         short = count - self.allocator.free_count
         if short <= 0:
             return True
         write_back = self.config.write_policy == "write_back"
-        evicted = self.index.evict(short, skip=lambda page, e: write_back and not e.backed_up)
+        # Pages used in this step stay: the scheduler was told of them (a
+        # Match, an accepted prefetch) and may load them in its next step.
+        evicted = self.index.evict(
+            short,
+            skip=lambda page, e: e.last_used >= self.step or page in keep or (write_back and not e.backed_up),
+        )
         if evicted:
+            # An unreferenced page has no I/O on any rank: loads, backups and
+            # writes hold their pages until every rank has finished with them.
             self._record("evict", tuple(p for p, _ in evicted))
-            self._retire([e.slot for _, e in evicted])
+            self.allocator.free([e.slot for _, e in evicted])
         if write_back and self.allocator.free_count < count:
             self._queue_unbacked_for_eviction(count - self.allocator.free_count)
         return self.allocator.free_count >= count
@@ -260,17 +267,23 @@ class CacheState:
     # -- a scheduler step ----------------------------------------------------------
 
     def open_step(self, step: int, ops: StepOps) -> list[Intent]:
-        """Validate the whole step first (a rejected step changes nothing),
+        """Validate the whole step first (a rejected step opens nothing),
         then open its operations. Returns this rank's I/O to start."""
         self._validate(ops)
-        new_pages = len({p for req in ops.writes for p in req.pages if p not in self.index})
-        if not self._make_room(new_pages):
+        self.step = step
+        # Each write gets its own slots (two writes of one page both copy it), so count them all.
+        new_pages = sum(1 for req in ops.writes for p in req.pages if p not in self.index)
+        loading = {p for req in ops.loads for p in req.pages}
+        if not self._make_room(new_pages, keep=loading):
+            # Evictions made on the way stay (they are the same on every rank);
+            # nothing of the step itself is opened.
             raise ResourceExhausted(
                 f"host pool: writes need {new_pages} new pages; {self.allocator.free_count} of "
                 f"{self.allocator.pages} are free and no more can be evicted now"
             )
-        self.step = step
         intents: list[Intent] = []
+        for req in ops.loads:
+            intents += self._open_load(req)
         for op_id in ops.revokes:
             self._revoke(op_id, "revoked by the scheduler", decisions=None)
         for req in ops.prefetches:
@@ -281,8 +294,6 @@ class CacheState:
             self.prefetches[op_id].polled_in.add(step)
         for req in ops.writes:
             intents += self._open_write(req)
-        for req in ops.loads:
-            intents += self._open_load(req)
         return intents
 
     def _validate(self, ops: StepOps) -> None:
@@ -375,7 +386,8 @@ class CacheState:
         )
 
     def _may_end(self, pf: Prefetch, done: int, local: LocalProgress) -> int:
-        complete = done >= pf.hit
+        # Complete: every page is here, or every read has ended (some failed).
+        complete = done >= pf.hit or local.fetch_ended(pf.request.op_id)
         policy = self.config.prefetch_policy
         if policy == "best_effort":
             return 1
@@ -466,7 +478,8 @@ class CacheState:
                 parent = w.request.pages[i - 1] if i else w.request.parent
                 self.index.insert([page], [slot], parent, self.step)
                 inserted.append(page)
-            self._retire(duplicate)
+            self.allocator.free(duplicate)  # acked: every rank's copy into it has ended
+            self._record("free", tuple(duplicate))
             self.index.touch([p for p in w.request.pages if p in self.index], self.step)
             self._record("ack", w.request.op_id)
             decisions.write_acks.append(w.request.op_id)

@@ -88,12 +88,11 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--steps", type=int, default=200, help="agreement: measured steps per case")
     bench.add_argument("--no-mooncake", action="store_true", help="movers: skip Mooncake Store")
 
-    demo = sub.add_parser("demo", help="launch a local domain and drive it with a scheduler per rank")
+    demo = sub.add_parser("demo", help="launch a local domain and replay a real trace through it")
     add_topology_flags(demo)
-    demo.add_argument("--steps", type=int, default=300)
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--fault-delay-ms", type=float, default=2.0, help="per-rank injected round delay")
-    demo.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    from cpcache.demo import add_flags as add_demo_flags
+
+    add_demo_flags(demo)
 
     args = parser.parse_args(argv)
     from cpcache.errors import CacheError

@@ -196,6 +196,11 @@ class PageAllocator:
         self._allocated.difference_update(slots)
         self._retiring.update(slots)
 
+    def free(self, slots: list[int]) -> None:
+        """Return slots that no rank has I/O on (e.g. evicted unreferenced pages)."""
+        self.retire(slots)
+        self.reclaim(slots)
+
     def reclaim(self, slots: list[int]) -> None:
         for slot in slots:
             if slot in self._retiring:

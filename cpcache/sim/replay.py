@@ -49,6 +49,7 @@ class ReplayConfig:
     fault_delay_ms: float = 0.0
     fault_fail_rate: float = 0.0
     seed: int = 0
+    passes: int = 1  # replay the slice this many times (later passes find it in storage)
     drain_steps: int = 200  # steps after the last arrival to let operations close
     run_dir: Path | None = None
 
@@ -72,7 +73,7 @@ def arrivals(requests: list[Request], cfg: ReplayConfig):
 
 
 async def replay(cfg: ReplayConfig, progress: Callable[[dict], None] | None = None) -> dict:
-    requests = load(cfg.trace, cfg.requests, cfg.skip)
+    requests = load(cfg.trace, cfg.requests, cfg.skip) * cfg.passes
     with contextlib.ExitStack() as stack:
         run_dir = cfg.run_dir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="cpc-replay-")))
         extra = dict(
@@ -105,6 +106,7 @@ async def _drive(cfg, domain: LocalDomain, requests, run_dir: Path, progress) ->
         schedulers.append(SimScheduler(client, pool, PageHasher(reply.key_seed, GEOMETRY.page_size), suffix,
                                        cfg.device_pages))
     latencies: list[float] = []
+    hit_series: list[float] = []
     divergences = steps = 0
     started = time.monotonic()
 
@@ -118,6 +120,7 @@ async def _drive(cfg, domain: LocalDomain, requests, run_dir: Path, progress) ->
         if failures:
             raise failures[0]
         divergences += len({r.wire for r in replies}) > 1
+        hit_series.append(schedulers[0].tally.hit_rates()["total"])
 
     batches = list(arrivals(requests, cfg))
     for i, batch in enumerate(batches):
@@ -157,6 +160,7 @@ async def _drive(cfg, domain: LocalDomain, requests, run_dir: Path, progress) ->
         "round_latency_us": percentiles_us(latencies),
         "wall_s": round(time.monotonic() - started, 1),
         "per_step_latency_s": latencies,
+        "per_step_hit_rate": hit_series,
     }
 
 
