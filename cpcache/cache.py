@@ -140,6 +140,11 @@ class Decisions:
     def empty(self) -> bool:
         return not any(vars(self).values())
 
+    def merge(self, other: "Decisions") -> "Decisions":
+        for name, values in vars(other).items():
+            getattr(self, name).extend(values)
+        return self
+
 
 class LocalProgress(Protocol):
     """This rank's I/O progress, read when a round is packed."""
@@ -266,9 +271,10 @@ class CacheState:
 
     # -- a scheduler step ----------------------------------------------------------
 
-    def open_step(self, step: int, ops: StepOps) -> list[Intent]:
+    def open_step(self, step: int, ops: StepOps) -> tuple[list[Intent], Decisions]:
         """Validate the whole step first (a rejected step opens nothing),
-        then open its operations. Returns this rank's I/O to start."""
+        then open its operations. Returns this rank's I/O to start, and what
+        the step decided by itself (scheduler revokes)."""
         self._validate(ops)
         self.step = step
         # Each write gets its own slots (two writes of one page both copy it), so count them all.
@@ -284,8 +290,9 @@ class CacheState:
         intents: list[Intent] = []
         for req in ops.loads:
             intents += self._open_load(req)
+        decided = Decisions()
         for op_id in ops.revokes:
-            self._revoke(op_id, "revoked by the scheduler", decisions=None)
+            self._revoke(op_id, "revoked by the scheduler", decided)
         for req in ops.prefetches:
             self.prefetches[req.op_id] = Prefetch(req)
             self._record("prefetch", req.op_id, req.pages)
@@ -294,7 +301,7 @@ class CacheState:
             self.prefetches[op_id].polled_in.add(step)
         for req in ops.writes:
             intents += self._open_write(req)
-        return intents
+        return intents, decided
 
     def _validate(self, ops: StepOps) -> None:
         seen: set[int] = set()
@@ -436,12 +443,11 @@ class CacheState:
         keys = tuple(self.storage_key(p) for p in pf.request.pages[:hit])
         return [Intent(op_id, "fetch", keys=keys, slots=tuple(pf.slots), tokens=pf.request.tokens)]
 
-    def _revoke(self, op_id: int, why: str, decisions: Decisions | None) -> None:
+    def _revoke(self, op_id: int, why: str, decisions: Decisions) -> None:
         pf = self.prefetches.pop(op_id)
         self._record("revoke", op_id)
         self._retire(pf.slots)  # back to the allocator once no rank reads into them
-        if decisions is not None:
-            decisions.prefetch_revoked.append((op_id, why))
+        decisions.prefetch_revoked.append((op_id, why))
 
     def _end_prefetch(self, op_id: int, done: int, decisions: Decisions) -> None:
         pf = self.prefetches.pop(op_id, None)

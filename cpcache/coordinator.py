@@ -76,8 +76,9 @@ class Coordinator:
             raise InvalidArgument(f"a step carries at most {MAX_VOTES_PER_STEP} votes, got {len(votes)}")
         check_step_allowed(self.cache is not None, ops)
         questions = self._table.columns().concat(votes)
+        decided = Decisions()
         if self.cache is not None:
-            intents = self.cache.state.open_step(step, ops)
+            intents, decided = self.cache.state.open_step(step, ops)
             self.cache.io.start(intents)
             questions = questions.concat(self.cache.state.questions(self.cache.io))
         self.last_step = step
@@ -86,12 +87,14 @@ class Coordinator:
         self._in_flight.append((step, future))
         if len(self._in_flight) <= self._lag:
             empty = np.empty(0, dtype=np.int64)
-            return StepOutcome(step, 0, empty, empty, self.digest)
+            return StepOutcome(step, 0, empty, empty, self.digest, decided)
         round_number, oldest = self._in_flight.popleft()
         # Shielded: a cancelled RPC must never cancel a round, or this rank
         # would skip a collective its peers are waiting in.
         result = await asyncio.shield(oldest)
-        return self._apply(round_number, result)
+        outcome = self._apply(round_number, result)
+        outcome.cache.merge(decided)
+        return outcome
 
     def _apply(self, round_number: int, result: RoundResult) -> StepOutcome:
         op_ids, values = result.of_kind(Kind.VOTE)

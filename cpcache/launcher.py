@@ -35,6 +35,7 @@ class DomainSpec:
     fault_delay_ms: float = 0.0
     seed: int = 0
     extra: dict = field(default_factory=dict)  # any other DaemonConfig setting, for every rank
+    per_rank: dict = field(default_factory=dict)  # rank -> settings for that rank only (fault injection)
 
     def config(self, rank: int, store_port: int, deployment: str) -> DaemonConfig:
         return DaemonConfig(
@@ -51,7 +52,7 @@ class DomainSpec:
             socket=str(self.run_dir / "rank-{rank}.sock"),
             fault_delay_ms=self.fault_delay_ms,
             fault_seed=self.seed,
-            **self.extra,
+            **{**self.extra, **self.per_rank.get(rank, {})},
         )
 
 

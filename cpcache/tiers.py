@@ -234,6 +234,11 @@ class InFlight:
                     del self._counts[slot]
             self._idle.notify_all()
 
+    def count(self) -> int:
+        """Slots with I/O in flight."""
+        with self._lock:
+            return len(self._counts)
+
     def busy(self, slots) -> bool:
         with self._lock:
             return any(slot in self._counts for slot in slots)

@@ -133,6 +133,8 @@ class Daemon:
             counters["decisions"] = coordinator.decision_count
             if coordinator.cache is not None:
                 counters.update(coordinator.cache.state.stats())
+                counters["cache_digest"] = coordinator.cache.state.digest
+                counters["in_flight_slots"] = coordinator.cache.io.transfers.in_flight.count()
                 transfers = coordinator.cache.io.transfers
                 for (src, dst), pages in transfers.pages_moved.items():
                     counters[f"pages_moved_{src}_to_{dst}"] = pages

@@ -1,0 +1,170 @@
+"""The cache protocol through real daemons: a revoke while reads are still in
+flight on one rank, and every error status, after which the daemon serves on
+with its shared state untouched."""
+
+import numpy as np
+import pytest
+import torch
+
+from cpcache import errors
+from cpcache.client import AsyncClient, Ops
+from cpcache.geometry import KVGeometry
+from cpcache.keys import ShardingSpec, chain
+from cpcache.launcher import DomainSpec, LocalDomain
+from cpcache.sim.scheduler import page_content
+from cpcache.storage import PageBuffer, open_backend
+from cpcache.tiers import DevicePool
+from cpcache.topology import Topology
+
+pytestmark = [pytest.mark.multirank, pytest.mark.timeout(120)]
+
+GEOMETRY = KVGeometry(layers=2, kv_kind="mha", heads=1, head_dim=16, dtype="bfloat16", page_size=16)
+PAGES = 8
+
+
+async def attach_all(domain, run_dir, device_pages=32):
+    clients, pools, seed = [], [], None
+    for rank, socket in enumerate(domain.sockets):
+        client = AsyncClient(socket)
+        path = str(run_dir / f"pool-{rank}")
+        pools.append(DevicePool.create_shared_file(path, GEOMETRY, device_pages))
+        reply = await client.attach("test-model", GEOMETRY, device_pages, shm_path=path)
+        seed = reply.key_seed
+        clients.append(client)
+    return clients, pools, seed
+
+
+def write_page(pool: DevicePool, device_page: int, content: np.ndarray) -> None:
+    view = pool.page_view(device_page)
+    view.copy_(torch.from_numpy(content.copy()).view(view.dtype).view(view.shape))
+
+
+def read_page(pool: DevicePool, device_page: int) -> np.ndarray:
+    return pool.page_view(device_page).contiguous().view(-1).view(torch.uint8).numpy()
+
+
+async def step_all(clients, step, ops=None):
+    replies = [await_ for await_ in [c.step(step, ops=ops) for c in clients]]
+    import asyncio
+
+    results = await asyncio.gather(*replies)
+    assert len({r.wire for r in results}) == 1, f"step {step}: replies differ"
+    return results[0]
+
+
+async def test_revoked_prefetch_keeps_its_slots_until_the_slow_rank_is_done(run_dir):
+    topology = Topology(tp=2)  # attention TP 2: keys end in tp0_2 / tp1_2
+    spec = DomainSpec(topology, run_dir, extra=dict(storage="file", storage_root=str(run_dir / "pages"),
+                                                    host_pool_pages=PAGES, prefetch_threshold_tokens=0),
+                      per_rank={1: dict(fault_storage_delay_ms=600.0)})
+    async with LocalDomain(spec) as domain:
+        clients, pools, seed = await attach_all(domain, run_dir)
+        pages = chain(list(range(PAGES * GEOMETRY.page_size)), GEOMETRY.page_size, seed)
+        # The pages are in storage (written with the same backend, as a peer would).
+        for rank in range(2):
+            backend = open_backend("file", root=str(run_dir / "pages"), geometry_fingerprint=GEOMETRY.fingerprint())
+            suffix = ShardingSpec(tp_rank=rank, tp_size=2).suffix()
+            data = np.concatenate([page_content(f"{p}_{suffix}", GEOMETRY.page_bytes) for p in pages])
+            buffers = [PageBuffer(0, data[i * GEOMETRY.page_bytes:(i + 1) * GEOMETRY.page_bytes]) for i in range(PAGES)]
+            assert backend.put_from([f"{p}_{suffix}" for p in pages], buffers) == [True] * PAGES
+        hashes = [bytes.fromhex(p) for p in pages]
+        step = 1
+        await step_all(clients, step, Ops(prefetches=((1, hashes, PAGES * GEOMETRY.page_size),)))
+        hit = None
+        while hit is None:  # each step is a round; the hit is agreed once both ranks have looked
+            step += 1
+            hit = (await step_all(clients, step)).prefetch_hits.get(1)
+        assert hit == PAGES
+        # Rank 1's reads into the 8 host slots are slow. Revoke now.
+        step += 1
+        reply = await step_all(clients, step, Ops(revokes=(1,)))
+        assert 1 in reply.prefetch_revoked
+        stats = [await c.stats() for c in clients]
+        assert stats[1]["in_flight_slots"] == PAGES
+        assert {s["host_pages_retiring"] for s in stats} == {PAGES}  # shared state: the same on both
+        # A write that needs those slots is refused while any rank still reads into them...
+        contents = []
+        for rank, pool in enumerate(pools):
+            suffix = ShardingSpec(tp_rank=rank, tp_size=2).suffix()
+            new = [page_content(f"new-{i}-{suffix}", GEOMETRY.page_bytes) for i in range(PAGES)]
+            for i, c in enumerate(new):
+                write_page(pool, i, c)
+            contents.append(new)
+        fresh = [bytes([9]) * 31 + bytes([i]) for i in range(PAGES)]
+        write = Ops(writes=((2, fresh, list(range(PAGES))),))
+        refused = 0
+        while refused < 10_000:
+            step += 1
+            try:
+                reply = await step_all(clients, step, write)
+                break
+            except errors.ResourceExhausted:
+                # A refused step opens nothing and runs no round; the scheduler
+                # goes on stepping, and the rounds ask whether the reads ended.
+                refused += 1
+                step += 1
+                await step_all(clients, step)
+        assert refused >= 1
+        stats = [await c.stats() for c in clients]
+        assert stats[1]["pages_moved_storage_to_host"] == PAGES  # the slow reads did end first
+        acked = ()
+        while 2 not in acked:
+            step += 1
+            acked = (await step_all(clients, step)).write_acks
+        # The late reads did not overwrite the new pages: load them back and compare.
+        step += 1
+        await step_all(clients, step, Ops(loads=((3, fresh, list(range(16, 16 + PAGES))),)))
+        for c in clients:
+            await c.wait_loads([3], timeout_s=10)
+        for rank, pool in enumerate(pools):
+            for i in range(PAGES):
+                assert np.array_equal(read_page(pool, 16 + i), contents[rank][i]), f"rank {rank} page {i}"
+        for c in clients:
+            await c.close()
+
+
+@pytest.fixture
+async def single(run_dir):
+    spec = DomainSpec(Topology(tp=1), run_dir, extra=dict(storage="file", storage_root=str(run_dir / "pages"),
+                                                          host_pool_pages=PAGES))
+    async with LocalDomain(spec) as domain:
+        yield domain
+
+
+async def test_every_error_status_leaves_the_daemon_serving_and_state_unchanged(single, run_dir):
+    client = AsyncClient(single.sockets[0])
+    with pytest.raises(errors.FailedPrecondition, match="no device pool is attached"):
+        await client.step(1, ops=Ops(revokes=(5,)))
+    path = str(run_dir / "pool")
+    DevicePool.create_shared_file(path, GEOMETRY, 4)
+    with pytest.raises(errors.InvalidArgument, match="need .* bytes"):
+        await client.attach("m", GEOMETRY, 64, shm_path=path)  # the file holds only 4 pages
+    await client.attach("m", GEOMETRY, 4, shm_path=path)
+    with pytest.raises(errors.FailedPrecondition, match="already attached"):
+        await client.attach("m", GEOMETRY, 4, shm_path=path)
+    page = bytes(32)
+    await client.step(1, ops=Ops(writes=((1, [page], [0]),)))
+    await client.step(2)
+    before = await client.stats()
+    bad = [
+        (Ops(writes=((7, [b"short"], [0]),)), errors.InvalidArgument, "32-byte"),
+        (Ops(writes=((7, [page], [0, 1]),)), errors.InvalidArgument, "device pages"),
+        (Ops(revokes=(99,)), errors.NotFound, "prefetch 99 is not open"),
+        (Ops(loads=((8, [bytes([1]) * 32], [1]),)), errors.NotFound, "is not in host"),
+        (Ops(writes=((9, [bytes([i]) * 32 for i in range(2, 2 + PAGES + 1)], list(range(PAGES + 1))),)),
+         errors.ResourceExhausted, "host pool"),
+    ]
+    step = 2
+    for ops, kind, words in bad:
+        with pytest.raises(kind, match=words):
+            await client.step(step + 1, ops=ops)
+        after = await client.stats()
+        assert after["cache_digest"] == before["cache_digest"], words
+    with pytest.raises(errors.FailedPrecondition, match="strictly increase"):
+        await client.step(2)
+    # Still serving, and the page written before is still there to load.
+    reply = await client.step(step + 1, ops=Ops(loads=((10, [page], [2]),)))
+    await client.wait_loads([10], timeout_s=10)
+    assert (await client.match([page, bytes([5]) * 32])).host_pages == 1
+    del reply
+    await client.close()
