@@ -52,6 +52,25 @@ class DivergenceExchange:
         return explain_divergence(round_input.number, by_rank)
 
 
+class LatencyHistogram:
+    """Round durations (collective time, including waiting for peers), in
+    cumulative buckets, for metrics. Written by the agreement thread only."""
+
+    BOUNDS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(self.BOUNDS_S) + 1)
+        self.total_s = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.total_s += seconds
+        for i, bound in enumerate(self.BOUNDS_S):
+            if seconds <= bound:
+                self.counts[i] += 1
+                return
+        self.counts[-1] += 1
+
+
 @dataclass(frozen=True)
 class FaultInjection:
     """Per-rank perturbation of round timing, for tests and demos."""
@@ -85,6 +104,8 @@ class AgreementEngine:
         self._failure: CacheError | None = None
         self._closed = False
         self.rounds_completed = 0
+        self.divergences = 0
+        self.round_latency = LatencyHistogram()
         self._capacity = MIN_CAPACITY  # touched only by the agreement thread
         self._thread = threading.Thread(target=self._run, name="agreement", daemon=True)
         self._thread.start()
@@ -135,6 +156,7 @@ class AgreementEngine:
             self._heartbeat.entered(round_input.number)
         if self._faults.delay_ms:
             time.sleep(self._random.uniform(0, self._faults.delay_ms) / 1000)
+        started = time.perf_counter()
         try:
             vector, self._capacity = round_input.reduce(self._reducer.min_inplace, self._capacity)
         except RuntimeError as exc:
@@ -143,9 +165,11 @@ class AgreementEngine:
             future.set_exception(failure)
             return
         self.rounds_completed += 1
+        self.round_latency.observe(time.perf_counter() - started)
         try:
             result = round_input.settle(vector)
         except Divergence:
+            self.divergences += 1
             message = self._exchange.explain(round_input) if self._exchange else f"divergence in round {round_input.number}"
             future.set_exception(Divergence(message))
             return

@@ -214,6 +214,7 @@ class CacheState:
         self._next_backup = 1
         self.digest = 0
         self.step = 0
+        self.hit_pages = {"host": 0, "storage": 0}  # pages loaded back / prefetched (agreed)
 
     # -- bookkeeping -------------------------------------------------------------
 
@@ -343,6 +344,7 @@ class CacheState:
         self.index.ref(pages, +1)
         self.index.touch(pages, self.step, hit=True)
         self.loads[req.op_id] = Load(req, slots)
+        self.hit_pages["host"] += len(pages)
         self._record("load", req.op_id, req.pages)
         intents = [Intent(req.op_id, "load", slots=tuple(slots), device_pages=req.device_pages)]
         if self.config.write_policy == "write_through_selective":
@@ -467,6 +469,7 @@ class CacheState:
         self._record("accept", op_id, len(kept_pages))
         self._retire(pf.slots[len(kept_pages):])  # the unagreed tail, once its reads end
         decisions.prefetch_done.append((op_id, len(kept_pages)))
+        self.hit_pages["storage"] += len(kept_pages)
 
     def _ack_writes(self, count: int, decisions: Decisions) -> list[Intent]:
         for _ in range(min(count, len(self.writes))):
@@ -541,6 +544,8 @@ class CacheState:
             "open_writes": len(self.writes),
             "open_backups": len(self.backups),
             "open_loads": len(self.loads),
+            "host_hit_pages": self.hit_pages["host"],
+            "storage_hit_pages": self.hit_pages["storage"],
         }
 
 

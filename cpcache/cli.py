@@ -58,14 +58,23 @@ async def _launch(args) -> int:
 
 
 async def _status(args) -> int:
+    """Health, domain membership, current step, open questions and, with
+    --stats or `cpcache stats`, every counter including tier occupancy."""
     from google.protobuf import json_format
+    from grpc_health.v1 import health_pb2
 
     from cpcache.client import AsyncClient
 
     async with AsyncClient(args.socket, timeout_s=args.timeout) as client:
-        reply = await client.status()
-    print(json.dumps(json_format.MessageToDict(reply, always_print_fields_with_no_presence=True), indent=2))
-    return 0
+        health = health_pb2.HealthCheckResponse.ServingStatus.Name(await client.health())
+        reply = json_format.MessageToDict(await client.status(), always_print_fields_with_no_presence=True,
+                                          preserving_proto_field_name=True)
+        stats = await client.stats() if args.command == "stats" else None
+    if stats is not None:
+        print(json.dumps(stats, indent=2, sort_keys=True))
+        return 0
+    print(json.dumps({"health": health, **reply}, indent=2))
+    return 0 if health == "SERVING" else 3
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,9 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     launch.add_argument("--agreement-timeout", type=float, default=10.0, help="seconds before a peer counts as lost")
     launch.add_argument("--fault-delay-ms", type=float, default=0.0, help="inject up to this delay into each round")
 
-    status = sub.add_parser("status", help="print a daemon's status")
-    status.add_argument("socket", help="the daemon's socket path or host:port")
-    status.add_argument("--timeout", type=float, default=5.0)
+    for name, text in (("status", "health, domain, step and open questions of a daemon"),
+                       ("stats", "a daemon's counters: tier occupancy, pages moved, hits")):
+        query = sub.add_parser(name, help=text)
+        query.add_argument("socket", help="the daemon's socket path or host:port")
+        query.add_argument("--timeout", type=float, default=5.0)
 
     bench = sub.add_parser("bench", help="run a benchmark and print its figures")
     bench.add_argument("name", choices=["agreement", "movers"])
@@ -100,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "launch":
             return asyncio.run(_launch(args))
-        if args.command == "status":
+        if args.command in ("status", "stats"):
             return asyncio.run(_status(args))
         if args.command == "demo":
             from cpcache import demo as demo_module

@@ -65,6 +65,7 @@ class DaemonConfig:
     fault_storage_fail_rate: float = setting(0.0, "Fault injection: probability that a page's storage I/O fails.")
     fault_storage_truncate_rate: float = setting(0.0, "Fault injection: probability that a storage batch stops early.")
     fault_seed: int = setting(0, "Seed of the fault injection.")
+    metrics_address: str = setting("", "Serve Prometheus metrics on host:port (port 0: any free port); empty: off.")
     log_level: str = setting("INFO", "Logging level.")
 
     def __post_init__(self) -> None:

@@ -143,6 +143,7 @@ class Transfers:
         self._ids = itertools.count(1)
         self.pages_moved: dict[tuple[str, str], int] = {route: 0 for route in MOVERS}
         self.bytes_moved: dict[tuple[str, str], int] = {route: 0 for route in MOVERS}
+        self.failed_jobs: dict[tuple[str, str], int] = {route: 0 for route in MOVERS}
 
     def submit(self, route: tuple[str, str], src, dst, job_id: int | None = None) -> Future:
         """Start a job; its future resolves to a TransferResult (a failure
@@ -170,6 +171,7 @@ class Transfers:
         finally:
             self.in_flight.end(slots)
         self.pages_moved[route] += result.pages_done
+        self.failed_jobs[route] += not result.success
         self.bytes_moved[route] += result.pages_done * self.tiers.host.geometry.page_bytes
         return result
 

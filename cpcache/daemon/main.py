@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 
 from cpcache.daemon.server import Daemon, ExitCode
@@ -31,8 +32,11 @@ def main(argv: list[str] | None = None) -> int:
         format=f"%(asctime)s rank{config.rank} %(name)s %(levelname)s %(message)s",
         stream=sys.stderr,
     )
+    # systemd's side of the environment, read here at the edge with the rest.
+    notify_socket = os.environ.get("NOTIFY_SOCKET")
+    watchdog_usec = int(os.environ.get("WATCHDOG_USEC", "0") or 0)
     with asyncio.Runner(loop_factory=loop_factory) as runner:
-        code = runner.run(Daemon(config).run())
+        code = runner.run(Daemon(config, notify_socket, watchdog_usec).run())
     logging.getLogger("cpcached").info("exit code %d (%s)", code, ExitCode(code).name)
     return int(code)
 

@@ -24,7 +24,10 @@ from cpcache.agreement import AgreementEngine, DivergenceExchange, FaultInjectio
 from cpcache.collective import Rendezvous, build_reducer, host_store
 from cpcache.config import DaemonConfig
 from cpcache.coordinator import Coordinator
+from cpcache.daemon import metrics
 from cpcache.daemon.auth import TokenInterceptor
+from cpcache.daemon.metrics import DaemonCollector
+from cpcache.daemon.systemd import Notifier
 from cpcache.errors import CacheError, FailedPrecondition, Unavailable
 from cpcache.keys import namespace_seed
 from cpcache.runtime import open_cache
@@ -56,8 +59,14 @@ class ExitCode(enum.IntEnum):
 
 
 class Daemon:
-    def __init__(self, config: DaemonConfig) -> None:
+    def __init__(self, config: DaemonConfig, notify_socket: str | None = None, watchdog_usec: int = 0) -> None:
+        """`notify_socket` and `watchdog_usec` come from systemd's environment
+        (NOTIFY_SOCKET, WATCHDOG_USEC), read by the entry point."""
         self.config = config
+        self.notifier = Notifier(notify_socket)
+        self._watchdog_s = watchdog_usec / 2e6 if watchdog_usec else 0.0
+        self.metrics = DaemonCollector(self)
+        self.metrics_port = 0
         self.state = State.STARTING
         self._topology = config.topology
         self._domain = self._topology.domain(config.rank)
@@ -76,7 +85,15 @@ class Daemon:
         self._engine: AgreementEngine | None = None
         self._coordinator: Coordinator | None = None
 
-    # -- what the servicer sees -------------------------------------------
+    # -- what the servicer and the metrics see -----------------------------
+
+    @property
+    def engine(self) -> AgreementEngine | None:
+        return self._engine
+
+    @property
+    def coordinator(self) -> Coordinator | None:
+        return self._coordinator
 
     def admit_decision(self) -> Coordinator:
         if self.state is State.SERVING and self._coordinator is not None:
@@ -155,6 +172,8 @@ class Daemon:
             open_questions=coordinator.open_questions if coordinator else 0,
             state=self.state.value,
             failure=str(failure) if failure else "",
+            metrics_port=self.metrics_port,
+            attached=bool(coordinator and coordinator.cache),
         )
 
     # -- lifecycle ----------------------------------------------------------
@@ -164,7 +183,13 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal)
         await self._start_servers()
+        if self.config.metrics_address:
+            self.metrics_port = metrics.serve(self.metrics, self.config.metrics_address)
+            log.info("metrics on port %d", self.metrics_port)
+        if self._watchdog_s:
+            self._watchdog_task = asyncio.ensure_future(self._watchdog())
         self.state = State.JOINING
+        self.notifier.status(f"joining {len(self._domain.ranks)} ranks at {self.config.rendezvous}")
         joining = asyncio.ensure_future(asyncio.to_thread(self._join))
         stop = asyncio.ensure_future(self._stop_requested.wait())
         await asyncio.wait({joining, stop}, return_when=asyncio.FIRST_COMPLETED)
@@ -194,6 +219,7 @@ class Daemon:
         self._coordinator = Coordinator(self._engine, self.config.agreement_lag)
         self.state = State.SERVING
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        self.notifier.ready(f"serving rank {self.config.rank} of domain {list(self._domain.ranks)}")
         log.info("serving rank %d of domain %s (%s mode, lag %d)", self.config.rank, list(self._domain.ranks),
                  self.config.mode, self.config.agreement_lag)
         await self._stop_requested.wait()
@@ -222,6 +248,7 @@ class Daemon:
     def _on_broken(self, failure: CacheError) -> None:
         if self.state is State.SERVING:
             self.state = State.BROKEN
+            self.notifier.status(f"broken: {failure}"[:400])
             asyncio.ensure_future(self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
 
     def _on_signal(self) -> None:
@@ -234,6 +261,7 @@ class Daemon:
     async def _shutdown(self) -> None:
         previous = self.state
         self.state = State.DRAINING
+        self.notifier.stopping(f"draining {self._in_flight} calls")
         await self._health.enter_graceful_shutdown()
         log.info("draining %d in-flight calls (was %s)", self._in_flight, previous.value)
         try:
@@ -253,6 +281,12 @@ class Daemon:
             os.unlink(self.config.socket_path)
         self.state = State.STOPPED
         log.info("stopped")
+
+    async def _watchdog(self) -> None:
+        """Ping systemd from the event loop itself: a stuck loop stops pinging."""
+        while self.state is not State.STOPPED:
+            self.notifier.watchdog()
+            await asyncio.sleep(self._watchdog_s)
 
     async def _set_health(self, status) -> None:
         for service in ("", SERVICE_NAME):

@@ -80,6 +80,9 @@ class CacheDaemonServicer(pb_grpc.CacheDaemonServicer):
         """`daemon` is the running `cpcache.daemon.server.Daemon`."""
         self._daemon = daemon
 
+    def count_rpc(self, method: str, code: str) -> None:
+        self._daemon.metrics.rpcs[(method, code)] += 1
+
     async def _step(self, step: int, votes: Questions, ops: StepOps) -> pb.StepReply:
         coordinator: Coordinator = self._daemon.admit_decision()
         if step == 0:

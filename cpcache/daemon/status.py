@@ -36,14 +36,19 @@ def guarded(handler):
 
     @functools.wraps(handler)
     async def wrapper(self, request, context: grpc.aio.ServicerContext):
+        code = grpc.StatusCode.OK
         try:
             return await handler(self, request, context)
         except errors.CacheError as exc:
-            await context.abort(status_of(exc), str(exc))
+            code = status_of(exc)
+            await context.abort(code, str(exc))
         except (grpc.aio.AbortError, grpc.aio.UsageError):
             raise
         except Exception as exc:
+            code = grpc.StatusCode.INTERNAL
             log.exception("bug in %s", handler.__name__)
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+            await context.abort(code, f"internal error: {type(exc).__name__}: {exc}")
+        finally:
+            self.count_rpc(handler.__name__, code.name)
 
     return wrapper

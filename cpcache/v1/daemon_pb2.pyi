@@ -280,7 +280,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("rank", "world_size", "domain_ranks", "mode", "agreement_lag", "last_step", "rounds_completed", "open_questions", "state", "failure")
+    __slots__ = ("rank", "world_size", "domain_ranks", "mode", "agreement_lag", "last_step", "rounds_completed", "open_questions", "state", "failure", "metrics_port", "attached")
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     DOMAIN_RANKS_FIELD_NUMBER: _ClassVar[int]
@@ -291,6 +291,8 @@ class StatusReply(_message.Message):
     OPEN_QUESTIONS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
+    METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
+    ATTACHED_FIELD_NUMBER: _ClassVar[int]
     rank: int
     world_size: int
     domain_ranks: _containers.RepeatedScalarFieldContainer[int]
@@ -301,4 +303,6 @@ class StatusReply(_message.Message):
     open_questions: int
     state: str
     failure: str
-    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., domain_ranks: _Optional[_Iterable[int]] = ..., mode: _Optional[str] = ..., agreement_lag: _Optional[int] = ..., last_step: _Optional[int] = ..., rounds_completed: _Optional[int] = ..., open_questions: _Optional[int] = ..., state: _Optional[str] = ..., failure: _Optional[str] = ...) -> None: ...
+    metrics_port: int
+    attached: bool
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., domain_ranks: _Optional[_Iterable[int]] = ..., mode: _Optional[str] = ..., agreement_lag: _Optional[int] = ..., last_step: _Optional[int] = ..., rounds_completed: _Optional[int] = ..., open_questions: _Optional[int] = ..., state: _Optional[str] = ..., failure: _Optional[str] = ..., metrics_port: _Optional[int] = ..., attached: _Optional[bool] = ...) -> None: ...

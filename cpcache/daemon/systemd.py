@@ -1,0 +1,44 @@
+"""sd_notify without libsystemd: READY, STATUS, STOPPING and WATCHDOG
+messages as datagrams on $NOTIFY_SOCKET (resolved by the entry point)."""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+log = logging.getLogger(__name__)
+
+
+class Notifier:
+    def __init__(self, address: str | None) -> None:
+        """`address`: the NOTIFY_SOCKET value; None or empty disables it.
+        A leading '@' names an abstract socket."""
+        self._address = None
+        if address:
+            self._address = "\0" + address[1:] if address.startswith("@") else address
+
+    @property
+    def enabled(self) -> bool:
+        return self._address is not None
+
+    def send(self, **fields: str) -> None:
+        if not self.enabled:
+            return
+        message = "\n".join(f"{key.upper()}={value}" for key, value in fields.items()).encode()
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+                sock.sendto(message, self._address)
+        except OSError as exc:  # systemd gone or socket unwritable: nothing to tell
+            log.warning("cannot notify systemd: %s", exc)
+
+    def ready(self, status: str) -> None:
+        self.send(ready="1", status=status)
+
+    def status(self, status: str) -> None:
+        self.send(status=status)
+
+    def stopping(self, status: str) -> None:
+        self.send(stopping="1", status=status)
+
+    def watchdog(self) -> None:
+        self.send(watchdog="1")
