@@ -108,8 +108,8 @@ async def main(args) -> int:
     report = await replay(config_from(args), progress=None if args.json else show_progress)
     if args.plot:
         plot(report, args.plot)
-    series = {k: report.pop(k) for k in ("per_step_latency_s", "per_step_hit_rate")}
-    del series
+    for series in ("per_step_latency_s", "per_step_hit_rate"):  # plotted, too long to print
+        report.pop(series)
     print(json.dumps(report) if args.json else text_report(report))
     ok = report["divergences"] == 0 and report["identical_decision_logs"] and report["corrupt_loads"] == 0
     return 0 if ok else 1
