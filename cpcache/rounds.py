@@ -92,12 +92,13 @@ class Questions:
                 raise InvalidArgument(f"votes: op id {int(ids.max())} is outside [0, 2**63)")
             if vals.min() == -INT64_MAX - 1:
                 raise InvalidArgument(f"votes: value {-INT64_MAX - 1} is outside the int64 range (-2**63, 2**63)")
-            bad = ~np.isin(reds, (Reduce.MIN, Reduce.MAX))
+            bad = (reds != Reduce.MIN) & (reds != Reduce.MAX)
             if bad.any():
                 raise InvalidArgument(f"votes: operation {int(ids[bad][0])} has no valid reduce (MIN or MAX)")
-            unique, counts = np.unique(ids, return_counts=True)
-            if (counts > 1).any():
-                raise InvalidArgument(f"votes: op id {int(unique[counts > 1][0])} appears twice in one step")
+            ordered = np.sort(ids)
+            repeated = ordered[1:] == ordered[:-1]
+            if repeated.any():
+                raise InvalidArgument(f"votes: op id {int(ordered[1:][repeated][0])} appears twice in one step")
         ids = ids.astype(np.int64)
         return Questions(ids, np.full(len(ids), Kind.VOTE, dtype=np.int64), reds, vals)
 
