@@ -75,7 +75,9 @@ def text_report(r: dict) -> str:
         f"  prefetches            {r['prefetches']} ({r['prefetch_revoked']} revoked)",
         "  pages moved (rank 0)  " + ", ".join(f"{k} {v}" for k, v in sorted(r["pages_moved_rank0"].items())),
         f"  round latency         p50 {r['round_latency_us']['p50'] / 1000:.1f} ms  "
-        f"p99 {r['round_latency_us']['p99'] / 1000:.1f} ms",
+        f"p99 {r['round_latency_us']['p99'] / 1000:.1f} ms (a Step call, as each scheduler sees it)",
+        f"  step latency          p50 {r['step_latency_us']['p50'] / 1000:.1f} ms  "
+        f"p99 {r['step_latency_us']['p99'] / 1000:.1f} ms (a whole simulated iteration, 4 ranks)",
         f"  wall time             {r['wall_s']} s",
         f"  verdict               {'OK' if ok else 'FAILED'}",
     ]

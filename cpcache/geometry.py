@@ -7,6 +7,7 @@ head_dim = kv_lora_rank + rope dim).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,8 @@ MAX_PAGE_BYTES = 1 << 30
 
 @dataclass(frozen=True)
 class KVGeometry:
+    # Sizes are computed once (cached_property writes to the instance dict,
+    # which a frozen dataclass allows): they sit on every page's hot path.
     layers: int
     kv_kind: str  # "mha" (K and V) or "mla" (one latent)
     heads: int
@@ -57,15 +60,15 @@ class KVGeometry:
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
-    @property
+    @functools.cached_property
     def element_bytes(self) -> int:
         return torch.empty(0, dtype=self.torch_dtype).element_size()
 
-    @property
+    @functools.cached_property
     def token_bytes(self) -> int:
         return self.layers * self.components * self.heads * self.head_dim * self.element_bytes
 
-    @property
+    @functools.cached_property
     def page_bytes(self) -> int:
         return self.token_bytes * self.page_size
 

@@ -118,6 +118,8 @@ class HostPool:
         self.tensor = torch.zeros(shape, dtype=g.torch_dtype, pin_memory=pin)
         self.pinned = pin
         self._bytes = self.tensor.view(-1).view(torch.uint8).numpy()  # the same memory, as bytes
+        self._base = self.tensor.data_ptr()
+        self._page_bytes = geometry.page_bytes
 
     @property
     def contiguous_pages(self) -> bool:
@@ -141,11 +143,11 @@ class HostPool:
         """The bytes of one page, in place (contiguous layouts only)."""
         if not self.contiguous_pages:
             raise InvalidArgument(f"host pool: pages are not contiguous in the {self.layout} layout")
-        start = slot * self.geometry.page_bytes
-        return self._bytes[start : start + self.geometry.page_bytes]
+        start = slot * self._page_bytes
+        return self._bytes[start : start + self._page_bytes]
 
     def page_address(self, slot: int) -> int:
-        return self.tensor.data_ptr() + slot * self.geometry.page_bytes
+        return self._base + slot * self._page_bytes
 
 
 def runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:

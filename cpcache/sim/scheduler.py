@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -85,6 +86,7 @@ class SimScheduler:
         self.step_no = 0
         self.next_op = 1
         self.log: list[bytes] = []  # every reply, as received: the decision log
+        self.round_latencies: list[float] = []  # each Step call, as this scheduler saw it
         self.pending: Ops = Ops()
         self._waiting_prefetch: dict[int, Active] = {}
         self._waiting_load: dict[int, Active] = {}
@@ -125,6 +127,7 @@ class SimScheduler:
         for request in arrivals:
             await self._admit(request, ops)
         self.step_no += 1
+        started = time.perf_counter()
         try:
             reply = await self.client.step(self.step_no, ops=Ops(**{k: tuple(v) for k, v in ops.items()}))
         except ResourceExhausted:
@@ -136,6 +139,7 @@ class SimScheduler:
                     self.pinned[d] -= 1
             ops["writes"] = []
             reply = await self.client.step(self.step_no, ops=Ops(**{k: tuple(v) for k, v in ops.items()}))
+        self.round_latencies.append(time.perf_counter() - started)
         self.log.append(reply.wire)
         await self._absorb(reply)
         return reply
