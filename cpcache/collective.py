@@ -68,6 +68,7 @@ def gloo_group(
     options = ProcessGroupGloo._Options()
     options._timeout = datetime.timedelta(seconds=rdzv.timeout_s)
     options._devices = [ProcessGroupGloo.create_device(hostname=bind_host)]
+    options._threads = 1  # rounds run one at a time: a second worker thread only adds wake-ups
     pg = ProcessGroupGloo(PrefixStore(key, store), group.index(rank), group.size, options)
     pg.set_timeout(datetime.timedelta(seconds=timeout_s))
     return pg
