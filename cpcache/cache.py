@@ -317,7 +317,7 @@ class CacheState:
                 raise InvalidArgument(f"operation {req.op_id} has {len(req.pages)} pages, at most {MAX_PAGES_PER_OP}")
             if any(len(p) != 32 for p in req.pages):
                 raise InvalidArgument(f"operation {req.op_id}: page hashes are 32-byte sha256 digests")
-            if hasattr(req, "device_pages") and len(req.device_pages) != len(req.pages):
+            if not isinstance(req, PrefetchRequest) and len(req.device_pages) != len(req.pages):
                 raise InvalidArgument(
                     f"operation {req.op_id}: {len(req.pages)} pages but {len(req.device_pages)} device pages"
                 )

@@ -31,21 +31,22 @@ def _parent(raw: bytes) -> bytes | None:
     return raw or None
 
 
-def ops_from_wire(request) -> StepOps:
-    count = sum(len(getattr(request, f, ())) for f in ("prefetches", "writes", "loads", "revokes", "prefetch_polls"))
+def prefetches_from_wire(prefetches) -> tuple[PrefetchRequest, ...]:
+    return tuple(PrefetchRequest(p.op_id, tuple(p.pages), p.tokens, _parent(p.parent)) for p in prefetches)
+
+
+def ops_from_wire(request: pb.StepRequest) -> StepOps:
+    count = (len(request.prefetches) + len(request.writes) + len(request.loads) + len(request.revokes)
+             + len(request.prefetch_polls))
     if count > MAX_OPS_PER_STEP:
         raise InvalidArgument(f"a step carries at most {MAX_OPS_PER_STEP} operations, got {count}")
     return StepOps(
-        prefetches=tuple(
-            PrefetchRequest(p.op_id, tuple(p.pages), p.tokens, _parent(p.parent)) for p in request.prefetches
-        ),
-        prefetch_polls=tuple(getattr(request, "prefetch_polls", ())),
-        revokes=tuple(getattr(request, "revokes", ())),
-        writes=tuple(
-            WriteRequest(w.op_id, tuple(w.pages), tuple(w.device_pages), _parent(w.parent))
-            for w in getattr(request, "writes", ())
-        ),
-        loads=tuple(LoadRequest(x.op_id, tuple(x.pages), tuple(x.device_pages)) for x in getattr(request, "loads", ())),
+        prefetches=prefetches_from_wire(request.prefetches),
+        prefetch_polls=tuple(request.prefetch_polls),
+        revokes=tuple(request.revokes),
+        writes=tuple(WriteRequest(w.op_id, tuple(w.pages), tuple(w.device_pages), _parent(w.parent))
+                     for w in request.writes),
+        loads=tuple(LoadRequest(x.op_id, tuple(x.pages), tuple(x.device_pages)) for x in request.loads),
     )
 
 
@@ -96,8 +97,9 @@ class CacheDaemonServicer(pb_grpc.CacheDaemonServicer):
 
     @guarded
     async def Prefetch(self, request: pb.PrefetchRequest, context) -> pb.StepReply:
-        ops = ops_from_wire(request)
-        ops = StepOps(prefetches=ops.prefetches, prefetch_polls=tuple(request.polls))
+        if len(request.prefetches) + len(request.polls) > MAX_OPS_PER_STEP:
+            raise InvalidArgument(f"a step carries at most {MAX_OPS_PER_STEP} operations")
+        ops = StepOps(prefetches=prefetches_from_wire(request.prefetches), prefetch_polls=tuple(request.polls))
         return await self._step(request.step, Questions.empty(), ops)
 
     @guarded

@@ -168,3 +168,30 @@ async def test_every_error_status_leaves_the_daemon_serving_and_state_unchanged(
     assert (await client.match([page, bytes([5]) * 32])).host_pages == 1
     del reply
     await client.close()
+
+
+async def test_single_purpose_calls_are_one_round_each(single, run_dir):
+    import grpc
+
+    from cpcache.v1 import daemon_pb2 as pb
+    from cpcache.v1 import daemon_pb2_grpc as pb_grpc
+
+    path = str(run_dir / "pool")
+    DevicePool.create_shared_file(path, GEOMETRY, 4)
+    async with AsyncClient(single.sockets[0]) as client:
+        await client.attach("m", GEOMETRY, 4, shm_path=path)
+    async with grpc.aio.insecure_channel("unix:" + single.sockets[0]) as channel:
+        stub = pb_grpc.CacheDaemonStub(channel)
+        page = bytes([7]) * 32
+        reply = await stub.Prefetch(pb.PrefetchRequest(step=1, prefetches=[pb.PrefetchOp(op_id=4, pages=[page],
+                                                                                            tokens=16)]))
+        assert reply.step == 1 and reply.round == 1
+        reply = await stub.Revoke(pb.RevokeRequest(step=2, op_ids=[4]))
+        assert [(d.op_id, d.outcome) for d in reply.prefetches] == [(4, pb.PrefetchDecision.REVOKED)]
+        reply = await stub.Ack(pb.AckRequest(step=3))
+        assert reply.round == 3
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.Revoke(pb.RevokeRequest(step=4, op_ids=[4]))
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        status = await stub.Status(pb.StatusRequest())
+        assert status.rounds_completed == 3 and status.attached
