@@ -53,6 +53,7 @@ class DaemonConfig:
     storage_protocol: str = setting("tcp", "mooncake: transfer protocol (tcp, rdma).")
     storage_device: str = setting("", "mooncake: RDMA device names, when the protocol is rdma.")
     storage_segment_bytes: int = setting(256 << 20, "mooncake: memory this rank contributes to the store.")
+    storage_timeout_s: float = setting(10.0, "A storage lookup unanswered after this long counts as a miss.")
     kv_cp_sharding: str = setting("cp_replicated", "How CP ranks hold a page: cp_replicated or cp_sharded.")
     prefetch_policy: str = setting("best_effort", "When a prefetch may end: best_effort, wait_complete, timeout.")
     prefetch_threshold_tokens: int = setting(256, "Prefetches whose storage hit is below this are revoked.")
@@ -80,7 +81,7 @@ class DaemonConfig:
             raise bad("mode", f"must be one of {', '.join(MODES)}")
         if self.agreement_lag < 0:
             raise bad("agreement_lag", "must be >= 0")
-        for name in ("agreement_timeout_s", "rendezvous_timeout_s", "heartbeat_interval_s"):
+        for name in ("agreement_timeout_s", "rendezvous_timeout_s", "heartbeat_interval_s", "storage_timeout_s"):
             if getattr(self, name) <= 0:
                 raise bad(name, "must be > 0")
         if self.heartbeat_interval_s * 3 >= self.agreement_timeout_s:

@@ -38,7 +38,7 @@ class DomainSpec:
     per_rank: dict = field(default_factory=dict)  # rank -> settings for that rank only (fault injection)
 
     def config(self, rank: int, store_port: int, deployment: str) -> DaemonConfig:
-        return DaemonConfig(
+        settings = dict(
             rank=rank,
             tp=self.topology.tp,
             pp=self.topology.pp,
@@ -52,8 +52,8 @@ class DomainSpec:
             socket=str(self.run_dir / "rank-{rank}.sock"),
             fault_delay_ms=self.fault_delay_ms,
             fault_seed=self.seed,
-            **{**self.extra, **self.per_rank.get(rank, {})},
         )
+        return DaemonConfig(**{**settings, **self.extra, **self.per_rank.get(rank, {})})
 
 
 class LocalDomain:

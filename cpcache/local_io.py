@@ -34,10 +34,14 @@ class FetchProgress:
 
 
 class LocalIO:
-    def __init__(self, transfers: Transfers, clock=time.monotonic) -> None:
+    def __init__(self, transfers: Transfers, storage_timeout_s: float = 10.0, clock=time.monotonic) -> None:
+        """`storage_timeout_s`: a storage lookup that has not answered by then
+        counts as a miss here, so a hung store never holds a prefetch open."""
         self.transfers = transfers
         self._clock = clock
+        self._storage_timeout_s = storage_timeout_s
         self._exists: dict[int, int] = {}
+        self._asked_at: dict[int, float] = {}
         self._fetches: dict[int, FetchProgress] = {}
         self._writes: dict[int, bool] = {}
         self._backups: dict[int, tuple[bool, bool]] = {}
@@ -55,6 +59,7 @@ class LocalIO:
 
     def _start_exists(self, intent: Intent) -> None:
         self._exists[intent.op_id] = NOT_YET
+        self._asked_at[intent.op_id] = self._clock()
         if not self.has_storage:
             self._exists[intent.op_id] = 0
             return
@@ -103,7 +108,10 @@ class LocalIO:
     # -- LocalProgress ------------------------------------------------------------
 
     def exists(self, op_id: int) -> int:
-        return self._exists.get(op_id, NOT_YET)
+        found = self._exists.get(op_id, NOT_YET)
+        if found == NOT_YET and self._clock() - self._asked_at.get(op_id, self._clock()) > self._storage_timeout_s:
+            return 0  # the store did not answer in time: a miss, agreed like any other
+        return found
 
     def fetched(self, op_id: int) -> int:
         progress = self._fetches.get(op_id)
@@ -139,6 +147,7 @@ class LocalIO:
         """Drop the progress of operations that the decisions closed."""
         for op_id, _ in decisions.prefetch_done + decisions.prefetch_revoked:
             self._exists.pop(op_id, None)
+            self._asked_at.pop(op_id, None)
             self._fetches.pop(op_id, None)
         for op_id in decisions.write_acks:
             self._writes.pop(op_id, None)

@@ -56,4 +56,4 @@ def open_cache(config: DaemonConfig, geometry: KVGeometry, device: DevicePool) -
         tp_size=topology.atp,
     )
     state = CacheState(config.cache_config, PageAllocator(host.pages), sharding, geometry.page_size)
-    return CacheRuntime(state, LocalIO(transfers))
+    return CacheRuntime(state, LocalIO(transfers, config.storage_timeout_s))

@@ -195,3 +195,26 @@ async def test_single_purpose_calls_are_one_round_each(single, run_dir):
         assert info.value.code() == grpc.StatusCode.NOT_FOUND
         status = await stub.Status(pb.StatusRequest())
         assert status.rounds_completed == 3 and status.attached
+
+
+async def test_a_storage_that_does_not_answer_is_an_agreed_miss_in_bounded_time(run_dir):
+    """Rank 1's storage takes seconds to answer a lookup; the prefetch is
+    decided (as a miss, revoked) after storage_timeout_s, the same on both ranks."""
+    spec = DomainSpec(Topology(tp=2), run_dir,
+                      extra=dict(storage="file", storage_root=str(run_dir / "pages"), storage_timeout_s=0.5),
+                      # seed 6: rank 1's first lookup is delayed 3.66 s
+                      per_rank={1: dict(fault_storage_delay_ms=4000.0)}, seed=6)
+    async with LocalDomain(spec) as domain:
+        clients, _, _ = await attach_all(domain, run_dir)
+        import time
+
+        started = time.monotonic()
+        reply = await step_all(clients, 1, Ops(prefetches=((1, [bytes(32)], GEOMETRY.page_size),)))
+        step = 1
+        while 1 not in reply.prefetch_revoked:
+            step += 1
+            reply = await step_all(clients, step)
+        assert reply.prefetch_hits.get(1) == 0
+        assert time.monotonic() - started < 3.0  # well before rank 1's lookup returns
+        for c in clients:
+            await c.close()
