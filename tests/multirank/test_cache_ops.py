@@ -218,3 +218,38 @@ async def test_a_storage_that_does_not_answer_is_an_agreed_miss_in_bounded_time(
         assert time.monotonic() - started < 3.0  # well before rank 1's lookup returns
         for c in clients:
             await c.close()
+
+
+async def test_killed_mooncake_master_gives_agreed_misses_and_failures(run_dir):
+    from cpcache.storage.mooncake_master import MooncakeMaster
+
+    with MooncakeMaster(run_dir / "master.log") as master:
+        spec = DomainSpec(Topology(tp=2), run_dir, extra=dict(
+            storage="mooncake", storage_master=master.master, storage_metadata_server=master.metadata_server,
+            storage_segment_bytes=16 << 20, storage_timeout_s=2.0))
+        async with LocalDomain(spec) as domain:
+            clients, pools, seed = await attach_all(domain, run_dir)
+            before = [bytes([1, i]) * 16 for i in range(2)]
+            after = [bytes([2, i]) * 16 for i in range(2)]
+            step = 1
+            reply = await step_all(clients, step, Ops(writes=((1, before, [0, 1]),)))
+            stored = {}
+            while 1 not in stored:  # write-through acked, then backed up to the store
+                step += 1
+                reply = await step_all(clients, step)
+                stored.update({op: ok for op, ok in reply.backups.items()})
+            assert list(stored.values()) == [True]
+            master.stop()  # the store is gone
+            step += 1
+            await step_all(clients, step, Ops(writes=((2, after, [2, 3]),),
+                                              prefetches=((3, [bytes([3]) * 32], GEOMETRY.page_size),)))
+            revoked, backups = {}, {}
+            while 3 not in revoked or len(backups) < 1:
+                step += 1
+                reply = await step_all(clients, step)  # identical on both ranks, every step
+                revoked.update(reply.prefetch_revoked)
+                backups.update(reply.backups)
+            assert list(backups.values()) == [False]  # an agreed failure, not a hang
+            assert (await clients[0].status()).state == "serving"
+            for c in clients:
+                await c.close()
