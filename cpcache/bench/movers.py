@@ -12,7 +12,6 @@ by an inference process there), so device <-> host is a memory copy.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import tempfile
 import time
@@ -145,7 +144,7 @@ def bench_page_size(page_bytes: int, tokens: int, work: Path, master: MooncakeMa
 
 def run(with_mooncake: bool = True) -> dict:
     movers: list[dict] = []
-    with tempfile.TemporaryDirectory(prefix="cpc-movers-", dir=os.environ.get("TMPDIR")) as tmp:
+    with tempfile.TemporaryDirectory(prefix="cpc-movers-") as tmp:
         work = Path(tmp)
         master = MooncakeMaster(work / "master.log").__enter__() if with_mooncake else None
         try:

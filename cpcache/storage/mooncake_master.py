@@ -4,7 +4,6 @@ master's own log, not guessed with sleeps."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import socket
 import subprocess
@@ -60,9 +59,8 @@ class MooncakeMaster:
             [master_binary(), "--rpc_address=127.0.0.1", f"--rpc_port={self.rpc_port}",
              "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
              f"--http_metadata_server_port={self.http_port}", f"--metrics_port={metrics_port}",
-             "--enable_metric_reporting=false"],
+             "--enable_metric_reporting=false", "--logtostderr=true"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=dict(os.environ, GLOG_logtostderr="1"),
         )
         ready = threading.Event()
         threading.Thread(target=self._drain, args=(self.proc, ready), daemon=True).start()
