@@ -30,6 +30,7 @@ PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 MAX_PAGES_PER_OP = 1 << 16
 NOT_YET = -1  # a local answer that is not known yet; MIN keeps the question open
+TIMED_OUT = 2  # a backup outcome: the store did not answer; the write may still read its pages
 
 
 class Q(enum.IntEnum):
@@ -40,7 +41,7 @@ class Q(enum.IntEnum):
     PREFETCH_MAY_END = 12  # the policy lets this rank end the prefetch (MIN of 0/1)
     WRITE_ACK = 20  # write-throughs completed, from the head of the FIFO (MIN)
     BACKUP_DONE = 30  # this backup has ended on this rank (MIN of 0/1)
-    BACKUP_FAILED = 31  # this backup failed on this rank (MAX of 0/1)
+    BACKUP_FAILED = 31  # this backup failed (1) or timed out (2) on this rank (MAX)
     LOAD_DONE = 40  # this load-back has ended on this rank (MIN of 0/1)
     RECLAIM = 50  # no I/O is left on these retired slots here (MIN of 0/1)
 
@@ -159,7 +160,7 @@ class LocalProgress(Protocol):
 
     def write_done(self, op_id: int) -> bool: ...
 
-    def backup_state(self, op_id: int) -> tuple[bool, bool]: ...  # (ended, failed)
+    def backup_state(self, op_id: int) -> tuple[bool, int]: ...  # (ended, 0 / 1 failed / TIMED_OUT)
 
     def load_done(self, op_id: int) -> bool: ...
 
@@ -233,24 +234,31 @@ class CacheState:
 
     def _make_room(self, count: int, keep: set[bytes] = frozenset()) -> bool:
         """Free host slots by evicting least recently used pages; under
-        write_back, pages not yet in storage are backed up first instead."""
+        write_back, pages not yet in storage are backed up first instead.
+        Evicts nothing when even that would not make room."""
         short = count - self.allocator.free_count
         if short <= 0:
             return True
         write_back = self.config.write_policy == "write_back"
+
         # Pages used in this step stay: the scheduler was told of them (a
         # Match, an accepted prefetch) and may load them in its next step.
-        evicted = self.index.evict(
-            short,
-            skip=lambda page, e: e.last_used >= self.step or page in keep or (write_back and not e.backed_up),
-        )
+        def skip(page, e):
+            return e.last_used >= self.step or page in keep or (write_back and not e.backed_up)
+
+        if self.index.evictable(skip) < short:
+            if write_back:
+                self._queue_unbacked_for_eviction(short)
+            return False
+        evicted = self.index.evict(short, skip=skip)
         if evicted:
             # An unreferenced page has no I/O on any rank: loads, backups and
             # writes hold their pages until every rank has finished with them.
+            # The exception is a backup that timed out somewhere: its write may
+            # still be reading, so those slots wait for an agreed reclaim.
             self._record("evict", tuple(p for p, _ in evicted))
-            self.allocator.free([e.slot for _, e in evicted])
-        if write_back and self.allocator.free_count < count:
-            self._queue_unbacked_for_eviction(count - self.allocator.free_count)
+            self.allocator.free([e.slot for _, e in evicted if not e.io_suspect])
+            self._retire([e.slot for _, e in evicted if e.io_suspect])
         return self.allocator.free_count >= count
 
     def _queue_unbacked_for_eviction(self, count: int) -> None:
@@ -282,8 +290,6 @@ class CacheState:
         new_pages = sum(1 for req in ops.writes for p in req.pages if p not in self.index)
         loading = {p for req in ops.loads for p in req.pages}
         if not self._make_room(new_pages, keep=loading):
-            # Evictions made on the way stay (they are the same on every rank);
-            # nothing of the step itself is opened.
             raise ResourceExhausted(
                 f"host pool: writes need {new_pages} new pages; {self.allocator.free_count} of "
                 f"{self.allocator.pages} are free and no more can be evicted now"
@@ -381,9 +387,9 @@ class CacheState:
                 acked += 1
             ask(WRITE_ACK_OP, Q.WRITE_ACK, acked)
         for backup in list(self.backups)[: self.config.backup_window]:
-            ended, failed = local.backup_state(backup.op_id)
+            ended, outcome = local.backup_state(backup.op_id)
             ask(backup.op_id, Q.BACKUP_DONE, ended)
-            ask(backup.op_id, Q.BACKUP_FAILED, failed)
+            ask(backup.op_id, Q.BACKUP_FAILED, outcome)
         for op_id in self.loads:
             ask(op_id, Q.LOAD_DONE, local.load_done(op_id))
         for retirement, slots in self.retiring.items():
@@ -418,7 +424,7 @@ class CacheState:
             elif kind == Q.WRITE_ACK and value > 0:
                 intents += self._ack_writes(value, decisions)
             elif kind == Q.BACKUP_DONE and value == 1:
-                self._end_backup(op_id, bool(answers[(op_id, Q.BACKUP_FAILED)]), decisions)
+                self._end_backup(op_id, answers[(op_id, Q.BACKUP_FAILED)], decisions)
             elif kind == Q.LOAD_DONE and value == 1:
                 self._end_load(op_id, decisions)
             elif kind == Q.RECLAIM and value == 1 and op_id in self.retiring:
@@ -510,17 +516,18 @@ class CacheState:
             intents.append(Intent(backup.op_id, "backup", keys=keys, slots=mine))
         return intents
 
-    def _end_backup(self, op_id: int, failed: bool, decisions: Decisions) -> None:
+    def _end_backup(self, op_id: int, outcome: int, decisions: Decisions) -> None:
         backup = next((b for b in self.backups if b.op_id == op_id), None)
         if backup is None:
             return
         self.backups.remove(backup)
         self.index.ref(backup.pages, -1)
-        if not failed:
-            for page in backup.pages:
-                self.index.get(page).backed_up = True
-        self._record("backed_up", op_id, failed)
-        decisions.backups.append((op_id, not failed))
+        for page in backup.pages:
+            entry = self.index.get(page)
+            entry.backed_up = outcome == 0
+            entry.io_suspect = entry.io_suspect or outcome == TIMED_OUT
+        self._record("backed_up", op_id, outcome)
+        decisions.backups.append((op_id, outcome == 0))
 
     def _end_load(self, op_id: int, decisions: Decisions) -> None:
         load = self.loads.pop(op_id, None)

@@ -22,6 +22,7 @@ class Entry:
     last_used: int = 0  # step of the last use
     hits: int = 0  # times matched by a load (write_through_selective)
     backed_up: bool = False
+    io_suspect: bool = False  # a write from it timed out somewhere and may still be running
 
 
 class HostIndex:
@@ -67,8 +68,10 @@ class HostIndex:
         for page in pages:
             self._entries[page].refs += delta
 
-    def evictable(self) -> int:
-        return sum(1 for e in self._entries.values() if e.refs == 0)
+    def evictable(self, skip=lambda page, entry: False) -> int:
+        """How many pages `evict` could remove with this `skip` (a page with
+        children goes once its children have gone)."""
+        return sum(1 for page, e in self._entries.items() if e.refs == 0 and not skip(page, e))
 
     def evict(self, count: int, skip=lambda page, entry: False) -> list[tuple[bytes, Entry]]:
         """Remove up to `count` unreferenced leaves, least recently used first

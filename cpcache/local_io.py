@@ -9,7 +9,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from cpcache.cache import NOT_YET, Intent
+from cpcache.cache import NOT_YET, TIMED_OUT, Intent
 from cpcache.movers import DEVICE, HOST, STORAGE, TransferResult, Transfers
 
 FETCH_CHUNK_PAGES = 16  # a fetch reports progress chunk by chunk
@@ -44,7 +44,8 @@ class LocalIO:
         self._asked_at: dict[int, float] = {}
         self._fetches: dict[int, FetchProgress] = {}
         self._writes: dict[int, bool] = {}
-        self._backups: dict[int, tuple[bool, bool]] = {}
+        self._backups: dict[int, tuple[bool, int]] = {}
+        self._backup_started: dict[int, float] = {}
         self._loads: dict[int, Future] = {}
 
     @property
@@ -96,11 +97,12 @@ class LocalIO:
         if not intent.keys or not self.has_storage:
             # Not this rank's pages to write (or nowhere to write them): done
             # here, and still part of the agreed answer.
-            self._backups[intent.op_id] = (True, not self.has_storage and bool(intent.keys))
+            self._backups[intent.op_id] = (True, int(not self.has_storage and bool(intent.keys)))
             return
-        self._backups[intent.op_id] = (False, False)
+        self._backups[intent.op_id] = (False, 0)
+        self._backup_started[intent.op_id] = self._clock()
         job = self.transfers.submit((HOST, STORAGE), intent.slots, intent.keys)
-        job.add_done_callback(lambda f: self._backups.__setitem__(intent.op_id, (True, not f.result().success)))
+        job.add_done_callback(lambda f: self._backups.__setitem__(intent.op_id, (True, int(not f.result().success))))
 
     def _start_load(self, intent: Intent) -> None:
         self._loads[intent.op_id] = self.transfers.submit((HOST, DEVICE), intent.slots, intent.device_pages)
@@ -118,8 +120,12 @@ class LocalIO:
         return progress.prefix() if progress else 0
 
     def fetch_ended(self, op_id: int) -> bool:
+        """Every read has returned, or the store has had storage_timeout_s
+        (reads still running keep their slots busy: see `idle`)."""
         progress = self._fetches.get(op_id)
-        return progress is None or progress.finished == len(progress.chunks)
+        if progress is None or progress.finished == len(progress.chunks):
+            return True
+        return self._clock() - progress.started > self._storage_timeout_s
 
     def elapsed_s(self, op_id: int) -> float:
         progress = self._fetches.get(op_id)
@@ -128,8 +134,15 @@ class LocalIO:
     def write_done(self, op_id: int) -> bool:
         return self._writes.get(op_id, False)
 
-    def backup_state(self, op_id: int) -> tuple[bool, bool]:
-        return self._backups.get(op_id, (False, False))
+    def backup_state(self, op_id: int) -> tuple[bool, int]:
+        """(ended, outcome): outcome 0 stored, 1 failed, TIMED_OUT when the
+        store has not answered in storage_timeout_s (the write may still be
+        reading its host pages)."""
+        ended, outcome = self._backups.get(op_id, (False, 0))
+        started = self._backup_started.get(op_id)
+        if not ended and started is not None and self._clock() - started > self._storage_timeout_s:
+            return True, TIMED_OUT
+        return ended, outcome
 
     def load_done(self, op_id: int) -> bool:
         job = self._loads.get(op_id)
@@ -153,5 +166,6 @@ class LocalIO:
             self._writes.pop(op_id, None)
         for op_id, _ in decisions.backups:
             self._backups.pop(op_id, None)
+            self._backup_started.pop(op_id, None)
         for op_id, _ in decisions.loads:
             self._loads.pop(op_id, None)

@@ -176,6 +176,8 @@ class Transfers:
         return result
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        """Stop taking jobs; do not wait for a storage call that hangs (the
+        daemon exits regardless)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
         if self.tiers.storage is not None:
             self.tiers.storage.close()

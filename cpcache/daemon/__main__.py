@@ -1,5 +1,3 @@
-import sys
+from cpcache.daemon.main import run
 
-from cpcache.daemon.main import main
-
-sys.exit(main())
+run()

@@ -41,5 +41,15 @@ def main(argv: list[str] | None = None) -> int:
     return int(code)
 
 
+def run() -> None:
+    """Console entry point. Exits without joining I/O threads: one stuck in
+    a storage call that never returns must not keep a stopped daemon alive."""
+    code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

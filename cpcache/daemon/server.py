@@ -15,6 +15,7 @@ import grp
 import logging
 import os
 import signal
+import threading
 
 import grpc
 from grpc_health.v1 import _async as health_async
@@ -273,7 +274,7 @@ class Daemon:
         if self._engine is not None:
             await asyncio.to_thread(self._engine.close)
         if self._coordinator is not None and self._coordinator.cache is not None:
-            await asyncio.to_thread(self._coordinator.cache.io.transfers.close)
+            await _bounded(self._coordinator.cache.io.transfers.close, 5.0, "closing the storage backend")
         if self._heartbeat is not None:
             self._heartbeat.stop()
         self._store_server = None
@@ -330,6 +331,25 @@ class Daemon:
         pb_grpc.add_CacheDaemonServicer_to_server(CacheDaemonServicer(self), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         return server
+
+
+async def _bounded(fn, timeout_s: float, what: str) -> None:
+    """Run a blocking call on a daemon thread and wait at most `timeout_s`:
+    a storage that hangs must not hold the daemon's exit."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def call() -> None:
+        try:
+            fn()
+        finally:
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+
+    threading.Thread(target=call, name=what, daemon=True).start()
+    try:
+        await asyncio.wait_for(done, timeout_s)
+    except asyncio.TimeoutError:
+        log.warning("%s did not finish within %.0fs; exiting without it", what, timeout_s)
 
 
 def _split_host_port(address: str) -> tuple[str, int]:

@@ -125,8 +125,9 @@ async def test_revoked_prefetch_keeps_its_slots_until_the_slow_rank_is_done(run_
 
 @pytest.fixture
 async def single(run_dir):
+    # threshold 0: a prefetch with no storage hit stays open until polled or revoked
     spec = DomainSpec(Topology(tp=1), run_dir, extra=dict(storage="file", storage_root=str(run_dir / "pages"),
-                                                          host_pool_pages=PAGES))
+                                                          host_pool_pages=PAGES, prefetch_threshold_tokens=0))
     async with LocalDomain(spec) as domain:
         yield domain
 
@@ -143,8 +144,11 @@ async def test_every_error_status_leaves_the_daemon_serving_and_state_unchanged(
     with pytest.raises(errors.FailedPrecondition, match="already attached"):
         await client.attach("m", GEOMETRY, 4, shm_path=path)
     page = bytes(32)
-    await client.step(1, ops=Ops(writes=((1, [page], [0]),)))
-    await client.step(2)
+    reply = await client.step(1, ops=Ops(writes=((1, [page], [0]),)))
+    step = 1
+    while 1 not in reply.write_acks:  # rounds until the write-through is agreed done
+        step += 1
+        reply = await client.step(step)
     before = await client.stats()
     bad = [
         (Ops(writes=((7, [b"short"], [0]),)), errors.InvalidArgument, "32-byte"),
@@ -154,14 +158,13 @@ async def test_every_error_status_leaves_the_daemon_serving_and_state_unchanged(
         (Ops(writes=((9, [bytes([i]) * 32 for i in range(2, 2 + PAGES + 1)], list(range(PAGES + 1))),)),
          errors.ResourceExhausted, "host pool"),
     ]
-    step = 2
     for ops, kind, words in bad:
         with pytest.raises(kind, match=words):
             await client.step(step + 1, ops=ops)
         after = await client.stats()
         assert after["cache_digest"] == before["cache_digest"], words
     with pytest.raises(errors.FailedPrecondition, match="strictly increase"):
-        await client.step(2)
+        await client.step(step)
     # Still serving, and the page written before is still there to load.
     reply = await client.step(step + 1, ops=Ops(loads=((10, [page], [2]),)))
     await client.wait_loads([10], timeout_s=10)
