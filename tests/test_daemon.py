@@ -122,3 +122,21 @@ async def test_tcp_listener_requires_the_token(run_dir):
                 await anonymous.step(1, [])
         async with AsyncClient(f"127.0.0.1:{port}", token="s3cret") as client:
             assert (await client.step(1, [(9, Reduce.MAX, 2)])).decisions == {9: 2}
+
+
+async def test_a_second_signal_cuts_the_drain_short(run_dir):
+    spec = DomainSpec(Topology(tp=2), run_dir, agreement_timeout_s=30.0)
+    async with LocalDomain(spec) as domain:
+        a = AsyncClient(domain.sockets[0])
+        in_flight = asyncio.ensure_future(a.step(1, []))  # rank 1 never joins: the drain would wait
+        while (await a.status()).last_step < 1:
+            await asyncio.sleep(0)
+        watch = a._health.Watch(health_pb2.HealthCheckRequest(service=""))
+        assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+        domain.signal(0, 15)
+        assert (await watch.read()).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        domain.signal(0, 15)
+        assert await domain.wait_exit(0, timeout_s=10) == ExitCode.FORCED
+        with pytest.raises(errors.CacheError):
+            await in_flight
+        await a.close()
