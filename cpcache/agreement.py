@@ -1,7 +1,7 @@
 """The agreement engine: one dedicated thread runs every collective, in round
 order.
 
-The event loop packs a round (`rounds.QuestionTable.pack`) and hands it over
+The event loop packs a round (`rounds.RoundInput.pack`) and hands it over
 with `submit`, getting a `concurrent.futures.Future` back. The thread reduces,
 settles and resolves the future. Any failure of a round (a lost peer, a crash
 of the thread itself) breaks the engine: every pending and later round fails

@@ -138,9 +138,6 @@ class Decisions:
     backups: list[tuple[int, bool]] = field(default_factory=list)  # (op, stored)
     loads: list[tuple[int, int]] = field(default_factory=list)  # (op, pages loaded)
 
-    def empty(self) -> bool:
-        return not any(vars(self).values())
-
     def merge(self, other: "Decisions") -> "Decisions":
         for name, values in vars(other).items():
             getattr(self, name).extend(values)
@@ -399,6 +396,12 @@ class CacheState:
             np.array(ids, dtype=np.int64), np.array(kinds, dtype=np.int64),
             np.array(reduces, dtype=np.int64), np.array(values, dtype=np.int64),
         )
+
+    def open_questions(self) -> int:
+        """Operations the next rounds will ask about (upper bound: a prefetch
+        asks only when polled)."""
+        return (len(self.prefetches) + bool(self.writes) + min(len(self.backups), self.config.backup_window)
+                + len(self.loads) + len(self.retiring))
 
     def _may_end(self, pf: Prefetch, done: int, local: LocalProgress) -> int:
         # Complete: every page is here, or every read has ended (some failed).

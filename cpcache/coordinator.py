@@ -18,7 +18,7 @@ from cpcache.agreement import AgreementEngine
 from cpcache.cache import CacheState, Decisions, StepOps, check_step_allowed
 from cpcache.errors import FailedPrecondition, InvalidArgument
 from cpcache.local_io import LocalIO
-from cpcache.rounds import Kind, QuestionTable, Questions, RoundInput, RoundResult, hash62
+from cpcache.rounds import Kind, Questions, RoundInput, RoundResult, hash62
 
 MAX_VOTES_PER_STEP = 1 << 16
 
@@ -47,7 +47,6 @@ class Coordinator:
             raise InvalidArgument(f"agreement_lag must be >= 0, got {agreement_lag}")
         self._engine = engine
         self._lag = agreement_lag
-        self._table = QuestionTable()
         self._in_flight: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
         self._applied_chain = 0  # hash chain of every agreed vote result applied here
         self.cache: CacheRuntime | None = None
@@ -56,7 +55,8 @@ class Coordinator:
 
     @property
     def open_questions(self) -> int:
-        return len(self._table) + (len(self.cache.state.prefetches) if self.cache else 0)
+        """Questions that stay open across rounds (votes close in their own)."""
+        return self.cache.state.open_questions() if self.cache else 0
 
     @property
     def digest(self) -> int:
@@ -75,7 +75,7 @@ class Coordinator:
         if len(votes) > MAX_VOTES_PER_STEP:
             raise InvalidArgument(f"a step carries at most {MAX_VOTES_PER_STEP} votes, got {len(votes)}")
         check_step_allowed(self.cache is not None, ops)
-        questions = self._table.columns().concat(votes)
+        questions = votes
         decided = Decisions()
         if self.cache is not None:
             intents, decided = self.cache.state.open_step(step, ops)

@@ -2,6 +2,9 @@
 local answers are packed into one int64 vector, and how the reduced vector is
 read back (DESIGN section 4).
 
+The questions of a round are derived from shared state each step (see
+`cpcache.cache.CacheState.questions`) plus the step's one-shot votes.
+
 A round's vector is ``[fp, -fp, digest, -digest, -count, answer_0, ...]``,
 reduced with MIN. ``min(x) == -min(-x)`` holds only when every rank sent the
 same x, so slots 0..3 detect a different question set or shared state. MAX
@@ -24,11 +27,11 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-from cpcache.errors import Divergence, FailedPrecondition, InvalidArgument
+from cpcache.errors import Divergence, InvalidArgument
 
 HEADER_SLOTS = 5
 MIN_CAPACITY = 64
@@ -50,12 +53,6 @@ class Kind(enum.IntEnum):
 
 def hash62(data: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") & _HASH_MASK
-
-
-def check_value(value: int, what: str) -> int:
-    if not -INT64_MAX <= value <= INT64_MAX:
-        raise InvalidArgument(f"{what} {value} is outside the int64 range (-2**63, 2**63)")
-    return value
 
 
 @dataclass(frozen=True)
@@ -203,41 +200,6 @@ class RoundResult:
         """(op ids, agreed values) of the questions of one kind, by op id."""
         mask = self.kinds == kind
         return self.op_ids[mask], self.values[mask]
-
-
-@dataclass
-class QuestionTable:
-    """Questions that stay open across rounds (until an agreed result closes
-    them), keyed by (op id, kind). Opened and closed only by scheduler calls
-    and agreed results, so it is identical on every rank; only the local
-    answers differ."""
-
-    questions: dict[tuple[int, Kind], list] = field(default_factory=dict)
-
-    def __len__(self) -> int:
-        return len(self.questions)
-
-    def open(self, op_id: int, kind: Kind, reduce: Reduce, local: int) -> None:
-        if (op_id, kind) in self.questions:
-            raise FailedPrecondition(f"operation {op_id} already has an open {kind.name.lower()} question")
-        self.questions[(op_id, kind)] = [reduce, check_value(local, f"local answer of operation {op_id}")]
-
-    def update(self, op_id: int, kind: Kind, local: int) -> None:
-        self.questions[(op_id, kind)][1] = check_value(local, f"local answer of operation {op_id}")
-
-    def close(self, op_id: int, kind: Kind) -> None:
-        self.questions.pop((op_id, kind), None)
-
-    def columns(self) -> Questions:
-        if not self.questions:
-            return Questions.empty()
-        keys = list(self.questions)
-        return Questions(
-            np.array([k[0] for k in keys], dtype=np.int64),
-            np.array([k[1] for k in keys], dtype=np.int64),
-            np.array([v[0] for v in self.questions.values()], dtype=np.int64),
-            np.array([v[1] for v in self.questions.values()], dtype=np.int64),
-        )
 
 
 def explain_divergence(number: int, by_rank: dict[int, bytes | None]) -> str:

@@ -6,8 +6,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from cpcache.errors import Divergence, FailedPrecondition, InvalidArgument
-from cpcache.rounds import HEADER_SLOTS, MIN_CAPACITY, Kind, Questions, QuestionTable, Reduce, RoundInput, explain_divergence
+from cpcache.errors import Divergence, InvalidArgument
+from cpcache.rounds import HEADER_SLOTS, MIN_CAPACITY, Kind, Questions, Reduce, RoundInput, explain_divergence
 
 
 class table_with:
@@ -69,16 +69,6 @@ def test_min_and_max_answers_from_one_min_reduction():
     assert result.number == 7
 
 
-def test_open_questions_join_every_round_until_closed():
-    table = QuestionTable()
-    table.open(5, Kind.VOTE, Reduce.MAX, 0)
-    table.update(5, Kind.VOTE, 3)
-    first = RoundInput.pack(1, table.columns(), 0)
-    assert first.vector[HEADER_SLOTS:].tolist() == [-3]
-    table.close(5, Kind.VOTE)
-    assert len(RoundInput.pack(2, table.columns(), 0).questions) == 0
-
-
 def test_packing_order_does_not_depend_on_opening_order():
     a = table_with((2, Reduce.MIN, 1), (1, Reduce.MIN, 1)).pack(3, 0)
     b = table_with((1, Reduce.MIN, 1), (2, Reduce.MIN, 1)).pack(3, 0)
@@ -114,7 +104,3 @@ def test_bad_values_and_duplicate_questions_are_refused():
         table_with((1, Reduce.MIN, -(2**63)))
     with pytest.raises(InvalidArgument, match="appears twice"):
         table_with((1, Reduce.MIN, 1), (1, Reduce.MIN, 2))
-    table = QuestionTable()
-    table.open(1, Kind.VOTE, Reduce.MIN, 0)
-    with pytest.raises(FailedPrecondition, match="already has an open vote"):
-        table.open(1, Kind.VOTE, Reduce.MIN, 0)

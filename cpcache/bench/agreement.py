@@ -16,7 +16,6 @@ from cpcache.bench.stats import percentiles_us
 from cpcache.client import AsyncClient
 from cpcache.collective import host_store
 from cpcache.launcher import DomainSpec, LocalDomain
-from cpcache.rounds import Reduce
 from cpcache.topology import Topology
 
 TOPOLOGY = Topology(tp=4, cp=2)

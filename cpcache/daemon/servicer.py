@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 
-import grpc
-
 from cpcache.cache import LoadRequest, PrefetchRequest, StepOps, WriteRequest
 from cpcache.coordinator import Coordinator, StepOutcome
 from cpcache.daemon.status import guarded
