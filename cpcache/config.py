@@ -14,6 +14,35 @@ from cpcache.errors import InvalidArgument
 from cpcache.topology import MODES, Topology
 
 
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    prefetch_policy: str = "best_effort"
+    prefetch_threshold_tokens: int = 256
+    prefetch_timeout_base_s: float = 2.0
+    prefetch_timeout_per_ki_token_s: float = 0.1
+    prefetch_timeout_max_s: float = 30.0
+    write_policy: str = "write_through"
+    backup_window: int = 64  # backups asked about per round, from the head of the queue
+
+    def __post_init__(self) -> None:
+        if self.prefetch_policy not in PREFETCH_POLICIES:
+            raise InvalidArgument(f"setting prefetch_policy: must be one of {', '.join(PREFETCH_POLICIES)}")
+        if self.write_policy not in WRITE_POLICIES:
+            raise InvalidArgument(f"setting write_policy: must be one of {', '.join(WRITE_POLICIES)}")
+        if self.prefetch_threshold_tokens < 0 or self.backup_window < 1:
+            raise InvalidArgument("setting prefetch_threshold_tokens must be >= 0 and backup_window >= 1")
+
+    def prefetch_timeout_s(self, tokens: int) -> float:
+        return min(
+            self.prefetch_timeout_max_s,
+            self.prefetch_timeout_base_s + self.prefetch_timeout_per_ki_token_s * tokens / 1024,
+        )
+
+
 def setting(default, help: str, **kwargs):
     return field(default=default, metadata={"help": help, **kwargs})
 
@@ -111,9 +140,7 @@ class DaemonConfig:
         return Topology(tp=self.tp, pp=self.pp, dp=self.dp, cp=self.cp)
 
     @property
-    def cache_config(self):
-        from cpcache.cache import CacheConfig
-
+    def cache_config(self) -> CacheConfig:
         return CacheConfig(
             prefetch_policy=self.prefetch_policy,
             prefetch_threshold_tokens=self.prefetch_threshold_tokens,

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from cpcache.errors import InvalidArgument
-from cpcache.rounds import hash62
+from cpcache.hashing import hash62
 
 DTYPES = {
     "float32": torch.float32,

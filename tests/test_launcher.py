@@ -15,7 +15,7 @@ pytestmark = pytest.mark.timeout(90)
 
 def test_launch_prints_sockets_and_stops_on_sigint(run_dir):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cpcache.cli", "launch", "--tp", "2", "--cp", "2", "--run-dir", str(run_dir)],
+        [sys.executable, "-m", "cpcache.tools.cli", "launch", "--tp", "2", "--cp", "2", "--run-dir", str(run_dir)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     sockets = []

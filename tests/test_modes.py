@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from cpcache.collective import Rendezvous, build_reducer, host_store
+from cpcache.agreement.collective import Rendezvous, build_reducer, host_store
 from cpcache.topology import Topology
 
 

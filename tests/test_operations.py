@@ -13,8 +13,8 @@ import pytest
 
 from cpcache.client import AsyncClient, Ops
 from cpcache.geometry import KVGeometry
-from cpcache.launcher import DomainSpec, LocalDomain
-from cpcache.tiers import DevicePool
+from cpcache.tools.launcher import DomainSpec, LocalDomain
+from cpcache.dataplane.pools import DevicePool
 from cpcache.topology import Topology
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,7 +45,7 @@ def test_daemon_notifies_ready_then_stopping(run_dir):
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.bind(str(notify))
     sock.settimeout(30)  # recv waits for the daemon's datagram; the timeout only bounds a failure
-    store = __import__("cpcache.collective", fromlist=["host_store"]).host_store()
+    store = __import__("cpcache.agreement.collective", fromlist=["host_store"]).host_store()
     with open(run_dir / "daemon.log", "wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "cpcache.daemon", "--rank", "0", "--socket", str(run_dir / "d.sock"),

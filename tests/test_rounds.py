@@ -7,7 +7,10 @@ import numpy as np
 import pytest
 
 from cpcache.errors import Divergence, InvalidArgument
-from cpcache.rounds import HEADER_SLOTS, MIN_CAPACITY, Kind, Questions, Reduce, RoundInput, explain_divergence
+from cpcache.agreement.divergence import explain_divergence
+from cpcache.agreement.kinds import VOTE
+from cpcache.agreement.rounds import HEADER_SLOTS, MIN_CAPACITY, Questions, RoundInput
+from cpcache.values import Reduce
 
 
 class table_with:
@@ -64,7 +67,7 @@ def test_min_and_max_answers_from_one_min_reduction():
     a = table_with((1, Reduce.MIN, 5), (2, Reduce.MAX, 0)).pack(7, digest=42)
     b = table_with((1, Reduce.MIN, 3), (2, Reduce.MAX, 1)).pack(7, digest=42)
     result = a.settle(reduce_min(a, b))
-    op_ids, values = result.of_kind(Kind.VOTE)
+    op_ids, values = result.of_kind(VOTE.code)
     assert dict(zip(op_ids.tolist(), values.tolist())) == {1: 3, 2: 1}
     assert result.number == 7
 

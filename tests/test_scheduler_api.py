@@ -6,9 +6,9 @@ import pytest
 from cpcache.client import Client
 from cpcache.geometry import KVGeometry
 from cpcache.keys import chain
-from cpcache.launcher import DomainSpec, LocalDomain
-from cpcache.scheduler_api import HiCacheSession
-from cpcache.tiers import DevicePool
+from cpcache.tools.launcher import DomainSpec, LocalDomain
+from cpcache.client.session import HiCacheSession
+from cpcache.dataplane.pools import DevicePool
 from cpcache.topology import Topology
 
 pytestmark = pytest.mark.timeout(60)

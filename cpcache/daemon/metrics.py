@@ -9,7 +9,7 @@ import collections
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from cpcache.agreement import LatencyHistogram
+from cpcache.agreement.engine import LatencyHistogram
 
 
 class DaemonCollector:

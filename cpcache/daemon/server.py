@@ -21,19 +21,19 @@ import grpc
 from grpc_health.v1 import _async as health_async
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cpcache.agreement import AgreementEngine, DivergenceExchange, FaultInjection, peer_lost
-from cpcache.collective import Rendezvous, build_reducer, host_store
+from cpcache.agreement.engine import AgreementEngine, DivergenceExchange, FaultInjection, peer_lost
+from cpcache.agreement.collective import Rendezvous, build_reducer, host_store
 from cpcache.config import DaemonConfig
-from cpcache.coordinator import Coordinator
+from cpcache.rank.stepper import Coordinator
 from cpcache.daemon import metrics
 from cpcache.daemon.auth import TokenInterceptor
 from cpcache.daemon.metrics import DaemonCollector
 from cpcache.daemon.systemd import Notifier
 from cpcache.errors import CacheError, FailedPrecondition, Unavailable
 from cpcache.keys import namespace_seed
-from cpcache.runtime import open_cache
-from cpcache.tiers import DevicePool
-from cpcache.liveness import Heartbeat, diagnose
+from cpcache.rank.assembly import open_cache
+from cpcache.dataplane.pools import DevicePool
+from cpcache.agreement.liveness import Heartbeat, diagnose
 from cpcache.v1 import daemon_pb2 as pb
 from cpcache.v1 import daemon_pb2_grpc as pb_grpc
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import asyncio
 
-from cpcache.cache import LoadRequest, PrefetchRequest, StepOps, WriteRequest
-from cpcache.coordinator import Coordinator, StepOutcome
+from cpcache.state.machine import LoadRequest, PrefetchRequest, StepOps, WriteRequest
+from cpcache.rank.stepper import Coordinator, StepOutcome
 from cpcache.daemon.status import guarded
 from cpcache.errors import InvalidArgument, NotFound, Unavailable
 from cpcache.geometry import KVGeometry
-from cpcache.rounds import Questions
+from cpcache.agreement.rounds import Questions
 from cpcache.v1 import daemon_pb2 as pb
 from cpcache.v1 import daemon_pb2_grpc as pb_grpc
 

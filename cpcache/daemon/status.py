@@ -13,20 +13,9 @@ from cpcache import errors
 
 log = logging.getLogger(__name__)
 
-# Most specific first: the first matching class wins.
-STATUS_OF: tuple[tuple[type[errors.CacheError], grpc.StatusCode], ...] = (
-    (errors.InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
-    (errors.NotFound, grpc.StatusCode.NOT_FOUND),
-    (errors.FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
-    (errors.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (errors.Unavailable, grpc.StatusCode.UNAVAILABLE),
-)
-
-
 def status_of(error: BaseException) -> grpc.StatusCode:
-    for kind, code in STATUS_OF:
-        if isinstance(error, kind):
-            return code
+    if isinstance(error, errors.CacheError):
+        return grpc.StatusCode[error.status]
     return grpc.StatusCode.INTERNAL
 
 

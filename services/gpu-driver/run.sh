@@ -10,5 +10,5 @@ py=python3
 [ -x .venv/bin/python ] && py=.venv/bin/python
 $py -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name(0))"
 timeout 240 $py -m pytest tests/gpu -q -p no:cacheprovider --junitxml="$out/gpu-tests.xml" | tee "$out/gpu-tests.txt"
-timeout 120 $py -m cpcache.cli bench movers --json --no-mooncake > "$out/bench-movers.json"
+timeout 120 $py -m cpcache.tools.cli bench movers --json --no-mooncake > "$out/bench-movers.json"
 echo "results in $out"

@@ -7,9 +7,9 @@ import torch
 
 from cpcache.client import AsyncClient, Ops
 from cpcache.geometry import KVGeometry
-from cpcache.launcher import DomainSpec, LocalDomain
-from cpcache.movers import DEVICE, HOST, Tiers, Transfers
-from cpcache.tiers import LAYOUTS, DevicePool, HostPool
+from cpcache.tools.launcher import DomainSpec, LocalDomain
+from cpcache.dataplane.movers import DEVICE, HOST, Tiers, Transfers
+from cpcache.dataplane.pools import LAYOUTS, DevicePool, HostPool
 from cpcache.topology import Topology
 
 pytestmark = [

@@ -7,8 +7,8 @@ import random
 import pytest
 
 from cpcache.client import AsyncClient
-from cpcache.launcher import DomainSpec, LocalDomain
-from cpcache.rounds import Reduce
+from cpcache.tools.launcher import DomainSpec, LocalDomain
+from cpcache.values import Reduce
 from cpcache.topology import Topology
 
 pytestmark = [pytest.mark.multirank, pytest.mark.timeout(120)]

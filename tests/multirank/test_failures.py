@@ -10,8 +10,8 @@ import pytest
 from cpcache import errors
 from cpcache.client import AsyncClient
 from cpcache.daemon.server import ExitCode
-from cpcache.launcher import DomainSpec, LocalDomain
-from cpcache.rounds import Reduce
+from cpcache.tools.launcher import DomainSpec, LocalDomain
+from cpcache.values import Reduce
 from cpcache.topology import Topology
 
 pytestmark = [pytest.mark.multirank, pytest.mark.timeout(120)]

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from cpcache.sim.lru_model import model_hit_rates
-from cpcache.sim.replay import ReplayConfig, arrivals, replay
-from cpcache.sim.trace import PageHasher, load
+from cpcache.tools.sim.lru_model import model_hit_rates
+from cpcache.tools.sim.replay import ReplayConfig, arrivals, replay
+from cpcache.tools.sim.trace import PageHasher, load
 
 pytestmark = [pytest.mark.multirank, pytest.mark.timeout(240)]
 

@@ -1,0 +1,178 @@
+"""The agreement engine: one dedicated thread runs every collective, in round
+order.
+
+The event loop packs a round (`rounds.RoundInput.pack`) and hands it over
+with `submit`, getting a `concurrent.futures.Future` back. The thread reduces,
+settles and resolves the future. Any failure of a round (a lost peer, a crash
+of the thread itself) breaks the engine: every pending and later round fails
+with the same `Unavailable` error, in bounded time. Nothing is left waiting.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from cpcache.errors import CacheError, Divergence, PeerLost, Unavailable
+from cpcache.agreement.divergence import DivergenceExchange
+from cpcache.agreement.rounds import MIN_CAPACITY, RoundInput
+
+log = logging.getLogger(__name__)
+
+
+class LatencyHistogram:
+    """Round durations (collective time, including waiting for peers), in
+    cumulative buckets, for metrics. Written by the agreement thread only."""
+
+    BOUNDS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(self.BOUNDS_S) + 1)
+        self.total_s = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.total_s += seconds
+        for i, bound in enumerate(self.BOUNDS_S):
+            if seconds <= bound:
+                self.counts[i] += 1
+                return
+        self.counts[-1] += 1
+
+
+@dataclass(frozen=True)
+class FaultInjection:
+    """Per-rank perturbation of round timing, for tests and demos."""
+
+    delay_ms: float = 0.0  # each round waits uniform(0, delay_ms) before reducing
+    seed: int = 0
+
+
+class AgreementEngine:
+    def __init__(
+        self,
+        reducer,
+        exchange: DivergenceExchange | None,
+        diagnose,
+        heartbeat=None,
+        faults: FaultInjection = FaultInjection(),
+        on_failure=None,
+    ) -> None:
+        """`reducer` has `min_inplace(vector)` and `close()`; `diagnose(round,
+        exc)` returns a `PeerLost` naming the missing ranks; `on_failure(error)`
+        is called once, from the agreement thread, when the engine breaks."""
+        self._reducer = reducer
+        self._exchange = exchange
+        self._diagnose = diagnose
+        self._heartbeat = heartbeat
+        self._faults = faults
+        self._on_failure = on_failure
+        self._random = random.Random(faults.seed)
+        self._jobs: queue.SimpleQueue[tuple[RoundInput, Future] | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._failure: CacheError | None = None
+        self._closed = False
+        self.rounds_completed = 0
+        self.divergences = 0
+        self.round_latency = LatencyHistogram()
+        self._capacity = MIN_CAPACITY  # touched only by the agreement thread
+        self._thread = threading.Thread(target=self._run, name="agreement", daemon=True)
+        self._thread.start()
+
+    @property
+    def failure(self) -> CacheError | None:
+        return self._failure
+
+    def submit(self, round_input: RoundInput) -> Future:
+        future: Future = Future()
+        with self._lock:
+            if self._failure is not None:
+                future.set_exception(self._failure)
+            elif self._closed:
+                future.set_exception(Unavailable("the agreement engine is closed: the daemon is shutting down"))
+            else:
+                self._jobs.put((round_input, future))
+        return future
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop after the rounds already submitted; release the groups.
+        Safe to call twice."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._jobs.put(None)
+        self._thread.join(timeout_s)
+        if not self._thread.is_alive():
+            self._reducer.close()
+        self._fail_pending(Unavailable("the agreement engine is closed: the daemon is shutting down"))
+
+    def _run(self) -> None:
+        try:
+            while (job := self._jobs.get()) is not None:
+                round_input, future = job
+                # A cancelled caller still gets its round run: peers wait in it.
+                self._one_round(round_input, future if future.set_running_or_notify_cancel() else Future())
+        except BaseException as exc:  # the thread must never die silently
+            log.exception("agreement thread crashed")
+            self._break(Unavailable(f"the agreement thread crashed: {type(exc).__name__}: {exc}"))
+
+    def _one_round(self, round_input: RoundInput, future: Future) -> None:
+        if self._failure is not None:
+            future.set_exception(self._failure)
+            return
+        if self._heartbeat is not None:
+            self._heartbeat.entered(round_input.number)
+        if self._faults.delay_ms:
+            time.sleep(self._random.uniform(0, self._faults.delay_ms) / 1000)
+        started = time.perf_counter()
+        try:
+            vector, self._capacity = round_input.reduce(self._reducer.min_inplace, self._capacity)
+        except RuntimeError as exc:
+            failure = self._diagnose(round_input.number, exc)
+            self._break(failure)
+            future.set_exception(failure)
+            return
+        self.rounds_completed += 1
+        self.round_latency.observe(time.perf_counter() - started)
+        try:
+            result = round_input.settle(vector)
+        except Divergence:
+            self.divergences += 1
+            message = self._exchange.explain(round_input) if self._exchange else f"divergence in round {round_input.number}"
+            future.set_exception(Divergence(message))
+            return
+        future.set_result(result)
+
+    def _break(self, failure: CacheError) -> None:
+        with self._lock:
+            first = self._failure is None
+            if first:
+                self._failure = failure
+        self._fail_pending(self._failure)
+        if first:
+            log.error("agreement broken: %s", failure)
+            if self._on_failure is not None:
+                self._on_failure(failure)
+
+    def _fail_pending(self, failure: CacheError) -> None:
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None and not job[1].done():
+                job[1].set_exception(failure)
+
+
+def peer_lost(round_number: int, exc: BaseException, diagnosis) -> PeerLost:
+    return PeerLost(
+        f"round {round_number} failed: {diagnosis.reason}; the agreement domain cannot decide "
+        f"until it is restarted in a new epoch (gloo: {str(exc).splitlines()[0][:200]})",
+        diagnosis.missing,
+    )
+

@@ -1,0 +1,90 @@
+"""Heartbeats in the rendezvous store, and naming the ranks a failed round
+lost.
+
+Gloo says that a round failed, not which peer is to blame. Each daemon
+publishes ``"<beat> <last round entered>"`` every `interval_s`; after a failed
+round the survivors watch their peers' beats for a short window. A rank whose
+beat does not move is stopped or dead; a rank that never entered the failed
+round is stuck before it (its scheduler never sent that step).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+from cpcache.agreement.collective import Rendezvous
+
+
+def _key(rdzv: Rendezvous, rank: int) -> str:
+    return f"{rdzv.namespace}/heartbeat/{rank}"
+
+
+class Heartbeat:
+    """Publishes this rank's beat from a daemon thread until stopped."""
+
+    def __init__(self, rdzv: Rendezvous, rank: int, interval_s: float = 0.1) -> None:
+        self._rdzv = rdzv
+        self._rank = rank
+        self._interval_s = interval_s
+        self._round = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"heartbeat-{rank}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def entered(self, round_number: int) -> None:
+        self._round = round_number
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        beat = 0
+        store = None
+        while not self._stop.is_set():
+            try:
+                store = store or self._rdzv.connect(timeout_s=max(1.0, 5 * self._interval_s))
+                store.set(_key(self._rdzv, self._rank), f"{beat} {self._round}")
+            except RuntimeError:
+                store = None  # the store is gone or slow; peers will see a stale beat
+            beat += 1
+            self._stop.wait(self._interval_s)
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    missing: tuple[int, ...]
+    reason: str
+
+
+def diagnose(
+    rdzv: Rendezvous, peers: tuple[int, ...], failed_round: int, window_s: float
+) -> Diagnosis:
+    """Watch `peers`' heartbeats for `window_s` and name those that are
+    stopped, dead, or never reached `failed_round`. Bounded by about
+    2 * window_s even when the store itself is unreachable."""
+    try:
+        store = rdzv.connect(timeout_s=window_s)
+        keys = [_key(rdzv, r) for r in peers]
+        first = store.multi_get(keys)
+        time.sleep(window_s)  # the observation window itself, not a wait for an event
+        second = store.multi_get(keys)
+    except RuntimeError as exc:
+        return Diagnosis((), f"the rendezvous store at {rdzv.host}:{rdzv.port} is unreachable ({exc})")
+    stalled, behind = [], []
+    for rank, before, after in zip(peers, first, second):
+        beat_before, _ = before.decode().split()
+        beat_after, round_after = after.decode().split()
+        if beat_before == beat_after:
+            stalled.append(rank)
+        elif int(round_after) < failed_round:
+            behind.append(rank)
+    reasons = []
+    if stalled:
+        reasons.append(f"ranks {stalled} stopped sending heartbeats (dead or stopped)")
+    if behind:
+        reasons.append(f"ranks {behind} never entered round {failed_round} (their scheduler did not send that step)")
+    return Diagnosis(tuple(sorted(stalled + behind)), "; ".join(reasons) or "no peer is missing by heartbeat")

@@ -1,0 +1,184 @@
+"""Movers: one per (source tier, destination tier), registered in a table so
+a new tier adds entries without touching the dispatcher.
+
+A transfer is a job with an id; it runs on an I/O thread and ends with a
+`TransferResult` (success, and how many pages, from the first, are done).
+While a job runs, its host slots are counted in flight (DESIGN rule 5).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from cpcache.errors import InvalidArgument
+from cpcache.dataplane.storage import PageBuffer, StorageBackend
+from cpcache.dataplane.inflight import InFlight
+from cpcache.dataplane.pools import DevicePool, HostPool, runs
+
+log = logging.getLogger(__name__)
+
+DEVICE, HOST, STORAGE = "device", "host", "storage"
+
+
+@dataclass(frozen=True)
+class TransferJob:
+    """Pages to move, in order. `src` and `dst` are page indices in their
+    tier, or storage keys where the tier is storage."""
+
+    src: tuple
+    dst: tuple
+    job_id: int = 0
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    job_id: int
+    success: bool
+    pages_done: int  # the longest prefix of the job's pages that completed
+
+
+def prefix_done(flags: list[bool]) -> int:
+    return next((i for i, ok in enumerate(flags) if not ok), len(flags))
+
+
+@dataclass
+class Tiers:
+    """What the movers move between."""
+
+    host: HostPool
+    device: DevicePool | None = None
+    storage: StorageBackend | None = None
+    _staging_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def host_buffers(self, slots) -> list[PageBuffer]:
+        return [PageBuffer(self.host.page_address(s), self.host.page_bytes_view(s)) for s in slots]
+
+
+def _copy_pages(src_view, dst_view, src_pages, dst_pages) -> None:
+    for s, d, n in runs(list(src_pages), list(dst_pages)):
+        dst_view(d, n).copy_(src_view(s, n), non_blocking=True)
+
+
+def device_to_host(tiers: Tiers, job: TransferJob) -> TransferResult:
+    _copy_pages(tiers.device.page_view, tiers.host.page_view, job.src, job.dst)
+    _synchronize(tiers.device.tensor)
+    return TransferResult(job.job_id, True, len(job.src))
+
+
+def host_to_device(tiers: Tiers, job: TransferJob) -> TransferResult:
+    _copy_pages(tiers.host.page_view, tiers.device.page_view, job.src, job.dst)
+    _synchronize(tiers.device.tensor)
+    return TransferResult(job.job_id, True, len(job.src))
+
+
+def _synchronize(tensor: torch.Tensor) -> None:
+    if tensor.is_cuda:
+        torch.cuda.current_stream(tensor.device).synchronize()
+
+
+def _staged(tiers: Tiers, slots) -> tuple[list[PageBuffer], torch.Tensor]:
+    """Contiguous bounce pages for a layout whose pages are scattered."""
+    g = tiers.host.geometry
+    stage = torch.empty((len(slots), g.layers, g.components, g.page_size, g.heads, g.head_dim), dtype=g.torch_dtype)
+    flat = stage.view(-1).view(torch.uint8).numpy()
+    buffers = [
+        PageBuffer(stage.data_ptr() + i * g.page_bytes, flat[i * g.page_bytes : (i + 1) * g.page_bytes])
+        for i in range(len(slots))
+    ]
+    return buffers, stage
+
+
+def host_to_storage(tiers: Tiers, job: TransferJob) -> TransferResult:
+    slots, keys = list(job.src), list(job.dst)
+    if tiers.host.contiguous_pages:
+        done = tiers.storage.put_from(keys, tiers.host_buffers(slots))
+    else:
+        buffers, stage = _staged(tiers, slots)
+        for i, slot in enumerate(slots):
+            stage[i].copy_(tiers.host.page_view(slot)[:, :, 0])
+        done = tiers.storage.put_from(keys, buffers)
+    n = prefix_done(done)
+    return TransferResult(job.job_id, n == len(keys), n)
+
+
+def storage_to_host(tiers: Tiers, job: TransferJob) -> TransferResult:
+    keys, slots = list(job.src), list(job.dst)
+    if tiers.host.contiguous_pages:
+        done = tiers.storage.get_into(keys, tiers.host_buffers(slots))
+    else:
+        buffers, stage = _staged(tiers, slots)
+        done = tiers.storage.get_into(keys, buffers)
+        for i, slot in enumerate(slots[: prefix_done(done)]):
+            tiers.host.page_view(slot)[:, :, 0].copy_(stage[i])
+    n = prefix_done(done)
+    return TransferResult(job.job_id, n == len(keys), n)
+
+
+# (source tier, destination tier) -> mover
+MOVERS = {
+    (DEVICE, HOST): device_to_host,
+    (HOST, DEVICE): host_to_device,
+    (HOST, STORAGE): host_to_storage,
+    (STORAGE, HOST): storage_to_host,
+}
+
+
+def host_slots(route: tuple[str, str], job: TransferJob) -> tuple[int, ...]:
+    """The host slots a job reads or writes."""
+    return job.dst if route[1] == HOST else job.src
+
+
+class Transfers:
+    """Runs jobs on I/O threads, counting their host slots in flight."""
+
+    def __init__(self, tiers: Tiers, threads: int = 4, in_flight: InFlight | None = None) -> None:
+        self.tiers = tiers
+        self.in_flight = in_flight or InFlight()
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="cpcache-io")
+        self._ids = itertools.count(1)
+        self.pages_moved: dict[tuple[str, str], int] = {route: 0 for route in MOVERS}
+        self.bytes_moved: dict[tuple[str, str], int] = {route: 0 for route in MOVERS}
+        self.failed_jobs: dict[tuple[str, str], int] = {route: 0 for route in MOVERS}
+
+    def submit(self, route: tuple[str, str], src, dst, job_id: int | None = None) -> Future:
+        """Start a job; its future resolves to a TransferResult (a failure
+        inside the mover is a failed result, not an exception)."""
+        if route not in MOVERS:
+            raise InvalidArgument(f"no mover from {route[0]} to {route[1]}")
+        if len(src) != len(dst):
+            raise InvalidArgument(f"a transfer needs as many sources as destinations, got {len(src)} and {len(dst)}")
+        job = TransferJob(tuple(src), tuple(dst), job_id if job_id is not None else next(self._ids))
+        slots = list(host_slots(route, job))
+        self.in_flight.begin(slots)
+        return self._pool.submit(self._run, route, job, slots)
+
+    def run_blocking(self, fn) -> Future:
+        """Run a blocking call that is not a transfer (a storage lookup) on the
+        same I/O threads."""
+        return self._pool.submit(fn)
+
+    def _run(self, route, job: TransferJob, slots) -> TransferResult:
+        try:
+            result = MOVERS[route](self.tiers, job)
+        except Exception:  # a broken backend is a failed transfer, never a dead thread
+            log.exception("transfer %d (%s -> %s) failed", job.job_id, *route)
+            result = TransferResult(job.job_id, False, 0)
+        finally:
+            self.in_flight.end(slots)
+        self.pages_moved[route] += result.pages_done
+        self.failed_jobs[route] += not result.success
+        self.bytes_moved[route] += result.pages_done * self.tiers.host.geometry.page_bytes
+        return result
+
+    def close(self) -> None:
+        """Stop taking jobs; do not wait for a storage call that hangs (the
+        daemon exits regardless)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.tiers.storage is not None:
+            self.tiers.storage.close()

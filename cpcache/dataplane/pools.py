@@ -1,0 +1,160 @@
+"""The two memory tiers a daemon touches: the device pool (owned by the
+inference process, attached once) and the host pool (owned by the daemon).
+
+Both are torch tensors. A page is addressed by an index; `page_view` gives a
+[layers, components, pages, page_size, heads, head_dim] view of a run of
+pages in either pool, so a copy between tiers is one `copy_` per run of consecutive pages,
+whatever the layouts.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from cpcache.errors import InvalidArgument
+from cpcache.geometry import KVGeometry
+
+LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+
+
+@dataclass
+class DevicePool:
+    """The inference process's KV pool: [layers, components, tokens, heads, head_dim]."""
+
+    geometry: KVGeometry
+    tensor: torch.Tensor
+    _keepalive: object = None  # the mapping behind a shared-memory pool
+
+    @property
+    def pages(self) -> int:
+        return self.tensor.shape[2] // self.geometry.page_size
+
+    def page_view(self, first: int, count: int = 1) -> torch.Tensor:
+        """Pages [first, first+count) as a [layers, components, pages, page_size,
+        heads, head_dim] view."""
+        s = self.geometry.page_size
+        return self.tensor[:, :, first * s : (first + count) * s].unflatten(2, (count, s))
+
+    @staticmethod
+    def from_shared_file(path: str, geometry: KVGeometry, pages: int) -> "DevicePool":
+        """Map a pool that the inference process placed in a shared-memory file
+        (hosts without CUDA). Refuses a file too small for the geometry."""
+        need = geometry.page_bytes * pages
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as exc:
+            raise InvalidArgument(f"attach: cannot open device pool file {path}: {exc}") from None
+        try:
+            size = os.fstat(fd).st_size
+            if pages < 1 or size < need:
+                raise InvalidArgument(
+                    f"attach: {pages} pages of {geometry.page_bytes} bytes need {need} bytes, "
+                    f"but {path} holds {size}"
+                )
+            mapping = mmap.mmap(fd, need)
+        finally:
+            os.close(fd)
+        flat = torch.frombuffer(mapping, dtype=torch.uint8)
+        tensor = flat.view(geometry.torch_dtype).view(geometry.pool_shape(pages))
+        return DevicePool(geometry, tensor, mapping)
+
+    @staticmethod
+    def create_shared_file(path: str, geometry: KVGeometry, pages: int) -> "DevicePool":
+        """The inference process's side on a host without CUDA: create the
+        pool as a shared-memory file (e.g. under /dev/shm) and map it."""
+        with open(path, "wb") as fh:
+            fh.truncate(geometry.page_bytes * pages)
+        os.chmod(path, 0o600)
+        return DevicePool.from_shared_file(path, geometry, pages)
+
+    @staticmethod
+    def from_cuda_ipc(handle: dict, geometry: KVGeometry, pages: int) -> "DevicePool":
+        """Open a pool shared by CUDA IPC. `handle` holds the fields of
+        `torch.UntypedStorage._share_cuda_()`, sent as plain bytes and ints."""
+        storage = torch.UntypedStorage._new_shared_cuda(
+            handle["device"], handle["handle"], handle["storage_size"], handle["storage_offset"],
+            handle["ref_counter_handle"], handle["ref_counter_offset"], handle["event_handle"],
+            handle["event_sync_required"],
+        )
+        need = geometry.page_bytes * pages
+        if storage.nbytes() < need:
+            raise InvalidArgument(f"attach: the CUDA pool holds {storage.nbytes()} bytes, {need} needed")
+        flat = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)[:need]
+        return DevicePool(geometry, flat.view(geometry.torch_dtype).view(geometry.pool_shape(pages)), storage)
+
+
+class HostPool:
+    """The daemon's host pages, pinned when CUDA is present.
+
+    Layouts (a page is contiguous in both page_first layouts, which lets
+    storage read and write it in place):
+      layer_first        [layers, components, tokens, heads, head_dim] (as the device)
+      page_first         [tokens, layers, components, heads, head_dim]
+      page_first_direct  [pages, layers, components, page_size, heads, head_dim]
+    """
+
+    def __init__(self, geometry: KVGeometry, pages: int, layout: str = "page_first_direct") -> None:
+        if layout not in LAYOUTS:
+            raise InvalidArgument(f"host pool: layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+        if pages < 1:
+            raise InvalidArgument(f"host pool: pages must be >= 1, got {pages}")
+        self.geometry = geometry
+        self.pages = pages
+        self.layout = layout
+        g = geometry
+        shape = {
+            "layer_first": g.pool_shape(pages),
+            "page_first": (pages * g.page_size, g.layers, g.components, g.heads, g.head_dim),
+            "page_first_direct": (pages, g.layers, g.components, g.page_size, g.heads, g.head_dim),
+        }[layout]
+        pin = torch.cuda.is_available()
+        self.tensor = torch.zeros(shape, dtype=g.torch_dtype, pin_memory=pin)
+        self.pinned = pin
+        self._bytes = self.tensor.view(-1).view(torch.uint8).numpy()  # the same memory, as bytes
+        self._base = self.tensor.data_ptr()
+        self._page_bytes = geometry.page_bytes
+
+    @property
+    def contiguous_pages(self) -> bool:
+        return self.layout != "layer_first"
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+    def page_view(self, first: int, count: int = 1) -> torch.Tensor:
+        """Pages [first, first+count) as a [layers, components, pages, page_size,
+        heads, head_dim] view (never a copy: copies into it land in the pool)."""
+        s = self.geometry.page_size
+        if self.layout == "layer_first":
+            return self.tensor[:, :, first * s : (first + count) * s].unflatten(2, (count, s))
+        if self.layout == "page_first":
+            return self.tensor[first * s : (first + count) * s].unflatten(0, (count, s)).permute(2, 3, 0, 1, 4, 5)
+        return self.tensor[first : first + count].permute(1, 2, 0, 3, 4, 5)
+
+    def page_bytes_view(self, slot: int) -> np.ndarray:
+        """The bytes of one page, in place (contiguous layouts only)."""
+        if not self.contiguous_pages:
+            raise InvalidArgument(f"host pool: pages are not contiguous in the {self.layout} layout")
+        start = slot * self._page_bytes
+        return self._bytes[start : start + self._page_bytes]
+
+    def page_address(self, slot: int) -> int:
+        return self._base + slot * self._page_bytes
+
+
+def runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+    """Group page pairs into (src_first, dst_first, count) runs where both
+    sides are consecutive, so a batch of pages is a few large copies."""
+    out: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst):
+        if out and out[-1][0] + out[-1][2] == s and out[-1][1] + out[-1][2] == d:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((s, d, 1))
+    return out

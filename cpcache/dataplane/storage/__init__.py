@@ -1,0 +1,76 @@
+"""Storage backends behind one small interface, registered by name.
+
+A backend moves whole pages between storage objects and host-pool memory,
+in batches, on the caller's (I/O) thread. Heavy imports happen only when a
+backend is chosen: `open_backend("mooncake", ...)` imports
+`cpcache.dataplane.storage.mooncake`, which registers itself.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from cpcache.errors import InvalidArgument
+
+
+@dataclass(frozen=True)
+class PageBuffer:
+    """Where one page's bytes live in host memory."""
+
+    address: int
+    view: np.ndarray  # uint8, contiguous, page_bytes long
+
+    @property
+    def nbytes(self) -> int:
+        return self.view.nbytes
+
+
+class StorageBackend(ABC):
+    """Every call is blocking and batch-shaped; failures are per page and come
+    back as data (a miss), never as an exception that kills an I/O thread."""
+
+    name = ""
+
+    @abstractmethod
+    def exists_prefix(self, keys: list[str]) -> int:
+        """How many of `keys`, from the first, are present."""
+
+    @abstractmethod
+    def get_into(self, keys: list[str], pages: list[PageBuffer]) -> list[bool]:
+        """Read each key into its page; False where it is missing or invalid."""
+
+    @abstractmethod
+    def put_from(self, keys: list[str], pages: list[PageBuffer]) -> list[bool]:
+        """Write each page under its key; False where the write failed."""
+
+    def close(self) -> None:
+        """Release what the backend holds. Safe to call twice."""
+
+
+# Backend name -> module that registers it when imported.
+BACKEND_MODULES = {
+    "file": "cpcache.dataplane.storage.file",
+    "mooncake": "cpcache.dataplane.storage.mooncake",
+}
+_FACTORIES: dict[str, Callable[..., StorageBackend]] = {}
+
+
+def register(name: str):
+    def decorate(factory):
+        _FACTORIES[name] = factory
+        factory.name = name
+        return factory
+
+    return decorate
+
+
+def open_backend(name: str, **options) -> StorageBackend:
+    if name not in BACKEND_MODULES:
+        raise InvalidArgument(f"storage: unknown backend {name!r}; known: {', '.join(sorted(BACKEND_MODULES))}")
+    importlib.import_module(BACKEND_MODULES[name])
+    return _FACTORIES[name](**options)

@@ -1,0 +1,69 @@
+"""Assemble a rank's cache from its settings once a device pool is attached:
+host pool, storage backend (with fault injection when asked), movers, the
+shared state and this rank's I/O."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cpcache.state.machine import CacheState
+from cpcache.config import DaemonConfig
+from cpcache.geometry import KVGeometry
+from cpcache.keys import ShardingSpec
+from cpcache.dataplane.local_io import LocalIO
+from cpcache.dataplane.movers import Tiers, Transfers
+from cpcache.dataplane.storage import StorageBackend, open_backend
+from cpcache.dataplane.storage.faults import FaultyBackend, StorageFaults
+from cpcache.dataplane.pools import DevicePool, HostPool
+from cpcache.state.allocator import PageAllocator
+
+
+@dataclass
+class CacheRuntime:
+    """The shared cache state and this rank's I/O, once a pool is attached."""
+
+    state: CacheState
+    io: LocalIO
+
+
+def open_storage(config: DaemonConfig, geometry: KVGeometry, host: HostPool) -> StorageBackend | None:
+    if config.storage == "none":
+        return None
+    backend = open_backend(
+        config.storage,
+        root=config.storage_root,
+        geometry_fingerprint=geometry.fingerprint(),
+        capacity_bytes=config.storage_capacity_bytes,
+        io_threads=config.io_threads,
+        master=config.storage_master,
+        metadata_server=config.storage_metadata_server,
+        protocol=config.storage_protocol,
+        device_name=config.storage_device,
+        global_segment_size=config.storage_segment_bytes,
+        buffers=[(host.tensor.data_ptr(), host.nbytes)],
+    )
+    faults = StorageFaults(
+        delay_ms=config.fault_storage_delay_ms,
+        fail_rate=config.fault_storage_fail_rate,
+        truncate_rate=config.fault_storage_truncate_rate,
+        seed=config.fault_seed * 1000 + config.rank,
+    )
+    return FaultyBackend(backend, faults) if faults.active else backend
+
+
+def open_cache(config: DaemonConfig, geometry: KVGeometry, device: DevicePool) -> CacheRuntime:
+    topology = config.topology
+    coords = topology.coordinates(config.rank)
+    host = HostPool(geometry, config.host_pool_pages, config.host_layout)
+    storage = open_storage(config, geometry, host)
+    transfers = Transfers(Tiers(host, device, storage), threads=config.io_threads)
+    sharding = ShardingSpec(
+        cp=config.kv_cp_sharding,
+        tp_sharded_heads=geometry.kv_kind == "mha",
+        cp_rank=coords.cp,
+        cp_size=topology.cp,
+        tp_rank=coords.atp,
+        tp_size=topology.atp,
+    )
+    state = CacheState(config.cache_config, PageAllocator(host.pages), sharding, geometry.page_size)
+    return CacheRuntime(state, LocalIO(transfers, config.storage_timeout_s))

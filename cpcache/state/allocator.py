@@ -1,0 +1,51 @@
+"""The host-page allocator: part of the replicated state."""
+
+from __future__ import annotations
+
+import heapq
+
+from cpcache.errors import InvalidArgument, ResourceExhausted
+
+
+class PageAllocator:
+    """Host slots: free, allocated, or retiring (released by their owner but
+    possibly still under I/O somewhere). Shared state: the same sequence of
+    calls gives the same slots on every rank (lowest free slots first)."""
+
+    def __init__(self, pages: int) -> None:
+        self._free = list(range(pages))
+        heapq.heapify(self._free)
+        self._allocated: set[int] = set()
+        self._retiring: set[int] = set()
+        self.pages = pages
+
+    @property
+    def free_count(self) -> int:
+        return len(self._free)
+
+    def allocate(self, count: int) -> list[int]:
+        if count > len(self._free):
+            raise ResourceExhausted(f"host pool: {count} pages asked, {len(self._free)} of {self.pages} free")
+        slots = [heapq.heappop(self._free) for _ in range(count)]
+        self._allocated.update(slots)
+        return slots
+
+    def retire(self, slots: list[int]) -> None:
+        """The owner is done with `slots`; they return to the free list only
+        through `reclaim`, once no rank has I/O on them."""
+        unknown = [s for s in slots if s not in self._allocated]
+        if unknown:
+            raise InvalidArgument(f"host pool: slots {unknown[:8]} are not allocated")
+        self._allocated.difference_update(slots)
+        self._retiring.update(slots)
+
+    def free(self, slots: list[int]) -> None:
+        """Return slots that no rank has I/O on (e.g. evicted unreferenced pages)."""
+        self.retire(slots)
+        self.reclaim(slots)
+
+    def reclaim(self, slots: list[int]) -> None:
+        for slot in slots:
+            if slot in self._retiring:
+                self._retiring.discard(slot)
+                heapq.heappush(self._free, slot)

@@ -1,0 +1,67 @@
+"""Baselines over the same ranks, without cpcache: a bare gloo all-reduce,
+and SGLang's way of deciding N questions (two all-reduces per question per
+step). Run as one process per rank:
+
+    python -m cpcache.tools.bench.gloo_baseline --rank R --tp 4 --cp 2 --port P
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+from torch.distributed import AllreduceOptions, ReduceOp
+
+from cpcache.tools.bench.stats import percentiles_us
+from cpcache.agreement.collective import Rendezvous, gloo_group, reducer_groups
+from cpcache.topology import Topology
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--tp", type=int, default=4)
+    ap.add_argument("--cp", type=int, default=2)
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--iterations", type=int, default=300)
+    ap.add_argument("--questions", type=int, default=256)
+    ap.add_argument("--sglang-steps", type=int, default=3)
+    args = ap.parse_args()
+
+    topology = Topology(tp=args.tp, cp=args.cp)
+    rdzv = Rendezvous("127.0.0.1", args.port, "bench-baseline")
+    (group,) = reducer_groups(topology, args.rank, "domain")
+    pg = gloo_group(rdzv.connect(), rdzv, group, args.rank, 60.0, "127.0.0.1")
+    opts_min = AllreduceOptions()
+    opts_min.reduceOp = ReduceOp.MIN
+    opts_max = AllreduceOptions()
+    opts_max.reduceOp = ReduceOp.MAX
+
+    small = torch.zeros(1, dtype=torch.int64)
+    for _ in range(20):  # warm up connections
+        pg.allreduce([small], opts_min).wait()
+    bare = []
+    for _ in range(args.iterations):
+        start = time.perf_counter()
+        pg.allreduce([small], opts_min).wait()
+        bare.append(time.perf_counter() - start)
+
+    # SGLang-style: per question, one all-reduce of its progress (MIN) and one
+    # of its termination vote (MAX), every step.
+    sglang = []
+    for _ in range(args.sglang_steps):
+        start = time.perf_counter()
+        for _ in range(args.questions):
+            progress = torch.tensor([args.rank], dtype=torch.int64)
+            pg.allreduce([progress], opts_min).wait()
+            vote = torch.tensor([1], dtype=torch.int64)
+            pg.allreduce([vote], opts_max).wait()
+        sglang.append(time.perf_counter() - start)
+    pg.shutdown()
+    print(json.dumps({"bare_allreduce": percentiles_us(bare), "sglang_style": percentiles_us(sglang)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

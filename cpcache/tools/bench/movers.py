@@ -1,0 +1,163 @@
+"""`cpcache bench movers`: each mover's throughput against the raw operation
+it is built on, measured alternately in the same run:
+
+- device <-> host: torch `index_select(out=)` over the same pages;
+- host <-> file: a plain write / read loop over the same pages;
+- host <-> mooncake: `batch_put_from` / `batch_get_into` on the same buffers.
+
+On a host without CUDA the device pool is a shared-memory file (as attached
+by an inference process there), so device <-> host is a memory copy.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+from cpcache.geometry import KVGeometry
+from cpcache.dataplane.movers import DEVICE, HOST, STORAGE, Tiers, Transfers
+from cpcache.dataplane.storage import open_backend
+from cpcache.tools.mooncake_master import MooncakeMaster
+from cpcache.dataplane.pools import DevicePool, HostPool
+
+PAGE_SIZES = {64 << 10: 4, 1 << 20: 64, 4 << 20: 256}  # page bytes -> tokens per page
+BATCH_BYTES = 64 << 20
+REPEATS = 5
+
+
+def geometry_for(tokens_per_page: int) -> KVGeometry:
+    # 16 KiB per token: 4 layers x K,V x 8 heads x 128 x bf16
+    return KVGeometry(layers=4, kv_kind="mha", heads=8, head_dim=128, dtype="bfloat16", page_size=tokens_per_page)
+
+
+def gib_s(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / (1 << 30)
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def compare(mover, raw, nbytes: int) -> dict:
+    """Alternate the two so drift on a shared machine hits both alike."""
+    ours, base = [], []
+    for _ in range(REPEATS):
+        base.append(timed(raw))
+        ours.append(timed(mover))
+    mover_rate = gib_s(nbytes, statistics.median(ours))
+    raw_rate = gib_s(nbytes, statistics.median(base))
+    return {"gib_s": round(mover_rate, 3), "raw_gib_s": round(raw_rate, 3), "ratio": round(mover_rate / raw_rate, 3)}
+
+
+def bench_page_size(page_bytes: int, tokens: int, work: Path, master: MooncakeMaster | None) -> list[dict]:
+    geometry = geometry_for(tokens)
+    assert geometry.page_bytes == page_bytes
+    n = max(8, BATCH_BYTES // page_bytes)
+    nbytes = n * page_bytes
+    device = DevicePool.create_shared_file(str(work / f"pool-{page_bytes}"), geometry, pages=n)
+    device.tensor.view(-1).view(torch.uint8).copy_(torch.randint(0, 256, (device.tensor.numel() * 2,),
+                                                                 dtype=torch.uint8))
+    host = HostPool(geometry, pages=n, layout="page_first_direct")
+    pages = list(range(n))
+    tokens_idx = torch.arange(n * tokens)
+    out: list[dict] = []
+
+    def entry(name, figures):
+        out.append({"mover": name, "page_bytes": page_bytes, **figures})
+
+    transfers = Transfers(Tiers(host, device), threads=1)
+    gathered = torch.empty((geometry.layers, geometry.components, n * tokens, geometry.heads, geometry.head_dim),
+                           dtype=geometry.torch_dtype)
+    entry("device->host", compare(
+        lambda: transfers.submit((DEVICE, HOST), pages, pages).result(),
+        lambda: torch.index_select(device.tensor, 2, tokens_idx, out=gathered), nbytes))
+    entry("host->device", compare(
+        lambda: transfers.submit((HOST, DEVICE), pages, pages).result(),
+        lambda: torch.index_select(gathered, 2, tokens_idx, out=device.tensor), nbytes))
+    transfers.close()
+
+    # Every repeat writes new pages (new files) on both sides, as a cache does.
+    storage = open_backend("file", root=str(work / f"files-{page_bytes}"), geometry_fingerprint=geometry.fingerprint())
+    transfers = Transfers(Tiers(host, device, storage), threads=1)
+    buffers = Tiers(host).host_buffers(pages)
+    raw_dir = work / f"raw-{page_bytes}"
+    raw_dir.mkdir()
+    written: dict[str, list] = {"mover": [], "raw": []}
+
+    def fresh(side: str) -> list[str]:
+        names = [f"f{uuid.uuid4().hex[:12]}_{i}" for i in pages]
+        written[side].append(names)
+        return names
+
+    def raw_write():
+        for name, buf in zip(fresh("raw"), buffers):
+            with open(raw_dir / name, "wb") as fh:
+                fh.write(buf.view)
+
+    def raw_read():
+        for name, buf in zip(written["raw"][-1], buffers):
+            with open(raw_dir / name, "rb") as fh:
+                fh.readinto(buf.view)
+
+    entry("host->file", compare(lambda: transfers.submit((HOST, STORAGE), pages, fresh("mover")).result(),
+                                raw_write, nbytes))
+    entry("file->host", compare(lambda: transfers.submit((STORAGE, HOST), written["mover"][-1], pages).result(),
+                                raw_read, nbytes))
+    transfers.close()
+
+    if master is not None:
+        store = open_backend("mooncake", master=master.master, metadata_server=master.metadata_server,
+                             buffers=[(host.tensor.data_ptr(), host.nbytes)],
+                             global_segment_size=4 * (BATCH_BYTES + (64 << 20)), local_buffer_size=16 << 20)
+        transfers = Transfers(Tiers(host, device, store), threads=1)
+        addresses = [b.address for b in buffers]
+        sizes = [page_bytes] * n
+
+        def fresh_keys():
+            prefix = uuid.uuid4().hex[:12]
+            return [f"m{prefix}_{i}" for i in pages]
+
+        def put_via_mover():
+            transfers.submit((HOST, STORAGE), pages, fresh_keys()).result()
+
+        def raw_put():
+            store._store.batch_put_from(fresh_keys(), addresses, sizes)
+
+        entry("host->mooncake", compare(put_via_mover, raw_put, nbytes))
+        stored = fresh_keys()
+        store._store.batch_put_from(stored, addresses, sizes)
+        entry("mooncake->host", compare(
+            lambda: transfers.submit((STORAGE, HOST), stored, pages).result(),
+            lambda: store._store.batch_get_into(stored, addresses, sizes), nbytes))
+        store._store.remove_all()
+        transfers.close()
+    return out
+
+
+def run(with_mooncake: bool = True) -> dict:
+    movers: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="cpc-movers-") as tmp:
+        work = Path(tmp)
+        master = MooncakeMaster(work / "master.log").__enter__() if with_mooncake else None
+        try:
+            for page_bytes, tokens in PAGE_SIZES.items():
+                movers += bench_page_size(page_bytes, tokens, work, master)
+        finally:
+            if master is not None:
+                master.stop()
+    return {"movers": movers, "batch_bytes": BATCH_BYTES, "repeats": REPEATS, "host_layout": "page_first_direct",
+            "device": "cuda" if torch.cuda.is_available() else "shared-memory file (no CUDA)"}
+
+
+def main(args) -> int:
+    report = run(with_mooncake=not getattr(args, "no_mooncake", False))
+    print(json.dumps(report) if args.json else json.dumps(report, indent=2))
+    return 0

@@ -1,0 +1,135 @@
+"""The `cpcache` command: launch a local domain, query a daemon, run the
+benchmarks and the demo."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+import tempfile
+from pathlib import Path
+
+from cpcache.topology import MODES, Topology
+
+
+def add_topology_flags(p: argparse.ArgumentParser, tp: int = 4, cp: int = 2) -> None:
+    p.add_argument("--tp", type=int, default=tp, help="tensor-parallel size (the world is tp x pp ranks)")
+    p.add_argument("--cp", type=int, default=cp, help="attention context-parallel size (splits the TP ranks)")
+    p.add_argument("--dp", type=int, default=1, help="attention data-parallel size")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    p.add_argument("--mode", choices=MODES, default="domain", help="how rounds reduce over the domain")
+    p.add_argument("--lag", type=int, default=0, help="agreement lag in steps (0: synchronous)")
+
+
+def topology_of(args) -> Topology:
+    return Topology(tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp)
+
+
+async def _launch(args) -> int:
+    from cpcache.tools.launcher import DomainSpec, LocalDomain
+
+    run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="cpcache-"))
+    spec = DomainSpec(
+        topology_of(args), run_dir, mode=args.mode, agreement_lag=args.lag,
+        agreement_timeout_s=args.agreement_timeout, fault_delay_ms=args.fault_delay_ms,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with LocalDomain(spec) as domain:
+        print(f"cpcache: {domain.size} ranks serving ({spec.topology.describe()}, {args.mode} mode, lag {args.lag})")
+        for rank, socket in enumerate(domain.sockets):
+            print(f"rank {rank}: unix:{socket}")
+        print("cpcache: press Ctrl-C to stop", flush=True)
+        exits = [asyncio.ensure_future(asyncio.to_thread(p.wait)) for p in domain.procs]
+        stopped = asyncio.ensure_future(stop.wait())
+        done, _ = await asyncio.wait({stopped, *exits}, return_when=asyncio.FIRST_COMPLETED)
+        if stopped not in done:
+            rank = next(i for i, e in enumerate(exits) if e.done())
+            print(f"cpcache: rank {rank} exited with code {exits[rank].result()}; stopping the others", file=sys.stderr)
+        codes = await domain.stop()
+        for e in exits:
+            e.cancel()
+    print(f"cpcache: stopped; exit codes {codes}", flush=True)
+    return 0 if all(c == 0 for c in codes) else 1
+
+
+async def _status(args) -> int:
+    """Health, domain membership, current step, open questions and, with
+    --stats or `cpcache stats`, every counter including tier occupancy."""
+    from google.protobuf import json_format
+    from grpc_health.v1 import health_pb2
+
+    from cpcache.client import AsyncClient
+
+    async with AsyncClient(args.socket, timeout_s=args.timeout) as client:
+        health = health_pb2.HealthCheckResponse.ServingStatus.Name(await client.health())
+        reply = json_format.MessageToDict(await client.status(), always_print_fields_with_no_presence=True,
+                                          preserving_proto_field_name=True)
+        stats = await client.stats() if args.command == "stats" else None
+    if stats is not None:
+        print(json.dumps(stats, indent=2, sort_keys=True))
+        return 0
+    print(json.dumps({"health": health, **reply}, indent=2))
+    return 0 if health == "SERVING" else 3
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="cpcache", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    launch = sub.add_parser("launch", help="run one daemon per rank on this machine until Ctrl-C")
+    add_topology_flags(launch)
+    launch.add_argument("--run-dir", help="where sockets and logs go (default: a new temp dir)")
+    launch.add_argument("--agreement-timeout", type=float, default=10.0, help="seconds before a peer counts as lost")
+    launch.add_argument("--fault-delay-ms", type=float, default=0.0, help="inject up to this delay into each round")
+
+    for name, text in (("status", "health, domain, step and open questions of a daemon"),
+                       ("stats", "a daemon's counters: tier occupancy, pages moved, hits")):
+        query = sub.add_parser(name, help=text)
+        query.add_argument("socket", help="the daemon's socket path or host:port")
+        query.add_argument("--timeout", type=float, default=5.0)
+
+    bench = sub.add_parser("bench", help="run a benchmark and print its figures")
+    bench.add_argument("name", choices=["agreement", "movers"])
+    bench.add_argument("--json", action="store_true", help="print one JSON object")
+    bench.add_argument("--steps", type=int, default=200, help="agreement: measured steps per case")
+    bench.add_argument("--no-mooncake", action="store_true", help="movers: skip Mooncake Store")
+
+    demo = sub.add_parser("demo", help="launch a local domain and replay a real trace through it")
+    add_topology_flags(demo)
+    from cpcache.tools.demo import add_flags as add_demo_flags
+
+    add_demo_flags(demo)
+
+    args = parser.parse_args(argv)
+    from cpcache.errors import CacheError
+
+    try:
+        if args.command == "launch":
+            return asyncio.run(_launch(args))
+        if args.command in ("status", "stats"):
+            return asyncio.run(_status(args))
+        if args.command == "demo":
+            from cpcache import demo as demo_module
+
+            return asyncio.run(demo_module.main(args))
+        if args.command == "bench" and args.name == "agreement":
+            from cpcache.tools.bench import agreement
+
+            return asyncio.run(agreement.main(args))
+        if args.command == "bench" and args.name == "movers":
+            from cpcache.tools.bench import movers
+
+            return movers.main(args)
+    except CacheError as exc:
+        print(f"cpcache: {exc}", file=sys.stderr)
+        return 1
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""Run a whole deployment's daemons on this machine: one `cpcached` process
+per rank, a rendezvous store served by the launcher itself (so any daemon can
+die without taking the store with it), and unix sockets under one run dir.
+
+Used by `cpcache launch`, the demo, the tests and the benchmarks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cpcache.client import AsyncClient
+from cpcache.agreement.collective import host_store
+from cpcache.config import DaemonConfig
+from cpcache.daemon.settings import as_flags
+from cpcache.errors import Unavailable
+from cpcache.topology import Topology
+
+
+@dataclass
+class DomainSpec:
+    topology: Topology
+    run_dir: Path
+    mode: str = "domain"
+    agreement_lag: int = 0
+    agreement_timeout_s: float = 10.0
+    fault_delay_ms: float = 0.0
+    seed: int = 0
+    extra: dict = field(default_factory=dict)  # any other DaemonConfig setting, for every rank
+    per_rank: dict = field(default_factory=dict)  # rank -> settings for that rank only (fault injection)
+
+    def config(self, rank: int, store_port: int, deployment: str) -> DaemonConfig:
+        settings = dict(
+            rank=rank,
+            tp=self.topology.tp,
+            pp=self.topology.pp,
+            dp=self.topology.dp,
+            cp=self.topology.cp,
+            mode=self.mode,
+            agreement_lag=self.agreement_lag,
+            agreement_timeout_s=self.agreement_timeout_s,
+            rendezvous=f"127.0.0.1:{store_port}",
+            deployment=deployment,
+            socket=str(self.run_dir / "rank-{rank}.sock"),
+            fault_delay_ms=self.fault_delay_ms,
+            fault_seed=self.seed,
+        )
+        return DaemonConfig(**{**settings, **self.extra, **self.per_rank.get(rank, {})})
+
+
+class LocalDomain:
+    """Async context manager: starts every rank, waits until all serve."""
+
+    def __init__(self, spec: DomainSpec, start_timeout_s: float = 120.0) -> None:
+        self.spec = spec
+        self.start_timeout_s = start_timeout_s
+        self.procs: list[subprocess.Popen] = []
+        self.sockets: list[str] = []
+        self.logs: list[Path] = []
+        self._store = None
+
+    @property
+    def size(self) -> int:
+        return self.spec.topology.world_size
+
+    async def __aenter__(self) -> "LocalDomain":
+        try:
+            await self.start()
+        except BaseException:
+            await self.stop()
+            raise
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.stop()
+
+    def config(self, rank: int) -> DaemonConfig:
+        return self.spec.config(rank, self._store.port, self._deployment)
+
+    async def start(self) -> None:
+        self.spec.run_dir.mkdir(parents=True, exist_ok=True)
+        self._store = host_store("127.0.0.1", 0)
+        self._deployment = f"local-{uuid.uuid4().hex[:8]}"
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        for rank in range(self.size):
+            config = self.config(rank)
+            log_path = self.spec.run_dir / f"rank-{rank}.log"
+            with open(log_path, "ab") as log:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "cpcache.daemon", *as_flags(config)],
+                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                )
+            self.procs.append(proc)
+            self.sockets.append(config.socket_path)
+            self.logs.append(log_path)
+        await asyncio.gather(*(self._wait_serving(rank) for rank in range(self.size)))
+
+    async def _wait_serving(self, rank: int) -> None:
+        exited = asyncio.ensure_future(asyncio.to_thread(self.procs[rank].wait))
+        async with AsyncClient(self.sockets[rank]) as client:
+            serving = asyncio.ensure_future(client.wait_serving(self.start_timeout_s))
+            await asyncio.wait({exited, serving}, return_when=asyncio.FIRST_COMPLETED)
+            if serving.done() and serving.exception() is None:
+                exited.cancel()
+                return
+            serving.cancel()
+        tail = self.log_tail(rank)
+        if exited.done():
+            raise Unavailable(f"rank {rank} exited with code {exited.result()} while starting:\n{tail}")
+        raise Unavailable(f"rank {rank} did not serve within {self.start_timeout_s}s:\n{tail}")
+
+    def log_tail(self, rank: int, lines: int = 30) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.logs[rank].read_text(errors="replace").splitlines()[-lines:])
+        return ""
+
+    def signal(self, rank: int, sig: int) -> None:
+        self.procs[rank].send_signal(sig)
+
+    async def wait_exit(self, rank: int, timeout_s: float) -> int:
+        return await asyncio.wait_for(asyncio.to_thread(self.procs[rank].wait), timeout_s)
+
+    async def stop(self, timeout_s: float | None = None) -> list[int | None]:
+        """SIGTERM every rank still running (resuming stopped ones first) and
+        wait for them; kill what does not exit in time. Returns exit codes."""
+        timeout_s = timeout_s or self.spec.agreement_timeout_s + 10
+        for proc in self.procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGCONT)
+                    proc.send_signal(signal.SIGTERM)
+        codes: list[int | None] = []
+        for proc in self.procs:
+            try:
+                codes.append(await asyncio.wait_for(asyncio.to_thread(proc.wait), timeout_s))
+            except asyncio.TimeoutError:
+                proc.kill()
+                codes.append(await asyncio.to_thread(proc.wait))
+        self._store = None
+        return codes
+

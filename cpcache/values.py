@@ -1,0 +1,29 @@
+"""The numbers that cross the API: ids, step numbers and how answers reduce.
+
+Op ids and step numbers travel as uint64 on the wire but as int64 inside
+rounds, so every one is checked to lie in [0, 2**63) before it reaches
+shared state.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from cpcache.errors import InvalidArgument
+
+INT64_MAX = (1 << 63) - 1
+ID_LIMIT = 1 << 63
+
+
+class Reduce(enum.IntEnum):
+    """How the domain combines the local answers of one question."""
+
+    MIN = 1
+    MAX = 2
+
+
+def check_id(value: int, what: str) -> int:
+    """`value` if it lies in [0, 2**63), else `InvalidArgument` naming `what`."""
+    if not 0 <= value < ID_LIMIT:
+        raise InvalidArgument(f"{what} {value} is outside [0, 2**63)")
+    return value
