@@ -134,6 +134,8 @@ class DaemonConfig:
             if not 0 <= getattr(self, name) <= 1:
                 raise bad(name, "must be between 0 and 1")
         self.cache_config  # validates the policies, naming them
+        if self.write_policy == "write_back" and self.storage == "none":
+            raise bad("write_policy", "write_back needs storage (pages could never be evicted); set storage")
 
     @property
     def topology(self) -> Topology:

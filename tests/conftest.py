@@ -1,4 +1,6 @@
+import os
 import shutil
+import os
 import tempfile
 from pathlib import Path
 
@@ -12,7 +14,8 @@ def run_dir():
     test fails, for reading."""
     path = Path(tempfile.mkdtemp(prefix="cpc-"))
     yield path
-    shutil.rmtree(path, ignore_errors=True)
+    if not os.environ.get("CPCACHE_KEEP_RUN_DIR"):
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

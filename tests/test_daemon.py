@@ -35,7 +35,8 @@ async def test_socket_is_private_to_its_owner(single):
 
 
 BAD_REQUESTS = [
-    (pb.StepRequest(step=0), grpc.StatusCode.INVALID_ARGUMENT, "step must be >= 1"),
+    (pb.StepRequest(step=0), grpc.StatusCode.INVALID_ARGUMENT, "outside [1, 2**63)"),
+    (pb.StepRequest(step=2**63), grpc.StatusCode.INVALID_ARGUMENT, "outside [1, 2**63)"),
     (pb.StepRequest(step=5, votes=pb.Votes(op_ids=[1, 2], reduces=[pb.REDUCE_MIN], values=[1, 2])),
      grpc.StatusCode.INVALID_ARGUMENT, "equal lengths"),
     (pb.StepRequest(step=5, votes=pb.Votes(op_ids=[1], reduces=[pb.REDUCE_UNSPECIFIED], values=[1])),
@@ -46,7 +47,8 @@ BAD_REQUESTS = [
      grpc.StatusCode.INVALID_ARGUMENT, "outside"),
     (pb.StepRequest(step=5, votes=pb.Votes(op_ids=[1], reduces=[pb.REDUCE_MIN], values=[-(2**63)])),
      grpc.StatusCode.INVALID_ARGUMENT, "int64 range"),
-    (pb.StepRequest(step=3), grpc.StatusCode.FAILED_PRECONDITION, "strictly increase"),
+    (pb.StepRequest(step=3), grpc.StatusCode.FAILED_PRECONDITION, "already taken with different content"),
+    (pb.StepRequest(step=2), grpc.StatusCode.FAILED_PRECONDITION, "not after the last step 3"),
 ]
 
 
@@ -60,9 +62,11 @@ async def test_bad_input_gets_its_status_and_changes_nothing(single, request_, c
         assert info.value.code() == code
         assert words in info.value.details()
         status = await client.status()
-        assert status.last_step == 3 and status.open_questions == 0
-        after = await client.step(4, [(1, Reduce.MIN, 4)])
+        # A readable step number is taken (its round ran, rejected); nothing else changed.
+        assert status.last_step == (5 if request_.step == 5 else 3) and status.open_questions == 0
+        after = await client.step(6, [(1, Reduce.MIN, 4)])
         assert after.decisions == before.decisions == {1: 4}
+        assert (await client.step(3, [(1, Reduce.MIN, 4)])).wire == before.wire  # a retry: the same bytes
 
 
 async def test_sigterm_drains_in_flight_calls_and_refuses_new_ones(run_dir):

@@ -31,6 +31,7 @@ def test_flags_round_trip():
         (["--rank", "0", "--agreement-lag", "-1"], {}, "setting agreement_lag: must be >= 0"),
         (["--rank", "0", "--rendezvous", "nowhere"], {}, "setting rendezvous: must be host:port"),
         (["--rank", "4", "--tp", "4"], {}, "rank 4 is outside the world of 4 ranks"),
+        (["--rank", "0", "--write-policy", "write_back"], {}, "setting write_policy: write_back needs storage"),
     ],
 )
 def test_bad_settings_are_named(argv, env, words):

@@ -25,6 +25,18 @@ class DivergenceExchange:
         self._domain = domain
         self._timeout_s = timeout_s
 
+    def publish_rejection(self, number: int, message: str) -> None:
+        """Before entering a round this rank rejects: say why, for the others."""
+        self._store.set(f"{self._namespace}/rejection/{number}/{self._rank}", message.encode()[:4000])
+
+    def rejection_message(self, number: int, rank: int) -> str:
+        key = f"{self._namespace}/rejection/{number}/{rank}"
+        try:
+            self._store.wait([key], datetime.timedelta(seconds=self._timeout_s))
+            return self._store.get(key).decode(errors="replace")
+        except RuntimeError:
+            return f"(rank {rank} did not say why)"
+
     def explain(self, round_input: RoundInput) -> str:
         prefix = f"{self._namespace}/divergence/{round_input.number}/"
         self._store.set(prefix + str(self._rank), round_input.description())
@@ -53,10 +65,19 @@ def explain_divergence(number: int, by_rank: dict[int, bytes | None]) -> str:
         if len(holders) != len(question_sets):
             op_id, kind, reduce = question
             others = sorted(set(question_sets) - set(holders))
+            label = reports[holders[0]].get("labels", {}).get(str(op_id))
+            named = f"{label} (serial {op_id}" if label else f"operation {op_id} ("
             parts.append(
-                f"operation {op_id} ({describe(kind)}, {_reduce_name(reduce)}) "
+                f"{named}{', ' if label else ''}{describe(kind)}, {_reduce_name(reduce)}) "
                 f"asked by ranks {holders} but not by ranks {others}"
             )
+    contents: dict[tuple[str, ...], list[int]] = {}
+    for rank, rep in sorted(reports.items()):
+        contents.setdefault(tuple(rep.get("content", ())), []).append(rank)
+    if len(contents) > 1:
+        listing = "; ".join(f"ranks {ranks} were sent [{', '.join(c) or 'no operations'}]"
+                            for c, ranks in contents.items())
+        parts.append(f"steps differ: {listing}")
     by_digest: dict[int, list[int]] = {}
     for rank, rep in sorted(reports.items()):
         by_digest.setdefault(rep["digest"], []).append(rank)

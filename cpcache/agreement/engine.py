@@ -10,6 +10,7 @@ with the same `Unavailable` error, in bounded time. Nothing is left waiting.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import random
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 
 from cpcache.errors import CacheError, Divergence, PeerLost, Unavailable
 from cpcache.agreement.divergence import DivergenceExchange
-from cpcache.agreement.rounds import MIN_CAPACITY, RoundInput
+from cpcache.agreement.rounds import MIN_CAPACITY, RoundInput, RoundResult
 
 log = logging.getLogger(__name__)
 
@@ -112,14 +113,21 @@ class AgreementEngine:
         self._fail_pending(Unavailable("the agreement engine is closed: the daemon is shutting down"))
 
     def _run(self) -> None:
-        try:
-            while (job := self._jobs.get()) is not None:
-                round_input, future = job
-                # A cancelled caller still gets its round run: peers wait in it.
-                self._one_round(round_input, future if future.set_running_or_notify_cancel() else Future())
-        except BaseException as exc:  # the thread must never die silently
-            log.exception("agreement thread crashed")
-            self._break(Unavailable(f"the agreement thread crashed: {type(exc).__name__}: {exc}"))
+        while (job := self._jobs.get()) is not None:
+            round_input, future = job
+            # A cancelled caller still gets its round run: peers wait in it.
+            if not future.set_running_or_notify_cancel():
+                future = Future()
+            try:
+                self._one_round(round_input, future)
+            except BaseException as exc:  # the thread must never die silently, nor strand a caller
+                log.exception("agreement thread crashed in round %d", round_input.number)
+                failure = Unavailable(f"the agreement thread crashed in round {round_input.number}: "
+                                      f"{type(exc).__name__}: {exc}")
+                if not future.done():
+                    future.set_exception(failure)
+                self._break(failure)
+                return
 
     def _one_round(self, round_input: RoundInput, future: Future) -> None:
         if self._failure is not None:
@@ -129,6 +137,11 @@ class AgreementEngine:
             self._heartbeat.entered(round_input.number)
         if self._faults.delay_ms:
             time.sleep(self._random.uniform(0, self._faults.delay_ms) / 1000)
+        if round_input.rejection is not None and self._exchange is not None:
+            try:
+                self._exchange.publish_rejection(round_input.number, round_input.rejection.message)
+            except Exception:  # the reason is lost, the round still runs: peers are waiting in it
+                log.warning("could not publish why round %d was rejected", round_input.number, exc_info=True)
         started = time.perf_counter()
         try:
             vector, self._capacity = round_input.reduce(self._reducer.min_inplace, self._capacity)
@@ -143,10 +156,27 @@ class AgreementEngine:
             result = round_input.settle(vector)
         except Divergence:
             self.divergences += 1
-            message = self._exchange.explain(round_input) if self._exchange else f"divergence in round {round_input.number}"
-            future.set_exception(Divergence(message))
+            message = f"divergence in round {round_input.number}"
+            if self._exchange is not None:
+                try:
+                    message = self._exchange.explain(round_input)
+                except Exception as exc:  # a report that cannot be read still fails the step, loudly
+                    message += f" (the ranks' reports could not be compared: {exc})"
+            future.set_exception(Divergence(message, round_input.number))
             return
+        if result.rejection is not None:
+            result = self._with_rejection_message(round_input, result)
         future.set_result(result)
+
+    def _with_rejection_message(self, round_input: RoundInput, result: RoundResult) -> RoundResult:
+        rejection = result.rejection
+        if round_input.rejection is not None and round_input.rejection.rank == rejection.rank:
+            message = round_input.rejection.message
+        elif self._exchange is not None:
+            message = self._exchange.rejection_message(round_input.number, rejection.rank)
+        else:
+            message = ""
+        return dataclasses.replace(result, rejection=dataclasses.replace(rejection, message=message))
 
     def _break(self, failure: CacheError) -> None:
         with self._lock:

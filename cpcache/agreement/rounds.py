@@ -5,10 +5,15 @@ read back (DESIGN section 4).
 The questions of a round are derived from shared state each step (see
 `cpcache.state.machine.CacheState.questions`) plus the step's one-shot votes.
 
-A round's vector is ``[fp, -fp, digest, -digest, -count, answer_0, ...]``,
-reduced with MIN. ``min(x) == -min(-x)`` holds only when every rank sent the
-same x, so slots 0..3 detect a different question set or shared state. MAX
-questions travel negated.
+A round's vector is ``[fp, -fp, digest, -digest, -count, -rejected,
+rejecter, answer_0, ...]``, reduced with MIN. ``min(x) == -min(-x)`` holds
+only when every rank sent the same x, so slots 0..3 detect a different
+question set (or step content) or shared state. MAX questions travel negated.
+
+A rank that rejects its step (DESIGN rule 6) still enters the round, with
+slot 5 set and slot 6 holding ``rank * 16 + status``: the reduced vector
+names the lowest rejecting rank and its status, every rank reads the round
+as rejected, and nothing else in it counts.
 
 Ranks that diverged may hold different numbers of questions, and a collective
 over tensors of different lengths cannot be allowed. So every round travels
@@ -34,7 +39,11 @@ from cpcache.errors import Divergence, InvalidArgument
 from cpcache.hashing import HASH_MASK as _HASH_MASK, hash62
 from cpcache.values import INT64_MAX, Reduce
 
-HEADER_SLOTS = 5
+HEADER_SLOTS = 7
+NO_REJECTION = INT64_MAX
+# Status codes a rejection can carry, by name (slot 6 holds rank * 16 + index).
+REJECTION_STATUSES = ("INTERNAL", "INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION", "RESOURCE_EXHAUSTED",
+                      "UNAVAILABLE")
 MIN_CAPACITY = 64
 # Fingerprints and digests are kept below 2**62 so that negation never overflows.
 
@@ -110,26 +119,43 @@ class RoundInput:
     fingerprint: int
     digest: int
     vector: np.ndarray
+    rejection: "Rejection | None" = None  # this rank's own, when it rejected the step
+    labels: dict[int, str] | None = None  # names of the asking operations, for divergence reports
+    content: tuple[str, ...] = ()  # what the step carried, for divergence reports
 
     @staticmethod
-    def pack(number: int, questions: Questions, digest: int) -> "RoundInput":
+    def pack(number: int, questions: Questions, digest: int, content_digest: int = 0,
+             labels: dict[int, str] | None = None, content: tuple[str, ...] = ()) -> "RoundInput":
+        """`content_digest` covers what the step carries beyond its questions
+        (the operations it opens), so ranks that were sent different steps
+        disagree in this round's header."""
         q = questions.sorted()
-        shape = np.concatenate(([number], q.op_ids, q.kinds, q.reduces)).astype(np.int64)
+        shape = np.concatenate(([number, content_digest], q.op_ids, q.kinds, q.reduces)).astype(np.int64)
         fingerprint = hash62(shape.tobytes())
         digest &= _HASH_MASK
         vector = np.empty(HEADER_SLOTS + len(q), dtype=np.int64)
-        vector[:HEADER_SLOTS] = (fingerprint, -fingerprint, digest, -digest, -len(q))
+        vector[:HEADER_SLOTS] = (fingerprint, -fingerprint, digest, -digest, -len(q), 0, NO_REJECTION)
         vector[HEADER_SLOTS:] = np.where(q.reduces == Reduce.MIN, q.locals, -q.locals)
-        return RoundInput(number, q, fingerprint, digest, vector)
+        return RoundInput(number, q, fingerprint, digest, vector, None, labels, content)
+
+    @staticmethod
+    def rejected(number: int, rank: int, status: str, message: str) -> "RoundInput":
+        """This rank's entry into a round whose step it refused."""
+        rejection = Rejection(rank, status, message)
+        vector = np.array([0, 0, 0, 0, 0, -1, rejection.code()], dtype=np.int64)
+        return RoundInput(number, Questions.empty(), 0, 0, vector, rejection)
 
     def description(self) -> bytes:
         """What this rank asked, for naming differences after a divergence."""
         q = self.questions
+        labels = self.labels or {}
         return json.dumps(
             {
                 "fingerprint": self.fingerprint,
                 "digest": self.digest,
                 "questions": np.stack((q.op_ids, q.kinds, q.reduces), axis=1).tolist(),
+                "labels": {str(k): v for k, v in labels.items()},
+                "content": list(self.content),
             }
         ).encode()
 
@@ -152,8 +178,14 @@ class RoundInput:
         return framed
 
     def settle(self, reduced: np.ndarray) -> "RoundResult":
-        """Read the reduced vector. Raises `Divergence` (without rank names:
-        see `explain_divergence`) when ranks sent different headers."""
+        """Read the reduced vector: a rejected round (naming the lowest
+        rejecting rank and its status), or the agreed answers. Raises
+        `Divergence` (without rank names: see `explain_divergence`) when
+        ranks sent different headers."""
+        if reduced[5] < 0:
+            rank, status = Rejection.decode(int(reduced[6]))
+            empty = np.empty(0, dtype=np.int64)
+            return RoundResult(self.number, self.digest, empty, empty, empty, Rejection(rank, status, ""))
         same_questions = reduced[0] == -reduced[1]
         same_state = reduced[2] == -reduced[3]
         if not (same_questions and same_state):
@@ -162,6 +194,24 @@ class RoundInput:
         packed = reduced[HEADER_SLOTS : HEADER_SLOTS + len(q)]
         values = np.where(q.reduces == Reduce.MIN, packed, -packed)
         return RoundResult(self.number, self.digest, q.op_ids, q.kinds, values)
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """A rank refused the step of a round: which rank, the status it was told
+    (by name), and why (its own message; filled in from that rank's report)."""
+
+    rank: int
+    status: str
+    message: str
+
+    def code(self) -> int:
+        index = REJECTION_STATUSES.index(self.status) if self.status in REJECTION_STATUSES else 0
+        return self.rank * 16 + index
+
+    @staticmethod
+    def decode(code: int) -> tuple[int, str]:
+        return code // 16, REJECTION_STATUSES[code % 16] if code % 16 < len(REJECTION_STATUSES) else "INTERNAL"
 
 
 def next_capacity(count: int) -> int:
@@ -179,6 +229,7 @@ class RoundResult:
     op_ids: np.ndarray
     kinds: np.ndarray
     values: np.ndarray
+    rejection: "Rejection | None" = None  # set when some rank rejected the step: nothing else counts
 
     def of_kind(self, kind: int) -> tuple[np.ndarray, np.ndarray]:
         """(op ids, agreed values) of the questions of one kind, by op id."""

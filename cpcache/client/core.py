@@ -1,17 +1,24 @@
 """Scheduler-side clients of one rank's daemon: `AsyncClient` for asyncio
 schedulers, `Client` for synchronous scheduler loops.
 
-Both raise the same `cpcache.errors` family the daemon raises, rebuilt from
-the status code, so a scheduler handles `Unavailable` or `Divergence` without
-knowing gRPC.
+One core serves both: the functions here build each request and read each
+reply (`Call`), and `error_from` rebuilds the typed error the daemon raised
+from the `google.rpc.ErrorInfo` in its status, so a scheduler handles
+`PeerLost` or `Divergence` without knowing gRPC. The two faces differ only in
+how they send a `Call`: `_Face` holds every public method once.
+
+Every call has a deadline (`timeout_s`, 30 s unless told); a call that
+passes it raises `Unavailable`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Any, Callable, Generic, Iterable, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
+from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cpcache import errors
@@ -19,11 +26,11 @@ from cpcache.values import Reduce
 from cpcache.v1 import daemon_pb2 as pb
 from cpcache.v1 import daemon_pb2_grpc as pb_grpc
 
-_ERROR_OF: dict[grpc.StatusCode, type[errors.CacheError]] = {}
-for _kind in errors.FAMILY:
-    if _kind.__bases__ == (errors.CacheError,):  # the subclasses are told apart by their reason
-        _ERROR_OF[grpc.StatusCode[_kind.status]] = _kind
-_ERROR_OF[grpc.StatusCode.DEADLINE_EXCEEDED] = errors.Unavailable
+T = TypeVar("T")
+
+DEFAULT_TIMEOUT_S = 30.0
+WAIT_MARGIN_S = 5.0  # wait_loads' deadline: its own timeout plus this, for the daemon to answer
+
 _REDUCE_TO_WIRE = {Reduce.MIN: pb.REDUCE_MIN, Reduce.MAX: pb.REDUCE_MAX}
 
 # Reconnect quickly: the daemon is local and may be restarting.
@@ -43,11 +50,52 @@ def target_of(address: str) -> str:
     return address
 
 
+# -- errors ---------------------------------------------------------------------------
+
+# Without an ErrorInfo, a status code names the base class of its kind (the
+# subclasses are told apart by their reason only).
+_BY_CODE: dict[grpc.StatusCode, type[errors.CacheError]] = {
+    grpc.StatusCode[kind.status]: kind for kind in errors.FAMILY if kind.__bases__ == (errors.CacheError,)
+}
+_BY_CODE[grpc.StatusCode.DEADLINE_EXCEEDED] = errors.Unavailable
+_DETAILS_KEY = "grpc-status-details-bin"
+
+
+def error_info(exc: grpc.RpcError) -> error_details_pb2.ErrorInfo | None:
+    """The cpcache `ErrorInfo` in a failed call's status details, if any.
+    Read from the trailing metadata, which blocking and aio errors both carry."""
+    for key, value in getattr(exc, "trailing_metadata", lambda: None)() or ():
+        if key != _DETAILS_KEY:
+            continue
+        try:
+            status = status_pb2.Status.FromString(value)
+        except DecodeError:  # a malformed status: fall back to the code
+            return None
+        for detail in status.details:
+            info = error_details_pb2.ErrorInfo()
+            if detail.Is(info.DESCRIPTOR) and detail.Unpack(info) and info.domain == errors.DOMAIN:
+                return info
+    return None
+
+
 def error_from(exc: grpc.RpcError) -> errors.CacheError:
-    kind = _ERROR_OF.get(exc.code(), errors.CacheError)
-    if kind is errors.FailedPrecondition and "divergence" in (exc.details() or ""):
-        kind = errors.Divergence
-    return kind(f"{exc.code().name}: {exc.details()}")
+    """The typed error a failed call stands for: the class its ErrorInfo's
+    reason names (built from the ErrorInfo's metadata), else the class of its
+    status code. The message is `CODE: details`."""
+    code = exc.code()
+    message = f"{code.name}: {exc.details()}"
+    fallback = _BY_CODE.get(code, errors.CacheError)
+    info = error_info(exc)
+    kind = errors.BY_REASON.get(info.reason) if info is not None else None
+    if kind is not None and grpc.StatusCode[kind.status] == code:
+        try:
+            return kind.from_metadata(message, dict(info.metadata))
+        except (ValueError, TypeError):  # metadata this client cannot read: keep the kind's family
+            pass
+    return fallback(message)
+
+
+# -- values ---------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -63,11 +111,13 @@ class StepResult:
     write_acks: tuple[int, ...] = ()
     backups: dict[int, bool] = field(default_factory=dict)
     loads: dict[int, int] = field(default_factory=dict)
+    write_failures: tuple[int, ...] = ()  # nothing of these entered the host pool (a failed copy, a full pool)
+    load_failures: tuple[int, ...] = ()  # the device pages of these hold no agreed data
 
 
 @dataclass(frozen=True)
 class Ops:
-    """Cache operations for one step (see `StepOps` in cpcache.cache)."""
+    """Cache operations for one step (see `StepOps` in cpcache.state.requests)."""
 
     prefetches: tuple = ()  # (op_id, pages, tokens[, parent])
     polls: tuple = ()  # prefetch op ids
@@ -113,6 +163,8 @@ def step_result(reply: pb.StepReply) -> StepResult:
         write_acks=tuple(reply.write_acks),
         backups={b.op_id: b.stored for b in reply.backups},
         loads={x.op_id: x.pages for x in reply.loads},
+        write_failures=tuple(reply.write_failures),
+        load_failures=tuple(reply.load_failures),
     )
 
 
@@ -127,21 +179,127 @@ def attach_request(model_id: str, geometry, device_pages: int, shm_path: str = "
     return request
 
 
+@dataclass(frozen=True)
+class Call(Generic[T]):
+    """One unary call, ready to send: the RPC, its request, how to read the
+    reply, and its deadline (None: the client's)."""
+
+    rpc: str  # the method's name on its stub
+    request: Any
+    read: Callable[[Any], T] = lambda reply: reply
+    timeout_s: float | None = None
+    service: str = "daemon"  # or "health"
+
+
+def _step_call(step: int, votes: Iterable[tuple[int, Reduce, int]], ops: Ops | None) -> Call[StepResult]:
+    return Call("Step", step_request(step, votes, ops), step_result)
+
+
+def _attach_call(model_id: str, geometry, device_pages: int, shm_path: str, cuda_ipc) -> Call[pb.AttachReply]:
+    return Call("Attach", attach_request(model_id, geometry, device_pages, shm_path, cuda_ipc))
+
+
+def _wait_loads_call(op_ids, timeout_s: float) -> Call[None]:
+    # 0 asks the daemon to wait without a limit: the client's deadline bounds it.
+    deadline = timeout_s + WAIT_MARGIN_S if timeout_s > 0 else None
+    return Call("WaitLoads", pb.WaitLoadsRequest(op_ids=op_ids, timeout_s=timeout_s), lambda reply: None, deadline)
+
+
+def _match_call(pages) -> Call[pb.MatchReply]:
+    return Call("Match", pb.MatchRequest(pages=pages))
+
+
+def _stats_call() -> Call[dict[str, int]]:
+    return Call("Stats", pb.StatsRequest(), lambda reply: dict(reply.counters))
+
+
+def _status_call() -> Call[pb.StatusReply]:
+    return Call("Status", pb.StatusRequest())
+
+
+def _health_call(service: str) -> Call[int]:
+    return Call("Check", health_pb2.HealthCheckRequest(service=service), lambda reply: reply.status, service="health")
+
+
 def _metadata(token: str | None):
     return (("authorization", f"Bearer {token}"),) if token else None
 
 
-class AsyncClient:
-    def __init__(self, address: str, token: str | None = None, credentials=None, timeout_s: float | None = None):
+# -- the two faces ----------------------------------------------------------------------
+
+
+class _Face:
+    """Every public call, once. Each builds its `Call` and hands it to the
+    face's `_send`: `AsyncClient`'s methods return awaitables of the values
+    named here, `Client`'s return the values."""
+
+    _grpc: Any  # grpc or grpc.aio: where the channel comes from
+
+    def __init__(self, address: str, token: str | None = None, credentials=None,
+                 timeout_s: float | None = DEFAULT_TIMEOUT_S):
+        """`timeout_s`: the deadline of every call (None: none)."""
         target = target_of(address)
         if credentials is not None:
-            self._channel = grpc.aio.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
+            self._channel = self._grpc.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
         else:
-            self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+            self._channel = self._grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.CacheDaemonStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._metadata = _metadata(token)
         self._timeout_s = timeout_s
+
+    def _prepare(self, call: Call):
+        """The stub method to send `call` with, and its keyword arguments."""
+        stub = self._stub if call.service == "daemon" else self._health
+        timeout = call.timeout_s if call.timeout_s is not None else self._timeout_s
+        return getattr(stub, call.rpc), dict(timeout=timeout, metadata=self._metadata)
+
+    def _send(self, build: Callable[..., Call], *args):
+        raise NotImplementedError
+
+    def step(self, step: int, votes: Iterable[tuple[int, Reduce, int]] = (), ops: Ops | None = None):
+        """One scheduler iteration: -> StepResult."""
+        return self._send(_step_call, step, votes, ops)
+
+    def attach(self, model_id: str, geometry, device_pages: int, shm_path: str = "", cuda_ipc=None):
+        """Hand the daemon this model's device pool: -> pb.AttachReply."""
+        return self._send(_attach_call, model_id, geometry, device_pages, shm_path, cuda_ipc)
+
+    def wait_loads(self, op_ids, timeout_s: float = 30.0):
+        """Wait until these loads reached the device pool: -> None. The call's
+        deadline is `timeout_s` plus a margin."""
+        return self._send(_wait_loads_call, op_ids, timeout_s)
+
+    def match(self, pages):
+        """Host and storage prefix hits: -> pb.MatchReply."""
+        return self._send(_match_call, pages)
+
+    def stats(self):
+        """-> dict[str, int], the daemon's counters."""
+        return self._send(_stats_call)
+
+    def status(self):
+        """-> pb.StatusReply."""
+        return self._send(_status_call)
+
+    def health(self, service: str = ""):
+        """-> int, a `HealthCheckResponse.ServingStatus`."""
+        return self._send(_health_call, service)
+
+
+class AsyncClient(_Face):
+    """For asyncio schedulers: every call is awaited."""
+
+    _grpc = grpc.aio
+
+    async def _send(self, build: Callable[..., Call[T]], *args) -> T:
+        call = build(*args)
+        method, kwargs = self._prepare(call)
+        try:
+            reply = await method(call.request, **kwargs)
+        except grpc.aio.AioRpcError as exc:
+            raise error_from(exc) from None
+        return call.read(reply)
 
     async def __aenter__(self) -> "AsyncClient":
         return self
@@ -151,34 +309,6 @@ class AsyncClient:
 
     async def close(self) -> None:
         await self._channel.close()
-
-    async def _call(self, method, request):
-        try:
-            return await method(request, timeout=self._timeout_s, metadata=self._metadata)
-        except grpc.aio.AioRpcError as exc:
-            raise error_from(exc) from None
-
-    async def step(self, step: int, votes: Iterable[tuple[int, Reduce, int]] = (), ops: Ops | None = None) -> StepResult:
-        return step_result(await self._call(self._stub.Step, step_request(step, votes, ops)))
-
-    async def attach(self, model_id: str, geometry, device_pages: int, shm_path: str = "", cuda_ipc=None):
-        return await self._call(self._stub.Attach, attach_request(model_id, geometry, device_pages, shm_path, cuda_ipc))
-
-    async def wait_loads(self, op_ids, timeout_s: float = 30.0) -> None:
-        await self._call(self._stub.WaitLoads, pb.WaitLoadsRequest(op_ids=op_ids, timeout_s=timeout_s))
-
-    async def match(self, pages) -> pb.MatchReply:
-        return await self._call(self._stub.Match, pb.MatchRequest(pages=pages))
-
-    async def stats(self) -> dict[str, int]:
-        return dict((await self._call(self._stub.Stats, pb.StatsRequest())).counters)
-
-    async def status(self) -> pb.StatusReply:
-        return await self._call(self._stub.Status, pb.StatusRequest())
-
-    async def health(self, service: str = "") -> int:
-        reply = await self._call(self._health.Check, health_pb2.HealthCheckRequest(service=service))
-        return reply.status
 
     async def wait_serving(self, timeout_s: float) -> None:
         """Wait until the daemon reports SERVING: waits for the socket to
@@ -197,19 +327,19 @@ class AsyncClient:
         raise errors.Unavailable("the daemon closed its health stream before serving")
 
 
-class Client:
+class Client(_Face):
     """Blocking client with the same calls, for synchronous scheduler loops."""
 
-    def __init__(self, address: str, token: str | None = None, credentials=None, timeout_s: float | None = None):
-        target = target_of(address)
-        if credentials is not None:
-            self._channel = grpc.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
-        else:
-            self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
-        self._stub = pb_grpc.CacheDaemonStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
-        self._metadata = _metadata(token)
-        self._timeout_s = timeout_s
+    _grpc = grpc
+
+    def _send(self, build: Callable[..., Call[T]], *args) -> T:
+        call = build(*args)
+        method, kwargs = self._prepare(call)
+        try:
+            reply = method(call.request, **kwargs)
+        except grpc.RpcError as exc:
+            raise error_from(exc) from None
+        return call.read(reply)
 
     def __enter__(self) -> "Client":
         return self
@@ -219,30 +349,3 @@ class Client:
 
     def close(self) -> None:
         self._channel.close()
-
-    def _call(self, method, request):
-        try:
-            return method(request, timeout=self._timeout_s, metadata=self._metadata)
-        except grpc.RpcError as exc:
-            raise error_from(exc) from None
-
-    def step(self, step: int, votes: Iterable[tuple[int, Reduce, int]] = (), ops: Ops | None = None) -> StepResult:
-        return step_result(self._call(self._stub.Step, step_request(step, votes, ops)))
-
-    def attach(self, model_id: str, geometry, device_pages: int, shm_path: str = "", cuda_ipc=None):
-        return self._call(self._stub.Attach, attach_request(model_id, geometry, device_pages, shm_path, cuda_ipc))
-
-    def wait_loads(self, op_ids, timeout_s: float = 30.0) -> None:
-        self._call(self._stub.WaitLoads, pb.WaitLoadsRequest(op_ids=op_ids, timeout_s=timeout_s))
-
-    def match(self, pages) -> pb.MatchReply:
-        return self._call(self._stub.Match, pb.MatchRequest(pages=pages))
-
-    def stats(self) -> dict[str, int]:
-        return dict(self._call(self._stub.Stats, pb.StatsRequest()).counters)
-
-    def status(self) -> pb.StatusReply:
-        return self._call(self._stub.Status, pb.StatusRequest())
-
-    def health(self, service: str = "") -> int:
-        return self._call(self._health.Check, health_pb2.HealthCheckRequest(service=service)).status

@@ -56,18 +56,19 @@ class DaemonCollector:
             return
         state, transfers = coordinator.cache.state, coordinator.cache.io.transfers
         hits = CounterMetricFamily("cpcache_hit_pages", "Pages served from a tier (agreed)", labels=["rank", "tier"])
-        for tier, n in state.hit_pages.items():
+        for tier, n in dict(state.hit_pages).items():
             hits.add_metric(labels + [tier], n)
         yield hits
         pages = CounterMetricFamily("cpcache_pages_moved", "Pages moved, by mover", labels=["rank", "mover"])
         moved = CounterMetricFamily("cpcache_bytes_moved", "Bytes moved, by mover", labels=["rank", "mover"])
         errors = CounterMetricFamily("cpcache_transfer_failures", "Transfers that failed (storage errors)",
                                      labels=["rank", "mover"])
-        for (src, dst), n in transfers.pages_moved.items():
+        counters = transfers.counters()
+        for (src, dst), n in counters["pages_moved"].items():
             mover = f"{src}->{dst}"
             pages.add_metric(labels + [mover], n)
-            moved.add_metric(labels + [mover], transfers.bytes_moved[(src, dst)])
-            errors.add_metric(labels + [mover], transfers.failed_jobs[(src, dst)])
+            moved.add_metric(labels + [mover], counters["bytes_moved"][(src, dst)])
+            errors.add_metric(labels + [mover], counters["failed_jobs"][(src, dst)])
         yield from (pages, moved, errors)
         occupancy = GaugeMetricFamily("cpcache_host_pages", "Host pool pages by state", labels=["rank", "state"])
         stats = state.stats()

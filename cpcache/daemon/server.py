@@ -24,7 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from cpcache.agreement.engine import AgreementEngine, DivergenceExchange, FaultInjection, peer_lost
 from cpcache.agreement.collective import Rendezvous, build_reducer, host_store
 from cpcache.config import DaemonConfig
-from cpcache.rank.stepper import Coordinator
+from cpcache.rank.stepper import Stepper
 from cpcache.daemon import metrics
 from cpcache.daemon.auth import TokenInterceptor
 from cpcache.daemon.metrics import DaemonCollector
@@ -84,7 +84,7 @@ class Daemon:
         self._store_server = None
         self._heartbeat: Heartbeat | None = None
         self._engine: AgreementEngine | None = None
-        self._coordinator: Coordinator | None = None
+        self._coordinator: Stepper | None = None
 
     # -- what the servicer and the metrics see -----------------------------
 
@@ -93,10 +93,10 @@ class Daemon:
         return self._engine
 
     @property
-    def coordinator(self) -> Coordinator | None:
+    def coordinator(self) -> Stepper | None:
         return self._coordinator
 
-    def admit_decision(self) -> Coordinator:
+    def admit_decision(self) -> Stepper:
         if self.state is State.SERVING and self._coordinator is not None:
             return self._coordinator
         if self.state is State.BROKEN and self._engine is not None and self._engine.failure is not None:
@@ -153,10 +153,11 @@ class Daemon:
                 counters.update(coordinator.cache.state.stats())
                 counters["cache_digest"] = coordinator.cache.state.digest
                 counters["in_flight_slots"] = coordinator.cache.io.transfers.in_flight.count()
-                transfers = coordinator.cache.io.transfers
-                for (src, dst), pages in transfers.pages_moved.items():
+                moved = coordinator.cache.io.transfers.counters()
+                for (src, dst), pages in moved["pages_moved"].items():
                     counters[f"pages_moved_{src}_to_{dst}"] = pages
-                    counters[f"bytes_moved_{src}_to_{dst}"] = transfers.bytes_moved[(src, dst)]
+                    counters[f"bytes_moved_{src}_to_{dst}"] = moved["bytes_moved"][(src, dst)]
+            counters["rejected_steps"] = coordinator.rejected_steps
         return counters
 
     def status(self) -> pb.StatusReply:
@@ -217,7 +218,7 @@ class Daemon:
             faults=FaultInjection(self.config.fault_delay_ms, self.config.fault_seed + self.config.rank),
             on_failure=lambda failure: loop.call_soon_threadsafe(self._on_broken, failure),
         )
-        self._coordinator = Coordinator(self._engine, self.config.agreement_lag)
+        self._coordinator = Stepper(self._engine, self.config.rank, self.config.agreement_lag)
         self.state = State.SERVING
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self.notifier.ready(f"serving rank {self.config.rank} of domain {list(self._domain.ranks)}")

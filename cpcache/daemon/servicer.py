@@ -5,73 +5,18 @@ from __future__ import annotations
 
 import asyncio
 
-from cpcache.state.machine import LoadRequest, PrefetchRequest, StepOps, WriteRequest
-from cpcache.rank.stepper import Coordinator, StepOutcome
-from cpcache.daemon.status import guarded
-from cpcache.errors import InvalidArgument, NotFound, Unavailable
-from cpcache.geometry import KVGeometry
+import math
+
 from cpcache.agreement.rounds import Questions
+from cpcache.daemon.status import guarded
+from cpcache.daemon.wire import ops_from_wire, prefetches_from_wire, request_digest, step_reply, votes_from_wire
+from cpcache.errors import CacheError, InvalidArgument, NotFound, Unavailable
+from cpcache.geometry import KVGeometry
+from cpcache.state.requests import StepOps
 from cpcache.v1 import daemon_pb2 as pb
 from cpcache.v1 import daemon_pb2_grpc as pb_grpc
 
-MAX_OPS_PER_STEP = 4096
-
-
-def votes_from_wire(votes: pb.Votes) -> Questions:
-    # The wire's Reduce numbers are the core's (REDUCE_MIN = 1, REDUCE_MAX = 2);
-    # anything else is refused by the validation in `Questions.votes`.
-    return Questions.votes(votes.op_ids, votes.reduces, votes.values)
-
-
-def _parent(raw: bytes) -> bytes | None:
-    if raw and len(raw) != 32:
-        raise InvalidArgument("parent must be a 32-byte page hash or empty")
-    return raw or None
-
-
-def prefetches_from_wire(prefetches) -> tuple[PrefetchRequest, ...]:
-    return tuple(PrefetchRequest(p.op_id, tuple(p.pages), p.tokens, _parent(p.parent)) for p in prefetches)
-
-
-def ops_from_wire(request: pb.StepRequest) -> StepOps:
-    count = (len(request.prefetches) + len(request.writes) + len(request.loads) + len(request.revokes)
-             + len(request.prefetch_polls))
-    if count > MAX_OPS_PER_STEP:
-        raise InvalidArgument(f"a step carries at most {MAX_OPS_PER_STEP} operations, got {count}")
-    return StepOps(
-        prefetches=prefetches_from_wire(request.prefetches),
-        prefetch_polls=tuple(request.prefetch_polls),
-        revokes=tuple(request.revokes),
-        writes=tuple(WriteRequest(w.op_id, tuple(w.pages), tuple(w.device_pages), _parent(w.parent))
-                     for w in request.writes),
-        loads=tuple(LoadRequest(x.op_id, tuple(x.pages), tuple(x.device_pages)) for x in request.loads),
-    )
-
-
-_OUTCOME_HIT, _OUTCOME_DONE, _OUTCOME_REVOKED = (
-    pb.PrefetchDecision.HIT,
-    pb.PrefetchDecision.DONE,
-    pb.PrefetchDecision.REVOKED,
-)
-
-
-def step_reply(outcome: StepOutcome) -> pb.StepReply:
-    reply = pb.StepReply(step=outcome.step, round=outcome.round, state_digest=outcome.digest)
-    reply.decisions.op_ids.extend(outcome.op_ids.tolist())
-    reply.decisions.values.extend(outcome.values.tolist())
-    d = outcome.cache
-    for op_id, pages in d.prefetch_hits:
-        reply.prefetches.add(op_id=op_id, outcome=_OUTCOME_HIT, pages=pages)
-    for op_id, pages in d.prefetch_done:
-        reply.prefetches.add(op_id=op_id, outcome=_OUTCOME_DONE, pages=pages)
-    for op_id, why in d.prefetch_revoked:
-        reply.prefetches.add(op_id=op_id, outcome=_OUTCOME_REVOKED, reason=why)
-    reply.write_acks.extend(d.write_acks)
-    for op_id, stored in d.backups:
-        reply.backups.add(op_id=op_id, stored=stored)
-    for op_id, pages in d.loads:
-        reply.loads.add(op_id=op_id, pages=pages)
-    return reply
+MAX_WAIT_S = 3600.0
 
 
 class CacheDaemonServicer(pb_grpc.CacheDaemonServicer):
@@ -82,31 +27,38 @@ class CacheDaemonServicer(pb_grpc.CacheDaemonServicer):
     def count_rpc(self, method: str, code: str) -> None:
         self._daemon.metrics.rpcs[(method, code)] += 1
 
-    async def _step(self, step: int, votes: Questions, ops: StepOps) -> pb.StepReply:
-        coordinator: Coordinator = self._daemon.admit_decision()
-        if step == 0:
-            raise InvalidArgument("step must be >= 1")
+    async def _step(self, method: str, request, parse) -> pb.StepReply:
+        """One step. A request that cannot be read still takes part in its
+        round (rejected), so the other ranks are never left waiting."""
+        stepper = self._daemon.admit_decision()
+        invalid: CacheError | None = None
+        try:
+            votes, ops = parse(request)
+        except CacheError as exc:
+            votes, ops, invalid = Questions.empty(), StepOps(), exc
+        except (TypeError, ValueError, OverflowError) as exc:
+            votes, ops, invalid = Questions.empty(), StepOps(), InvalidArgument(f"unreadable step: {exc}")
         with self._daemon.in_flight():
-            return step_reply(await coordinator.step(step, votes, ops))
+            outcome = await stepper.step(request.step, votes, ops, invalid=invalid,
+                                         request_digest=request_digest(method, request))
+        return step_reply(outcome)
 
     @guarded
     async def Step(self, request: pb.StepRequest, context) -> pb.StepReply:
-        return await self._step(request.step, votes_from_wire(request.votes), ops_from_wire(request))
+        return await self._step("Step", request, lambda r: (votes_from_wire(r.votes), ops_from_wire(r)))
 
     @guarded
     async def Prefetch(self, request: pb.PrefetchRequest, context) -> pb.StepReply:
-        if len(request.prefetches) + len(request.polls) > MAX_OPS_PER_STEP:
-            raise InvalidArgument(f"a step carries at most {MAX_OPS_PER_STEP} operations")
-        ops = StepOps(prefetches=prefetches_from_wire(request.prefetches), prefetch_polls=tuple(request.polls))
-        return await self._step(request.step, Questions.empty(), ops)
+        return await self._step("Prefetch", request, lambda r: (
+            Questions.empty(), StepOps(prefetches=prefetches_from_wire(r.prefetches), prefetch_polls=tuple(r.polls))))
 
     @guarded
     async def Revoke(self, request: pb.RevokeRequest, context) -> pb.StepReply:
-        return await self._step(request.step, Questions.empty(), StepOps(revokes=tuple(request.op_ids)))
+        return await self._step("Revoke", request, lambda r: (Questions.empty(), StepOps(revokes=tuple(r.op_ids))))
 
     @guarded
     async def Ack(self, request: pb.AckRequest, context) -> pb.StepReply:
-        return await self._step(request.step, Questions.empty(), StepOps())
+        return await self._step("Ack", request, lambda r: (Questions.empty(), StepOps()))
 
     @guarded
     async def Attach(self, request: pb.AttachRequest, context) -> pb.AttachReply:
@@ -126,6 +78,8 @@ class CacheDaemonServicer(pb_grpc.CacheDaemonServicer):
     @guarded
     async def WaitLoads(self, request: pb.WaitLoadsRequest, context) -> pb.WaitLoadsReply:
         runtime = self._daemon.cache_runtime()
+        if not (math.isfinite(request.timeout_s) and 0 <= request.timeout_s <= MAX_WAIT_S):
+            raise InvalidArgument(f"timeout_s must be between 0 and {MAX_WAIT_S:.0f} seconds")
         futures = []
         for op_id in request.op_ids:
             job = runtime.io.load_future(op_id)
@@ -134,9 +88,13 @@ class CacheDaemonServicer(pb_grpc.CacheDaemonServicer):
             futures.append(asyncio.wrap_future(job))
         timeout = request.timeout_s or None
         try:
-            await asyncio.wait_for(asyncio.gather(*(asyncio.shield(f) for f in futures)), timeout)
+            results = await asyncio.wait_for(asyncio.gather(*(asyncio.shield(f) for f in futures)), timeout)
         except asyncio.TimeoutError:
             raise Unavailable(f"loads {list(request.op_ids)} did not finish within {timeout}s") from None
+        failed = [op_id for op_id, result in zip(request.op_ids, results) if not result.success]
+        if failed:
+            raise Unavailable(f"loads {failed} failed on this rank; the step that ends them reports them in "
+                              f"load_failures")
         return pb.WaitLoadsReply()
 
     @guarded

@@ -1,17 +1,32 @@
 """The one table from cpcache's errors to gRPC status codes (DESIGN
 section 8), and the guard that keeps any exception from escaping a handler
-as UNKNOWN."""
+as UNKNOWN.
+
+An error leaves as a rich status: its code, its message, and one
+`google.rpc.ErrorInfo` (reason, `errors.DOMAIN`, the error's metadata) that
+the clients rebuild the typed exception from."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 
 import grpc
+from google.protobuf import any_pb2
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
 
 from cpcache import errors
 
 log = logging.getLogger(__name__)
+
+# The message and each metadata value are cut to these lengths so that a
+# status stays well inside gRPC's default 8 KiB limit on trailing metadata
+# (the message travels twice: as grpc-message and inside the details).
+MAX_MESSAGE = 2000
+MAX_METADATA_VALUE = 1000
+
 
 def status_of(error: BaseException) -> grpc.StatusCode:
     if isinstance(error, errors.CacheError):
@@ -19,25 +34,56 @@ def status_of(error: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _rich(code: grpc.StatusCode, message: str, reason: str, metadata: dict[str, str]) -> grpc.Status:
+    info = error_details_pb2.ErrorInfo(
+        reason=reason, domain=errors.DOMAIN,
+        metadata={str(k): _cut(str(v), MAX_METADATA_VALUE) for k, v in metadata.items()},
+    )
+    detail = any_pb2.Any()
+    detail.Pack(info)
+    return rpc_status.to_status(
+        status_pb2.Status(code=code.value[0], message=_cut(message, MAX_MESSAGE), details=[detail])
+    )
+
+
+def wire_status(error: BaseException) -> grpc.Status:
+    """The status `error` is sent as. An error outside the family is
+    INTERNAL with reason INTERNAL; so is an error whose metadata cannot be
+    read (a bug in its class, logged)."""
+    if isinstance(error, errors.CacheError):
+        try:
+            return _rich(status_of(error), str(error), error.reason, error.metadata())
+        except Exception:
+            log.exception("cannot describe %s", type(error).__name__)
+    return _rich(grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}: {error}", "INTERNAL", {})
+
+
 def guarded(handler):
-    """Turn every error a handler raises into its status code. An error
-    outside the family is a bug: INTERNAL, logged with its traceback."""
+    """Turn every error a handler raises into its rich status. An error
+    outside the family is a bug: INTERNAL, logged with its traceback. The
+    servicer's `count_rpc(method, code)` counts every call by its outcome."""
 
     @functools.wraps(handler)
     async def wrapper(self, request, context: grpc.aio.ServicerContext):
-        code = grpc.StatusCode.OK
+        # Counted before the reply leaves, so a scrape right after the call sees it.
         try:
-            return await handler(self, request, context)
-        except errors.CacheError as exc:
-            code = status_of(exc)
-            await context.abort(code, str(exc))
+            reply = await handler(self, request, context)
         except (grpc.aio.AbortError, grpc.aio.UsageError):
             raise
+        except asyncio.CancelledError:  # the client went away or its deadline passed
+            self.count_rpc(handler.__name__, grpc.StatusCode.CANCELLED.name)
+            raise
         except Exception as exc:
-            code = grpc.StatusCode.INTERNAL
-            log.exception("bug in %s", handler.__name__)
-            await context.abort(code, f"internal error: {type(exc).__name__}: {exc}")
-        finally:
-            self.count_rpc(handler.__name__, code.name)
+            if not isinstance(exc, errors.CacheError):
+                log.exception("bug in %s", handler.__name__)
+            status = wire_status(exc)
+            self.count_rpc(handler.__name__, status.code.name)
+            await context.abort_with_status(status)
+        self.count_rpc(handler.__name__, grpc.StatusCode.OK.name)
+        return reply
 
     return wrapper

@@ -1,171 +1,227 @@
-"""This rank's side of the cache: runs the movers the shared state asks for,
-and keeps their progress as the local answers of the next rounds. Progress
-is written by I/O threads and read by the event loop; each record is a plain
-value replaced whole, so no reader sees half an update."""
+"""This rank's side of the cache: runs the I/O the shared state asks for and
+keeps its progress as the local answers of the next rounds.
+
+One door from I/O threads to the loop: a mover's completion only puts an
+event on a queue; `drain` (called on the loop when a round is packed) folds
+the events into the progress tables. Nothing else touches them, so no table
+is ever written from two threads.
+"""
 
 from __future__ import annotations
 
+import collections
+import queue
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Callable
 
-from cpcache.state.machine import NOT_YET, TIMED_OUT, Intent
 from cpcache.dataplane.movers import DEVICE, HOST, STORAGE, TransferResult, Transfers
+from cpcache.state.intents import CopyToDevice, CopyToHost, Fetch, Intent, Lookup, Store
+from cpcache.state.questions import NOT_YET, BackupOutcome, Outcome
 
 FETCH_CHUNK_PAGES = 16  # a fetch reports progress chunk by chunk
+LOAD_JOBS_KEPT = 1 << 16  # finished loads WaitLoads still knows
 
 
 @dataclass
 class FetchProgress:
     started: float
     chunks: list[int]  # pages per chunk, in order
-    done: list[int] = field(default_factory=list)  # pages done per finished chunk, by index
+    done: list[int | None] = field(default_factory=list)  # pages done per finished chunk, by index
     finished: int = 0
 
     def prefix(self) -> int:
         total = 0
-        for i, size in enumerate(self.chunks):
-            if i >= len(self.done) or self.done[i] is None:
+        for size, done in zip(self.chunks, self.done):
+            if done is None:
                 return total
-            total += self.done[i]
-            if self.done[i] < size:
+            total += done
+            if done < size:
                 return total
         return total
 
 
 class LocalIO:
-    def __init__(self, transfers: Transfers, storage_timeout_s: float = 10.0, clock=time.monotonic) -> None:
-        """`storage_timeout_s`: a storage lookup that has not answered by then
-        counts as a miss here, so a hung store never holds a prefetch open."""
+    def __init__(self, transfers: Transfers, storage_timeout_s: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """`storage_timeout_s`: a storage call that has not answered by then
+        counts as a miss (a lookup) or a timed-out write (a backup) here, so
+        a hung store never holds an operation open."""
         self.transfers = transfers
         self._clock = clock
         self._storage_timeout_s = storage_timeout_s
-        self._exists: dict[int, int] = {}
-        self._asked_at: dict[int, float] = {}
+        self._events: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._exists: dict[int, tuple[int, float]] = {}  # serial -> (pages or NOT_YET, asked at)
         self._fetches: dict[int, FetchProgress] = {}
-        self._writes: dict[int, bool] = {}
-        self._backups: dict[int, tuple[bool, int]] = {}
-        self._backup_started: dict[int, float] = {}
-        self._loads: dict[int, Future] = {}
+        self._writes: dict[int, Outcome] = {}
+        self._backups: dict[int, tuple[BackupOutcome, float]] = {}  # serial -> (outcome, started)
+        self._loads: dict[int, Outcome] = {}
+        # The scheduler's load op id -> this rank's copy; kept after the load
+        # closes, so a WaitLoads after the step that reported it still answers.
+        self._load_jobs: collections.OrderedDict[int, Future] = collections.OrderedDict()
 
     @property
     def has_storage(self) -> bool:
         return self.transfers.tiers.storage is not None
 
+    def _post(self, event: Callable[[], None]) -> None:
+        """From any thread: an update for the loop to apply in `drain`."""
+        self._events.put(event)
+
+    def drain(self) -> None:
+        """On the loop: apply every I/O event that has arrived."""
+        while True:
+            try:
+                event = self._events.get_nowait()
+            except queue.Empty:
+                return
+            event()
+
     # -- starting I/O ------------------------------------------------------------
 
     def start(self, intents: list[Intent]) -> None:
         for intent in intents:
-            getattr(self, "_start_" + intent.action)(intent)
+            match intent:
+                case Lookup():
+                    self._lookup(intent)
+                case Fetch():
+                    self._fetch(intent)
+                case CopyToHost():
+                    self._copy_to_host(intent)
+                case Store():
+                    self._store(intent)
+                case CopyToDevice():
+                    self._copy_to_device(intent)
 
-    def _start_exists(self, intent: Intent) -> None:
-        self._exists[intent.op_id] = NOT_YET
-        self._asked_at[intent.op_id] = self._clock()
+    def _lookup(self, intent: Lookup) -> None:
         if not self.has_storage:
-            self._exists[intent.op_id] = 0
+            self._exists[intent.serial] = (0, self._clock())
             return
+        self._exists[intent.serial] = (NOT_YET, self._clock())
+        storage = self.transfers.tiers.storage
 
         def ask() -> None:
             try:
-                self._exists[intent.op_id] = self.transfers.tiers.storage.exists_prefix(list(intent.keys))
+                found = storage.exists_prefix(list(intent.keys))
             except Exception:  # storage down: an agreed miss, not a dead thread
-                self._exists[intent.op_id] = 0
+                found = 0
+            self._post(lambda: self._found(intent.serial, found))
 
-        self.transfers.run_blocking(ask)
+        self.transfers.run_storage_call(ask)
 
-    def _start_fetch(self, intent: Intent) -> None:
+    def _found(self, serial: int, pages: int) -> None:
+        if serial in self._exists:
+            self._exists[serial] = (pages, self._exists[serial][1])
+
+    def _fetch(self, intent: Fetch) -> None:
         n = len(intent.keys)
         sizes = [min(FETCH_CHUNK_PAGES, n - i) for i in range(0, n, FETCH_CHUNK_PAGES)]
         progress = FetchProgress(self._clock(), sizes, [None] * len(sizes))
-        self._fetches[intent.op_id] = progress
+        self._fetches[intent.serial] = progress
         for index, first in enumerate(range(0, n, FETCH_CHUNK_PAGES)):
             span = slice(first, first + FETCH_CHUNK_PAGES)
             job = self.transfers.submit((STORAGE, HOST), intent.keys[span], intent.slots[span])
-            job.add_done_callback(lambda f, i=index: self._fetched(progress, i, f.result()))
+            job.add_done_callback(lambda f, i=index: self._post(lambda: self._fetched(progress, i, _result(f))))
 
     @staticmethod
     def _fetched(progress: FetchProgress, index: int, result: TransferResult) -> None:
         progress.done[index] = result.pages_done
         progress.finished += 1
 
-    def _start_write(self, intent: Intent) -> None:
-        self._writes[intent.op_id] = False
+    def _copy_to_host(self, intent: CopyToHost) -> None:
+        self._writes[intent.serial] = Outcome.PENDING
         job = self.transfers.submit((DEVICE, HOST), intent.device_pages, intent.slots)
-        job.add_done_callback(lambda f: self._writes.__setitem__(intent.op_id, True))
+        job.add_done_callback(lambda f: self._post(lambda: self._ended(self._writes, intent.serial, _result(f))))
 
-    def _start_backup(self, intent: Intent) -> None:
-        if not intent.keys or not self.has_storage:
-            # Not this rank's pages to write (or nowhere to write them): done
-            # here, and still part of the agreed answer.
-            self._backups[intent.op_id] = (True, int(not self.has_storage and bool(intent.keys)))
+    def _store(self, intent: Store) -> None:
+        if not intent.keys:
+            # Not this rank's pages to write: done here, still part of the agreed answer.
+            self._backups[intent.serial] = (BackupOutcome.STORED, self._clock())
             return
-        self._backups[intent.op_id] = (False, 0)
-        self._backup_started[intent.op_id] = self._clock()
+        if not self.has_storage:
+            self._backups[intent.serial] = (BackupOutcome.FAILED, self._clock())
+            return
+        self._backups[intent.serial] = (BackupOutcome.PENDING, self._clock())
         job = self.transfers.submit((HOST, STORAGE), intent.slots, intent.keys)
-        job.add_done_callback(lambda f: self._backups.__setitem__(intent.op_id, (True, int(not f.result().success))))
 
-    def _start_load(self, intent: Intent) -> None:
-        self._loads[intent.op_id] = self.transfers.submit((HOST, DEVICE), intent.slots, intent.device_pages)
+        def stored(f: Future) -> None:
+            outcome = BackupOutcome.STORED if _result(f).success else BackupOutcome.FAILED
+            self._post(lambda: self._backed_up(intent.serial, outcome))
+
+        job.add_done_callback(stored)
+
+    def _backed_up(self, serial: int, outcome: BackupOutcome) -> None:
+        if serial in self._backups:
+            self._backups[serial] = (outcome, self._backups[serial][1])
+
+    def _copy_to_device(self, intent: CopyToDevice) -> None:
+        self._loads[intent.serial] = Outcome.PENDING
+        job = self.transfers.submit((HOST, DEVICE), intent.slots, intent.device_pages)
+        self._load_jobs[intent.op_id] = job
+        self._load_jobs.move_to_end(intent.op_id)
+        while len(self._load_jobs) > LOAD_JOBS_KEPT:
+            self._load_jobs.popitem(last=False)
+        job.add_done_callback(lambda f: self._post(lambda: self._ended(self._loads, intent.serial, _result(f))))
+
+    @staticmethod
+    def _ended(table: dict[int, Outcome], serial: int, result: TransferResult) -> None:
+        if serial in table:
+            table[serial] = Outcome.OK if result.success else Outcome.FAILED
 
     # -- LocalProgress ------------------------------------------------------------
 
-    def exists(self, op_id: int) -> int:
-        found = self._exists.get(op_id, NOT_YET)
-        if found == NOT_YET and self._clock() - self._asked_at.get(op_id, self._clock()) > self._storage_timeout_s:
+    def exists(self, serial: int) -> int:
+        found, asked_at = self._exists.get(serial, (NOT_YET, self._clock()))
+        if found == NOT_YET and self._clock() - asked_at > self._storage_timeout_s:
             return 0  # the store did not answer in time: a miss, agreed like any other
         return found
 
-    def fetched(self, op_id: int) -> int:
-        progress = self._fetches.get(op_id)
+    def fetched(self, serial: int) -> int:
+        progress = self._fetches.get(serial)
         return progress.prefix() if progress else 0
 
-    def fetch_ended(self, op_id: int) -> bool:
+    def fetch_ended(self, serial: int) -> bool:
         """Every read has returned, or the store has had storage_timeout_s
         (reads still running keep their slots busy: see `idle`)."""
-        progress = self._fetches.get(op_id)
+        progress = self._fetches.get(serial)
         if progress is None or progress.finished == len(progress.chunks):
             return True
         return self._clock() - progress.started > self._storage_timeout_s
 
-    def elapsed_s(self, op_id: int) -> float:
-        progress = self._fetches.get(op_id)
+    def elapsed_s(self, serial: int) -> float:
+        progress = self._fetches.get(serial)
         return self._clock() - progress.started if progress else 0.0
 
-    def write_done(self, op_id: int) -> bool:
-        return self._writes.get(op_id, False)
+    def write_outcome(self, serial: int) -> Outcome:
+        return self._writes.get(serial, Outcome.PENDING)
 
-    def backup_state(self, op_id: int) -> tuple[bool, int]:
-        """(ended, outcome): outcome 0 stored, 1 failed, TIMED_OUT when the
-        store has not answered in storage_timeout_s (the write may still be
-        reading its host pages)."""
-        ended, outcome = self._backups.get(op_id, (False, 0))
-        started = self._backup_started.get(op_id)
-        if not ended and started is not None and self._clock() - started > self._storage_timeout_s:
-            return True, TIMED_OUT
-        return ended, outcome
+    def backup_outcome(self, serial: int) -> BackupOutcome:
+        outcome, started = self._backups.get(serial, (BackupOutcome.PENDING, self._clock()))
+        if outcome == BackupOutcome.PENDING and self._clock() - started > self._storage_timeout_s:
+            return BackupOutcome.TIMED_OUT
+        return outcome
 
-    def load_done(self, op_id: int) -> bool:
-        job = self._loads.get(op_id)
-        return job is not None and job.done()
+    def load_outcome(self, serial: int) -> Outcome:
+        return self._loads.get(serial, Outcome.PENDING)
 
-    def idle(self, slots) -> bool:
+    def idle(self, slots: list[int]) -> bool:
         return not self.transfers.in_flight.busy(slots)
 
     # -- for the scheduler's local waits --------------------------------------------
 
     def load_future(self, op_id: int) -> Future | None:
-        return self._loads.get(op_id)
+        return self._load_jobs.get(op_id)
 
-    def forget(self, decisions) -> None:
-        """Drop the progress of operations that the decisions closed."""
-        for op_id, _ in decisions.prefetch_done + decisions.prefetch_revoked:
-            self._exists.pop(op_id, None)
-            self._asked_at.pop(op_id, None)
-            self._fetches.pop(op_id, None)
-        for op_id in decisions.write_acks:
-            self._writes.pop(op_id, None)
-        for op_id, _ in decisions.backups:
-            self._backups.pop(op_id, None)
-            self._backup_started.pop(op_id, None)
-        for op_id, _ in decisions.loads:
-            self._loads.pop(op_id, None)
+    def forget(self, closed_serials: list[int]) -> None:
+        """Drop the progress of operations that have closed."""
+        for serial in closed_serials:
+            for table in (self._exists, self._fetches, self._writes, self._backups, self._loads):
+                table.pop(serial, None)
+
+
+def _result(job: Future) -> TransferResult:
+    """A job's result; a job cancelled at shutdown is a failed transfer."""
+    if job.cancelled() or job.exception() is not None:
+        return TransferResult(0, False, 0)
+    return job.result()

@@ -54,7 +54,6 @@ class Tiers:
     host: HostPool
     device: DevicePool | None = None
     storage: StorageBackend | None = None
-    _staging_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def host_buffers(self, slots) -> list[PageBuffer]:
         return [PageBuffer(self.host.page_address(s), self.host.page_bytes_view(s)) for s in slots]
@@ -138,9 +137,14 @@ class Transfers:
     """Runs jobs on I/O threads, counting their host slots in flight."""
 
     def __init__(self, tiers: Tiers, threads: int = 4, in_flight: InFlight | None = None) -> None:
+        """`threads` per executor: storage calls and device <-> host copies
+        run on separate executors, so a store that hangs delays only storage
+        work, never a write-through or a load-back."""
         self.tiers = tiers
         self.in_flight = in_flight or InFlight()
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="cpcache-io")
+        self._copies = ThreadPoolExecutor(threads, thread_name_prefix="cpcache-copy")
+        self._storage = ThreadPoolExecutor(threads, thread_name_prefix="cpcache-storage")
+        self._counters_lock = threading.Lock()  # I/O threads count, the metrics thread reads
         self._ids = itertools.count(1)
         self.pages_moved: dict[tuple[str, str], int] = {route: 0 for route in MOVERS}
         self.bytes_moved: dict[tuple[str, str], int] = {route: 0 for route in MOVERS}
@@ -156,12 +160,23 @@ class Transfers:
         job = TransferJob(tuple(src), tuple(dst), job_id if job_id is not None else next(self._ids))
         slots = list(host_slots(route, job))
         self.in_flight.begin(slots)
-        return self._pool.submit(self._run, route, job, slots)
+        executor = self._storage if STORAGE in route else self._copies
+        try:
+            return executor.submit(self._run, route, job, slots)
+        except RuntimeError:  # shutting down: a failed transfer, not an exception on the loop
+            self.in_flight.end(slots)
+            failed: Future = Future()
+            failed.set_result(TransferResult(job.job_id, False, 0))
+            return failed
 
-    def run_blocking(self, fn) -> Future:
-        """Run a blocking call that is not a transfer (a storage lookup) on the
-        same I/O threads."""
-        return self._pool.submit(fn)
+    def run_storage_call(self, fn) -> Future:
+        """Run a blocking storage call that is not a transfer (a lookup)."""
+        return self._storage.submit(fn)
+
+    def counters(self) -> dict[str, dict[tuple[str, str], int]]:
+        with self._counters_lock:
+            return {"pages_moved": dict(self.pages_moved), "bytes_moved": dict(self.bytes_moved),
+                    "failed_jobs": dict(self.failed_jobs)}
 
     def _run(self, route, job: TransferJob, slots) -> TransferResult:
         try:
@@ -171,14 +186,16 @@ class Transfers:
             result = TransferResult(job.job_id, False, 0)
         finally:
             self.in_flight.end(slots)
-        self.pages_moved[route] += result.pages_done
-        self.failed_jobs[route] += not result.success
-        self.bytes_moved[route] += result.pages_done * self.tiers.host.geometry.page_bytes
+        with self._counters_lock:
+            self.pages_moved[route] += result.pages_done
+            self.failed_jobs[route] += not result.success
+            self.bytes_moved[route] += result.pages_done * self.tiers.host.geometry.page_bytes
         return result
 
     def close(self) -> None:
         """Stop taking jobs; do not wait for a storage call that hangs (the
         daemon exits regardless)."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._copies.shutdown(wait=False, cancel_futures=True)
+        self._storage.shutdown(wait=False, cancel_futures=True)
         if self.tiers.storage is not None:
             self.tiers.storage.close()

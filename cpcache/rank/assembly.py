@@ -65,5 +65,5 @@ def open_cache(config: DaemonConfig, geometry: KVGeometry, device: DevicePool) -
         tp_rank=coords.atp,
         tp_size=topology.atp,
     )
-    state = CacheState(config.cache_config, PageAllocator(host.pages), sharding, geometry.page_size)
+    state = CacheState(config.cache_config, PageAllocator(host.pages), sharding, geometry.page_size, device.pages)
     return CacheRuntime(state, LocalIO(transfers, config.storage_timeout_s))

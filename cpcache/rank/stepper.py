@@ -1,28 +1,45 @@
-"""One rank's view of the scheduler protocol: steps in, agreed decisions out.
+"""One rank's view of the scheduler protocol: steps in, agreed decisions out
+(DESIGN section 2, rules 6 to 9).
 
-The coordinator is touched only from the event loop. It checks step order,
-opens the step's operations in the shared state, packs one round per step
-(whatever happened locally: no path skips a round), hands it to the agreement
-engine and applies the round `agreement_lag` steps back.
+- Every step enters its round, whatever happens locally. A step this rank
+  refuses enters it as a rejection; a round that any rank rejected, or that
+  diverged, opens nothing anywhere and changes no state.
+- A step's operations open when its round agreed that every rank took the
+  step: that is, when the round is applied, in round order, by a task the
+  RPC only waits on. A cancelled or timed-out call changes nothing about
+  what is decided or applied.
+- Round n is applied right before round n + lag is packed (with lag 0: right
+  after it completes), so every rank packs every round against the same
+  state.
+- `step` is idempotent by step number: a retry gets the same outcome while
+  it is among the last `REPLIES_KEPT` steps.
+
+Touched only from the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from cpcache.agreement.engine import AgreementEngine
-from cpcache.rank.assembly import CacheRuntime
-from cpcache.state.machine import Decisions, StepOps, check_step_allowed
-from cpcache.errors import FailedPrecondition, InvalidArgument
 from cpcache.agreement.kinds import VOTE
 from cpcache.agreement.rounds import Questions, RoundInput, RoundResult
+from cpcache.errors import CacheError, FailedPrecondition, InvalidArgument, RejectedByPeer, StepOrder
 from cpcache.hashing import hash62
+from cpcache.rank.assembly import CacheRuntime
+from cpcache.state.intents import Decisions
+from cpcache.state.requests import StepOps
+from cpcache.values import ID_LIMIT
+
+log = logging.getLogger(__name__)
 
 MAX_VOTES_PER_STEP = 1 << 16
+REPLIES_KEPT = 64
 
 
 @dataclass(frozen=True)
@@ -35,21 +52,34 @@ class StepOutcome:
     cache: Decisions = field(default_factory=Decisions)
 
 
-class Coordinator:
-    def __init__(self, engine: AgreementEngine, agreement_lag: int = 0) -> None:
+@dataclass
+class _Submitted:
+    """A round on its way, and what its step carried."""
+
+    number: int
+    ops: StepOps | None  # None when this rank rejected the step
+    round: asyncio.Future
+    rejection: CacheError | None  # this rank's own reason
+
+
+class Stepper:
+    def __init__(self, engine: AgreementEngine, rank: int = 0, agreement_lag: int = 0) -> None:
         if agreement_lag < 0:
             raise InvalidArgument(f"agreement_lag must be >= 0, got {agreement_lag}")
         self._engine = engine
+        self._rank = rank
         self._lag = agreement_lag
-        self._in_flight: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
+        self._pipeline: collections.deque[_Submitted] = collections.deque()
+        self._replies: collections.OrderedDict[int, tuple[int, asyncio.Future]] = collections.OrderedDict()
+        self._tail: asyncio.Future | None = None  # the latest step's task: the next one starts after it
         self._applied_chain = 0  # hash chain of every agreed vote result applied here
         self.cache: CacheRuntime | None = None
         self.last_step = 0
         self.decision_count = 0
+        self.rejected_steps = 0
 
     @property
     def open_questions(self) -> int:
-        """Questions that stay open across rounds (votes close in their own)."""
         return self.cache.state.open_questions() if self.cache else 0
 
     @property
@@ -59,49 +89,162 @@ class Coordinator:
             return self._applied_chain
         return hash62(np.array([self._applied_chain, self.cache.state.digest], dtype=np.int64).tobytes())
 
-    async def step(self, step: int, votes: Questions, ops: StepOps = StepOps()) -> StepOutcome:
-        # Everything up to the submit is synchronous, so rounds are submitted
-        # in the order steps arrive, and a rejected step changes nothing.
+    async def step(self, step: int, votes: Questions, ops: StepOps = StepOps(), *,
+                   invalid: CacheError | None = None, request_digest: int = 0) -> StepOutcome:
+        """Take step `step` (or answer a retry of it). `invalid`: the request
+        could not even be read; the step still enters its round, rejected.
+        `request_digest` tells a retry from a different step with the same number."""
+        if not 0 < step < ID_LIMIT:
+            raise InvalidArgument(f"step {step} is outside [1, 2**63)")
         if step <= self.last_step:
-            raise FailedPrecondition(
-                f"step {step} is not after the last step {self.last_step}: steps must strictly increase"
-            )
-        if len(votes) > MAX_VOTES_PER_STEP:
-            raise InvalidArgument(f"a step carries at most {MAX_VOTES_PER_STEP} votes, got {len(votes)}")
-        check_step_allowed(self.cache is not None, ops)
-        questions = votes
-        decided = Decisions()
-        if self.cache is not None:
-            intents, decided = self.cache.state.open_step(step, ops)
-            self.cache.io.start(intents)
-            questions = questions.concat(self.cache.state.questions(self.cache.io))
+            return await self._retry(step, request_digest)
         self.last_step = step
-        round_input = RoundInput.pack(step, questions, self.digest)
-        future = asyncio.wrap_future(self._engine.submit(round_input))
-        self._in_flight.append((step, future))
-        if len(self._in_flight) <= self._lag:
-            empty = np.empty(0, dtype=np.int64)
-            return StepOutcome(step, 0, empty, empty, self.digest, decided)
-        round_number, oldest = self._in_flight.popleft()
-        # Shielded: a cancelled RPC must never cancel a round, or this rank
-        # would skip a collective its peers are waiting in.
-        result = await asyncio.shield(oldest)
-        outcome = self._apply(round_number, result)
-        outcome.cache.merge(decided)
-        return outcome
+        task = asyncio.ensure_future(self._take(step, votes, ops, invalid, self._tail))
+        task.add_done_callback(_observe)
+        self._tail = task
+        self._replies[step] = (request_digest, task)
+        while len(self._replies) > REPLIES_KEPT:
+            self._replies.popitem(last=False)
+        # Shielded: the outcome belongs to the daemon, not to this call.
+        return await asyncio.shield(task)
 
-    def _apply(self, round_number: int, result: RoundResult) -> StepOutcome:
+    async def _retry(self, step: int, request_digest: int) -> StepOutcome:
+        kept = self._replies.get(step)
+        if kept is None:
+            raise StepOrder(
+                f"step {step} is not after the last step {self.last_step}, and is not among the last "
+                f"{REPLIES_KEPT} steps this daemon remembers: send step {self.last_step + 1} or later",
+                self.last_step)
+        digest, task = kept
+        if digest != request_digest:
+            raise FailedPrecondition(f"step {step} was already taken with different content; a retry must "
+                                     f"repeat the request byte for byte")
+        return await asyncio.shield(task)
+
+    async def _take(self, step: int, votes: Questions, ops: StepOps, invalid: CacheError | None,
+                    previous: asyncio.Future | None) -> StepOutcome:
+        if previous is not None:
+            await asyncio.wait([previous])  # rounds are packed in step order
+        carried: StepOutcome | CacheError | None = None
+        if self._lag and len(self._pipeline) >= self._lag:
+            carried = await self._settle_guarded(self._pipeline.popleft())
+        self._submit(step, votes, ops, invalid)  # never skipped: peers wait in this round
+        if not self._lag:
+            carried = await self._settle_guarded(self._pipeline.popleft())
+        if carried is None:  # the pipeline is filling
+            empty = np.empty(0, dtype=np.int64)
+            return StepOutcome(step, 0, empty, empty, self.digest)
+        if isinstance(carried, CacheError):
+            raise carried
+        return StepOutcome(step, carried.round, carried.op_ids, carried.values, carried.digest, carried.cache)
+
+    def _submit(self, step: int, votes: Questions, ops: StepOps, invalid: CacheError | None) -> None:
+        rejection = invalid or self._refusal(votes, ops)
+        round_input = None
+        if rejection is None:
+            try:
+                round_input = self._pack(step, votes, ops)
+            except Exception as exc:  # a bug while packing still enters the round, as a rejection
+                log.exception("packing round %d failed", step)
+                rejection = CacheError(f"internal error packing the step: {type(exc).__name__}: {exc}")
+        if rejection is not None:
+            self.rejected_steps += 1
+            round_input = RoundInput.rejected(step, self._rank, rejection.status, str(rejection))
+        future = asyncio.wrap_future(self._engine.submit(round_input))
+        self._pipeline.append(_Submitted(step, None if rejection else ops, future, rejection))
+
+    def _pack(self, step: int, votes: Questions, ops: StepOps) -> RoundInput:
+        questions, labels = votes, {}
+        if self.cache is not None:
+            self.cache.io.drain()
+            asked, labels = self.cache.state.questions(self.cache.io)
+            questions = votes.concat(asked)
+        return RoundInput.pack(step, questions, self.digest, hash62(repr(ops).encode()), labels, describe(ops))
+
+    def _pending(self) -> tuple[set[int], set[int]]:
+        """Prefetches and all op ids that steps still in the pipeline open."""
+        prefetches, opened = set(), set()
+        for submitted in self._pipeline:
+            if submitted.ops is not None:
+                prefetches.update(r.op_id for r in submitted.ops.prefetches)
+                opened.update(r.op_id for r in submitted.ops.opened())
+        return prefetches, opened
+
+    def _refusal(self, votes: Questions, ops: StepOps) -> CacheError | None:
+        """Why this rank refuses the step, or None. Never raises: a refusal
+        is carried into the round, not thrown past it."""
+        try:
+            if len(votes) > MAX_VOTES_PER_STEP:
+                raise InvalidArgument(f"a step carries at most {MAX_VOTES_PER_STEP} votes, got {len(votes)}")
+            if self.cache is None:
+                if not ops.empty():
+                    raise FailedPrecondition("no device pool is attached: call Attach before cache operations")
+            else:
+                prefetches, opened = self._pending()
+                clash = sorted(opened.intersection(r.op_id for r in ops.opened()))
+                if clash:
+                    raise InvalidArgument(f"operation {clash[0]} is already opened by a step still in the pipeline")
+                self.cache.state.check(ops, expected_prefetches=prefetches)
+        except CacheError as exc:
+            return exc
+        except Exception as exc:  # a bug in a check still must not skip the round
+            return CacheError(f"internal error checking the step: {type(exc).__name__}: {exc}")
+        return None
+
+    async def _settle_guarded(self, submitted: _Submitted) -> StepOutcome | CacheError:
+        try:
+            return await self._settle(submitted)
+        except Exception as exc:  # a bug applying a round: loud, and the next round still runs
+            log.exception("applying round %d failed", submitted.number)
+            return CacheError(f"internal error applying round {submitted.number}: {type(exc).__name__}: {exc}")
+
+    async def _settle(self, submitted: _Submitted) -> StepOutcome | CacheError:
+        """Apply one round, in round order: open its step's operations if
+        every rank took it, then apply its answers. Returns what the step
+        that carries it answers."""
+        try:
+            result: RoundResult = await submitted.round
+        except CacheError as exc:  # a divergence or a lost peer: nothing applied
+            return exc
+        if result.rejection is not None:
+            if submitted.rejection is not None:
+                return submitted.rejection
+            r = result.rejection
+            return RejectedByPeer(f"step {submitted.number} was rejected by rank {r.rank} ({r.status}): "
+                                  f"{r.message}; nothing of it was opened on any rank",
+                                  r.rank, submitted.number, r.status, r.message)
+        decided = Decisions()
+        cache = self.cache
+        if cache is not None and submitted.ops is not None and not submitted.ops.empty():
+            try:
+                intents, decided = cache.state.open(submitted.number, submitted.ops)
+            except CacheError as exc:
+                # The same on every rank (shared state, same step): an agreed refusal.
+                self.rejected_steps += 1
+                return exc
+            cache.io.start(intents)
         op_ids, values = result.of_kind(VOTE.code)
         chain = np.array([self._applied_chain, result.number], dtype=np.int64)
         self._applied_chain = hash62(chain.tobytes() + op_ids.tobytes() + values.tobytes())
-        decisions = Decisions()
-        if self.cache is not None:
-            decisions, intents = self.cache.state.apply(result)
-            self.cache.io.start(intents)
-            self.cache.io.forget(decisions)
-        self.decision_count += len(op_ids) + count_decisions(decisions)
-        return StepOutcome(self.last_step, round_number, op_ids, values, result.digest, decisions)
+        if cache is not None:
+            decisions, intents = cache.state.apply(result)
+            cache.io.start(intents)
+            cache.io.forget(cache.state.closed)
+            cache.state.closed.clear()
+            decided.merge(decisions)
+        self.decision_count += len(op_ids) + decided.count()
+        return StepOutcome(0, result.number, op_ids, values, result.digest, decided)
 
 
-def count_decisions(decisions: Decisions) -> int:
-    return sum(len(v) for v in vars(decisions).values())
+def describe(ops: StepOps) -> tuple[str, ...]:
+    """What a step opens, by op id, for naming differences in a divergence."""
+    return (*(f"prefetch {r.op_id}" for r in ops.prefetches), *(f"poll {i}" for i in ops.prefetch_polls),
+            *(f"revoke {i}" for i in ops.revokes), *(f"write {r.op_id}" for r in ops.writes),
+            *(f"load {r.op_id}" for r in ops.loads))
+
+
+def _observe(task: asyncio.Future) -> None:
+    """A step nobody waits for any more (its call was cancelled) still ends
+    with an outcome; mark its exception seen."""
+    if not task.cancelled():
+        task.exception()

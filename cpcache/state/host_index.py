@@ -73,29 +73,42 @@ class HostIndex:
         children goes once its children have gone)."""
         return sum(1 for page, e in self._entries.items() if e.refs == 0 and not skip(page, e))
 
-    def evict(self, count: int, skip=lambda page, entry: False) -> list[tuple[bytes, Entry]]:
+    def evict(self, count: int, skip=lambda page, entry: False, dry_run: bool = False) -> list[tuple[bytes, Entry]]:
         """Remove up to `count` unreferenced leaves, least recently used first
         (a removed leaf may expose its parent as the next leaf). `skip` keeps
-        a page in place (e.g. not yet written back)."""
+        a page in place (e.g. not yet written back). With `dry_run`, say
+        exactly what would go and change nothing."""
         evicted: list[tuple[bytes, Entry]] = []
         kept: list[tuple[int, bytes]] = []
-        while self._leaves and len(evicted) < count:
-            stamp, page = heapq.heappop(self._leaves)
+        heap = list(self._leaves) if dry_run else self._leaves
+        gone: set[bytes] = set()
+        lost_children: dict[bytes, int] = {}  # dry run: children removed so far
+        while heap and len(evicted) < count:
+            stamp, page = heapq.heappop(heap)
             entry = self._entries.get(page)
-            if entry is None or entry.last_used != stamp:
+            if entry is None or page in gone or entry.last_used != stamp:
                 continue  # stale heap item
-            if entry.children or entry.refs or skip(page, entry):
+            if entry.children - lost_children.get(page, 0) or entry.refs or skip(page, entry):
                 kept.append((stamp, page))
                 continue
-            del self._entries[page]
             evicted.append((page, entry))
+            gone.add(page)
             parent = self._entries.get(entry.parent) if entry.parent is not None else None
-            if parent is not None:
+            if parent is None:
+                continue
+            if dry_run:
+                lost_children[entry.parent] = lost_children.get(entry.parent, 0) + 1
+                left = parent.children - lost_children[entry.parent]
+            else:
                 parent.children -= 1
-                if parent.children == 0:
-                    heapq.heappush(self._leaves, (parent.last_used, entry.parent))
-        for item in kept:
-            heapq.heappush(self._leaves, item)
+                left = parent.children
+            if left == 0:
+                heapq.heappush(heap, (parent.last_used, entry.parent))
+        if not dry_run:
+            for page, _ in evicted:
+                del self._entries[page]
+            for item in kept:
+                heapq.heappush(self._leaves, item)
         return evicted
 
     def items(self):

@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("status", "stats"):
             return asyncio.run(_status(args))
         if args.command == "demo":
-            from cpcache import demo as demo_module
+            from cpcache.tools import demo as demo_module
 
             return asyncio.run(demo_module.main(args))
         if args.command == "bench" and args.name == "agreement":

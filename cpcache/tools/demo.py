@@ -2,7 +2,13 @@
 TP 2 x CP 2 by default) on the embedded file storage, replay a slice of a
 real request trace through one scheduler per rank, show progress, and end
 with a report: decisions, divergences, hit rate per tier against the trace's
-infinite-cache ceiling, pages moved, round latency."""
+infinite-cache ceiling, pages moved, round latency.
+
+With attention DP (`--dp N`) the ranks form N agreement domains; each request
+is routed to one of them (round robin by its position in the trace, as
+SGLang's DP attention does by default: `cpcache.tools.sim.replay.route`), and
+the report gives each domain's figures as well as the totals (`--json`: under
+"domains")."""
 
 from __future__ import annotations
 
@@ -77,11 +83,30 @@ def text_report(r: dict) -> str:
         f"  round latency         p50 {r['round_latency_us']['p50'] / 1000:.1f} ms  "
         f"p99 {r['round_latency_us']['p99'] / 1000:.1f} ms (a Step call, as each scheduler sees it)",
         f"  step latency          p50 {r['step_latency_us']['p50'] / 1000:.1f} ms  "
-        f"p99 {r['step_latency_us']['p99'] / 1000:.1f} ms (a whole simulated iteration, 4 ranks)",
+        f"p99 {r['step_latency_us']['p99'] / 1000:.1f} ms (a whole simulated iteration, {r['ranks']} ranks)",
+        *domain_lines(r),
         f"  wall time             {r['wall_s']} s",
         f"  verdict               {'OK' if ok else 'FAILED'}",
     ]
     return "\n".join(lines)
+
+
+def domain_lines(r: dict) -> list[str]:
+    """Per-domain figures, when there is more than one domain (attention DP)."""
+    if len(r.get("domains", ())) < 2:
+        return []
+    lines = [f"  domains               {len(r['domains'])}, requests routed {r['routing']}"]
+    for d in r["domains"]:
+        hit = d["hit_rate"]
+        lines += [
+            f"    domain {d['domain']} (dp {d['dp']}, ranks {','.join(map(str, d['ranks']))}): "
+            f"{d['requests']} requests, {d['decisions']} decisions, {d['divergences']} divergences, "
+            f"logs {'identical' if d['identical_decision_logs'] else 'DIFFER'}, "
+            f"{d['corrupt_loads']} corrupt loads",
+            f"      hit rate device {hit['device']:.1%}  host {hit['host']:.1%}  storage {hit['storage']:.1%}  "
+            f"total {hit['total']:.1%}  (ceiling {d['hit_rate_ceiling']:.1%})",
+        ]
+    return lines
 
 
 def plot(report: dict, path: str) -> None:

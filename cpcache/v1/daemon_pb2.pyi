@@ -256,7 +256,7 @@ class LoadDecision(_message.Message):
     def __init__(self, op_id: _Optional[int] = ..., pages: _Optional[int] = ...) -> None: ...
 
 class StepReply(_message.Message):
-    __slots__ = ("step", "round", "decisions", "state_digest", "prefetches", "write_acks", "backups", "loads")
+    __slots__ = ("step", "round", "decisions", "state_digest", "prefetches", "write_acks", "backups", "loads", "write_failures", "load_failures")
     STEP_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     DECISIONS_FIELD_NUMBER: _ClassVar[int]
@@ -265,6 +265,8 @@ class StepReply(_message.Message):
     WRITE_ACKS_FIELD_NUMBER: _ClassVar[int]
     BACKUPS_FIELD_NUMBER: _ClassVar[int]
     LOADS_FIELD_NUMBER: _ClassVar[int]
+    WRITE_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FAILURES_FIELD_NUMBER: _ClassVar[int]
     step: int
     round: int
     decisions: Decisions
@@ -273,7 +275,9 @@ class StepReply(_message.Message):
     write_acks: _containers.RepeatedScalarFieldContainer[int]
     backups: _containers.RepeatedCompositeFieldContainer[BackupDecision]
     loads: _containers.RepeatedCompositeFieldContainer[LoadDecision]
-    def __init__(self, step: _Optional[int] = ..., round: _Optional[int] = ..., decisions: _Optional[_Union[Decisions, _Mapping]] = ..., state_digest: _Optional[int] = ..., prefetches: _Optional[_Iterable[_Union[PrefetchDecision, _Mapping]]] = ..., write_acks: _Optional[_Iterable[int]] = ..., backups: _Optional[_Iterable[_Union[BackupDecision, _Mapping]]] = ..., loads: _Optional[_Iterable[_Union[LoadDecision, _Mapping]]] = ...) -> None: ...
+    write_failures: _containers.RepeatedScalarFieldContainer[int]
+    load_failures: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step: _Optional[int] = ..., round: _Optional[int] = ..., decisions: _Optional[_Union[Decisions, _Mapping]] = ..., state_digest: _Optional[int] = ..., prefetches: _Optional[_Iterable[_Union[PrefetchDecision, _Mapping]]] = ..., write_acks: _Optional[_Iterable[int]] = ..., backups: _Optional[_Iterable[_Union[BackupDecision, _Mapping]]] = ..., loads: _Optional[_Iterable[_Union[LoadDecision, _Mapping]]] = ..., write_failures: _Optional[_Iterable[int]] = ..., load_failures: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

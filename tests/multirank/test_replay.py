@@ -1,7 +1,9 @@
 """Trace replays on 4 real daemons (attention TP 2 x CP 2): every prefetch
 and write policy, file and Mooncake storage, per-rank fault injection. Each
 step's replies (decisions and state digest) must be byte-identical on all
-ranks, and no load may bring a wrong byte to a device pool."""
+ranks, and no load may bring a wrong byte to a device pool. With attention DP
+(TP 4 x DP 2: two domains of 2 ranks) each domain gets its own requests and
+must agree within itself."""
 
 from pathlib import Path
 
@@ -10,6 +12,7 @@ import pytest
 from cpcache.tools.sim.lru_model import model_hit_rates
 from cpcache.tools.sim.replay import ReplayConfig, arrivals, replay
 from cpcache.tools.sim.trace import PageHasher, load
+from cpcache.topology import Topology
 
 pytestmark = [pytest.mark.multirank, pytest.mark.timeout(240)]
 
@@ -72,3 +75,24 @@ async def test_hit_rate_matches_an_offline_lru_model(run_dir):
                             cfg.device_pages, cfg.host_pages)
     assert abs(report["hit_rate"]["total"] - model["total"]) <= 0.02, (report["hit_rate"], model)
     assert abs(report["hit_rate"]["device"] - model["device"]) <= 0.02, (report["hit_rate"], model)
+
+
+async def test_attention_dp_routes_each_request_to_one_domain_that_agrees_within_itself(run_dir):
+    # tp=4 dp=2 cp=1: domains {0, 1} and {2, 3}, attention TP 2 each. Per-rank
+    # storage delays make the ranks of a domain see I/O finish at different times.
+    cfg = small(run_dir, requests=36, topology=Topology(tp=4, dp=2, cp=1), fault_delay_ms=2, seed=3)
+    report = await replay(cfg)
+    assert_agreed_and_exact(report)
+    domains = report["domains"]
+    assert [d["ranks"] for d in domains] == [[0, 1], [2, 3]]
+    assert [d["dp"] for d in domains] == [0, 1]
+    for d in domains:
+        assert d["divergences"] == 0, d
+        assert d["identical_decision_logs"], d
+        assert d["corrupt_loads"] == 0, d
+        assert d["decisions"] > 0, d
+        assert d["requests"] == cfg.requests * cfg.passes // 2  # round robin: half each, every pass
+        assert 0 < d["hit_rate"]["total"] <= 1
+    for key in ("requests", "decisions", "divergences", "corrupt_loads", "prefetches"):
+        assert report[key] == sum(d[key] for d in domains), key
+    assert report["ranks"] == 4

@@ -1,9 +1,16 @@
-"""Replay a trace on every rank of a local domain and report what happened.
+"""Replay a trace on every rank of a local deployment and report what happened.
 
 One `SimScheduler` per rank, each with its own client and its own device
 pool (a shared-memory file its daemon maps). Requests arrive by timestamp:
 a step covers `step_ms` of trace time scaled by `time_scale`; with
 `time_scale = 0` every step takes `batch` requests, as fast as possible.
+
+With attention DP (`dp > 1`) the world holds one agreement domain per DP
+replica, and each request goes to one replica only: see `route`. A rank's
+scheduler sees only its own replica's requests; agreement (each step's reply,
+byte for byte) and decision logs are compared among the ranks of one domain,
+never across domains, which legitimately hold different state. The report
+gives each domain's figures under "domains" and their totals at top level.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from cpcache.client import AsyncClient
 from cpcache.geometry import KVGeometry
 from cpcache.keys import ShardingSpec
 from cpcache.tools.launcher import DomainSpec, LocalDomain
-from cpcache.tools.sim.scheduler import SimScheduler
+from cpcache.tools.sim.scheduler import SimScheduler, Tally
 from cpcache.tools.sim.trace import PageHasher, Request, ceiling_hit_rate, load
 from cpcache.tools.mooncake_master import MooncakeMaster
 from cpcache.dataplane.pools import DevicePool
@@ -72,6 +79,15 @@ def arrivals(requests: list[Request], cfg: ReplayConfig):
         i, step = j, step + 1
 
 
+def route(request: Request, replicas: int) -> int:
+    """The attention-DP replica (index into `Topology.domains()`, which is the
+    DP rank) that serves a request: SGLang's default DP-attention load
+    balancing, round robin, by the request's position in its trace
+    (`request.index`, its line number). Deterministic, so every rank agrees on
+    it without talking, and a request keeps its replica on every pass."""
+    return request.index % replicas
+
+
 async def replay(cfg: ReplayConfig, progress: Callable[[dict], None] | None = None) -> dict:
     requests = load(cfg.trace, cfg.requests, cfg.skip) * cfg.passes
     with contextlib.ExitStack() as stack:
@@ -92,6 +108,31 @@ async def replay(cfg: ReplayConfig, progress: Callable[[dict], None] | None = No
             return await _drive(cfg, domain, requests, run_dir, progress)
 
 
+@dataclass
+class _Domain:
+    """One agreement domain of the replay: its ranks' schedulers, the
+    requests routed to it and its own tallies of divergent steps."""
+
+    index: int
+    dp: int
+    ranks: tuple[int, ...]
+    schedulers: list[SimScheduler]
+    requests: list[Request] = field(default_factory=list)
+    divergences: int = 0
+
+    @property
+    def tally(self) -> Tally:
+        return self.schedulers[0].tally  # every rank of a domain sees the same requests and replies
+
+
+def merged(tallies: list[Tally]) -> Tally:
+    out = Tally()
+    for t in tallies:
+        for name in Tally.__dataclass_fields__:
+            setattr(out, name, getattr(out, name) + getattr(t, name))
+    return out
+
+
 async def _drive(cfg, domain: LocalDomain, requests, run_dir: Path, progress) -> dict:
     topology = cfg.topology
     schedulers: list[SimScheduler] = []
@@ -105,28 +146,51 @@ async def _drive(cfg, domain: LocalDomain, requests, run_dir: Path, progress) ->
                               tp_size=topology.atp).suffix()
         schedulers.append(SimScheduler(client, pool, PageHasher(reply.key_seed, GEOMETRY.page_size), suffix,
                                        cfg.device_pages))
+    domains = [
+        _Domain(i, topology.coordinates(group.ranks[0]).dp, group.ranks, [schedulers[r] for r in group.ranks])
+        for i, group in enumerate(topology.domains())
+    ]
+    for request in requests:
+        domains[route(request, len(domains))].requests.append(request)
     latencies: list[float] = []
     hit_series: list[float] = []
-    divergences = steps = 0
+    steps = 0
     started = time.monotonic()
 
+    def total_tally() -> Tally:
+        return merged([d.tally for d in domains])
+
     async def one_step(batch) -> None:
-        nonlocal divergences, steps
+        nonlocal steps
+        routed: list[list[Request]] = [[] for _ in domains]
+        for request in batch:
+            routed[route(request, len(domains))].append(request)
         t0 = time.perf_counter()
-        replies = await asyncio.gather(*(s.iterate(batch) for s in schedulers), return_exceptions=True)
+        replies = await asyncio.gather(
+            *(s.iterate(routed[d.index]) for d in domains for s in d.schedulers), return_exceptions=True
+        )
         latencies.append(time.perf_counter() - t0)
         steps += 1
         failures = [r for r in replies if isinstance(r, Exception)]
         if failures:
             raise failures[0]
-        divergences += len({r.wire for r in replies}) > 1
-        hit_series.append(schedulers[0].tally.hit_rates()["total"])
+        at = 0
+        for d in domains:  # replies come back in the order they were asked for
+            mine = replies[at : at + len(d.schedulers)]
+            at += len(d.schedulers)
+            d.divergences += len({r.wire for r in mine}) > 1
+        hit_series.append(total_tally().hit_rates()["total"])
+
+    def summary() -> dict:
+        return {"requests": total_tally().requests, "of": len(requests), "steps": steps,
+                "divergences": sum(d.divergences for d in domains),
+                "hit_rate": total_tally().hit_rates()["total"], "elapsed_s": time.monotonic() - started}
 
     batches = list(arrivals(requests, cfg))
     for i, batch in enumerate(batches):
         await one_step(batch)
         if progress and (i % max(1, len(batches) // 20) == 0 or i == len(batches) - 1):
-            progress(_summary(schedulers, steps, divergences, len(requests), started))
+            progress(summary())
     for _ in range(cfg.drain_steps):
         if not any(s.active or s.pending.loads or s.pending.writes for s in schedulers):
             break
@@ -136,36 +200,57 @@ async def _drive(cfg, domain: LocalDomain, requests, run_dir: Path, progress) ->
     stats = [await s.client.stats() for s in schedulers]
     for s in schedulers:
         await s.client.close()
-    tally = schedulers[0].tally
-    moved = {k.replace("pages_moved_", "").replace("_to_", "->"): v for k, v in stats[0].items()
-             if k.startswith("pages_moved_")}
+
+    def moved(rank: int) -> dict[str, int]:
+        return {k.replace("pages_moved_", "").replace("_to_", "->"): v for k, v in stats[rank].items()
+                if k.startswith("pages_moved_")}
+
+    per_domain = []
+    for d in domains:
+        tally = d.tally
+        per_domain.append({
+            "domain": d.index,
+            "dp": d.dp,
+            "ranks": list(d.ranks),
+            "requests": tally.requests,
+            "decisions": stats[d.ranks[0]].get("decisions", 0),
+            "divergences": d.divergences,
+            "identical_decision_logs": all(s.log == d.schedulers[0].log for s in d.schedulers),
+            "corrupt_loads": sum(s.tally.corrupt_loads for s in d.schedulers),
+            "loaded_pages": sum(s.tally.loaded_pages for s in d.schedulers),
+            "hit_rate": {k: round(v, 4) for k, v in tally.hit_rates().items()},
+            # An infinite cache that saw only this domain's requests. Storage is
+            # shared by every domain, so a domain may beat it with pages another wrote.
+            "hit_rate_ceiling": round(ceiling_hit_rate(d.requests, GEOMETRY.page_size), 4),
+            "prefetches": tally.prefetches,
+            "prefetch_revoked": tally.prefetch_revoked,
+            "pages_moved": moved(d.ranks[0]),
+        })
+    tally = total_tally()
     return {
         "ranks": topology.world_size,
         "topology": topology.describe(),
         "mode": cfg.mode,
         "lag": cfg.lag,
         "storage": cfg.storage,
+        "routing": "round robin by trace position (request index mod dp)",
         "requests": tally.requests,
         "steps": steps,
-        "decisions": stats[0].get("decisions", 0),
-        "divergences": divergences,
-        "identical_decision_logs": all(s.log == schedulers[0].log for s in schedulers),
-        "corrupt_loads": sum(s.tally.corrupt_loads for s in schedulers),
-        "loaded_pages": sum(s.tally.loaded_pages for s in schedulers),
+        "decisions": sum(d["decisions"] for d in per_domain),
+        "divergences": sum(d["divergences"] for d in per_domain),
+        "identical_decision_logs": all(d["identical_decision_logs"] for d in per_domain),
+        "corrupt_loads": sum(d["corrupt_loads"] for d in per_domain),
+        "loaded_pages": sum(d["loaded_pages"] for d in per_domain),
         "hit_rate": {k: round(v, 4) for k, v in tally.hit_rates().items()},
+        # An infinite cache shared by every domain (one storage tier is).
         "hit_rate_ceiling": round(ceiling_hit_rate(requests, GEOMETRY.page_size), 4),
         "prefetches": tally.prefetches,
         "prefetch_revoked": tally.prefetch_revoked,
-        "pages_moved_rank0": moved,
+        "pages_moved_rank0": moved(0),
         "round_latency_us": percentiles_us([t for s in schedulers for t in s.round_latencies]),
         "step_latency_us": percentiles_us(latencies),
         "wall_s": round(time.monotonic() - started, 1),
+        "domains": per_domain,
         "per_step_latency_s": latencies,
         "per_step_hit_rate": hit_series,
     }
-
-
-def _summary(schedulers, steps, divergences, total, started) -> dict:
-    tally = schedulers[0].tally
-    return {"requests": tally.requests, "of": total, "steps": steps, "divergences": divergences,
-            "hit_rate": tally.hit_rates()["total"], "elapsed_s": time.monotonic() - started}

@@ -132,12 +132,15 @@ class SimScheduler:
             reply = await self.client.step(self.step_no, ops=Ops(**{k: tuple(v) for k, v in ops.items()}))
         except ResourceExhausted:
             # The host pool cannot take these write-throughs now (on every rank
-            # alike: it is shared state). Skip them, as a scheduler would.
+            # alike: it is shared state). Skip them, as a scheduler would. The
+            # refused step used up its number (a step is idempotent by number:
+            # DESIGN 6, 7), so the rest goes as the next step.
             self.tally.skipped_writes += sum(len(w[1]) for w in ops["writes"])
             for op_id, *_ in ops["writes"]:
                 for d in self._writing.pop(op_id, ()):
                     self.pinned[d] -= 1
             ops["writes"] = []
+            self.step_no += 1
             reply = await self.client.step(self.step_no, ops=Ops(**{k: tuple(v) for k, v in ops.items()}))
         self.round_latencies.append(time.perf_counter() - started)
         self.log.append(reply.wire)
@@ -162,9 +165,9 @@ class SimScheduler:
             self.pinned[d] += 1
         rest = pages[on_device:]
         host = (await self.client.match(rest)).host_pages if rest else 0
-        if host:
-            self._load(active, on_device, host, ops)
-            self.tally.host_hit += host * page_tokens
+        if host and not self._load(active, on_device, host, ops):
+            host = 0  # no device room now: fetch them like the rest (a later load must not assume them)
+        self.tally.host_hit += host * page_tokens
         remaining = pages[on_device + host :]
         if remaining:
             op_id = self._op()
@@ -207,6 +210,11 @@ class SimScheduler:
                 self.tally.prefetch_revoked += 1
         for op_id in reply.write_acks:
             for d in self._writing.pop(op_id, ()):
+                self.pinned[d] -= 1
+        for op_id in reply.write_failures:  # a full host pool, or a failed copy: alike on every rank
+            targets = self._writing.pop(op_id, ())
+            self.tally.skipped_writes += len(targets)
+            for d in targets:
                 self.pinned[d] -= 1
         for op_id in reply.loads:
             active = self._waiting_load.pop(op_id, None)

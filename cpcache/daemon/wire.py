@@ -1,0 +1,65 @@
+"""Protobuf messages to the core's typed values and back. Nothing here
+decides anything: a request that cannot be read raises `InvalidArgument`,
+and the servicer carries that into the step's round as a rejection."""
+
+from __future__ import annotations
+
+from cpcache.agreement.rounds import Questions
+from cpcache.errors import InvalidArgument
+from cpcache.hashing import hash62
+from cpcache.rank.stepper import StepOutcome
+from cpcache.state.requests import LoadRequest, PrefetchRequest, StepOps, WriteRequest
+from cpcache.v1 import daemon_pb2 as pb
+
+
+def votes_from_wire(votes: pb.Votes) -> Questions:
+    # The wire's Reduce numbers are the core's (REDUCE_MIN = 1, REDUCE_MAX = 2);
+    # anything else is refused by the validation in `Questions.votes`.
+    return Questions.votes(votes.op_ids, votes.reduces, votes.values)
+
+
+def _parent(raw: bytes) -> bytes | None:
+    if raw and len(raw) != 32:
+        raise InvalidArgument("parent must be a 32-byte page hash or empty")
+    return raw or None
+
+
+def prefetches_from_wire(prefetches) -> tuple[PrefetchRequest, ...]:
+    return tuple(PrefetchRequest(p.op_id, tuple(p.pages), p.tokens, _parent(p.parent)) for p in prefetches)
+
+
+def ops_from_wire(request: pb.StepRequest) -> StepOps:
+    return StepOps(
+        prefetches=prefetches_from_wire(request.prefetches),
+        prefetch_polls=tuple(request.prefetch_polls),
+        revokes=tuple(request.revokes),
+        writes=tuple(WriteRequest(w.op_id, tuple(w.pages), tuple(w.device_pages), _parent(w.parent))
+                     for w in request.writes),
+        loads=tuple(LoadRequest(x.op_id, tuple(x.pages), tuple(x.device_pages)) for x in request.loads),
+    )
+
+
+def request_digest(method: str, request) -> int:
+    """What tells a retry of a step from a different step with its number."""
+    return hash62(method.encode() + request.SerializeToString(deterministic=True))
+
+
+def step_reply(outcome: StepOutcome) -> pb.StepReply:
+    reply = pb.StepReply(step=outcome.step, round=outcome.round, state_digest=outcome.digest)
+    reply.decisions.op_ids.extend(outcome.op_ids.tolist())
+    reply.decisions.values.extend(outcome.values.tolist())
+    d = outcome.cache
+    for op_id, pages in d.prefetch_hits:
+        reply.prefetches.add(op_id=op_id, outcome=pb.PrefetchDecision.HIT, pages=pages)
+    for op_id, pages in d.prefetch_done:
+        reply.prefetches.add(op_id=op_id, outcome=pb.PrefetchDecision.DONE, pages=pages)
+    for op_id, why in d.prefetch_revoked:
+        reply.prefetches.add(op_id=op_id, outcome=pb.PrefetchDecision.REVOKED, reason=why)
+    reply.write_acks.extend(d.write_acks)
+    reply.write_failures.extend(d.write_failures)
+    for op_id, stored in d.backups:
+        reply.backups.add(op_id=op_id, stored=stored)
+    for op_id, pages in d.loads:
+        reply.loads.add(op_id=op_id, pages=pages)
+    reply.load_failures.extend(d.load_failures)
+    return reply

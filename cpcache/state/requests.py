@@ -1,0 +1,97 @@
+"""What a scheduler step carries, and the checks that need no shared state.
+
+Every id is checked to lie in [0, 2**63), every device page to lie inside the
+attached pool, every page count to be bounded, before anything reaches the
+state machine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cpcache.errors import InvalidArgument
+from cpcache.values import check_id
+
+MAX_PAGES_PER_OP = 1 << 16
+MAX_OPS_PER_STEP = 4096
+PAGE_HASH_BYTES = 32
+
+
+@dataclass(frozen=True)
+class PrefetchRequest:
+    op_id: int
+    pages: tuple[bytes, ...]  # page hashes, in chain order
+    tokens: int
+    parent: bytes | None = None  # the page before pages[0], if any
+
+
+@dataclass(frozen=True)
+class WriteRequest:
+    op_id: int
+    pages: tuple[bytes, ...]
+    device_pages: tuple[int, ...]
+    parent: bytes | None = None
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    op_id: int
+    pages: tuple[bytes, ...]
+    device_pages: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class StepOps:
+    prefetches: tuple[PrefetchRequest, ...] = ()
+    prefetch_polls: tuple[int, ...] = ()
+    revokes: tuple[int, ...] = ()
+    writes: tuple[WriteRequest, ...] = ()
+    loads: tuple[LoadRequest, ...] = ()
+
+    def empty(self) -> bool:
+        return not (self.prefetches or self.prefetch_polls or self.revokes or self.writes or self.loads)
+
+    def count(self) -> int:
+        return (len(self.prefetches) + len(self.prefetch_polls) + len(self.revokes) + len(self.writes)
+                + len(self.loads))
+
+    def opened(self) -> tuple[PrefetchRequest | WriteRequest | LoadRequest, ...]:
+        return (*self.prefetches, *self.writes, *self.loads)
+
+
+def check_shape(ops: StepOps, device_pages: int) -> None:
+    """Refuse a malformed step: ids out of range or repeated, empty or
+    oversized operations, hashes of the wrong size, device pages outside the
+    attached pool of `device_pages` pages."""
+    if ops.count() > MAX_OPS_PER_STEP:
+        raise InvalidArgument(f"a step carries at most {MAX_OPS_PER_STEP} operations, got {ops.count()}")
+    seen: set[int] = set()
+    for req in ops.opened():
+        check_id(req.op_id, "operation id")
+        if req.op_id in seen:
+            raise InvalidArgument(f"operation {req.op_id} appears twice in one step")
+        seen.add(req.op_id)
+        if not req.pages:
+            raise InvalidArgument(f"operation {req.op_id} has no pages")
+        if len(req.pages) > MAX_PAGES_PER_OP:
+            raise InvalidArgument(f"operation {req.op_id} has {len(req.pages)} pages, at most {MAX_PAGES_PER_OP}")
+        if any(len(p) != PAGE_HASH_BYTES for p in req.pages):
+            raise InvalidArgument(f"operation {req.op_id}: page hashes are 32-byte sha256 digests")
+        if getattr(req, "parent", None) is not None and len(req.parent) != PAGE_HASH_BYTES:
+            raise InvalidArgument(f"operation {req.op_id}: parent must be a 32-byte page hash")
+        if isinstance(req, PrefetchRequest):
+            check_id(req.tokens, f"operation {req.op_id}: tokens")
+            continue
+        if len(req.device_pages) != len(req.pages):
+            raise InvalidArgument(
+                f"operation {req.op_id}: {len(req.pages)} pages but {len(req.device_pages)} device pages")
+        bad = [d for d in req.device_pages if not 0 <= d < device_pages]
+        if bad:
+            raise InvalidArgument(
+                f"operation {req.op_id}: device page {bad[0]} is outside the attached pool of {device_pages} pages")
+    named: set[int] = set()
+    for op_id in (*ops.prefetch_polls, *ops.revokes):
+        check_id(op_id, "prefetch id")
+        if op_id in named:
+            raise InvalidArgument(f"prefetch {op_id} is polled or revoked twice in one step")
+        named.add(op_id)

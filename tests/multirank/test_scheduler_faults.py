@@ -1,0 +1,129 @@
+"""Agreement under scheduler-side faults (DESIGN rules 6 to 9), on real
+daemons: a call cancelled mid-round, a step only one rank rejects, ranks sent
+different cache operations, device pages outside one rank's pool, retries.
+Every rank ends each step with the same answer and the domain goes on."""
+
+import asyncio
+
+import grpc
+import pytest
+
+from cpcache import errors
+from cpcache.client import AsyncClient, Ops
+from cpcache.dataplane.pools import DevicePool
+from cpcache.tools.launcher import DomainSpec, LocalDomain
+from cpcache.topology import Topology
+from cpcache.values import Reduce
+from cpcache.v1 import daemon_pb2 as pb
+from cpcache.v1 import daemon_pb2_grpc as pb_grpc
+from tests.multirank.test_cache_ops import GEOMETRY
+
+pytestmark = [pytest.mark.multirank, pytest.mark.timeout(90)]
+
+TIMEOUT_S = 3.0
+VOTE = [(1, Reduce.MIN, 5)]
+
+
+def spec(run_dir, lag=0, **extra):
+    return DomainSpec(Topology(tp=2), run_dir, agreement_timeout_s=TIMEOUT_S, agreement_lag=lag,
+                      extra=dict(storage="file", storage_root=str(run_dir / "pages"), host_pool_pages=16, **extra))
+
+
+async def attach(domain, run_dir, device_pages=(8, 8)):
+    clients = []
+    for rank, socket in enumerate(domain.sockets):
+        client = AsyncClient(socket)
+        path = str(run_dir / f"pool-{rank}")
+        DevicePool.create_shared_file(path, GEOMETRY, device_pages[rank])
+        await client.attach("m", GEOMETRY, device_pages[rank], shm_path=path)
+        clients.append(client)
+    return clients
+
+
+async def both(clients, step, per_rank):
+    return await asyncio.gather(*(c.step(step, *args) for c, args in zip(clients, per_rank)), return_exceptions=True)
+
+
+async def drain_lag(clients, step, lag):
+    """Steps that carry the rounds still in the pipeline; returns their results."""
+    results = []
+    for i in range(lag):
+        results = await both(clients, step + 1 + i, [(VOTE,)] * len(clients))
+    return results
+
+
+async def test_a_cancelled_call_changes_nothing_about_the_outcome(run_dir):
+    async with LocalDomain(spec(run_dir)) as domain:
+        hasty = AsyncClient(domain.sockets[0], timeout_s=0.3)
+        late = AsyncClient(domain.sockets[1])
+        with pytest.raises(errors.Unavailable):  # rank 0's deadline fires while rank 1 is not there yet
+            await hasty.step(1, VOTE)
+        reply_1 = await late.step(1, VOTE)
+        patient = AsyncClient(domain.sockets[0])
+        retried = await patient.step(1, VOTE)  # a retry: the outcome the daemon kept
+        assert retried.wire == reply_1.wire and retried.decisions == {1: 5}
+        after = await both([patient, late], 2, [(VOTE,)] * 2)
+        assert not any(isinstance(r, Exception) for r in after), after
+        assert after[0].wire == after[1].wire
+        for c in (hasty, late, patient):
+            await c.close()
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+async def test_a_step_one_rank_rejects_is_rejected_everywhere_and_the_domain_goes_on(run_dir, lag):
+    async with LocalDomain(spec(run_dir, lag)) as domain:
+        clients = [AsyncClient(s) for s in domain.sockets]
+        channel = grpc.aio.insecure_channel("unix:" + domain.sockets[0])
+        bad = pb.StepRequest(step=1, votes=pb.Votes(op_ids=[1, 1], reduces=[pb.REDUCE_MIN] * 2, values=[1, 2]))
+        results = await asyncio.gather(pb_grpc.CacheDaemonStub(channel).Step(bad), clients[1].step(1, VOTE),
+                                       return_exceptions=True)
+        if lag:
+            assert not any(isinstance(r, BaseException) for r in results), results  # the pipeline fills
+            results = await both(clients, 2, [(VOTE,)] * 2)
+        own, peer = results
+        assert isinstance(own, (grpc.aio.AioRpcError, errors.InvalidArgument)), own
+        assert isinstance(peer, errors.RejectedByPeer), peer
+        assert peer.rank == 0 and peer.peer_status == "INVALID_ARGUMENT" and "appears twice" in peer.peer_message
+        later = await both(clients, 10, [(VOTE,)] * 2)
+        later += await drain_lag(clients, 10, lag)
+        assert not any(isinstance(r, Exception) for r in later), later
+        assert later[-1].wire == later[-2].wire
+        await channel.close()
+        for c in clients:
+            await c.close()
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+async def test_ranks_sent_different_cache_operations_diverge_everywhere_and_open_nothing(run_dir, lag):
+    async with LocalDomain(spec(run_dir, lag)) as domain:
+        clients = await attach(domain, run_dir)
+        page = bytes([3]) * 32
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        results = await both(clients, 1, [((), Ops(writes=((7, [page], [0]),))), ((), None)])
+        if lag:
+            results = await both(clients, 2, [((), None)] * 2)
+        assert loop.time() - started < TIMEOUT_S + 1
+        for result in results:
+            assert isinstance(result, errors.Divergence), result
+            assert "write 7" in str(result)
+        later = await both(clients, 10, [((), None)] * 2)
+        later += await drain_lag(clients, 10, lag)
+        assert not any(isinstance(r, Exception) for r in later), later
+        stats = [await c.stats() for c in clients]
+        assert stats[0]["cache_digest"] == stats[1]["cache_digest"] and stats[0]["open_writes"] == 0
+        for c in clients:
+            await c.close()
+
+
+async def test_a_device_page_outside_one_ranks_pool_is_refused_on_every_rank(run_dir):
+    async with LocalDomain(spec(run_dir)) as domain:
+        clients = await attach(domain, run_dir, device_pages=(8, 4))
+        results = await both(clients, 1, [((), Ops(writes=((1, [bytes([1]) * 32], [6]),)))] * 2)
+        assert isinstance(results[1], errors.InvalidArgument) and "outside the attached pool of 4" in str(results[1])
+        assert isinstance(results[0], errors.RejectedByPeer) and results[0].rank == 1
+        stats = [await c.stats() for c in clients]
+        assert stats[0]["host_pages_used"] == stats[1]["host_pages_used"] == 0
+        assert stats[0]["cache_digest"] == stats[1]["cache_digest"]
+        for c in clients:
+            await c.close()
