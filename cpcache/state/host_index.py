@@ -73,17 +73,20 @@ class HostIndex:
         children goes once its children have gone)."""
         return sum(1 for page, e in self._entries.items() if e.refs == 0 and not skip(page, e))
 
-    def evict(self, count: int, skip=lambda page, entry: False, dry_run: bool = False) -> list[tuple[bytes, Entry]]:
+    def evict(self, count: int, skip=lambda page, entry: False, dry_run: bool = False,
+              frees=lambda entry: True) -> list[tuple[bytes, Entry]]:
         """Remove up to `count` unreferenced leaves, least recently used first
         (a removed leaf may expose its parent as the next leaf). `skip` keeps
         a page in place (e.g. not yet written back). With `dry_run`, say
-        exactly what would go and change nothing."""
+        exactly what would go and change nothing. Only pages for which
+        `frees` holds count toward `count` (the others leave no free slot)."""
         evicted: list[tuple[bytes, Entry]] = []
         kept: list[tuple[int, bytes]] = []
         heap = list(self._leaves) if dry_run else self._leaves
         gone: set[bytes] = set()
         lost_children: dict[bytes, int] = {}  # dry run: children removed so far
-        while heap and len(evicted) < count:
+        freed = 0
+        while heap and freed < count:
             stamp, page = heapq.heappop(heap)
             entry = self._entries.get(page)
             if entry is None or page in gone or entry.last_used != stamp:
@@ -92,6 +95,7 @@ class HostIndex:
                 kept.append((stamp, page))
                 continue
             evicted.append((page, entry))
+            freed += bool(frees(entry))
             gone.add(page)
             parent = self._entries.get(entry.parent) if entry.parent is not None else None
             if parent is None:

@@ -98,7 +98,10 @@ class CacheState:
 
     def _can_make_room(self, count: int, keep: set[bytes]) -> bool:
         short = count - self.allocator.free_count
-        return short <= 0 or len(self.index.evict(short, self._eviction_skip(keep), dry_run=True)) >= short
+        if short <= 0:
+            return True
+        evicted = self.index.evict(short, self._eviction_skip(keep), dry_run=True, frees=_frees_slot)
+        return sum(_frees_slot(e) for _, e in evicted) >= short
 
     def _make_room(self, count: int, keep: set[bytes] = set()) -> bool:
         """Free host slots by evicting least recently used pages. Evicts
@@ -107,7 +110,7 @@ class CacheState:
             return False
         short = count - self.allocator.free_count
         if short > 0:
-            evicted = self.index.evict(short, self._eviction_skip(keep))
+            evicted = self.index.evict(short, self._eviction_skip(keep), frees=_frees_slot)
             # An unreferenced page has no I/O on any rank: loads, backups and
             # writes hold their pages until every rank has finished with them.
             # The exception is a backup that timed out somewhere: its write may
@@ -404,3 +407,9 @@ class CacheState:
             "host_hit_pages": self.hit_pages["host"],
             "storage_hit_pages": self.hit_pages["storage"],
         }
+
+
+def _frees_slot(entry) -> bool:
+    """An evicted page whose backup timed out somewhere leaves its slot
+    retiring, not free: it does not count as room."""
+    return not entry.io_suspect
