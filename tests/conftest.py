@@ -1,6 +1,5 @@
 import os
 import shutil
-import os
 import tempfile
 from pathlib import Path
 

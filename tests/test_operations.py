@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from cpcache import errors
 from cpcache.client import AsyncClient, Ops
 from cpcache.geometry import KVGeometry
 from cpcache.tools.launcher import DomainSpec, LocalDomain
@@ -98,8 +99,8 @@ async def test_metrics_move_while_the_cache_works(run_dir):
                 if 1 in (await client.step(step)).write_acks:
                     break
             await client.step(step + 1, ops=Ops(loads=((2, pages, [3, 4, 5]),)))
-            with pytest.raises(Exception):
-                await client.step(1)  # out of order: counted as FAILED_PRECONDITION
+            with pytest.raises(errors.FailedPrecondition):
+                await client.step(1)  # an old step with other content: counted as FAILED_PRECONDITION
             after = scrape(port)
     rank = '{rank="0"}'
     assert after[f"cpcache_rounds_total{rank}"] > before.get(f"cpcache_rounds_total{rank}", 0)

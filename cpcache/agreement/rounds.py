@@ -30,7 +30,9 @@ about what a round of one does. Nothing here does I/O or touches threads.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -46,6 +48,13 @@ REJECTION_STATUSES = ("INTERNAL", "INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECO
                       "UNAVAILABLE")
 MIN_CAPACITY = 64
 # Fingerprints and digests are kept below 2**62 so that negation never overflows.
+
+
+
+class Labelled(Protocol):
+    """Something a divergence report can name ("write 7")."""
+
+    def label(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -120,12 +129,12 @@ class RoundInput:
     digest: int
     vector: np.ndarray
     rejection: "Rejection | None" = None  # this rank's own, when it rejected the step
-    labels: dict[int, str] | None = None  # names of the asking operations, for divergence reports
+    labels: Mapping[int, Labelled] | None = None  # the asking operations, named only for divergence reports
     content: tuple[str, ...] = ()  # what the step carried, for divergence reports
 
     @staticmethod
     def pack(number: int, questions: Questions, digest: int, content_digest: int = 0,
-             labels: dict[int, str] | None = None, content: tuple[str, ...] = ()) -> "RoundInput":
+             labels: Mapping[int, Labelled] | None = None, content: tuple[str, ...] = ()) -> "RoundInput":
         """`content_digest` covers what the step carries beyond its questions
         (the operations it opens), so ranks that were sent different steps
         disagree in this round's header."""
@@ -154,7 +163,7 @@ class RoundInput:
                 "fingerprint": self.fingerprint,
                 "digest": self.digest,
                 "questions": np.stack((q.op_ids, q.kinds, q.reduces), axis=1).tolist(),
-                "labels": {str(k): v for k, v in labels.items()},
+                "labels": {str(k): v.label() for k, v in labels.items()},
                 "content": list(self.content),
             }
         ).encode()

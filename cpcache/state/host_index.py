@@ -68,11 +68,6 @@ class HostIndex:
         for page in pages:
             self._entries[page].refs += delta
 
-    def evictable(self, skip=lambda page, entry: False) -> int:
-        """How many pages `evict` could remove with this `skip` (a page with
-        children goes once its children have gone)."""
-        return sum(1 for page, e in self._entries.items() if e.refs == 0 and not skip(page, e))
-
     def evict(self, count: int, skip=lambda page, entry: False, dry_run: bool = False,
               frees=lambda entry: True) -> list[tuple[bytes, Entry]]:
         """Remove up to `count` unreferenced leaves, least recently used first

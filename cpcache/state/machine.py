@@ -96,14 +96,14 @@ class CacheState:
 
         return skip
 
-    def _can_make_room(self, count: int, keep: set[bytes]) -> bool:
+    def _can_make_room(self, count: int, keep: set[bytes] | frozenset[bytes]) -> bool:
         short = count - self.allocator.free_count
         if short <= 0:
             return True
         evicted = self.index.evict(short, self._eviction_skip(keep), dry_run=True, frees=_frees_slot)
         return sum(_frees_slot(e) for _, e in evicted) >= short
 
-    def _make_room(self, count: int, keep: set[bytes] = set()) -> bool:
+    def _make_room(self, count: int, keep: set[bytes] | frozenset[bytes] = frozenset()) -> bool:
         """Free host slots by evicting least recently used pages. Evicts
         nothing when that would not make enough room."""
         if not self._can_make_room(count, keep):
@@ -222,15 +222,15 @@ class CacheState:
 
     # -- a round --------------------------------------------------------------------
 
-    def questions(self, local: LocalProgress) -> tuple[Questions, dict[int, str]]:
-        """This round's cache questions with this rank's local answers, and a
-        label per asking operation (to name it in a divergence). The set
-        depends only on shared state."""
+    def questions(self, local: LocalProgress) -> tuple[Questions, dict[int, Operation]]:
+        """This round's cache questions with this rank's local answers, and
+        the asking operations by serial (named only if a divergence needs
+        it). The set depends only on shared state."""
         ids: list[int] = []
         kinds: list[int] = []
         reduces: list[int] = []
         values: list[int] = []
-        labels: dict[int, str] = {}
+        asking: dict[int, Operation] = {}
         backups = 0
         for op in self.ops.values():
             if isinstance(op, Backup):
@@ -242,9 +242,9 @@ class CacheState:
                 kinds.append(kind.code)
                 reduces.append(kind.reduce)
                 values.append(int(value))
-                labels[op.serial] = op.label()
+                asking[op.serial] = op
         columns = (np.array(c, dtype=np.int64) for c in (ids, kinds, reduces, values))
-        return Questions(*columns), labels
+        return Questions(*columns), asking
 
     def open_questions(self) -> int:
         """Operations the next rounds may ask about."""

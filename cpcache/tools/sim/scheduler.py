@@ -19,7 +19,6 @@ import numpy as np
 import torch
 
 from cpcache.client import AsyncClient, Ops, StepResult
-from cpcache.errors import ResourceExhausted
 from cpcache.geometry import KVGeometry
 from cpcache.tools.sim.trace import PageHasher, Request
 from cpcache.dataplane.pools import DevicePool
@@ -128,20 +127,8 @@ class SimScheduler:
             await self._admit(request, ops)
         self.step_no += 1
         started = time.perf_counter()
-        try:
-            reply = await self.client.step(self.step_no, ops=Ops(**{k: tuple(v) for k, v in ops.items()}))
-        except ResourceExhausted:
-            # The host pool cannot take these write-throughs now (on every rank
-            # alike: it is shared state). Skip them, as a scheduler would. The
-            # refused step used up its number (a step is idempotent by number:
-            # DESIGN 6, 7), so the rest goes as the next step.
-            self.tally.skipped_writes += sum(len(w[1]) for w in ops["writes"])
-            for op_id, *_ in ops["writes"]:
-                for d in self._writing.pop(op_id, ()):
-                    self.pinned[d] -= 1
-            ops["writes"] = []
-            self.step_no += 1
-            reply = await self.client.step(self.step_no, ops=Ops(**{k: tuple(v) for k, v in ops.items()}))
+        # A full host pool is not an error: such writes come back in write_failures.
+        reply = await self.client.step(self.step_no, ops=Ops(**{k: tuple(v) for k, v in ops.items()}))
         self.round_latencies.append(time.perf_counter() - started)
         self.log.append(reply.wire)
         await self._absorb(reply)
