@@ -94,6 +94,8 @@ class DaemonConfig:
     fault_storage_delay_ms: float = setting(0.0, "Fault injection: each storage batch waits uniform(0, this) ms.")
     fault_storage_fail_rate: float = setting(0.0, "Fault injection: probability that a page's storage I/O fails.")
     fault_storage_truncate_rate: float = setting(0.0, "Fault injection: probability that a storage batch stops early.")
+    fault_copy_delay_ms: float = setting(0.0, "Fault injection: each device <-> host copy waits uniform(0, this) ms.")
+    fault_copy_fail_rate: float = setting(0.0, "Fault injection: probability that a device <-> host copy fails.")
     fault_seed: int = setting(0, "Seed of the fault injection.")
     metrics_address: str = setting("", "Serve Prometheus metrics on host:port (port 0: any free port); empty: off.")
     log_level: str = setting("INFO", "Logging level.")
@@ -130,7 +132,7 @@ class DaemonConfig:
             raise bad("host_pool_pages" if self.host_pool_pages < 1 else "io_threads", "must be >= 1")
         if self.kv_cp_sharding not in ("cp_replicated", "cp_sharded"):
             raise bad("kv_cp_sharding", "must be cp_replicated or cp_sharded")
-        for name in ("fault_storage_fail_rate", "fault_storage_truncate_rate"):
+        for name in ("fault_storage_fail_rate", "fault_storage_truncate_rate", "fault_copy_fail_rate"):
             if not 0 <= getattr(self, name) <= 1:
                 raise bad(name, "must be between 0 and 1")
         self.cache_config  # validates the policies, naming them

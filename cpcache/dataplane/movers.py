@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cpcache.dataplane.copy_faults import CopyFaultInjector, CopyFaults
 from cpcache.errors import InvalidArgument
 from cpcache.dataplane.storage import PageBuffer, StorageBackend
 from cpcache.dataplane.inflight import InFlight
@@ -136,7 +137,8 @@ def host_slots(route: tuple[str, str], job: TransferJob) -> tuple[int, ...]:
 class Transfers:
     """Runs jobs on I/O threads, counting their host slots in flight."""
 
-    def __init__(self, tiers: Tiers, threads: int = 4, in_flight: InFlight | None = None) -> None:
+    def __init__(self, tiers: Tiers, threads: int = 4, in_flight: InFlight | None = None,
+                 copy_faults: CopyFaults = CopyFaults()) -> None:
         """`threads` per executor: storage calls and device <-> host copies
         run on separate executors, so a store that hangs delays only storage
         work, never a write-through or a load-back."""
@@ -145,6 +147,7 @@ class Transfers:
         self._copies = ThreadPoolExecutor(threads, thread_name_prefix="cpcache-copy")
         self._storage = ThreadPoolExecutor(threads, thread_name_prefix="cpcache-storage")
         self._counters_lock = threading.Lock()  # I/O threads count, the metrics thread reads
+        self._copy_faults = CopyFaultInjector(copy_faults) if copy_faults.active else None
         self._ids = itertools.count(1)
         self.pages_moved: dict[tuple[str, str], int] = {route: 0 for route in MOVERS}
         self.bytes_moved: dict[tuple[str, str], int] = {route: 0 for route in MOVERS}
@@ -180,7 +183,10 @@ class Transfers:
 
     def _run(self, route, job: TransferJob, slots) -> TransferResult:
         try:
-            result = MOVERS[route](self.tiers, job)
+            if STORAGE not in route and self._copy_faults is not None and not self._copy_faults.before_copy():
+                result = TransferResult(job.job_id, False, 0)  # an injected copy failure: nothing copied
+            else:
+                result = MOVERS[route](self.tiers, job)
         except Exception:  # a broken backend is a failed transfer, never a dead thread
             log.exception("transfer %d (%s -> %s) failed", job.job_id, *route)
             result = TransferResult(job.job_id, False, 0)

@@ -10,6 +10,7 @@ from cpcache.state.machine import CacheState
 from cpcache.config import DaemonConfig
 from cpcache.geometry import KVGeometry
 from cpcache.keys import ShardingSpec
+from cpcache.dataplane.copy_faults import CopyFaults
 from cpcache.dataplane.local_io import LocalIO
 from cpcache.dataplane.movers import Tiers, Transfers
 from cpcache.dataplane.storage import StorageBackend, open_backend
@@ -56,7 +57,9 @@ def open_cache(config: DaemonConfig, geometry: KVGeometry, device: DevicePool) -
     coords = topology.coordinates(config.rank)
     host = HostPool(geometry, config.host_pool_pages, config.host_layout)
     storage = open_storage(config, geometry, host)
-    transfers = Transfers(Tiers(host, device, storage), threads=config.io_threads)
+    copy_faults = CopyFaults(config.fault_copy_delay_ms, config.fault_copy_fail_rate,
+                             seed=config.fault_seed * 1000 + config.rank + 500)
+    transfers = Transfers(Tiers(host, device, storage), threads=config.io_threads, copy_faults=copy_faults)
     sharding = ShardingSpec(
         cp=config.kv_cp_sharding,
         tp_sharded_heads=geometry.kv_kind == "mha",

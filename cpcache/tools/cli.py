@@ -94,10 +94,17 @@ def main(argv: list[str] | None = None) -> int:
         query.add_argument("--timeout", type=float, default=5.0)
 
     bench = sub.add_parser("bench", help="run a benchmark and print its figures")
-    bench.add_argument("name", choices=["agreement", "movers"])
+    bench.add_argument("name", choices=["agreement", "movers", "soak"])
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.add_argument("--steps", type=int, default=200, help="agreement: measured steps per case")
     bench.add_argument("--no-mooncake", action="store_true", help="movers: skip Mooncake Store")
+    bench.add_argument("--decisions", type=int, default=1_000_000, help="soak: agreed decisions to reach")
+    bench.add_argument("--seed", type=int, default=1, help="soak: seed of the injected faults")
+
+    fuzz = sub.add_parser("fuzz", help="send hostile requests to live daemons and check they stay sound")
+    fuzz.add_argument("--per-rpc", type=int, default=10_000, help="hostile requests per RPC")
+    fuzz.add_argument("--seed", type=int, default=1)
+    fuzz.add_argument("--json", action="store_true", help="print one JSON object")
 
     demo = sub.add_parser("demo", help="launch a local domain and replay a real trace through it")
     add_topology_flags(demo)
@@ -121,6 +128,14 @@ def main(argv: list[str] | None = None) -> int:
             from cpcache.tools.bench import agreement
 
             return asyncio.run(agreement.main(args))
+        if args.command == "bench" and args.name == "soak":
+            from cpcache.tools.bench import soak
+
+            return asyncio.run(soak.main(args))
+        if args.command == "fuzz":
+            from cpcache.tools import fuzz as fuzz_module
+
+            return asyncio.run(fuzz_module.main(args))
         if args.command == "bench" and args.name == "movers":
             from cpcache.tools.bench import movers
 
