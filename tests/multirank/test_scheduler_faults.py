@@ -6,6 +6,7 @@ Every rank ends each step with the same answer and the domain goes on."""
 import asyncio
 
 import grpc
+import numpy as np
 import pytest
 
 from cpcache import errors
@@ -16,7 +17,8 @@ from cpcache.topology import Topology
 from cpcache.values import Reduce
 from cpcache.v1 import daemon_pb2 as pb
 from cpcache.v1 import daemon_pb2_grpc as pb_grpc
-from tests.multirank.test_cache_ops import GEOMETRY
+from cpcache.tools.sim.scheduler import page_content
+from tests.multirank.test_cache_ops import GEOMETRY, read_page, write_page
 
 pytestmark = [pytest.mark.multirank, pytest.mark.timeout(90)]
 
@@ -125,5 +127,106 @@ async def test_a_device_page_outside_one_ranks_pool_is_refused_on_every_rank(run
         stats = [await c.stats() for c in clients]
         assert stats[0]["host_pages_used"] == stats[1]["host_pages_used"] == 0
         assert stats[0]["cache_digest"] == stats[1]["cache_digest"]
+        for c in clients:
+            await c.close()
+
+
+async def attach_pools(domain, run_dir, device_pages=8):
+    clients, pools = [], []
+    for rank, socket in enumerate(domain.sockets):
+        client = AsyncClient(socket)
+        path = str(run_dir / f"pool-{rank}")
+        pools.append(DevicePool.create_shared_file(path, GEOMETRY, device_pages))
+        await client.attach("m", GEOMETRY, device_pages, shm_path=path)
+        clients.append(client)
+    return clients, pools
+
+
+async def test_lag1_write_acks_wait_for_slow_copies_and_load_back_exact_bytes(run_dir):
+    """Rank 1's device -> host copies are slow. At lag 1 the ack must still
+    wait for them: the scheduler reuses the device pages as soon as it sees
+    the ack, and a later load must bring back the bytes written, on every rank."""
+    async with LocalDomain(DomainSpec(
+            Topology(tp=2), run_dir, agreement_timeout_s=TIMEOUT_S, agreement_lag=1,
+            extra=dict(storage="file", storage_root=str(run_dir / "pages"), host_pool_pages=16),
+            per_rank={1: dict(fault_copy_delay_ms=400.0)})) as domain:
+        clients, pools = await attach_pools(domain, run_dir)
+        pages = [bytes([5, i]) * 16 for i in range(3)]
+        written = []
+        for rank, pool in enumerate(pools):
+            contents = [page_content(f"{p.hex()}-{rank}", GEOMETRY.page_bytes) for p in pages]
+            for i, content in enumerate(contents):
+                write_page(pool, i, content)
+            written.append(contents)
+        step = 1
+        await both(clients, step, [((), Ops(writes=((1, pages, [0, 1, 2]),)))] * 2)
+        acked = False
+        while not acked:
+            step += 1
+            replies = await both(clients, step, [((), None)] * 2)
+            assert not any(isinstance(r, Exception) for r in replies), replies
+            assert replies[0].wire == replies[1].wire
+            acked = 1 in replies[0].write_acks
+        for pool in pools:  # acked: the scheduler may reuse its device pages at once
+            for i in range(3):
+                write_page(pool, i, np.zeros(GEOMETRY.page_bytes, dtype=np.uint8))
+        step += 1
+        await both(clients, step, [((), Ops(loads=((2, pages, [4, 5, 6]),)))] * 2)
+        loaded = False
+        while not loaded:
+            step += 1
+            replies = await both(clients, step, [((), None)] * 2)
+            loaded = 2 in replies[0].loads
+        for rank, (client, pool) in enumerate(zip(clients, pools)):
+            await client.wait_loads([2], timeout_s=10)
+            for i in range(3):
+                assert np.array_equal(read_page(pool, 4 + i), written[rank][i]), f"rank {rank} page {i}"
+        for c in clients:
+            await c.close()
+
+
+async def test_a_failed_copy_is_an_agreed_write_failure(run_dir):
+    async with LocalDomain(DomainSpec(
+            Topology(tp=2), run_dir, agreement_timeout_s=TIMEOUT_S,
+            extra=dict(storage="file", storage_root=str(run_dir / "pages"), host_pool_pages=16),
+            per_rank={1: dict(fault_copy_fail_rate=1.0)})) as domain:
+        clients, _ = await attach_pools(domain, run_dir)
+        page = bytes([6]) * 32
+        replies = await both(clients, 1, [((), Ops(writes=((1, [page], [0]),)))] * 2)
+        step = 1
+        while not any(1 in r.write_failures for r in replies):
+            assert not any(1 in r.write_acks for r in replies), "a write whose copy failed was acknowledged"
+            step += 1
+            replies = await both(clients, step, [((), None)] * 2)
+        assert replies[0].wire == replies[1].wire
+        stats = [await c.stats() for c in clients]
+        assert stats[0]["host_pages_used"] == stats[1]["host_pages_used"] == 0
+        assert stats[0]["host_pages_free"] == 16  # the slots came back: every rank's copy had ended
+        assert (await clients[0].match([page])).host_pages == 0
+        for c in clients:
+            await c.close()
+
+
+async def test_a_hung_store_does_not_hold_write_throughs(run_dir):
+    """Rank 1's storage calls take seconds and it has one I/O thread per
+    executor: its lookups occupy the storage thread, yet a write-through is
+    acknowledged while those lookups are still unanswered."""
+    async with LocalDomain(DomainSpec(
+            Topology(tp=2), run_dir, agreement_timeout_s=TIMEOUT_S,
+            extra=dict(storage="file", storage_root=str(run_dir / "pages"), host_pool_pages=16, io_threads=1,
+                       storage_timeout_s=30.0),
+            per_rank={1: dict(fault_storage_delay_ms=20_000.0, fault_seed=1)})) as domain:
+        clients, _ = await attach_pools(domain, run_dir)
+        lookups = tuple((10 + i, [bytes([7, i]) * 16], GEOMETRY.page_size) for i in range(3))
+        await both(clients, 1, [((), Ops(prefetches=lookups))] * 2)
+        await both(clients, 2, [((), Ops(writes=((1, [bytes([8]) * 32], [0]),)))] * 2)
+        step, hits, acked = 2, {}, False
+        while not acked:
+            step += 1
+            replies = await both(clients, step, [((), None)] * 2)
+            assert not any(isinstance(r, Exception) for r in replies), replies
+            hits.update(replies[0].prefetch_hits)
+            acked = 1 in replies[0].write_acks
+        assert not hits, "the write waited for the hung lookups"
         for c in clients:
             await c.close()
