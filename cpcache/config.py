@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from cpcache.errors import InvalidArgument
 from cpcache.topology import MODES, Topology
 
-
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
@@ -75,7 +74,8 @@ class DaemonConfig:
     host_layout: str = setting("page_first_direct", "Host pool layout: layer_first, page_first, page_first_direct.")
     io_threads: int = setting(4, "Threads that run transfers and storage calls.")
     storage: str = setting("none", "Storage backend: none, file or mooncake.")
-    storage_root: str = setting("/var/lib/cpcache/pages", "file: root directory (shared by the ranks that share pages).")
+    storage_root: str = setting("/var/lib/cpcache/pages",
+                                "file: root directory (shared by the ranks that share pages).")
     storage_capacity_bytes: int = setting(0, "file: evict least recently used pages above this size (0: no limit).")
     storage_master: str = setting("127.0.0.1:50051", "mooncake: master address host:port.")
     storage_metadata_server: str = setting("http://127.0.0.1:8080/metadata", "mooncake: metadata server URL.")
@@ -89,7 +89,8 @@ class DaemonConfig:
     prefetch_timeout_base_s: float = setting(2.0, "timeout policy: base seconds.")
     prefetch_timeout_per_ki_token_s: float = setting(0.1, "timeout policy: seconds per 1024 tokens.")
     prefetch_timeout_max_s: float = setting(30.0, "timeout policy: upper bound in seconds.")
-    write_policy: str = setting("write_through", "Backups to storage: write_through, write_through_selective, write_back.")
+    write_policy: str = setting("write_through",
+                                "Backups to storage: write_through, write_through_selective, write_back.")
     fault_delay_ms: float = setting(0.0, "Fault injection: each round waits uniform(0, this) ms first.")
     fault_storage_delay_ms: float = setting(0.0, "Fault injection: each storage batch waits uniform(0, this) ms.")
     fault_storage_fail_rate: float = setting(0.0, "Fault injection: probability that a page's storage I/O fails.")
@@ -104,7 +105,7 @@ class DaemonConfig:
         def bad(name: str, why: str) -> InvalidArgument:
             return InvalidArgument(f"setting {name}: {why} (got {getattr(self, name)!r})")
 
-        self.topology  # validates the sizes, naming them
+        _ = self.topology  # validates the sizes, naming them
         if self.rank < 0:
             raise bad("rank", "is required and must be >= 0")
         self.topology.check_rank(self.rank)
@@ -135,7 +136,7 @@ class DaemonConfig:
         for name in ("fault_storage_fail_rate", "fault_storage_truncate_rate", "fault_copy_fail_rate"):
             if not 0 <= getattr(self, name) <= 1:
                 raise bad(name, "must be between 0 and 1")
-        self.cache_config  # validates the policies, naming them
+        _ = self.cache_config  # validates the policies, naming them
         if self.write_policy == "write_back" and self.storage == "none":
             raise bad("write_policy", "write_back needs storage (pages could never be evicted); set storage")
 

@@ -24,7 +24,7 @@ class CacheError(Exception):
         return {}
 
     @classmethod
-    def from_metadata(cls, message: str, metadata: dict[str, str]) -> "CacheError":
+    def from_metadata(cls, message: str, metadata: dict[str, str]) -> CacheError:
         return cls(message)
 
 
@@ -62,7 +62,7 @@ class Divergence(FailedPrecondition):
         return {"round": str(self.round_number)}
 
     @classmethod
-    def from_metadata(cls, message: str, metadata: dict[str, str]) -> "CacheError":
+    def from_metadata(cls, message: str, metadata: dict[str, str]) -> CacheError:
         return cls(message, int(metadata.get("round", 0)))
 
 
@@ -73,7 +73,8 @@ class RejectedByPeer(FailedPrecondition):
 
     reason = "REJECTED_BY_PEER"
 
-    def __init__(self, message: str, rank: int = -1, step: int = 0, peer_status: str = "", peer_message: str = "") -> None:
+    def __init__(self, message: str, rank: int = -1, step: int = 0, peer_status: str = "",
+                 peer_message: str = "") -> None:
         super().__init__(message)
         self.rank = rank
         self.step = step
@@ -85,7 +86,7 @@ class RejectedByPeer(FailedPrecondition):
                 "peer_message": self.peer_message[:1000]}
 
     @classmethod
-    def from_metadata(cls, message: str, metadata: dict[str, str]) -> "CacheError":
+    def from_metadata(cls, message: str, metadata: dict[str, str]) -> CacheError:
         return cls(message, int(metadata.get("rank", -1)), int(metadata.get("step", 0)),
                    metadata.get("peer_status", ""), metadata.get("peer_message", ""))
 
@@ -104,7 +105,7 @@ class StepOrder(FailedPrecondition):
         return {"last_step": str(self.last_step)}
 
     @classmethod
-    def from_metadata(cls, message: str, metadata: dict[str, str]) -> "CacheError":
+    def from_metadata(cls, message: str, metadata: dict[str, str]) -> CacheError:
         return cls(message, int(metadata.get("last_step", 0)))
 
 
@@ -135,7 +136,7 @@ class PeerLost(Unavailable):
         return {"missing_ranks": ",".join(map(str, self.missing_ranks))}
 
     @classmethod
-    def from_metadata(cls, message: str, metadata: dict[str, str]) -> "CacheError":
+    def from_metadata(cls, message: str, metadata: dict[str, str]) -> CacheError:
         ranks = metadata.get("missing_ranks", "")
         return cls(message, tuple(int(r) for r in ranks.split(",") if r))
 

@@ -9,8 +9,8 @@ suffix from the declared sharding of the KV, never from rank numbers by habit.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 from cpcache.errors import InvalidArgument
 

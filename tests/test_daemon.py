@@ -15,10 +15,10 @@ from cpcache import errors
 from cpcache.client import AsyncClient
 from cpcache.daemon.server import ExitCode
 from cpcache.tools.launcher import DomainSpec, LocalDomain
-from cpcache.values import Reduce
 from cpcache.topology import Topology
 from cpcache.v1 import daemon_pb2 as pb
 from cpcache.v1 import daemon_pb2_grpc as pb_grpc
+from cpcache.values import Reduce
 
 pytestmark = pytest.mark.timeout(60)
 

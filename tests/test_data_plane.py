@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from cpcache.errors import InvalidArgument, ResourceExhausted, Unavailable
-from cpcache.geometry import KVGeometry
 from cpcache.dataplane.movers import DEVICE, HOST, STORAGE, Tiers, Transfers
+from cpcache.dataplane.pools import LAYOUTS, DevicePool, HostPool
 from cpcache.dataplane.storage import StorageBackend, open_backend
 from cpcache.dataplane.storage.faults import FaultyBackend, StorageFaults
-from cpcache.dataplane.pools import LAYOUTS, DevicePool, HostPool
+from cpcache.errors import InvalidArgument, ResourceExhausted, Unavailable
+from cpcache.geometry import KVGeometry
 from cpcache.state.allocator import PageAllocator
 
 pytestmark = pytest.mark.timeout(60)

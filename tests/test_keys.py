@@ -25,7 +25,8 @@ def reference_chain(tokens, page_size, prior_hex):
 
 def test_first_page_without_prior_matches_a_fixed_vector():
     # sha256 of the little-endian bytes 01 00 00 00 02 00 00 00 03 00 00 00 04 00 00 00
-    assert page_hash([1, 2, 3, 4], None) == hashlib.sha256(bytes.fromhex("01000000020000000300000004000000")).hexdigest()
+    expected = hashlib.sha256(bytes.fromhex("01000000020000000300000004000000")).hexdigest()
+    assert page_hash([1, 2, 3, 4], None) == expected
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 64])

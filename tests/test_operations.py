@@ -13,9 +13,9 @@ import pytest
 
 from cpcache import errors
 from cpcache.client import AsyncClient, Ops
+from cpcache.dataplane.pools import DevicePool
 from cpcache.geometry import KVGeometry
 from cpcache.tools.launcher import DomainSpec, LocalDomain
-from cpcache.dataplane.pools import DevicePool
 from cpcache.topology import Topology
 
 REPO = Path(__file__).resolve().parents[1]

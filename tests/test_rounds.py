@@ -6,10 +6,10 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from cpcache.errors import Divergence, InvalidArgument
 from cpcache.agreement.divergence import explain_divergence
 from cpcache.agreement.kinds import VOTE
 from cpcache.agreement.rounds import HEADER_SLOTS, MIN_CAPACITY, Questions, RoundInput
+from cpcache.errors import Divergence, InvalidArgument
 from cpcache.values import Reduce
 
 

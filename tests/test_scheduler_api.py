@@ -4,11 +4,11 @@ back, prefetch from storage and release, one flush per iteration."""
 import pytest
 
 from cpcache.client import Client
+from cpcache.client.session import HiCacheSession
+from cpcache.dataplane.pools import DevicePool
 from cpcache.geometry import KVGeometry
 from cpcache.keys import chain
 from cpcache.tools.launcher import DomainSpec, LocalDomain
-from cpcache.client.session import HiCacheSession
-from cpcache.dataplane.pools import DevicePool
 from cpcache.topology import Topology
 
 pytestmark = pytest.mark.timeout(60)

@@ -8,8 +8,7 @@ import grpc
 import pytest
 
 from cpcache import errors
-from cpcache.client import AsyncClient, Client
-from cpcache.client import core
+from cpcache.client import AsyncClient, Client, core
 from cpcache.daemon.status import guarded
 from cpcache.v1 import daemon_pb2 as pb
 from cpcache.v1 import daemon_pb2_grpc as pb_grpc

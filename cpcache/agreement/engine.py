@@ -19,9 +19,9 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from cpcache.errors import CacheError, Divergence, PeerLost, Unavailable
 from cpcache.agreement.divergence import DivergenceExchange
 from cpcache.agreement.rounds import MIN_CAPACITY, RoundInput, RoundResult
+from cpcache.errors import CacheError, Divergence, PeerLost, Unavailable
 
 log = logging.getLogger(__name__)
 

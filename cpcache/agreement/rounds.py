@@ -38,7 +38,8 @@ import numpy as np
 
 from cpcache.agreement.kinds import VOTE
 from cpcache.errors import Divergence, InvalidArgument
-from cpcache.hashing import HASH_MASK as _HASH_MASK, hash62
+from cpcache.hashing import HASH_MASK as _HASH_MASK
+from cpcache.hashing import hash62
 from cpcache.values import INT64_MAX, Reduce
 
 HEADER_SLOTS = 7
@@ -67,12 +68,12 @@ class Questions:
     locals: np.ndarray
 
     @staticmethod
-    def empty() -> "Questions":
+    def empty() -> Questions:
         z = np.empty(0, dtype=np.int64)
         return Questions(z, z, z, z)
 
     @staticmethod
-    def votes(op_ids, reduces, values) -> "Questions":
+    def votes(op_ids, reduces, values) -> Questions:
         """One-shot votes from a scheduler, validated: op ids in [0, 2**63)
         and unique, reductions MIN or MAX, values inside int64 with room for
         negation."""
@@ -104,7 +105,7 @@ class Questions:
     def __len__(self) -> int:
         return len(self.op_ids)
 
-    def concat(self, other: "Questions") -> "Questions":
+    def concat(self, other: Questions) -> Questions:
         if not len(other):
             return self
         if not len(self):
@@ -114,7 +115,7 @@ class Questions:
     def columns(self) -> tuple[np.ndarray, ...]:
         return (self.op_ids, self.kinds, self.reduces, self.locals)
 
-    def sorted(self) -> "Questions":
+    def sorted(self) -> Questions:
         order = np.lexsort((self.kinds, self.op_ids))
         return Questions(*(c[order] for c in self.columns()))
 
@@ -128,13 +129,13 @@ class RoundInput:
     fingerprint: int
     digest: int
     vector: np.ndarray
-    rejection: "Rejection | None" = None  # this rank's own, when it rejected the step
+    rejection: Rejection | None = None  # this rank's own, when it rejected the step
     labels: Mapping[int, Labelled] | None = None  # the asking operations, named only for divergence reports
     content: tuple[str, ...] = ()  # what the step carried, for divergence reports
 
     @staticmethod
     def pack(number: int, questions: Questions, digest: int, content_digest: int = 0,
-             labels: Mapping[int, Labelled] | None = None, content: tuple[str, ...] = ()) -> "RoundInput":
+             labels: Mapping[int, Labelled] | None = None, content: tuple[str, ...] = ()) -> RoundInput:
         """`content_digest` covers what the step carries beyond its questions
         (the operations it opens), so ranks that were sent different steps
         disagree in this round's header."""
@@ -148,7 +149,7 @@ class RoundInput:
         return RoundInput(number, q, fingerprint, digest, vector, None, labels, content)
 
     @staticmethod
-    def rejected(number: int, rank: int, status: str, message: str) -> "RoundInput":
+    def rejected(number: int, rank: int, status: str, message: str) -> RoundInput:
         """This rank's entry into a round whose step it refused."""
         rejection = Rejection(rank, status, message)
         vector = np.array([0, 0, 0, 0, 0, -1, rejection.code()], dtype=np.int64)
@@ -186,7 +187,7 @@ class RoundInput:
         framed[:kept] = self.vector[:kept]
         return framed
 
-    def settle(self, reduced: np.ndarray) -> "RoundResult":
+    def settle(self, reduced: np.ndarray) -> RoundResult:
         """Read the reduced vector: a rejected round (naming the lowest
         rejecting rank and its status), or the agreed answers. Raises
         `Divergence` (without rank names: see `explain_divergence`) when
@@ -238,7 +239,7 @@ class RoundResult:
     op_ids: np.ndarray
     kinds: np.ndarray
     values: np.ndarray
-    rejection: "Rejection | None" = None  # set when some rank rejected the step: nothing else counts
+    rejection: Rejection | None = None  # set when some rank rejected the step: nothing else counts
 
     def of_kind(self, kind: int) -> tuple[np.ndarray, np.ndarray]:
         """(op ids, agreed values) of the questions of one kind, by op id."""

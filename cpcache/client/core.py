@@ -13,8 +13,9 @@ passes it raises `Unavailable`.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generic, Iterable, TypeVar
+from typing import Any, Generic, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -22,9 +23,9 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cpcache import errors
-from cpcache.values import Reduce
 from cpcache.v1 import daemon_pb2 as pb
 from cpcache.v1 import daemon_pb2_grpc as pb_grpc
+from cpcache.values import Reduce
 
 T = TypeVar("T")
 
@@ -301,7 +302,7 @@ class AsyncClient(_Face):
             raise error_from(exc) from None
         return call.read(reply)
 
-    async def __aenter__(self) -> "AsyncClient":
+    async def __aenter__(self) -> AsyncClient:
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -341,7 +342,7 @@ class Client(_Face):
             raise error_from(exc) from None
         return call.read(reply)
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -24,7 +24,7 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         self._deny = grpc.unary_unary_rpc_method_handler(deny)
 
     @classmethod
-    def from_file(cls, path: str) -> "TokenInterceptor":
+    def from_file(cls, path: str) -> TokenInterceptor:
         try:
             with open(path) as fh:
                 token = fh.read().strip()

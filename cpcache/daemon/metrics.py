@@ -21,7 +21,8 @@ class DaemonCollector:
         d = self._daemon
         engine, coordinator = d.engine, d.coordinator
         labels = [str(d.config.rank)]
-        rpcs = CounterMetricFamily("cpcache_rpcs", "RPCs answered, by method and status", labels=["rank", "method", "code"])
+        rpcs = CounterMetricFamily("cpcache_rpcs", "RPCs answered, by method and status",
+                                   labels=["rank", "method", "code"])
         for (method, code), n in sorted(self.rpcs.items()):
             rpcs.add_metric(labels + [method, code], n)
         yield rpcs

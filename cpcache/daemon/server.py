@@ -21,19 +21,19 @@ import grpc
 from grpc_health.v1 import _async as health_async
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cpcache.agreement.engine import AgreementEngine, DivergenceExchange, FaultInjection, peer_lost
 from cpcache.agreement.collective import Rendezvous, build_reducer, host_store
+from cpcache.agreement.engine import AgreementEngine, DivergenceExchange, FaultInjection, peer_lost
+from cpcache.agreement.liveness import Heartbeat, diagnose
 from cpcache.config import DaemonConfig
-from cpcache.rank.stepper import Stepper
 from cpcache.daemon import metrics
 from cpcache.daemon.auth import TokenInterceptor
 from cpcache.daemon.metrics import DaemonCollector
 from cpcache.daemon.systemd import Notifier
+from cpcache.dataplane.pools import DevicePool
 from cpcache.errors import CacheError, FailedPrecondition, Unavailable
 from cpcache.keys import namespace_seed
 from cpcache.rank.assembly import open_cache
-from cpcache.dataplane.pools import DevicePool
-from cpcache.agreement.liveness import Heartbeat, diagnose
+from cpcache.rank.stepper import Stepper
 from cpcache.v1 import daemon_pb2 as pb
 from cpcache.v1 import daemon_pb2_grpc as pb_grpc
 
@@ -268,7 +268,7 @@ class Daemon:
         log.info("draining %d in-flight calls (was %s)", self._in_flight, previous.value)
         try:
             await asyncio.wait_for(self._idle.wait(), self.config.drain_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.warning("%d calls still in flight after %.1fs; stopping anyway", self._in_flight, self.config.drain_s)
         for server in self._servers:
             await server.stop(grace=1.0)
@@ -349,7 +349,7 @@ async def _bounded(fn, timeout_s: float, what: str) -> None:
     threading.Thread(target=call, name=what, daemon=True).start()
     try:
         await asyncio.wait_for(done, timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         log.warning("%s did not finish within %.0fs; exiting without it", what, timeout_s)
 
 

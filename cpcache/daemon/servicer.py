@@ -4,7 +4,6 @@ the core. Validation and decisions live in the core."""
 from __future__ import annotations
 
 import asyncio
-
 import math
 
 from cpcache.agreement.rounds import Questions
@@ -89,7 +88,7 @@ class CacheDaemonServicer(pb_grpc.CacheDaemonServicer):
         timeout = request.timeout_s or None
         try:
             results = await asyncio.wait_for(asyncio.gather(*(asyncio.shield(f) for f in futures)), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise Unavailable(f"loads {list(request.op_ids)} did not finish within {timeout}s") from None
         failed = [op_id for op_id, result in zip(request.op_ids, results) if not result.success]
         if failed:

@@ -8,7 +8,8 @@ import argparse
 import dataclasses
 import os
 import tomllib
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from cpcache.config import SETTINGS, DaemonConfig
 from cpcache.errors import InvalidArgument
@@ -48,7 +49,8 @@ def parser() -> argparse.ArgumentParser:
     for name, f in SETTINGS.items():
         flag = "--" + name.replace("_", "-")
         if isinstance(f.default, bool):
-            p.add_argument(flag, dest=name, default=None, action=argparse.BooleanOptionalAction, help=f.metadata["help"])
+            p.add_argument(flag, dest=name, default=None, action=argparse.BooleanOptionalAction,
+                           help=f.metadata["help"])
         else:
             p.add_argument(flag, dest=name, default=None, help=f"{f.metadata['help']} [{f.default!r}]")
     return p

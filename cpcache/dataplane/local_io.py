@@ -12,9 +12,9 @@ from __future__ import annotations
 import collections
 import queue
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable
 
 from cpcache.dataplane.movers import DEVICE, HOST, STORAGE, TransferResult, Transfers
 from cpcache.state.intents import CopyToDevice, CopyToHost, Fetch, Intent, Lookup, Store

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import torch
 
 from cpcache.dataplane.copy_faults import CopyFaultInjector, CopyFaults
-from cpcache.errors import InvalidArgument
-from cpcache.dataplane.storage import PageBuffer, StorageBackend
 from cpcache.dataplane.inflight import InFlight
 from cpcache.dataplane.pools import DevicePool, HostPool, runs
+from cpcache.dataplane.storage import PageBuffer, StorageBackend
+from cpcache.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ class DevicePool:
         return self.tensor[:, :, first * s : (first + count) * s].unflatten(2, (count, s))
 
     @staticmethod
-    def from_shared_file(path: str, geometry: KVGeometry, pages: int) -> "DevicePool":
+    def from_shared_file(path: str, geometry: KVGeometry, pages: int) -> DevicePool:
         """Map a pool that the inference process placed in a shared-memory file
         (hosts without CUDA). Refuses a file too small for the geometry."""
         need = geometry.page_bytes * pages
@@ -64,7 +64,7 @@ class DevicePool:
         return DevicePool(geometry, tensor, mapping)
 
     @staticmethod
-    def create_shared_file(path: str, geometry: KVGeometry, pages: int) -> "DevicePool":
+    def create_shared_file(path: str, geometry: KVGeometry, pages: int) -> DevicePool:
         """The inference process's side on a host without CUDA: create the
         pool as a shared-memory file (e.g. under /dev/shm) and map it."""
         with open(path, "wb") as fh:
@@ -73,7 +73,7 @@ class DevicePool:
         return DevicePool.from_shared_file(path, geometry, pages)
 
     @staticmethod
-    def from_cuda_ipc(handle: dict, geometry: KVGeometry, pages: int) -> "DevicePool":
+    def from_cuda_ipc(handle: dict, geometry: KVGeometry, pages: int) -> DevicePool:
         """Open a pool shared by CUDA IPC. `handle` holds the fields of
         `torch.UntypedStorage._share_cuda_()`, sent as plain bytes and ints."""
         storage = torch.UntypedStorage._new_shared_cuda(

@@ -6,17 +6,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cpcache.state.machine import CacheState
 from cpcache.config import DaemonConfig
-from cpcache.geometry import KVGeometry
-from cpcache.keys import ShardingSpec
 from cpcache.dataplane.copy_faults import CopyFaults
 from cpcache.dataplane.local_io import LocalIO
 from cpcache.dataplane.movers import Tiers, Transfers
+from cpcache.dataplane.pools import DevicePool, HostPool
 from cpcache.dataplane.storage import StorageBackend, open_backend
 from cpcache.dataplane.storage.faults import FaultyBackend, StorageFaults
-from cpcache.dataplane.pools import DevicePool, HostPool
+from cpcache.geometry import KVGeometry
+from cpcache.keys import ShardingSpec
 from cpcache.state.allocator import PageAllocator
+from cpcache.state.machine import CacheState
 
 
 @dataclass

@@ -69,7 +69,7 @@ class Decisions:
     loads: list[tuple[int, int]] = field(default_factory=list)  # (op, pages loaded)
     load_failures: list[int] = field(default_factory=list)  # copies that failed on some rank
 
-    def merge(self, other: "Decisions") -> "Decisions":
+    def merge(self, other: Decisions) -> Decisions:
         for name, values in vars(other).items():
             getattr(self, name).extend(values)
         return self

@@ -29,12 +29,17 @@ from cpcache.state.allocator import PageAllocator
 from cpcache.state.host_index import HostIndex
 from cpcache.state.intents import CopyToDevice, CopyToHost, Decisions, Fetch, Intent, Lookup, Store
 from cpcache.state.operations import (
-    Backup, Load, LocalProgress, Operation, Prefetch, Retirement, Write,
+    Backup,
+    Load,
+    LocalProgress,
+    Operation,
+    Prefetch,
+    Retirement,
+    Write,
 )
 from cpcache.state.policies import prefetch_policy, write_policy
 from cpcache.state.questions import BackupOutcome, Outcome
 from cpcache.state.requests import LoadRequest, StepOps, WriteRequest, check_shape
-
 
 ENDED_PREFETCHES_KEPT = 4096
 

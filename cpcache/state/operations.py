@@ -16,8 +16,16 @@ from typing import TYPE_CHECKING, Protocol
 from cpcache.agreement.kinds import QuestionKind
 from cpcache.state.intents import Decisions, Intent
 from cpcache.state.questions import (
-    BACKUP_OUTCOME, LOAD_OUTCOME, NOT_YET, PREFETCH_DONE, PREFETCH_HIT, PREFETCH_MAY_END, RECLAIM, WRITE_OUTCOME,
-    BackupOutcome, Outcome,
+    BACKUP_OUTCOME,
+    LOAD_OUTCOME,
+    NOT_YET,
+    PREFETCH_DONE,
+    PREFETCH_HIT,
+    PREFETCH_MAY_END,
+    RECLAIM,
+    WRITE_OUTCOME,
+    BackupOutcome,
+    Outcome,
 )
 from cpcache.state.requests import LoadRequest, PrefetchRequest, WriteRequest
 
@@ -53,10 +61,10 @@ class Operation:
     def label(self) -> str:
         raise NotImplementedError
 
-    def ask(self, state: "CacheState", local: LocalProgress) -> Asked:
+    def ask(self, state: CacheState, local: LocalProgress) -> Asked:
         raise NotImplementedError
 
-    def settle(self, state: "CacheState", answers: dict[int, int], decisions: Decisions) -> list[Intent]:
+    def settle(self, state: CacheState, answers: dict[int, int], decisions: Decisions) -> list[Intent]:
         raise NotImplementedError
 
 
@@ -71,7 +79,7 @@ class Prefetch(Operation):
     def label(self) -> str:
         return f"prefetch {self.request.op_id}"
 
-    def ask(self, state: "CacheState", local: LocalProgress) -> Asked:
+    def ask(self, state: CacheState, local: LocalProgress) -> Asked:
         if self.hit == NOT_YET:
             return [(PREFETCH_HIT, local.exists(self.serial))]
         if not self.polled_at:
@@ -81,7 +89,7 @@ class Prefetch(Operation):
         may_end = state.prefetch_policy.may_end(complete, local.elapsed_s(self.serial), self.request.tokens)
         return [(PREFETCH_DONE, done), (PREFETCH_MAY_END, int(may_end))]
 
-    def settle(self, state: "CacheState", answers: dict[int, int], decisions: Decisions) -> list[Intent]:
+    def settle(self, state: CacheState, answers: dict[int, int], decisions: Decisions) -> list[Intent]:
         hit = answers.get(PREFETCH_HIT.code, NOT_YET)
         if hit != NOT_YET and self.hit == NOT_YET:
             return state.decide_hit(self, hit, decisions)
@@ -102,10 +110,10 @@ class Write(Operation):
     def label(self) -> str:
         return f"write {self.request.op_id}"
 
-    def ask(self, state: "CacheState", local: LocalProgress) -> Asked:
+    def ask(self, state: CacheState, local: LocalProgress) -> Asked:
         return [(WRITE_OUTCOME, local.write_outcome(self.serial))]
 
-    def settle(self, state: "CacheState", answers: dict[int, int], decisions: Decisions) -> list[Intent]:
+    def settle(self, state: CacheState, answers: dict[int, int], decisions: Decisions) -> list[Intent]:
         outcome = answers.get(WRITE_OUTCOME.code, Outcome.PENDING)
         if outcome == Outcome.OK:
             state.ack_write(self, decisions)
@@ -123,10 +131,10 @@ class Backup(Operation):
     def label(self) -> str:
         return f"backup {self.serial}"
 
-    def ask(self, state: "CacheState", local: LocalProgress) -> Asked:
+    def ask(self, state: CacheState, local: LocalProgress) -> Asked:
         return [(BACKUP_OUTCOME, local.backup_outcome(self.serial))]
 
-    def settle(self, state: "CacheState", answers: dict[int, int], decisions: Decisions) -> list[Intent]:
+    def settle(self, state: CacheState, answers: dict[int, int], decisions: Decisions) -> list[Intent]:
         outcome = answers.get(BACKUP_OUTCOME.code, BackupOutcome.PENDING)
         if outcome != BackupOutcome.PENDING:
             state.end_backup(self, BackupOutcome(outcome), decisions)
@@ -142,10 +150,10 @@ class Load(Operation):
     def label(self) -> str:
         return f"load {self.request.op_id}"
 
-    def ask(self, state: "CacheState", local: LocalProgress) -> Asked:
+    def ask(self, state: CacheState, local: LocalProgress) -> Asked:
         return [(LOAD_OUTCOME, local.load_outcome(self.serial))]
 
-    def settle(self, state: "CacheState", answers: dict[int, int], decisions: Decisions) -> list[Intent]:
+    def settle(self, state: CacheState, answers: dict[int, int], decisions: Decisions) -> list[Intent]:
         outcome = answers.get(LOAD_OUTCOME.code, Outcome.PENDING)
         if outcome != Outcome.PENDING:
             state.end_load(self, Outcome(outcome), decisions)
@@ -163,10 +171,10 @@ class Retirement(Operation):
     def label(self) -> str:
         return f"retirement {self.serial}"
 
-    def ask(self, state: "CacheState", local: LocalProgress) -> Asked:
+    def ask(self, state: CacheState, local: LocalProgress) -> Asked:
         return [(RECLAIM, int(local.idle(self.slots)))]
 
-    def settle(self, state: "CacheState", answers: dict[int, int], decisions: Decisions) -> list[Intent]:
+    def settle(self, state: CacheState, answers: dict[int, int], decisions: Decisions) -> list[Intent]:
         if answers.get(RECLAIM.code) == 1:
             state.reclaim(self)
         return []

@@ -17,8 +17,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cpcache.client import AsyncClient
 from cpcache.agreement.collective import host_store
+from cpcache.client import AsyncClient
 from cpcache.config import DaemonConfig
 from cpcache.daemon.settings import as_flags
 from cpcache.errors import Unavailable
@@ -71,7 +71,7 @@ class LocalDomain:
     def size(self) -> int:
         return self.spec.topology.world_size
 
-    async def __aenter__(self) -> "LocalDomain":
+    async def __aenter__(self) -> LocalDomain:
         try:
             await self.start()
         except BaseException:
@@ -141,7 +141,7 @@ class LocalDomain:
         for proc in self.procs:
             try:
                 codes.append(await asyncio.wait_for(asyncio.to_thread(proc.wait), timeout_s))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 proc.kill()
                 codes.append(await asyncio.to_thread(proc.wait))
         self._store = None

@@ -47,7 +47,7 @@ class MooncakeMaster:
     def metadata_server(self) -> str:
         return f"http://127.0.0.1:{self.http_port}/metadata"
 
-    def __enter__(self) -> "MooncakeMaster":
+    def __enter__(self) -> MooncakeMaster:
         for _ in range(3):  # a port picked free may be taken before the master binds it
             if self._start():
                 return self

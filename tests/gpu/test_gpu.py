@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from cpcache.client import AsyncClient, Ops
-from cpcache.geometry import KVGeometry
-from cpcache.tools.launcher import DomainSpec, LocalDomain
 from cpcache.dataplane.movers import DEVICE, HOST, Tiers, Transfers
 from cpcache.dataplane.pools import LAYOUTS, DevicePool, HostPool
+from cpcache.geometry import KVGeometry
+from cpcache.tools.launcher import DomainSpec, LocalDomain
 from cpcache.topology import Topology
 
 pytestmark = [

@@ -8,8 +8,8 @@ import pytest
 
 from cpcache.client import AsyncClient
 from cpcache.tools.launcher import DomainSpec, LocalDomain
-from cpcache.values import Reduce
 from cpcache.topology import Topology
+from cpcache.values import Reduce
 
 pytestmark = [pytest.mark.multirank, pytest.mark.timeout(120)]
 

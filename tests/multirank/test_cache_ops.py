@@ -8,12 +8,12 @@ import torch
 
 from cpcache import errors
 from cpcache.client import AsyncClient, Ops
+from cpcache.dataplane.pools import DevicePool
+from cpcache.dataplane.storage import PageBuffer, open_backend
 from cpcache.geometry import KVGeometry
 from cpcache.keys import ShardingSpec, chain
 from cpcache.tools.launcher import DomainSpec, LocalDomain
 from cpcache.tools.sim.scheduler import page_content
-from cpcache.dataplane.storage import PageBuffer, open_backend
-from cpcache.dataplane.pools import DevicePool
 from cpcache.topology import Topology
 
 pytestmark = [pytest.mark.multirank, pytest.mark.timeout(120)]

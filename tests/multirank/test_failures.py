@@ -11,8 +11,8 @@ from cpcache import errors
 from cpcache.client import AsyncClient
 from cpcache.daemon.server import ExitCode
 from cpcache.tools.launcher import DomainSpec, LocalDomain
-from cpcache.values import Reduce
 from cpcache.topology import Topology
+from cpcache.values import Reduce
 
 pytestmark = [pytest.mark.multirank, pytest.mark.timeout(120)]
 

@@ -13,11 +13,11 @@ from cpcache import errors
 from cpcache.client import AsyncClient, Ops
 from cpcache.dataplane.pools import DevicePool
 from cpcache.tools.launcher import DomainSpec, LocalDomain
+from cpcache.tools.sim.scheduler import page_content
 from cpcache.topology import Topology
-from cpcache.values import Reduce
 from cpcache.v1 import daemon_pb2 as pb
 from cpcache.v1 import daemon_pb2_grpc as pb_grpc
-from cpcache.tools.sim.scheduler import page_content
+from cpcache.values import Reduce
 from tests.multirank.test_cache_ops import GEOMETRY, read_page, write_page
 
 pytestmark = [pytest.mark.multirank, pytest.mark.timeout(90)]

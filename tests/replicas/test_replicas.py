@@ -4,13 +4,13 @@ section 11): invariants are checked after every step by the harness."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from cpcache.config import CacheConfig
 from cpcache.state.requests import LoadRequest, PrefetchRequest, StepOps, WriteRequest
-
 from tests.replicas.conftest import LONG, REPLICA_SETTINGS
-from tests.replicas.harness import Domain, FakeIO, IOPlan, InvariantViolation
+from tests.replicas.harness import Domain, FakeIO, InvariantViolation, IOPlan
 
 UNIVERSE = [bytes([i]) * 32 for i in range(1, 17)]
 DEVICE_PAGES = 64

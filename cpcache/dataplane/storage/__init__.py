@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -48,7 +48,7 @@ class StorageBackend(ABC):
     def put_from(self, keys: list[str], pages: list[PageBuffer]) -> list[bool]:
         """Write each page under its key; False where the write failed."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (optional: most backends hold nothing)
         """Release what the backend holds. Safe to call twice."""
 
 

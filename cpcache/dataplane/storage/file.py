@@ -20,8 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import xxhash
 
-from cpcache.errors import InvalidArgument
 from cpcache.dataplane.storage import PageBuffer, StorageBackend, register
+from cpcache.errors import InvalidArgument
 
 MAGIC = b"CPCPAGE1"
 HEADER = struct.Struct("<8sIIQQQ")  # magic, version, reserved, geometry, length, checksum

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import socket
 
-from cpcache.errors import InvalidArgument, Unavailable
 from cpcache.dataplane.storage import PageBuffer, StorageBackend, register
+from cpcache.errors import InvalidArgument, Unavailable
 
 
 def _reachable(address: str, timeout_s: float) -> bool:

@@ -12,9 +12,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from cpcache.tools.bench.stats import percentiles_us
-from cpcache.client import AsyncClient
 from cpcache.agreement.collective import host_store
+from cpcache.client import AsyncClient
+from cpcache.tools.bench.stats import percentiles_us
 from cpcache.tools.launcher import DomainSpec, LocalDomain
 from cpcache.topology import Topology
 

@@ -14,8 +14,8 @@ import time
 import torch
 from torch.distributed import AllreduceOptions, ReduceOp
 
-from cpcache.tools.bench.stats import percentiles_us
 from cpcache.agreement.collective import Rendezvous, gloo_group, reducer_groups
+from cpcache.tools.bench.stats import percentiles_us
 from cpcache.topology import Topology
 
 

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
-from cpcache.geometry import KVGeometry
 from cpcache.dataplane.movers import DEVICE, HOST, STORAGE, Tiers, Transfers
-from cpcache.dataplane.storage import open_backend
-from cpcache.tools.mooncake_master import MooncakeMaster
 from cpcache.dataplane.pools import DevicePool, HostPool
+from cpcache.dataplane.storage import open_backend
+from cpcache.geometry import KVGeometry
+from cpcache.tools.mooncake_master import MooncakeMaster
 
 PAGE_SIZES = {64 << 10: 4, 1 << 20: 64, 4 << 20: 256}  # page bytes -> tokens per page
 BATCH_BYTES = 64 << 20

@@ -19,19 +19,19 @@ import asyncio
 import contextlib
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
-from cpcache.tools.bench.stats import percentiles_us
 from cpcache.client import AsyncClient
+from cpcache.dataplane.pools import DevicePool
 from cpcache.geometry import KVGeometry
 from cpcache.keys import ShardingSpec
+from cpcache.tools.bench.stats import percentiles_us
 from cpcache.tools.launcher import DomainSpec, LocalDomain
+from cpcache.tools.mooncake_master import MooncakeMaster
 from cpcache.tools.sim.scheduler import SimScheduler, Tally
 from cpcache.tools.sim.trace import PageHasher, Request, ceiling_hit_rate, load
-from cpcache.tools.mooncake_master import MooncakeMaster
-from cpcache.dataplane.pools import DevicePool
 from cpcache.topology import Topology
 
 GEOMETRY = KVGeometry(layers=2, kv_kind="mha", heads=1, head_dim=16, dtype="bfloat16", page_size=256)

@@ -19,9 +19,9 @@ import numpy as np
 import torch
 
 from cpcache.client import AsyncClient, Ops, StepResult
+from cpcache.dataplane.pools import DevicePool
 from cpcache.geometry import KVGeometry
 from cpcache.tools.sim.trace import PageHasher, Request
-from cpcache.dataplane.pools import DevicePool
 
 
 def page_content(storage_key: str, nbytes: int) -> np.ndarray:
