@@ -4,6 +4,7 @@ on file permissions instead)."""
 from __future__ import annotations
 
 import hmac
+from collections.abc import Awaitable, Callable
 
 import grpc
 
@@ -18,7 +19,7 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, token: str) -> None:
         self._expected = f"Bearer {token}".encode()
 
-        async def deny(request, context):
+        async def deny(request: object, context: grpc.aio.ServicerContext) -> None:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
 
         self._deny = grpc.unary_unary_rpc_method_handler(deny)
@@ -34,7 +35,10 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
             raise InvalidArgument(f"setting token_file: {path} is empty")
         return cls(token)
 
-    async def intercept_service(self, continuation, handler_call_details):
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
         for key, value in handler_call_details.invocation_metadata or ():
             if key == TOKEN_HEADER and hmac.compare_digest(str(value).encode(), self._expected):
                 return await continuation(handler_call_details)

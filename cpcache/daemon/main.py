@@ -13,7 +13,7 @@ from cpcache.daemon.settings import resolve
 from cpcache.errors import InvalidArgument
 
 
-def loop_factory():
+def loop_factory() -> asyncio.AbstractEventLoop:
     try:
         import uvloop
     except ImportError:  # uvloop is optional off Linux; asyncio's loop works too

@@ -5,19 +5,22 @@ and status are counted here, at the gRPC edge."""
 from __future__ import annotations
 
 import collections
+from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from cpcache.agreement.engine import LatencyHistogram
 
 
 class DaemonCollector:
-    def __init__(self, daemon) -> None:
+    def __init__(self, daemon: Any) -> None:
+        """`daemon`: the running `server.Daemon` (read from the metrics thread)."""
         self._daemon = daemon
         self.rpcs: collections.Counter[tuple[str, str]] = collections.Counter()
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         d = self._daemon
         engine, coordinator = d.engine, d.coordinator
         labels = [str(d.config.rank)]

@@ -11,28 +11,32 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import grp
 import logging
 import os
 import signal
 import threading
+from collections.abc import Callable, Coroutine, Iterator, Sequence
+from typing import Any
 
 import grpc
 from grpc_health.v1 import _async as health_async
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from torch.distributed import TCPStore
 
-from cpcache.agreement.collective import Rendezvous, build_reducer, host_store
+from cpcache.agreement.collective import Reducer, Rendezvous, build_reducer, host_store
 from cpcache.agreement.engine import AgreementEngine, DivergenceExchange, FaultInjection, peer_lost
 from cpcache.agreement.liveness import Heartbeat, diagnose
 from cpcache.config import DaemonConfig
 from cpcache.daemon import metrics
-from cpcache.daemon.auth import TokenInterceptor
+from cpcache.daemon.listeners import start_listeners
 from cpcache.daemon.metrics import DaemonCollector
+from cpcache.daemon.servicer import CacheDaemonServicer
 from cpcache.daemon.systemd import Notifier
 from cpcache.dataplane.pools import DevicePool
-from cpcache.errors import CacheError, FailedPrecondition, Unavailable
+from cpcache.errors import CacheError, FailedPrecondition, PeerLost, Unavailable
+from cpcache.geometry import KVGeometry
 from cpcache.keys import namespace_seed
-from cpcache.rank.assembly import open_cache
+from cpcache.rank.assembly import CacheRuntime, open_cache
 from cpcache.rank.stepper import Stepper
 from cpcache.v1 import daemon_pb2 as pb
 from cpcache.v1 import daemon_pb2_grpc as pb_grpc
@@ -53,6 +57,7 @@ class State(enum.Enum):
 
 class ExitCode(enum.IntEnum):
     STOPPED = 0  # stopped on request, cleanly
+    INTERNAL = 1  # a background task crashed: the daemon drained and stopped
     CONFIG = 2  # settings were invalid
     RENDEZVOUS_FAILED = 3  # peers did not join in time
     PEER_LOST = 4  # stopped on request after the domain had lost a peer
@@ -81,10 +86,12 @@ class Daemon:
         self._idle.set()
         self._in_flight = 0
         self._signals = 0
-        self._store_server = None
+        self._store_server: TCPStore | None = None  # when this daemon hosts the rendezvous store
         self._heartbeat: Heartbeat | None = None
         self._engine: AgreementEngine | None = None
         self._coordinator: Stepper | None = None
+        self._background: set[asyncio.Task] = set()
+        self._crashed = False  # a background task died: exit INTERNAL after the drain
 
     # -- what the servicer and the metrics see -----------------------------
 
@@ -103,8 +110,11 @@ class Daemon:
             raise self._engine.failure
         raise Unavailable(f"rank {self.config.rank} is {self.state.value}, not serving decisions")
 
+    def count_rpc(self, method: str, code: str) -> None:
+        self.metrics.rpcs[(method, code)] += 1
+
     @contextlib.contextmanager
-    def in_flight(self):
+    def in_flight(self) -> Iterator[None]:
         self._in_flight += 1
         self._idle.clear()
         try:
@@ -114,19 +124,21 @@ class Daemon:
             if self._in_flight == 0:
                 self._idle.set()
 
-    def cache_runtime(self):
+    def cache_runtime(self) -> CacheRuntime:
         coordinator = self.admit_decision()
         if coordinator.cache is None:
             raise FailedPrecondition("no device pool is attached: call Attach first")
         return coordinator.cache
 
-    async def attach(self, model_id: str, geometry, device_pages: int, kind: str, pool) -> pb.AttachReply:
+    async def attach(self, model_id: str, geometry: KVGeometry, device_pages: int, kind: str,
+                     pool: str | pb.CudaIpcHandle) -> pb.AttachReply:
         coordinator = self.admit_decision()
         if coordinator.cache is not None:
             raise FailedPrecondition("a device pool is already attached to this daemon")
         if kind == "shm_path":
             device = await asyncio.to_thread(DevicePool.from_shared_file, pool, geometry, device_pages)
         else:
+            assert isinstance(pool, pb.CudaIpcHandle)  # the oneof holds one or the other
             handle = {f.name: getattr(pool, f.name) for f in pool.DESCRIPTOR.fields}
             device = await asyncio.to_thread(DevicePool.from_cuda_ipc, handle, geometry, device_pages)
         runtime = await asyncio.to_thread(open_cache, self.config, geometry, device)
@@ -189,7 +201,7 @@ class Daemon:
             self.metrics_port = metrics.serve(self.metrics, self.config.metrics_address)
             log.info("metrics on port %d", self.metrics_port)
         if self._watchdog_s:
-            self._watchdog_task = asyncio.ensure_future(self._watchdog())
+            self._spawn(self._watchdog(), "watchdog")
         self.state = State.JOINING
         self.notifier.status(f"joining {len(self._domain.ranks)} ranks at {self.config.rendezvous}")
         joining = asyncio.ensure_future(asyncio.to_thread(self._join))
@@ -227,9 +239,11 @@ class Daemon:
         await self._stop_requested.wait()
         broken = self.state is State.BROKEN
         await self._shutdown()
+        if self._crashed:
+            return ExitCode.INTERNAL
         return ExitCode.PEER_LOST if broken else ExitCode.STOPPED
 
-    def _join(self):
+    def _join(self) -> Reducer:
         """Blocking rendezvous, on a worker thread."""
         if self.config.host_store:
             host, port = _split_host_port(self.config.rendezvous)
@@ -242,7 +256,7 @@ class Daemon:
             self.config.agreement_timeout_s, self.config.gloo_host,
         )
 
-    def _diagnose(self, round_number: int, exc: BaseException):
+    def _diagnose(self, round_number: int, exc: BaseException) -> PeerLost:
         peers = tuple(r for r in self._domain.ranks if r != self.config.rank)
         window = max(0.3, 3 * self.config.heartbeat_interval_s)
         return peer_lost(round_number, exc, diagnose(self._rdzv, peers, round_number, window))
@@ -251,7 +265,7 @@ class Daemon:
         if self.state is State.SERVING:
             self.state = State.BROKEN
             self.notifier.status(f"broken: {failure}"[:400])
-            asyncio.ensure_future(self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING))
+            self._spawn(self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING), "health")
 
     def _on_signal(self) -> None:
         self._signals += 1
@@ -281,6 +295,8 @@ class Daemon:
         self._store_server = None
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.config.socket_path)
+        for task in list(self._background):
+            task.cancel()
         self.state = State.STOPPED
         log.info("stopped")
 
@@ -290,61 +306,51 @@ class Daemon:
             self.notifier.watchdog()
             await asyncio.sleep(self._watchdog_s)
 
-    async def _set_health(self, status) -> None:
+    async def _set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus.ValueType) -> None:
         for service in ("", SERVICE_NAME):
             await self._health.set(service, status)
 
     async def _start_servers(self) -> None:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        unix = self._new_server()
-        path = self.config.socket_path
-        os.makedirs(os.path.dirname(path) or ".", mode=0o750, exist_ok=True)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)  # a stale socket from a previous run
-        old_umask = os.umask(0o177)  # the socket is born 0600, never wider
-        try:
-            unix.add_insecure_port("unix:" + path)
-            await unix.start()
-        finally:
-            os.umask(old_umask)
-        if self.config.socket_group:
-            os.chown(path, -1, grp.getgrnam(self.config.socket_group).gr_gid)
-            os.chmod(path, 0o660)
-        self._servers.append(unix)
-        if self.config.listen_tcp:
-            tcp = self._new_server(interceptors=[TokenInterceptor.from_file(self.config.token_file)]
-                                   if self.config.token_file else [])
-            if self.config.tls_cert:
-                with open(self.config.tls_key, "rb") as k, open(self.config.tls_cert, "rb") as c:
-                    credentials = grpc.ssl_server_credentials([(k.read(), c.read())])
-                port = tcp.add_secure_port(self.config.listen_tcp, credentials)
-            else:
-                port = tcp.add_insecure_port(self.config.listen_tcp)
-            await tcp.start()
-            self._servers.append(tcp)
-            log.info("also listening on tcp port %d", port)
-        log.info("listening on unix:%s", path)
+        self._servers = await start_listeners(self.config, self._new_server)
 
-    def _new_server(self, interceptors=()) -> grpc.aio.Server:
-        from cpcache.daemon.servicer import CacheDaemonServicer
-
+    def _new_server(self, interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:
         server = grpc.aio.server(interceptors=list(interceptors))
         pb_grpc.add_CacheDaemonServicer_to_server(CacheDaemonServicer(self), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         return server
 
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        """A background task, watched: its crash stops the daemon in order."""
+        task = asyncio.ensure_future(coro)
+        task.set_name(name)
+        self._background.add(task)
+        task.add_done_callback(self._background_ended)
 
-async def _bounded(fn, timeout_s: float, what: str) -> None:
+    def _background_ended(self, task: asyncio.Task) -> None:
+        self._background.discard(task)
+        if task.cancelled() or task.exception() is None:
+            return
+        log.error("background task %s crashed; stopping", task.get_name(), exc_info=task.exception())
+        self._crashed = True
+        self._stop_requested.set()
+
+
+async def _bounded(fn: Callable[[], object], timeout_s: float, what: str) -> None:
     """Run a blocking call on a daemon thread and wait at most `timeout_s`:
     a storage that hangs must not hold the daemon's exit."""
     loop = asyncio.get_running_loop()
-    done = loop.create_future()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def finish() -> None:
+        if not done.done():
+            done.set_result(None)
 
     def call() -> None:
         try:
             fn()
         finally:
-            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+            loop.call_soon_threadsafe(finish)
 
     threading.Thread(target=call, name=what, daemon=True).start()
     try:

@@ -5,28 +5,55 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+import grpc
 
 from cpcache.agreement.rounds import Questions
 from cpcache.daemon.status import guarded
 from cpcache.daemon.wire import ops_from_wire, prefetches_from_wire, request_digest, step_reply, votes_from_wire
 from cpcache.errors import CacheError, InvalidArgument, NotFound, Unavailable
 from cpcache.geometry import KVGeometry
+from cpcache.rank.assembly import CacheRuntime
+from cpcache.rank.stepper import Stepper
 from cpcache.state.requests import StepOps
 from cpcache.v1 import daemon_pb2 as pb
 from cpcache.v1 import daemon_pb2_grpc as pb_grpc
 
 MAX_WAIT_S = 3600.0
+StepLike = pb.StepRequest | pb.PrefetchRequest | pb.RevokeRequest | pb.AckRequest
+
+
+class DaemonPort(Protocol):
+    """What the servicer needs of the running daemon (`server.Daemon`)."""
+
+    def admit_decision(self) -> Stepper: ...
+
+    def in_flight(self) -> AbstractContextManager[None]: ...
+
+    def cache_runtime(self) -> CacheRuntime: ...
+
+    async def attach(self, model_id: str, geometry: KVGeometry, device_pages: int, kind: str,
+                     pool: str | pb.CudaIpcHandle) -> pb.AttachReply: ...
+
+    def stats(self) -> dict[str, int]: ...
+
+    def status(self) -> pb.StatusReply: ...
+
+    def count_rpc(self, method: str, code: str) -> None: ...
 
 
 class CacheDaemonServicer(pb_grpc.CacheDaemonServicer):
-    def __init__(self, daemon) -> None:
-        """`daemon` is the running `cpcache.daemon.server.Daemon`."""
+    def __init__(self, daemon: DaemonPort) -> None:
         self._daemon = daemon
 
     def count_rpc(self, method: str, code: str) -> None:
-        self._daemon.metrics.rpcs[(method, code)] += 1
+        self._daemon.count_rpc(method, code)
 
-    async def _step(self, method: str, request, parse) -> pb.StepReply:
+    async def _step(self, method: str, request: StepLike,
+                    parse: Callable[[Any], tuple[Questions, StepOps]]) -> pb.StepReply:
         """One step. A request that cannot be read still takes part in its
         round (rejected), so the other ranks are never left waiting."""
         stepper = self._daemon.admit_decision()
@@ -43,24 +70,24 @@ class CacheDaemonServicer(pb_grpc.CacheDaemonServicer):
         return step_reply(outcome)
 
     @guarded
-    async def Step(self, request: pb.StepRequest, context) -> pb.StepReply:
+    async def Step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> pb.StepReply:
         return await self._step("Step", request, lambda r: (votes_from_wire(r.votes), ops_from_wire(r)))
 
     @guarded
-    async def Prefetch(self, request: pb.PrefetchRequest, context) -> pb.StepReply:
+    async def Prefetch(self, request: pb.PrefetchRequest, context: grpc.aio.ServicerContext) -> pb.StepReply:
         return await self._step("Prefetch", request, lambda r: (
             Questions.empty(), StepOps(prefetches=prefetches_from_wire(r.prefetches), prefetch_polls=tuple(r.polls))))
 
     @guarded
-    async def Revoke(self, request: pb.RevokeRequest, context) -> pb.StepReply:
+    async def Revoke(self, request: pb.RevokeRequest, context: grpc.aio.ServicerContext) -> pb.StepReply:
         return await self._step("Revoke", request, lambda r: (Questions.empty(), StepOps(revokes=tuple(r.op_ids))))
 
     @guarded
-    async def Ack(self, request: pb.AckRequest, context) -> pb.StepReply:
+    async def Ack(self, request: pb.AckRequest, context: grpc.aio.ServicerContext) -> pb.StepReply:
         return await self._step("Ack", request, lambda r: (Questions.empty(), StepOps()))
 
     @guarded
-    async def Attach(self, request: pb.AttachRequest, context) -> pb.AttachReply:
+    async def Attach(self, request: pb.AttachRequest, context: grpc.aio.ServicerContext) -> pb.AttachReply:
         g = request.geometry
         geometry = KVGeometry(
             layers=g.layers, kv_kind=g.kv_kind, heads=g.heads, head_dim=g.head_dim, dtype=g.dtype,
@@ -75,7 +102,7 @@ class CacheDaemonServicer(pb_grpc.CacheDaemonServicer):
                                          getattr(request, which))
 
     @guarded
-    async def WaitLoads(self, request: pb.WaitLoadsRequest, context) -> pb.WaitLoadsReply:
+    async def WaitLoads(self, request: pb.WaitLoadsRequest, context: grpc.aio.ServicerContext) -> pb.WaitLoadsReply:
         runtime = self._daemon.cache_runtime()
         if not (math.isfinite(request.timeout_s) and 0 <= request.timeout_s <= MAX_WAIT_S):
             raise InvalidArgument(f"timeout_s must be between 0 and {MAX_WAIT_S:.0f} seconds")
@@ -97,7 +124,7 @@ class CacheDaemonServicer(pb_grpc.CacheDaemonServicer):
         return pb.WaitLoadsReply()
 
     @guarded
-    async def Match(self, request: pb.MatchRequest, context) -> pb.MatchReply:
+    async def Match(self, request: pb.MatchRequest, context: grpc.aio.ServicerContext) -> pb.MatchReply:
         runtime = self._daemon.cache_runtime()
         pages = list(request.pages)
         if any(len(p) != 32 for p in pages):
@@ -111,10 +138,10 @@ class CacheDaemonServicer(pb_grpc.CacheDaemonServicer):
         return pb.MatchReply(host_pages=host, storage_pages=storage)
 
     @guarded
-    async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsReply:
+    async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsReply:
         return pb.StatsReply(counters=self._daemon.stats())
 
     @guarded
-    async def Status(self, request: pb.StatusRequest, context) -> pb.StatusReply:
+    async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusReply:
         return self._daemon.status()
 

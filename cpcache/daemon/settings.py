@@ -22,7 +22,7 @@ def env_name(setting: str) -> str:
 
 
 def _convert(name: str, raw: Any, source: str) -> Any:
-    kind = type(SETTINGS[name].default)
+    kind: type = type(SETTINGS[name].default)
     if isinstance(raw, kind) and not (kind is int and isinstance(raw, bool)):
         return raw
     text = str(raw).strip()

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
 from google.protobuf import any_pb2
@@ -18,6 +20,8 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from cpcache import errors
+
+Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]
 
 log = logging.getLogger(__name__)
 
@@ -62,13 +66,13 @@ def wire_status(error: BaseException) -> grpc.Status:
     return _rich(grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}: {error}", "INTERNAL", {})
 
 
-def guarded(handler):
+def guarded(handler: Handler) -> Handler:
     """Turn every error a handler raises into its rich status. An error
     outside the family is a bug: INTERNAL, logged with its traceback. The
     servicer's `count_rpc(method, code)` counts every call by its outcome."""
 
     @functools.wraps(handler)
-    async def wrapper(self, request, context: grpc.aio.ServicerContext):
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
         # Counted before the reply leaves, so a scrape right after the call sees it.
         try:
             reply = await handler(self, request, context)

@@ -27,7 +27,7 @@ class Notifier:
         message = "\n".join(f"{key.upper()}={value}" for key, value in fields.items()).encode()
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-                sock.sendto(message, self._address)
+                sock.sendto(message, self._address or "")
         except OSError as exc:  # systemd gone or socket unwritable: nothing to tell
             log.warning("cannot notify systemd: %s", exc)
 

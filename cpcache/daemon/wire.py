@@ -4,6 +4,10 @@ and the servicer carries that into the step's round as a rejection."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
+from google.protobuf.message import Message
+
 from cpcache.agreement.rounds import Questions
 from cpcache.errors import InvalidArgument
 from cpcache.hashing import hash62
@@ -24,7 +28,7 @@ def _parent(raw: bytes) -> bytes | None:
     return raw or None
 
 
-def prefetches_from_wire(prefetches) -> tuple[PrefetchRequest, ...]:
+def prefetches_from_wire(prefetches: Iterable[pb.PrefetchOp]) -> tuple[PrefetchRequest, ...]:
     return tuple(PrefetchRequest(p.op_id, tuple(p.pages), p.tokens, _parent(p.parent)) for p in prefetches)
 
 
@@ -39,7 +43,7 @@ def ops_from_wire(request: pb.StepRequest) -> StepOps:
     )
 
 
-def request_digest(method: str, request) -> int:
+def request_digest(method: str, request: Message) -> int:
     """What tells a retry of a step from a different step with its number."""
     return hash62(method.encode() + request.SerializeToString(deterministic=True))
 
