@@ -27,6 +27,8 @@ demo: setup
 	$(VENV)/bin/cpcache demo --trace ../shared/traces/conversation_trace.jsonl --plot demo.png
 
 test: setup
+	$(PY) -m ruff check cpcache tests
+	$(PY) -m mypy
 	$(PY) -m pytest
 
 bench: setup

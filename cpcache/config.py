@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from cpcache.errors import InvalidArgument
 from cpcache.topology import MODES, Topology
 
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -42,7 +45,7 @@ class CacheConfig:
         )
 
 
-def setting(default, help: str, **kwargs):
+def setting(default: T, help: str, **kwargs: object) -> T:
     return field(default=default, metadata={"help": help, **kwargs})
 
 

@@ -65,7 +65,7 @@ def gloo_group(
     """Join one group. Joining waits up to the rendezvous timeout (peers may
     still be starting); collectives then wait at most `timeout_s`."""
     key = f"{rdzv.namespace}/{group.name}/" + "-".join(map(str, group.ranks)) + "/"
-    options = ProcessGroupGloo._Options()
+    options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # the binding's class, absent from torch's stub
     options._timeout = datetime.timedelta(seconds=rdzv.timeout_s)
     options._devices = [ProcessGroupGloo.create_device(hostname=bind_host)]
     options._threads = 1  # rounds run one at a time: a second worker thread only adds wake-ups
@@ -75,7 +75,7 @@ def gloo_group(
 
 
 _MIN = AllreduceOptions()
-_MIN.reduceOp = ReduceOp.MIN
+_MIN.reduceOp = ReduceOp(ReduceOp.MIN)
 _ALLTOALL = AllToAllOptions()
 
 # Up to this group size a reduction is one all-to-all exchange followed by a
@@ -104,10 +104,11 @@ class GroupReducer:
                 outgoing = tensor.repeat(size)
                 incoming = torch.empty_like(outgoing)
                 splits = [len(vector)] * size
-                group.alltoall_base(incoming, outgoing, splits, splits, _ALLTOALL).wait()
+                # Backend's collectives are bound at runtime but absent from torch's stub.
+                group.alltoall_base(incoming, outgoing, splits, splits, _ALLTOALL).wait()  # type: ignore[attr-defined]
                 np.min(incoming.numpy().reshape(size, len(vector)), axis=0, out=vector)
             else:
-                group.allreduce([tensor], _MIN).wait()
+                group.allreduce([tensor], _MIN).wait()  # type: ignore[attr-defined]
 
     def close(self) -> None:
         for group in self._groups:

@@ -7,10 +7,14 @@ from __future__ import annotations
 import datetime
 import json
 import time
+from typing import TYPE_CHECKING
 
 from cpcache.agreement.kinds import describe
 from cpcache.agreement.rounds import RoundInput
 from cpcache.values import Reduce
+
+if TYPE_CHECKING:
+    from torch.distributed import Store
 
 
 class DivergenceExchange:
@@ -18,16 +22,20 @@ class DivergenceExchange:
     name the ranks and operations that differ. Runs over the rendezvous store:
     the reduced vector was identical everywhere, so every rank takes part."""
 
-    def __init__(self, store, namespace: str, rank: int, domain: tuple[int, ...], timeout_s: float):
+    def __init__(self, store: Store, namespace: str, rank: int, domain: tuple[int, ...], timeout_s: float) -> None:
         self._store = store
         self._namespace = namespace
         self._rank = rank
         self._domain = domain
         self._timeout_s = timeout_s
 
+    def _set(self, key: str, value: bytes) -> None:
+        # torch's stub types a store value as str; the binding takes bytes as well.
+        self._store.set(key, value)  # type: ignore[arg-type]
+
     def publish_rejection(self, number: int, message: str) -> None:
         """Before entering a round this rank rejects: say why, for the others."""
-        self._store.set(f"{self._namespace}/rejection/{number}/{self._rank}", message.encode()[:4000])
+        self._set(f"{self._namespace}/rejection/{number}/{self._rank}", message.encode()[:4000])
 
     def rejection_message(self, number: int, rank: int) -> str:
         key = f"{self._namespace}/rejection/{number}/{rank}"
@@ -39,7 +47,7 @@ class DivergenceExchange:
 
     def explain(self, round_input: RoundInput) -> str:
         prefix = f"{self._namespace}/divergence/{round_input.number}/"
-        self._store.set(prefix + str(self._rank), round_input.description())
+        self._set(prefix + str(self._rank), round_input.description())
         by_rank: dict[int, bytes | None] = {}
         deadline = time.monotonic() + self._timeout_s
         for rank in self._domain:

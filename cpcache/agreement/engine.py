@@ -16,12 +16,18 @@ import queue
 import random
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from cpcache.agreement.divergence import DivergenceExchange
 from cpcache.agreement.rounds import MIN_CAPACITY, RoundInput, RoundResult
 from cpcache.errors import CacheError, Divergence, PeerLost, Unavailable
+
+if TYPE_CHECKING:
+    from cpcache.agreement.collective import Reducer
+    from cpcache.agreement.liveness import Diagnosis, Heartbeat
 
 log = logging.getLogger(__name__)
 
@@ -56,12 +62,12 @@ class FaultInjection:
 class AgreementEngine:
     def __init__(
         self,
-        reducer,
+        reducer: Reducer,
         exchange: DivergenceExchange | None,
-        diagnose,
-        heartbeat=None,
+        diagnose: Callable[[int, BaseException], CacheError],
+        heartbeat: Heartbeat | None = None,
         faults: FaultInjection = FaultInjection(),
-        on_failure=None,
+        on_failure: Callable[[CacheError], object] | None = None,
     ) -> None:
         """`reducer` has `min_inplace(vector)` and `close()`; `diagnose(round,
         exc)` returns a `PeerLost` naming the missing ranks; `on_failure(error)`
@@ -170,6 +176,7 @@ class AgreementEngine:
 
     def _with_rejection_message(self, round_input: RoundInput, result: RoundResult) -> RoundResult:
         rejection = result.rejection
+        assert rejection is not None  # the caller checked
         if round_input.rejection is not None and round_input.rejection.rank == rejection.rank:
             message = round_input.rejection.message
         elif self._exchange is not None:
@@ -181,9 +188,10 @@ class AgreementEngine:
     def _break(self, failure: CacheError) -> None:
         with self._lock:
             first = self._failure is None
-            if first:
+            if self._failure is None:
                 self._failure = failure
-        self._fail_pending(self._failure)
+            recorded = self._failure
+        self._fail_pending(recorded)
         if first:
             log.error("agreement broken: %s", failure)
             if self._on_failure is not None:
@@ -199,7 +207,7 @@ class AgreementEngine:
                 job[1].set_exception(failure)
 
 
-def peer_lost(round_number: int, exc: BaseException, diagnosis) -> PeerLost:
+def peer_lost(round_number: int, exc: BaseException, diagnosis: Diagnosis) -> PeerLost:
     return PeerLost(
         f"round {round_number} failed: {diagnosis.reason}; the agreement domain cannot decide "
         f"until it is restarted in a new epoch (gloo: {str(exc).splitlines()[0][:200]})",

@@ -30,11 +30,12 @@ about what a round of one does. Nothing here does I/O or touches threads.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
+import numpy.typing as npt
 
 from cpcache.agreement.kinds import VOTE
 from cpcache.errors import Divergence, InvalidArgument
@@ -73,7 +74,7 @@ class Questions:
         return Questions(z, z, z, z)
 
     @staticmethod
-    def votes(op_ids, reduces, values) -> Questions:
+    def votes(op_ids: npt.ArrayLike, reduces: npt.ArrayLike, values: npt.ArrayLike) -> Questions:
         """One-shot votes from a scheduler, validated: op ids in [0, 2**63)
         and unique, reductions MIN or MAX, values inside int64 with room for
         negation."""
@@ -169,7 +170,7 @@ class RoundInput:
             }
         ).encode()
 
-    def reduce(self, reduce_min, capacity: int) -> tuple[np.ndarray, int]:
+    def reduce(self, reduce_min: Callable[[np.ndarray], None], capacity: int) -> tuple[np.ndarray, int]:
         """Reduce this round at the agreed `capacity` with `reduce_min`
         (in place, over the whole domain), growing it once if some rank
         needs more. Returns the reduced vector and the next round's capacity."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -26,6 +26,9 @@ from cpcache import errors
 from cpcache.v1 import daemon_pb2 as pb
 from cpcache.v1 import daemon_pb2_grpc as pb_grpc
 from cpcache.values import Reduce
+
+if TYPE_CHECKING:
+    from cpcache.geometry import KVGeometry
 
 T = TypeVar("T")
 
@@ -88,7 +91,7 @@ def error_from(exc: grpc.RpcError) -> errors.CacheError:
     fallback = _BY_CODE.get(code, errors.CacheError)
     info = error_info(exc)
     kind = errors.BY_REASON.get(info.reason) if info is not None else None
-    if kind is not None and grpc.StatusCode[kind.status] == code:
+    if kind is not None and info is not None and grpc.StatusCode[kind.status] == code:
         try:
             return kind.from_metadata(message, dict(info.metadata))
         except (ValueError, TypeError):  # metadata this client cannot read: keep the kind's family
@@ -149,18 +152,24 @@ def step_request(step: int, votes: Iterable[tuple[int, Reduce, int]] = (), ops: 
 
 
 def step_result(reply: pb.StepReply) -> StepResult:
-    by_outcome = {pb.PrefetchDecision.HIT: {}, pb.PrefetchDecision.DONE: {}, pb.PrefetchDecision.REVOKED: {}}
+    hits: dict[int, int] = {}
+    done: dict[int, int] = {}
+    revoked: dict[int, str] = {}
+    pages_by_outcome = {pb.PrefetchDecision.HIT: hits, pb.PrefetchDecision.DONE: done}
     for d in reply.prefetches:
-        by_outcome[d.outcome][d.op_id] = d.reason if d.outcome == pb.PrefetchDecision.REVOKED else d.pages
+        if d.outcome == pb.PrefetchDecision.REVOKED:
+            revoked[d.op_id] = d.reason
+        else:
+            pages_by_outcome[d.outcome][d.op_id] = d.pages
     return StepResult(
         step=reply.step,
         round=reply.round,
         decisions=dict(zip(reply.decisions.op_ids, reply.decisions.values)),
         digest=reply.state_digest,
         wire=reply.SerializeToString(deterministic=True),
-        prefetch_hits=by_outcome[pb.PrefetchDecision.HIT],
-        prefetch_done=by_outcome[pb.PrefetchDecision.DONE],
-        prefetch_revoked=by_outcome[pb.PrefetchDecision.REVOKED],
+        prefetch_hits=hits,
+        prefetch_done=done,
+        prefetch_revoked=revoked,
         write_acks=tuple(reply.write_acks),
         backups={b.op_id: b.stored for b in reply.backups},
         loads={x.op_id: x.pages for x in reply.loads},
@@ -169,7 +178,8 @@ def step_result(reply: pb.StepReply) -> StepResult:
     )
 
 
-def attach_request(model_id: str, geometry, device_pages: int, shm_path: str = "", cuda_ipc: dict | None = None):
+def attach_request(model_id: str, geometry: KVGeometry, device_pages: int, shm_path: str = "",
+                   cuda_ipc: dict[str, Any] | None = None) -> pb.AttachRequest:
     request = pb.AttachRequest(model_id=model_id, device_pages=device_pages, geometry=pb.Geometry(
         layers=geometry.layers, kv_kind=geometry.kv_kind, heads=geometry.heads, head_dim=geometry.head_dim,
         dtype=geometry.dtype, page_size=geometry.page_size))
@@ -196,17 +206,18 @@ def _step_call(step: int, votes: Iterable[tuple[int, Reduce, int]], ops: Ops | N
     return Call("Step", step_request(step, votes, ops), step_result)
 
 
-def _attach_call(model_id: str, geometry, device_pages: int, shm_path: str, cuda_ipc) -> Call[pb.AttachReply]:
+def _attach_call(model_id: str, geometry: KVGeometry, device_pages: int, shm_path: str,
+                 cuda_ipc: dict[str, Any] | None) -> Call[pb.AttachReply]:
     return Call("Attach", attach_request(model_id, geometry, device_pages, shm_path, cuda_ipc))
 
 
-def _wait_loads_call(op_ids, timeout_s: float) -> Call[None]:
+def _wait_loads_call(op_ids: Iterable[int], timeout_s: float) -> Call[None]:
     # 0 asks the daemon to wait without a limit: the client's deadline bounds it.
     deadline = timeout_s + WAIT_MARGIN_S if timeout_s > 0 else None
     return Call("WaitLoads", pb.WaitLoadsRequest(op_ids=op_ids, timeout_s=timeout_s), lambda reply: None, deadline)
 
 
-def _match_call(pages) -> Call[pb.MatchReply]:
+def _match_call(pages: Iterable[bytes]) -> Call[pb.MatchReply]:
     return Call("Match", pb.MatchRequest(pages=pages))
 
 
@@ -222,7 +233,7 @@ def _health_call(service: str) -> Call[int]:
     return Call("Check", health_pb2.HealthCheckRequest(service=service), lambda reply: reply.status, service="health")
 
 
-def _metadata(token: str | None):
+def _metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
     return (("authorization", f"Bearer {token}"),) if token else None
 
 
@@ -236,8 +247,8 @@ class _Face:
 
     _grpc: Any  # grpc or grpc.aio: where the channel comes from
 
-    def __init__(self, address: str, token: str | None = None, credentials=None,
-                 timeout_s: float | None = DEFAULT_TIMEOUT_S):
+    def __init__(self, address: str, token: str | None = None, credentials: grpc.ChannelCredentials | None = None,
+                 timeout_s: float | None = DEFAULT_TIMEOUT_S) -> None:
         """`timeout_s`: the deadline of every call (None: none)."""
         target = target_of(address)
         if credentials is not None:
@@ -249,41 +260,44 @@ class _Face:
         self._metadata = _metadata(token)
         self._timeout_s = timeout_s
 
-    def _prepare(self, call: Call):
+    def _prepare(self, call: Call[T]) -> tuple[Callable[..., Any], dict[str, Any]]:
         """The stub method to send `call` with, and its keyword arguments."""
         stub = self._stub if call.service == "daemon" else self._health
         timeout = call.timeout_s if call.timeout_s is not None else self._timeout_s
         return getattr(stub, call.rpc), dict(timeout=timeout, metadata=self._metadata)
 
-    def _send(self, build: Callable[..., Call], *args):
+    # The calls below return what `_send` does: the value itself (`Client`)
+    # or an awaitable of it (`AsyncClient`), hence `Any`.
+    def _send(self, build: Callable[..., Call[Any]], *args: Any) -> Any:
         raise NotImplementedError
 
-    def step(self, step: int, votes: Iterable[tuple[int, Reduce, int]] = (), ops: Ops | None = None):
+    def step(self, step: int, votes: Iterable[tuple[int, Reduce, int]] = (), ops: Ops | None = None) -> Any:
         """One scheduler iteration: -> StepResult."""
         return self._send(_step_call, step, votes, ops)
 
-    def attach(self, model_id: str, geometry, device_pages: int, shm_path: str = "", cuda_ipc=None):
+    def attach(self, model_id: str, geometry: KVGeometry, device_pages: int, shm_path: str = "",
+               cuda_ipc: dict[str, Any] | None = None) -> Any:
         """Hand the daemon this model's device pool: -> pb.AttachReply."""
         return self._send(_attach_call, model_id, geometry, device_pages, shm_path, cuda_ipc)
 
-    def wait_loads(self, op_ids, timeout_s: float = 30.0):
+    def wait_loads(self, op_ids: Iterable[int], timeout_s: float = 30.0) -> Any:
         """Wait until these loads reached the device pool: -> None. The call's
         deadline is `timeout_s` plus a margin."""
         return self._send(_wait_loads_call, op_ids, timeout_s)
 
-    def match(self, pages):
+    def match(self, pages: Iterable[bytes]) -> Any:
         """Host and storage prefix hits: -> pb.MatchReply."""
         return self._send(_match_call, pages)
 
-    def stats(self):
+    def stats(self) -> Any:
         """-> dict[str, int], the daemon's counters."""
         return self._send(_stats_call)
 
-    def status(self):
+    def status(self) -> Any:
         """-> pb.StatusReply."""
         return self._send(_status_call)
 
-    def health(self, service: str = ""):
+    def health(self, service: str = "") -> Any:
         """-> int, a `HealthCheckResponse.ServingStatus`."""
         return self._send(_health_call, service)
 
@@ -293,7 +307,7 @@ class AsyncClient(_Face):
 
     _grpc = grpc.aio
 
-    async def _send(self, build: Callable[..., Call[T]], *args) -> T:
+    async def _send(self, build: Callable[..., Call[T]], *args: Any) -> T:
         call = build(*args)
         method, kwargs = self._prepare(call)
         try:
@@ -305,7 +319,7 @@ class AsyncClient(_Face):
     async def __aenter__(self) -> AsyncClient:
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
     async def close(self) -> None:
@@ -333,7 +347,7 @@ class Client(_Face):
 
     _grpc = grpc
 
-    def _send(self, build: Callable[..., Call[T]], *args) -> T:
+    def _send(self, build: Callable[..., Call[T]], *args: Any) -> T:
         call = build(*args)
         method, kwargs = self._prepare(call)
         try:
@@ -345,7 +359,7 @@ class Client(_Face):
     def __enter__(self) -> Client:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def close(self) -> None:

@@ -19,6 +19,7 @@ from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any
 
 import grpc
+from google.protobuf import message_factory
 from grpc_health.v1 import _async as health_async
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from torch.distributed import TCPStore
@@ -31,6 +32,7 @@ from cpcache.daemon import metrics
 from cpcache.daemon.listeners import start_listeners
 from cpcache.daemon.metrics import DaemonCollector
 from cpcache.daemon.servicer import CacheDaemonServicer
+from cpcache.daemon.status import tolerant
 from cpcache.daemon.systemd import Notifier
 from cpcache.dataplane.pools import DevicePool
 from cpcache.errors import CacheError, FailedPrecondition, PeerLost, Unavailable
@@ -39,7 +41,6 @@ from cpcache.keys import namespace_seed
 from cpcache.rank.assembly import CacheRuntime, open_cache
 from cpcache.rank.stepper import Stepper
 from cpcache.v1 import daemon_pb2 as pb
-from cpcache.v1 import daemon_pb2_grpc as pb_grpc
 
 log = logging.getLogger("cpcached")
 
@@ -316,7 +317,7 @@ class Daemon:
 
     def _new_server(self, interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:
         server = grpc.aio.server(interceptors=list(interceptors))
-        pb_grpc.add_CacheDaemonServicer_to_server(CacheDaemonServicer(self), server)
+        server.add_generic_rpc_handlers((service_handler(CacheDaemonServicer(self)),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         return server
 
@@ -334,6 +335,23 @@ class Daemon:
         log.error("background task %s crashed; stopping", task.get_name(), exc_info=task.exception())
         self._crashed = True
         self._stop_requested.set()
+
+
+def service_handler(servicer: CacheDaemonServicer) -> grpc.GenericRpcHandler:
+    """The CacheDaemon service, as the generated code registers it, except
+    that a request body that does not decode reaches the handler (and is
+    answered INVALID_ARGUMENT) instead of escaping as UNKNOWN."""
+    service = pb.DESCRIPTOR.services_by_name["CacheDaemon"]
+    handlers = {}
+    for method in service.methods:
+        request_class = message_factory.GetMessageClass(method.input_type)
+        reply_class = message_factory.GetMessageClass(method.output_type)
+        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, method.name),
+            request_deserializer=tolerant(request_class.FromString),
+            response_serializer=reply_class.SerializeToString,
+        )
+    return grpc.method_handlers_generic_handler(service.full_name, handlers)
 
 
 async def _bounded(fn: Callable[[], object], timeout_s: float, what: str) -> None:

@@ -66,6 +66,25 @@ def wire_status(error: BaseException) -> grpc.Status:
     return _rich(grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}: {error}", "INTERNAL", {})
 
 
+class Undecodable:
+    """A request body that did not decode: the handler answers INVALID_ARGUMENT."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def tolerant(decode: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    """A request deserializer that never raises: gRPC would answer UNKNOWN."""
+
+    def decode_or_report(data: bytes) -> Any:
+        try:
+            return decode(data)
+        except Exception as exc:  # DecodeError, bad UTF-8 in a string field, ...
+            return Undecodable(exc)
+
+    return decode_or_report
+
+
 def guarded(handler: Handler) -> Handler:
     """Turn every error a handler raises into its rich status. An error
     outside the family is a bug: INTERNAL, logged with its traceback. The
@@ -75,6 +94,8 @@ def guarded(handler: Handler) -> Handler:
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
         # Counted before the reply leaves, so a scrape right after the call sees it.
         try:
+            if isinstance(request, Undecodable):
+                raise errors.InvalidArgument(f"the request body does not decode: {request.error}")
             reply = await handler(self, request, context)
         except (grpc.aio.AbortError, grpc.aio.UsageError):
             raise

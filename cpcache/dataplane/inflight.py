@@ -4,6 +4,7 @@ state, written by I/O threads: never part of the replicated state."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 
 
 class InFlight:
@@ -34,10 +35,10 @@ class InFlight:
         with self._lock:
             return len(self._counts)
 
-    def busy(self, slots) -> bool:
+    def busy(self, slots: Iterable[int]) -> bool:
         with self._lock:
             return any(slot in self._counts for slot in slots)
 
-    def wait_idle(self, slots, timeout_s: float) -> bool:
+    def wait_idle(self, slots: Iterable[int], timeout_s: float) -> bool:
         with self._lock:
             return self._idle.wait_for(lambda: not any(s in self._counts for s in slots), timeout_s)

@@ -100,6 +100,7 @@ class LocalIO:
             return
         self._exists[intent.serial] = (NOT_YET, self._clock())
         storage = self.transfers.tiers.storage
+        assert storage is not None  # has_storage
 
         def ask() -> None:
             try:
@@ -122,7 +123,11 @@ class LocalIO:
         for index, first in enumerate(range(0, n, FETCH_CHUNK_PAGES)):
             span = slice(first, first + FETCH_CHUNK_PAGES)
             job = self.transfers.submit((STORAGE, HOST), intent.keys[span], intent.slots[span])
-            job.add_done_callback(lambda f, i=index: self._post(lambda: self._fetched(progress, i, _result(f))))
+
+            def done(f: Future, i: int = index) -> None:
+                self._post(lambda: self._fetched(progress, i, _result(f)))
+
+            job.add_done_callback(done)
 
     @staticmethod
     def _fetched(progress: FetchProgress, index: int, result: TransferResult) -> None:

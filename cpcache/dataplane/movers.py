@@ -11,8 +11,10 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -56,24 +58,40 @@ class Tiers:
     device: DevicePool | None = None
     storage: StorageBackend | None = None
 
-    def host_buffers(self, slots) -> list[PageBuffer]:
+    def host_buffers(self, slots: Iterable[int]) -> list[PageBuffer]:
         return [PageBuffer(self.host.page_address(s), self.host.page_bytes_view(s)) for s in slots]
 
 
-def _copy_pages(src_view, dst_view, src_pages, dst_pages) -> None:
+T = TypeVar("T")
+PageView = Callable[[int, int], torch.Tensor]  # (first page, count) -> a view of those pages
+
+
+def _device(tiers: Tiers) -> DevicePool:
+    assert tiers.device is not None, "no device pool is attached"
+    return tiers.device
+
+
+def _storage(tiers: Tiers) -> StorageBackend:
+    assert tiers.storage is not None, "no storage backend is configured"
+    return tiers.storage
+
+
+def _copy_pages(src_view: PageView, dst_view: PageView, src_pages: Iterable[int], dst_pages: Iterable[int]) -> None:
     for s, d, n in runs(list(src_pages), list(dst_pages)):
         dst_view(d, n).copy_(src_view(s, n), non_blocking=True)
 
 
 def device_to_host(tiers: Tiers, job: TransferJob) -> TransferResult:
-    _copy_pages(tiers.device.page_view, tiers.host.page_view, job.src, job.dst)
-    _synchronize(tiers.device.tensor)
+    device = _device(tiers)
+    _copy_pages(device.page_view, tiers.host.page_view, job.src, job.dst)
+    _synchronize(device.tensor)
     return TransferResult(job.job_id, True, len(job.src))
 
 
 def host_to_device(tiers: Tiers, job: TransferJob) -> TransferResult:
-    _copy_pages(tiers.host.page_view, tiers.device.page_view, job.src, job.dst)
-    _synchronize(tiers.device.tensor)
+    device = _device(tiers)
+    _copy_pages(tiers.host.page_view, device.page_view, job.src, job.dst)
+    _synchronize(device.tensor)
     return TransferResult(job.job_id, True, len(job.src))
 
 
@@ -82,7 +100,7 @@ def _synchronize(tensor: torch.Tensor) -> None:
         torch.cuda.current_stream(tensor.device).synchronize()
 
 
-def _staged(tiers: Tiers, slots) -> tuple[list[PageBuffer], torch.Tensor]:
+def _staged(tiers: Tiers, slots: list[int]) -> tuple[list[PageBuffer], torch.Tensor]:
     """Contiguous bounce pages for a layout whose pages are scattered."""
     g = tiers.host.geometry
     stage = torch.empty((len(slots), g.layers, g.components, g.page_size, g.heads, g.head_dim), dtype=g.torch_dtype)
@@ -97,12 +115,12 @@ def _staged(tiers: Tiers, slots) -> tuple[list[PageBuffer], torch.Tensor]:
 def host_to_storage(tiers: Tiers, job: TransferJob) -> TransferResult:
     slots, keys = list(job.src), list(job.dst)
     if tiers.host.contiguous_pages:
-        done = tiers.storage.put_from(keys, tiers.host_buffers(slots))
+        done = _storage(tiers).put_from(keys, tiers.host_buffers(slots))
     else:
         buffers, stage = _staged(tiers, slots)
         for i, slot in enumerate(slots):
             stage[i].copy_(tiers.host.page_view(slot)[:, :, 0])
-        done = tiers.storage.put_from(keys, buffers)
+        done = _storage(tiers).put_from(keys, buffers)
     n = prefix_done(done)
     return TransferResult(job.job_id, n == len(keys), n)
 
@@ -110,10 +128,10 @@ def host_to_storage(tiers: Tiers, job: TransferJob) -> TransferResult:
 def storage_to_host(tiers: Tiers, job: TransferJob) -> TransferResult:
     keys, slots = list(job.src), list(job.dst)
     if tiers.host.contiguous_pages:
-        done = tiers.storage.get_into(keys, tiers.host_buffers(slots))
+        done = _storage(tiers).get_into(keys, tiers.host_buffers(slots))
     else:
         buffers, stage = _staged(tiers, slots)
-        done = tiers.storage.get_into(keys, buffers)
+        done = _storage(tiers).get_into(keys, buffers)
         for i, slot in enumerate(slots[: prefix_done(done)]):
             tiers.host.page_view(slot)[:, :, 0].copy_(stage[i])
     n = prefix_done(done)
@@ -153,7 +171,8 @@ class Transfers:
         self.bytes_moved: dict[tuple[str, str], int] = {route: 0 for route in MOVERS}
         self.failed_jobs: dict[tuple[str, str], int] = {route: 0 for route in MOVERS}
 
-    def submit(self, route: tuple[str, str], src, dst, job_id: int | None = None) -> Future:
+    def submit(self, route: tuple[str, str], src: Sequence[int | str], dst: Sequence[int | str],
+               job_id: int | None = None) -> Future:
         """Start a job; its future resolves to a TransferResult (a failure
         inside the mover is a failed result, not an exception)."""
         if route not in MOVERS:
@@ -172,7 +191,7 @@ class Transfers:
             failed.set_result(TransferResult(job.job_id, False, 0))
             return failed
 
-    def run_storage_call(self, fn) -> Future:
+    def run_storage_call(self, fn: Callable[[], T]) -> Future[T]:
         """Run a blocking storage call that is not a transfer (a lookup)."""
         return self._storage.submit(fn)
 
@@ -181,7 +200,7 @@ class Transfers:
             return {"pages_moved": dict(self.pages_moved), "bytes_moved": dict(self.bytes_moved),
                     "failed_jobs": dict(self.failed_jobs)}
 
-    def _run(self, route, job: TransferJob, slots) -> TransferResult:
+    def _run(self, route: tuple[str, str], job: TransferJob, slots: list[int]) -> TransferResult:
         try:
             if STORAGE not in route and self._copy_faults is not None and not self._copy_faults.before_copy():
                 result = TransferResult(job.job_id, False, 0)  # an injected copy failure: nothing copied

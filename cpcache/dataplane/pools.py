@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cpcache.errors import InvalidArgument
+from cpcache.errors import FailedPrecondition, InvalidArgument
 from cpcache.geometry import KVGeometry
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
@@ -47,7 +47,7 @@ class DevicePool:
         need = geometry.page_bytes * pages
         try:
             fd = os.open(path, os.O_RDWR)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
             raise InvalidArgument(f"attach: cannot open device pool file {path}: {exc}") from None
         try:
             size = os.fstat(fd).st_size
@@ -76,11 +76,16 @@ class DevicePool:
     def from_cuda_ipc(handle: dict, geometry: KVGeometry, pages: int) -> DevicePool:
         """Open a pool shared by CUDA IPC. `handle` holds the fields of
         `torch.UntypedStorage._share_cuda_()`, sent as plain bytes and ints."""
-        storage = torch.UntypedStorage._new_shared_cuda(
-            handle["device"], handle["handle"], handle["storage_size"], handle["storage_offset"],
-            handle["ref_counter_handle"], handle["ref_counter_offset"], handle["event_handle"],
-            handle["event_sync_required"],
-        )
+        if not torch.cuda.is_available():
+            raise FailedPrecondition("attach: cuda_ipc needs a CUDA device and this host has none; use shm_path")
+        try:
+            storage = torch.UntypedStorage._new_shared_cuda(
+                handle["device"], handle["handle"], handle["storage_size"], handle["storage_offset"],
+                handle["ref_counter_handle"], handle["ref_counter_offset"], handle["event_handle"],
+                handle["event_sync_required"],
+            )
+        except (RuntimeError, TypeError, ValueError) as exc:
+            raise InvalidArgument(f"attach: the CUDA IPC handle cannot be opened: {exc}") from None
         need = geometry.page_bytes * pages
         if storage.nbytes() < need:
             raise InvalidArgument(f"attach: the CUDA pool holds {storage.nbytes()} bytes, {need} needed")

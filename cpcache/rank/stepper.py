@@ -33,6 +33,7 @@ from cpcache.errors import CacheError, FailedPrecondition, InvalidArgument, Reje
 from cpcache.hashing import hash62
 from cpcache.rank.assembly import CacheRuntime
 from cpcache.state.intents import Decisions
+from cpcache.state.operations import Operation
 from cpcache.state.requests import StepOps
 from cpcache.values import ID_LIMIT
 
@@ -140,7 +141,7 @@ class Stepper:
 
     def _submit(self, step: int, votes: Questions, ops: StepOps, invalid: CacheError | None) -> None:
         rejection = invalid or self._refusal(votes, ops)
-        round_input = None
+        round_input: RoundInput
         if rejection is None:
             try:
                 round_input = self._pack(step, votes, ops)
@@ -154,7 +155,8 @@ class Stepper:
         self._pipeline.append(_Submitted(step, None if rejection else ops, future, rejection))
 
     def _pack(self, step: int, votes: Questions, ops: StepOps) -> RoundInput:
-        questions, labels = votes, {}
+        questions = votes
+        labels: dict[int, Operation] = {}
         if self.cache is not None:
             self.cache.io.drain()
             asked, labels = self.cache.state.questions(self.cache.io)
@@ -163,7 +165,8 @@ class Stepper:
 
     def _pending(self) -> tuple[set[int], set[int]]:
         """Prefetches and all op ids that steps still in the pipeline open."""
-        prefetches, opened = set(), set()
+        prefetches: set[int] = set()
+        opened: set[int] = set()
         for submitted in self._pipeline:
             if submitted.ops is not None:
                 prefetches.update(r.op_id for r in submitted.ops.prefetches)

@@ -10,6 +10,7 @@ in local time, and ties break by hash.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable, ItemsView
 from dataclasses import dataclass
 
 
@@ -38,6 +39,10 @@ class HostIndex:
 
     def get(self, page: bytes) -> Entry | None:
         return self._entries.get(page)
+
+    def __getitem__(self, page: bytes) -> Entry:
+        """The entry of a page known to be resident (KeyError otherwise)."""
+        return self._entries[page]
 
     def prefix(self, pages: list[bytes]) -> int:
         """How many of `pages`, from the first, are resident."""
@@ -68,8 +73,9 @@ class HostIndex:
         for page in pages:
             self._entries[page].refs += delta
 
-    def evict(self, count: int, skip=lambda page, entry: False, dry_run: bool = False,
-              frees=lambda entry: True) -> list[tuple[bytes, Entry]]:
+    def evict(self, count: int, skip: Callable[[bytes, Entry], bool] = lambda page, entry: False,
+              dry_run: bool = False,
+              frees: Callable[[Entry], bool] = lambda entry: True) -> list[tuple[bytes, Entry]]:
         """Remove up to `count` unreferenced leaves, least recently used first
         (a removed leaf may expose its parent as the next leaf). `skip` keeps
         a page in place (e.g. not yet written back). With `dry_run`, say
@@ -92,17 +98,18 @@ class HostIndex:
             evicted.append((page, entry))
             freed += bool(frees(entry))
             gone.add(page)
-            parent = self._entries.get(entry.parent) if entry.parent is not None else None
-            if parent is None:
+            parent_page = entry.parent
+            parent = self._entries.get(parent_page) if parent_page is not None else None
+            if parent_page is None or parent is None:
                 continue
             if dry_run:
-                lost_children[entry.parent] = lost_children.get(entry.parent, 0) + 1
-                left = parent.children - lost_children[entry.parent]
+                lost_children[parent_page] = lost_children.get(parent_page, 0) + 1
+                left = parent.children - lost_children[parent_page]
             else:
                 parent.children -= 1
                 left = parent.children
             if left == 0:
-                heapq.heappush(heap, (parent.last_used, entry.parent))
+                heapq.heappush(heap, (parent.last_used, parent_page))
         if not dry_run:
             for page, _ in evicted:
                 del self._entries[page]
@@ -110,5 +117,5 @@ class HostIndex:
                 heapq.heappush(self._leaves, item)
         return evicted
 
-    def items(self):
+    def items(self) -> ItemsView[bytes, Entry]:
         return self._entries.items()

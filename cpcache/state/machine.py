@@ -16,6 +16,8 @@ anything differently disagree in the next round's header.
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 
@@ -26,7 +28,7 @@ from cpcache.errors import InvalidArgument, NotFound
 from cpcache.hashing import hash62
 from cpcache.keys import ShardingSpec
 from cpcache.state.allocator import PageAllocator
-from cpcache.state.host_index import HostIndex
+from cpcache.state.host_index import Entry, HostIndex
 from cpcache.state.intents import CopyToDevice, CopyToHost, Decisions, Fetch, Intent, Lookup, Store
 from cpcache.state.operations import (
     Backup,
@@ -42,6 +44,8 @@ from cpcache.state.questions import BackupOutcome, Outcome
 from cpcache.state.requests import LoadRequest, StepOps, WriteRequest, check_shape
 
 ENDED_PREFETCHES_KEPT = 4096
+
+OpT = TypeVar("OpT", bound=Operation)
 
 
 class CacheState:
@@ -88,15 +92,15 @@ class CacheState:
             self.ops[retirement.serial] = retirement
             self._record("retire", retirement.serial, tuple(slots))
 
-    def _of_kind(self, kind: type) -> list:
+    def _of_kind(self, kind: type[OpT]) -> list[OpT]:
         return [op for op in self.ops.values() if isinstance(op, kind)]
 
-    def _eviction_skip(self, keep: frozenset[bytes] | set[bytes]):
+    def _eviction_skip(self, keep: frozenset[bytes] | set[bytes]) -> Callable[[bytes, Entry], bool]:
         # Pages used in this step stay: the scheduler was told of them (a
         # Match, an accepted prefetch) and may load them in its next step.
         backed_only = self.write_policy.backup_before_evict
 
-        def skip(page: bytes, entry) -> bool:
+        def skip(page: bytes, entry: Entry) -> bool:
             return entry.last_used >= self.step or page in keep or (backed_only and not entry.backed_up)
 
         return skip
@@ -127,7 +131,7 @@ class CacheState:
 
     # -- a scheduler step ----------------------------------------------------------
 
-    def check(self, ops: StepOps, expected_prefetches: set[int] = frozenset()) -> None:
+    def check(self, ops: StepOps, expected_prefetches: set[int] | frozenset[int] = frozenset()) -> None:
         """Raise the error this step would be refused with; change nothing.
         `expected_prefetches`: prefetches that steps still in the pipeline
         open, which this step may already poll or revoke."""
@@ -146,7 +150,8 @@ class CacheState:
 
     def _keep(self, ops: StepOps) -> set[bytes]:
         # The pages a write found resident, and every page a load reads, stay.
-        return {p for req in (*ops.writes, *ops.loads) for p in req.pages}
+        reqs: tuple[WriteRequest | LoadRequest, ...] = (*ops.writes, *ops.loads)
+        return {p for req in reqs for p in req.pages}
 
     def open(self, step: int, ops: StepOps) -> tuple[list[Intent], Decisions]:
         """Open a step's operations, all or none. Returns this rank's I/O to
@@ -207,7 +212,7 @@ class CacheState:
 
     def _open_load(self, req: LoadRequest) -> list[Intent]:
         pages = list(req.pages)
-        entries = [self.index.get(p) for p in pages]
+        entries = [self.index[p] for p in pages]  # `check` found them all resident
         load = Load(self._serial(), req, [e.slot for e in entries])
         self.index.ref(pages, +1)
         self.index.touch(pages, self.step, hit=True)
@@ -243,6 +248,7 @@ class CacheState:
                 if backups > self.config.backup_window:
                     continue
             for kind, value in op.ask(self, local):
+                assert kind.reduce is not None, f"{kind.name}: a cache question names its reduction"
                 ids.append(op.serial)
                 kinds.append(kind.code)
                 reduces.append(kind.reduce)
@@ -305,7 +311,7 @@ class CacheState:
             kept_slots.append(slot)
         self.index.insert(kept_pages, kept_slots, pf.request.parent, self.step)
         for page in kept_pages:
-            self.index.get(page).backed_up = True  # it came from storage
+            self.index[page].backed_up = True  # it came from storage
         self._record("accept", pf.serial, len(kept_pages))
         self._retire(pf.slots[len(kept_pages):])  # the unagreed tail, once its reads end
         decisions.prefetch_done.append((pf.request.op_id, len(kept_pages)))
@@ -344,7 +350,7 @@ class CacheState:
         self._close(backup)
         self.index.ref(backup.pages, -1)
         for page in backup.pages:
-            entry = self.index.get(page)
+            entry = self.index[page]
             entry.backed_up = outcome == BackupOutcome.STORED
             entry.io_suspect = entry.io_suspect or outcome == BackupOutcome.TIMED_OUT
         self._record("backed up", backup.serial, int(outcome))
@@ -387,7 +393,7 @@ class CacheState:
             if backup.started:
                 continue
             backup.started = True
-            slots = tuple(self.index.get(p).slot for p in backup.pages)
+            slots = tuple(self.index[p].slot for p in backup.pages)
             writer = [self.sharding.writes(p.hex()) for p in backup.pages]
             keys = tuple(self.storage_key(p) for p, w in zip(backup.pages, writer) if w)
             mine = tuple(s for s, w in zip(slots, writer) if w)
@@ -414,7 +420,7 @@ class CacheState:
         }
 
 
-def _frees_slot(entry) -> bool:
+def _frees_slot(entry: Entry) -> bool:
     """An evicted page whose backup timed out somewhere leaves its slot
     retiring, not free: it does not count as room."""
     return not entry.io_suspect

@@ -77,7 +77,8 @@ def check_shape(ops: StepOps, device_pages: int) -> None:
             raise InvalidArgument(f"operation {req.op_id} has {len(req.pages)} pages, at most {MAX_PAGES_PER_OP}")
         if any(len(p) != PAGE_HASH_BYTES for p in req.pages):
             raise InvalidArgument(f"operation {req.op_id}: page hashes are 32-byte sha256 digests")
-        if getattr(req, "parent", None) is not None and len(req.parent) != PAGE_HASH_BYTES:
+        parent: bytes | None = getattr(req, "parent", None)
+        if parent is not None and len(parent) != PAGE_HASH_BYTES:
             raise InvalidArgument(f"operation {req.op_id}: parent must be a 32-byte page hash")
         if isinstance(req, PrefetchRequest):
             check_id(req.tokens, f"operation {req.op_id}: tokens")

@@ -23,11 +23,11 @@ def add_topology_flags(p: argparse.ArgumentParser, tp: int = 4, cp: int = 2) -> 
     p.add_argument("--lag", type=int, default=0, help="agreement lag in steps (0: synchronous)")
 
 
-def topology_of(args) -> Topology:
+def topology_of(args: argparse.Namespace) -> Topology:
     return Topology(tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp)
 
 
-async def _launch(args) -> int:
+async def _launch(args: argparse.Namespace) -> int:
     from cpcache.tools.launcher import DomainSpec, LocalDomain
 
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="cpcache-"))
@@ -57,7 +57,7 @@ async def _launch(args) -> int:
     return 0 if all(c == 0 for c in codes) else 1
 
 
-async def _status(args) -> int:
+async def _status(args: argparse.Namespace) -> int:
     """Health, domain membership, current step, open questions and, with
     --stats or `cpcache stats`, every counter including tier occupancy."""
     from google.protobuf import json_format

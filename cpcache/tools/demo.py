@@ -12,6 +12,7 @@ the report gives each domain's figures as well as the totals (`--json`: under
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -22,7 +23,7 @@ from cpcache.topology import Topology
 DEFAULT_TRACE = "../shared/traces/conversation_trace.jsonl"
 
 
-def add_flags(p) -> None:
+def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", default=DEFAULT_TRACE, help="a Mooncake-format trace (JSON lines)")
     p.add_argument("--requests", type=int, default=1000, help="how many requests to replay")
     p.add_argument("--skip", type=int, default=0, help="start this many requests into the trace")
@@ -42,7 +43,7 @@ def add_flags(p) -> None:
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
 
 
-def config_from(args) -> ReplayConfig:
+def config_from(args: argparse.Namespace) -> ReplayConfig:
     trace = Path(args.trace)
     if not trace.exists():
         raise SystemExit(f"cpcache demo: trace {trace} not found (give --trace FILE)")
@@ -131,7 +132,7 @@ def plot(report: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-async def main(args) -> int:
+async def main(args: argparse.Namespace) -> int:
     report = await replay(config_from(args), progress=None if args.json else show_progress)
     if args.plot:
         plot(report, args.plot)

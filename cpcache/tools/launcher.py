@@ -16,6 +16,7 @@ import sys
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cpcache.agreement.collective import host_store
 from cpcache.client import AsyncClient
@@ -23,6 +24,9 @@ from cpcache.config import DaemonConfig
 from cpcache.daemon.settings import as_flags
 from cpcache.errors import Unavailable
 from cpcache.topology import Topology
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
 
 
 @dataclass
@@ -62,10 +66,10 @@ class LocalDomain:
     def __init__(self, spec: DomainSpec, start_timeout_s: float = 120.0) -> None:
         self.spec = spec
         self.start_timeout_s = start_timeout_s
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[subprocess.Popen[bytes]] = []
         self.sockets: list[str] = []
         self.logs: list[Path] = []
-        self._store = None
+        self._store: TCPStore | None = None
 
     @property
     def size(self) -> int:
@@ -79,10 +83,11 @@ class LocalDomain:
             raise
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.stop()
 
     def config(self, rank: int) -> DaemonConfig:
+        assert self._store is not None, "the domain has not started"
         return self.spec.config(rank, self._store.port, self._deployment)
 
     async def start(self) -> None:

@@ -36,7 +36,7 @@ class MooncakeMaster:
     def __init__(self, log_path: Path, start_timeout_s: float = 30.0) -> None:
         self.log_path = log_path
         self.start_timeout_s = start_timeout_s
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
         self.rpc_port = self.http_port = 0
 
     @property
@@ -69,10 +69,12 @@ class MooncakeMaster:
         self.stop()
         return False
 
-    def _drain(self, proc: subprocess.Popen, ready: threading.Event) -> None:
+    def _drain(self, proc: subprocess.Popen[bytes], ready: threading.Event) -> None:
         """Copy the master's output to its log; flag the ready line."""
-        with open(self.log_path, "ab") as log, proc.stdout:
-            for line in proc.stdout:
+        output = proc.stdout
+        assert output is not None  # started with stdout=PIPE
+        with open(self.log_path, "ab") as log, output:
+            for line in output:
                 log.write(line)
                 log.flush()
                 if READY_LINE.encode() in line:
@@ -88,5 +90,5 @@ class MooncakeMaster:
                 self.proc.kill()
                 self.proc.wait()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()

@@ -12,6 +12,7 @@ import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
@@ -59,9 +60,11 @@ BACKEND_MODULES = {
 }
 _FACTORIES: dict[str, Callable[..., StorageBackend]] = {}
 
+BackendT = TypeVar("BackendT", bound=type[StorageBackend])
 
-def register(name: str):
-    def decorate(factory):
+
+def register(name: str) -> Callable[[BackendT], BackendT]:
+    def decorate(factory: BackendT) -> BackendT:
         _FACTORIES[name] = factory
         factory.name = name
         return factory
@@ -69,7 +72,7 @@ def register(name: str):
     return decorate
 
 
-def open_backend(name: str, **options) -> StorageBackend:
+def open_backend(name: str, **options: object) -> StorageBackend:
     if name not in BACKEND_MODULES:
         raise InvalidArgument(f"storage: unknown backend {name!r}; known: {', '.join(sorted(BACKEND_MODULES))}")
     importlib.import_module(BACKEND_MODULES[name])

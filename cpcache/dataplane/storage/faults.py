@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from cpcache.dataplane.storage import PageBuffer, StorageBackend
@@ -45,16 +46,17 @@ class FaultyBackend(StorageBackend):
         time.sleep(delay)  # the injected latency itself
         return min(kept, self.inner.exists_prefix(keys))
 
-    def _batch(self, call, keys: list[str], pages: list[PageBuffer]) -> list[bool]:
+    def _batch(self, call: Callable[[list[str], list[PageBuffer]], list[bool]], keys: list[str],
+               pages: list[PageBuffer]) -> list[bool]:
         delay, kept, fails = self._draw(len(keys))
         time.sleep(delay)
         done = call(keys[:kept], pages[:kept]) + [False] * (len(keys) - kept)
         return [ok and not failed for ok, failed in zip(done, fails)]
 
-    def get_into(self, keys, pages):
+    def get_into(self, keys: list[str], pages: list[PageBuffer]) -> list[bool]:
         return self._batch(self.inner.get_into, keys, pages)
 
-    def put_from(self, keys, pages):
+    def put_from(self, keys: list[str], pages: list[PageBuffer]) -> list[bool]:
         return self._batch(self.inner.put_from, keys, pages)
 
     def close(self) -> None:

@@ -16,6 +16,7 @@ import re
 import struct
 import threading
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import xxhash
@@ -41,7 +42,8 @@ def check_key(key: str) -> str:
 @register("file")
 class FileBackend(StorageBackend):
     def __init__(
-        self, root: str, geometry_fingerprint: int, capacity_bytes: int = 0, io_threads: int = 4, **_ignored
+        self, root: str, geometry_fingerprint: int, capacity_bytes: int = 0, io_threads: int = 4,
+        **_ignored: object,
     ) -> None:
         self.root = os.path.realpath(root)
         os.makedirs(self.root, exist_ok=True)
@@ -85,7 +87,7 @@ class FileBackend(StorageBackend):
     def put_from(self, keys: list[str], pages: list[PageBuffer]) -> list[bool]:
         return self._parallel(self._write, keys, pages)
 
-    def _parallel(self, one, keys: list[str], pages: list[PageBuffer]) -> list[bool]:
+    def _parallel(self, one: Callable[[str, PageBuffer], bool], keys: list[str], pages: list[PageBuffer]) -> list[bool]:
         """Run `one` over the batch in a few contiguous chunks, one per worker."""
         for key in keys:
             check_key(key)
@@ -106,7 +108,7 @@ class FileBackend(StorageBackend):
         except FileNotFoundError:
             return False
         try:
-            got = os.readv(fd, [header, page.view])
+            got = os.readv(fd, [header, page.view.data])
         except OSError:
             return False
         finally:
@@ -116,7 +118,7 @@ class FileBackend(StorageBackend):
         magic, version, _, geometry, length, checksum = HEADER.unpack(header)
         if magic != MAGIC or version != VERSION or geometry != self._geometry or length != page.nbytes:
             return False  # not ours, or another geometry
-        if xxhash.xxh3_64_intdigest(page.view) != checksum:
+        if xxhash.xxh3_64_intdigest(page.view.data) != checksum:
             return False  # corrupt
         self._touch(key, got)
         return True
@@ -128,7 +130,7 @@ class FileBackend(StorageBackend):
             # under its key holds these bytes: nothing to write.
             self._touch(key, HEADER.size + page.nbytes)
             return True
-        header = HEADER.pack(MAGIC, VERSION, 0, self._geometry, page.nbytes, xxhash.xxh3_64_intdigest(page.view))
+        header = HEADER.pack(MAGIC, VERSION, 0, self._geometry, page.nbytes, xxhash.xxh3_64_intdigest(page.view.data))
         tmp = os.path.join(os.path.dirname(path), f".{key}.{uuid.uuid4().hex[:8]}.tmp")
         try:
             directory = os.path.dirname(path)
@@ -137,7 +139,7 @@ class FileBackend(StorageBackend):
                 self._dirs.add(directory)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
-                written = os.writev(fd, [header, page.view])
+                written = os.writev(fd, [header, page.view.data])
             finally:
                 os.close(fd)
             if written != HEADER.size + page.nbytes:

@@ -34,7 +34,7 @@ class MooncakeBackend(StorageBackend):
         global_segment_size: int = 256 << 20,
         local_buffer_size: int = 64 << 20,
         connect_timeout_s: float = 5.0,
-        **_ignored,
+        **_ignored: object,
     ) -> None:
         """`buffers`: (address, nbytes) of host memory to register (the host pool)."""
         from mooncake.store import MooncakeDistributedStore

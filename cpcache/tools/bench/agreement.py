@@ -4,13 +4,16 @@ same 4 ranks (attention TP 2 x CP 2) in one run."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TypedDict
 
 from cpcache.agreement.collective import host_store
 from cpcache.client import AsyncClient
@@ -21,6 +24,11 @@ from cpcache.topology import Topology
 TOPOLOGY = Topology(tp=4, cp=2)
 QUESTION_COUNTS = (1, 64, 256, 1024)
 FORWARD_PASS_S = 0.010  # what a scheduler spends between two steps in the lag-1 case
+
+
+class Pooled(TypedDict):
+    bare_rpc: list[float]  # seconds
+    steps: dict[int, list[float]]  # question count -> seconds
 
 
 def gloo_baselines() -> dict:
@@ -39,7 +47,8 @@ def gloo_baselines() -> dict:
     return json.loads(outputs[0])
 
 
-async def schedulers(domain: LocalDomain, counts, steps: int, think_ms: float = 0.0, bare_rpc: bool = False):
+async def schedulers(domain: LocalDomain, counts: Sequence[int], steps: int, think_ms: float = 0.0,
+                     bare_rpc: bool = False) -> Pooled:
     """Run one scheduler process per rank against `domain`; pool their samples."""
     procs = [
         await asyncio.create_subprocess_exec(
@@ -53,9 +62,10 @@ async def schedulers(domain: LocalDomain, counts, steps: int, think_ms: float = 
     outputs = [json.loads((await p.communicate())[0]) for p in procs]
     if any(p.returncode for p in procs):
         raise RuntimeError(f"a scheduler failed: exit codes {[p.returncode for p in procs]}")
-    pooled = {"bare_rpc": [s for o in outputs for s in o["bare_rpc"]]}
-    pooled["steps"] = {c: [s for o in outputs for s in o["steps"][str(c)]] for c in counts}
-    return pooled
+    return {
+        "bare_rpc": [s for o in outputs for s in o["bare_rpc"]],
+        "steps": {c: [s for o in outputs for s in o["steps"][str(c)]] for c in counts},
+    }
 
 
 async def idle_rpc(socket: str, calls: int) -> list[float]:
@@ -100,7 +110,7 @@ async def run(steps: int) -> dict:
     return report
 
 
-async def main(args) -> int:
+async def main(args: argparse.Namespace) -> int:
     report = await run(args.steps)
     if args.json:
         print(json.dumps(report))

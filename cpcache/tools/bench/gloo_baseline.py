@@ -10,9 +10,10 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 
 import torch
-from torch.distributed import AllreduceOptions, ReduceOp
+from torch.distributed import AllreduceOptions, ReduceOp, Work
 
 from cpcache.agreement.collective import Rendezvous, gloo_group, reducer_groups
 from cpcache.tools.bench.stats import percentiles_us
@@ -35,17 +36,19 @@ def main() -> None:
     (group,) = reducer_groups(topology, args.rank, "domain")
     pg = gloo_group(rdzv.connect(), rdzv, group, args.rank, 60.0, "127.0.0.1")
     opts_min = AllreduceOptions()
-    opts_min.reduceOp = ReduceOp.MIN
+    opts_min.reduceOp = ReduceOp(ReduceOp.MIN)
     opts_max = AllreduceOptions()
-    opts_max.reduceOp = ReduceOp.MAX
+    opts_max.reduceOp = ReduceOp(ReduceOp.MAX)
+    # Backend's collectives are bound at runtime but absent from torch's stub.
+    allreduce: Callable[[list[torch.Tensor], AllreduceOptions], Work] = pg.allreduce  # type: ignore[attr-defined]
 
     small = torch.zeros(1, dtype=torch.int64)
     for _ in range(20):  # warm up connections
-        pg.allreduce([small], opts_min).wait()
+        allreduce([small], opts_min).wait()
     bare = []
     for _ in range(args.iterations):
         start = time.perf_counter()
-        pg.allreduce([small], opts_min).wait()
+        allreduce([small], opts_min).wait()
         bare.append(time.perf_counter() - start)
 
     # SGLang-style: per question, one all-reduce of its progress (MIN) and one
@@ -55,9 +58,9 @@ def main() -> None:
         start = time.perf_counter()
         for _ in range(args.questions):
             progress = torch.tensor([args.rank], dtype=torch.int64)
-            pg.allreduce([progress], opts_min).wait()
+            allreduce([progress], opts_min).wait()
             vote = torch.tensor([1], dtype=torch.int64)
-            pg.allreduce([vote], opts_max).wait()
+            allreduce([vote], opts_max).wait()
         sglang.append(time.perf_counter() - start)
     pg.shutdown()
     print(json.dumps({"bare_allreduce": percentiles_us(bare), "sglang_style": percentiles_us(sglang)}), flush=True)

@@ -11,11 +11,13 @@ by an inference process there), so device <-> host is a memory copy.
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -40,13 +42,13 @@ def gib_s(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / (1 << 30)
 
 
-def timed(fn) -> float:
+def timed(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
 
 
-def compare(mover, raw, nbytes: int) -> dict:
+def compare(mover: Callable[[], object], raw: Callable[[], object], nbytes: int) -> dict:
     """Alternate the two so drift on a shared machine hits both alike."""
     ours, base = [], []
     for _ in range(REPEATS):
@@ -70,7 +72,7 @@ def bench_page_size(page_bytes: int, tokens: int, work: Path, master: MooncakeMa
     tokens_idx = torch.arange(n * tokens)
     out: list[dict] = []
 
-    def entry(name, figures):
+    def entry(name: str, figures: dict) -> None:
         out.append({"mover": name, "page_bytes": page_bytes, **figures})
 
     transfers = Transfers(Tiers(host, device), threads=1)
@@ -97,15 +99,15 @@ def bench_page_size(page_bytes: int, tokens: int, work: Path, master: MooncakeMa
         written[side].append(names)
         return names
 
-    def raw_write():
+    def raw_write() -> None:
         for name, buf in zip(fresh("raw"), buffers):
             with open(raw_dir / name, "wb") as fh:
-                fh.write(buf.view)
+                fh.write(buf.view.data)
 
-    def raw_read():
+    def raw_read() -> None:
         for name, buf in zip(written["raw"][-1], buffers):
             with open(raw_dir / name, "rb") as fh:
-                fh.readinto(buf.view)
+                fh.readinto(buf.view.data)
 
     entry("host->file", compare(lambda: transfers.submit((HOST, STORAGE), pages, fresh("mover")).result(),
                                 raw_write, nbytes))
@@ -114,30 +116,34 @@ def bench_page_size(page_bytes: int, tokens: int, work: Path, master: MooncakeMa
     transfers.close()
 
     if master is not None:
+        from cpcache.dataplane.storage.mooncake import MooncakeBackend
+
         store = open_backend("mooncake", master=master.master, metadata_server=master.metadata_server,
                              buffers=[(host.tensor.data_ptr(), host.nbytes)],
                              global_segment_size=4 * (BATCH_BYTES + (64 << 20)), local_buffer_size=16 << 20)
+        assert isinstance(store, MooncakeBackend)
+        raw_store = store._store  # the mooncake store itself, for the raw calls
         transfers = Transfers(Tiers(host, device, store), threads=1)
         addresses = [b.address for b in buffers]
         sizes = [page_bytes] * n
 
-        def fresh_keys():
+        def fresh_keys() -> list[str]:
             prefix = uuid.uuid4().hex[:12]
             return [f"m{prefix}_{i}" for i in pages]
 
-        def put_via_mover():
+        def put_via_mover() -> None:
             transfers.submit((HOST, STORAGE), pages, fresh_keys()).result()
 
-        def raw_put():
-            store._store.batch_put_from(fresh_keys(), addresses, sizes)
+        def raw_put() -> None:
+            raw_store.batch_put_from(fresh_keys(), addresses, sizes)
 
         entry("host->mooncake", compare(put_via_mover, raw_put, nbytes))
         stored = fresh_keys()
-        store._store.batch_put_from(stored, addresses, sizes)
+        raw_store.batch_put_from(stored, addresses, sizes)
         entry("mooncake->host", compare(
             lambda: transfers.submit((STORAGE, HOST), stored, pages).result(),
-            lambda: store._store.batch_get_into(stored, addresses, sizes), nbytes))
-        store._store.remove_all()
+            lambda: raw_store.batch_get_into(stored, addresses, sizes), nbytes))
+        raw_store.remove_all()
         transfers.close()
     return out
 
@@ -157,7 +163,7 @@ def run(with_mooncake: bool = True) -> dict:
             "device": "cuda" if torch.cuda.is_available() else "shared-memory file (no CUDA)"}
 
 
-def main(args) -> int:
+def main(args: argparse.Namespace) -> int:
     report = run(with_mooncake=not getattr(args, "no_mooncake", False))
     print(json.dumps(report) if args.json else json.dumps(report, indent=2))
     return 0

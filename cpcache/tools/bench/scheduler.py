@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import json
 import time
+from collections.abc import Awaitable
 
 from cpcache.client import AsyncClient
 from cpcache.daemon.main import loop_factory
@@ -25,13 +26,13 @@ def votes(count: int, rank: int) -> list[tuple[int, Reduce, int]]:
     return [(op, Reduce.MIN if op % 2 else Reduce.MAX, rank * 1000 + op) for op in range(1, count + 1)]
 
 
-async def timed(call) -> float:
+async def timed(call: Awaitable[object]) -> float:
     start = time.perf_counter()
     await call
     return time.perf_counter() - start
 
 
-async def run(args) -> dict:
+async def run(args: argparse.Namespace) -> dict:
     out: dict = {"bare_rpc": [], "steps": {}}
     async with AsyncClient(args.socket) as client:
         step = 0

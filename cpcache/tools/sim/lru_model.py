@@ -37,7 +37,7 @@ def model_hit_rates(requests: list[Request], batches: list[list[Request]], hashe
     device, host = LRU(device_pages), LRU(host_pages)
     storage: set[bytes] = set()
     landing: collections.deque[list[bytes]] = collections.deque([[] for _ in range(visible_after_steps)])
-    hits = collections.Counter()
+    hits: collections.Counter[str] = collections.Counter()
     total = 0
     for batch in batches:
         arriving: list[bytes] = []

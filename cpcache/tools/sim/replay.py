@@ -19,11 +19,11 @@ import asyncio
 import contextlib
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cpcache.client import AsyncClient
+from cpcache.client import AsyncClient, StepResult
 from cpcache.dataplane.pools import DevicePool
 from cpcache.geometry import KVGeometry
 from cpcache.keys import ShardingSpec
@@ -61,7 +61,7 @@ class ReplayConfig:
     run_dir: Path | None = None
 
 
-def arrivals(requests: list[Request], cfg: ReplayConfig):
+def arrivals(requests: list[Request], cfg: ReplayConfig) -> Iterator[list[Request]]:
     """Yield the requests of each step."""
     if cfg.time_scale <= 0:
         for i in range(0, len(requests), cfg.batch):
@@ -133,7 +133,8 @@ def merged(tallies: list[Tally]) -> Tally:
     return out
 
 
-async def _drive(cfg, domain: LocalDomain, requests, run_dir: Path, progress) -> dict:
+async def _drive(cfg: ReplayConfig, domain: LocalDomain, requests: list[Request], run_dir: Path,
+                 progress: Callable[[dict], None] | None) -> dict:
     topology = cfg.topology
     schedulers: list[SimScheduler] = []
     for rank, socket in enumerate(domain.sockets):
@@ -160,7 +161,7 @@ async def _drive(cfg, domain: LocalDomain, requests, run_dir: Path, progress) ->
     def total_tally() -> Tally:
         return merged([d.tally for d in domains])
 
-    async def one_step(batch) -> None:
+    async def one_step(batch: list[Request]) -> None:
         nonlocal steps
         routed: list[list[Request]] = [[] for _ in domains]
         for request in batch:
@@ -171,12 +172,14 @@ async def _drive(cfg, domain: LocalDomain, requests, run_dir: Path, progress) ->
         )
         latencies.append(time.perf_counter() - t0)
         steps += 1
-        failures = [r for r in replies if isinstance(r, Exception)]
-        if failures:
-            raise failures[0]
+        results: list[StepResult] = []
+        for outcome in replies:
+            if isinstance(outcome, BaseException):  # the first failure, cancellation included
+                raise outcome
+            results.append(outcome)
         at = 0
         for d in domains:  # replies come back in the order they were asked for
-            mine = replies[at : at + len(d.schedulers)]
+            mine = results[at : at + len(d.schedulers)]
             at += len(d.schedulers)
             d.divergences += len({r.wire for r in mine}) > 1
         hit_series.append(total_tally().hit_rates()["total"])

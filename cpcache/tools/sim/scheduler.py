@@ -14,6 +14,7 @@ import collections
 import hashlib
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -22,6 +23,9 @@ from cpcache.client import AsyncClient, Ops, StepResult
 from cpcache.dataplane.pools import DevicePool
 from cpcache.geometry import KVGeometry
 from cpcache.tools.sim.trace import PageHasher, Request
+
+# A step's operations being gathered, by `Ops` field name (tuples as `Ops` takes them).
+StepOpLists = dict[str, list[Any]]
 
 
 def page_content(storage_key: str, nbytes: int) -> np.ndarray:
@@ -120,7 +124,7 @@ class SimScheduler:
 
     async def iterate(self, arrivals: list[Request]) -> StepResult:
         pending = self.take_pending()
-        ops = {"prefetches": [], "polls": [], "writes": list(pending.writes), "loads": list(pending.loads),
+        ops: StepOpLists = {"prefetches": [], "polls": [], "writes": list(pending.writes), "loads": list(pending.loads),
                "revokes": []}
         ops["polls"] = list(self._waiting_prefetch)  # opened in earlier steps
         for request in arrivals:
@@ -134,7 +138,7 @@ class SimScheduler:
         await self._absorb(reply)
         return reply
 
-    async def _admit(self, request: Request, ops) -> None:
+    async def _admit(self, request: Request, ops: StepOpLists) -> None:
         pages = self.hasher.pages(request)
         page_tokens = self.geometry.page_size
         self.tally.requests += 1
@@ -165,7 +169,7 @@ class SimScheduler:
             self.tally.prefetches += 1
         self.active.append(active)
 
-    def _load(self, active: Active, first: int, count: int, ops) -> bool:
+    def _load(self, active: Active, first: int, count: int, ops: StepOpLists) -> bool:
         targets = self._allocate(count)
         if targets is None:
             return False
@@ -180,7 +184,7 @@ class SimScheduler:
         return True
 
     async def _absorb(self, reply: StepResult) -> None:
-        follow = {"loads": []}
+        follow: StepOpLists = {"loads": []}
         for op_id, pages in reply.prefetch_done.items():
             active = self._waiting_prefetch.pop(op_id, None)
             if active is None:

@@ -32,7 +32,7 @@ class Request:
     blocks: tuple[int, ...]
 
 
-def _non_negative_int(value, what: str, where: str) -> int:
+def _non_negative_int(value: object, what: str, where: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(f"{where}: {what} must be a non-negative integer, got {value!r}")
     return value
@@ -59,7 +59,7 @@ def parse(line: str, index: int, where: str = "trace") -> Request:
 
 def load(path: str | Path, limit: int | None = None, skip: int = 0) -> list[Request]:
     """Requests `skip` .. `skip + limit` of a trace (blank lines skipped)."""
-    out = []
+    out: list[Request] = []
     with open(path) as fh:
         for i, line in enumerate(fh):
             if i < skip:

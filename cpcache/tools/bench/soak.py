@@ -1,0 +1,529 @@
+"""`cpcache bench soak`: a million agreed decisions through four real daemons
+with faults injected on every side, checking at every step that the ranks
+agree and that every page loaded back holds the bytes written.
+
+One domain of 4 ranks (TP 4 x CP 2: attention TP 2 x CP 2) on the file
+backend, each rank with its own injected faults (storage delays and
+failures, device <-> host copy delays and failures, round delays). One
+driver process plays the replicated scheduler: each step sends the same
+`Step` to all ranks at once, carrying many votes (rank-dependent values, MIN
+or MAX: each agreed vote is one decision) and a mix of cache operations
+(write-throughs of device pages with known content, load-backs of pages the
+host index holds, prefetches of chains written earlier, polls, revokes).
+
+Scheduler-side faults are injected too:
+
+- cancelled calls: one rank's call gets a 1 ms deadline, then the same step
+  is sent again (same step, same bytes); its reply must be byte-identical to
+  the other ranks';
+- one-rank rejections: one rank gets the step with a repeated vote id; it
+  must answer `InvalidArgument`, every other rank `RejectedByPeer` naming it.
+
+Checked every step: replies byte-identical on every rank (`divergences`),
+agreed values equal to the MIN/MAX of what the ranks sent
+(`wrong_decisions`), no call longer than `HANG_S` (`hangs`), and, after each
+acknowledged load and `WaitLoads`, the target device pages of every rank
+hold exactly the bytes that rank wrote (`wrong_bytes`, in pages). Copy and
+storage failures come back as `write_failures` / `load_failures` / short
+prefetches: legitimate, counted.
+
+Exit status 0 iff divergences, hangs, wrong bytes, wrong decisions and
+unexpected errors are all 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import random
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from cpcache import errors
+from cpcache.client import AsyncClient, Ops, StepResult
+from cpcache.dataplane.pools import DevicePool
+from cpcache.geometry import KVGeometry
+from cpcache.keys import ShardingSpec
+from cpcache.tools.launcher import DomainSpec, LocalDomain
+from cpcache.tools.sim.scheduler import page_content
+from cpcache.topology import Topology
+from cpcache.values import Reduce
+
+GEOMETRY = KVGeometry(layers=2, kv_kind="mha", heads=1, head_dim=16, dtype="bfloat16", page_size=16)
+TOPOLOGY = Topology(tp=4, cp=2)
+HANG_S = 30.0  # a call (or a step's calls together) longer than this is a hang
+HASTY_S = 0.001  # the deadline of a call cancelled at once (it may not even reach the daemon)
+MID_ROUND_S = 0.05  # the deadline of a call cancelled while its daemon waits in the round for its peers
+VALUE_BOUND = 1 << 62
+BIG_VOTES = (1024, 4096)  # the vote count of a big step: uniform in this range
+
+# Faults per rank: (storage delay ms, storage fail rate, copy delay ms, copy fail rate, round delay ms).
+RANK_FAULTS = {
+    0: (0.0, 0.0, 0.0, 0.0, 0.0),
+    1: (5.0, 0.02, 1.0, 0.01, 0.5),
+    2: (20.0, 0.05, 3.0, 0.02, 0.0),
+    3: (2.0, 0.01, 0.5, 0.005, 1.0),
+}
+
+
+@dataclass
+class SoakConfig:
+    decisions: int = 1_000_000
+    seed: int = 1
+    votes_per_step: int = 48  # ordinary steps carry 1 .. 2*this-1 votes (mean: this)
+    big_every: int = 64  # one step in this many (on average) carries BIG_VOTES votes: the vector grows, then shrinks
+    device_pages: int = 512
+    host_pool_pages: int = 192
+    cancel_every: int = 29  # on average, one step in this many has one rank's call cancelled
+    reject_every: int = 31  # on average, one step in this many is rejected by one rank
+    writes_per_step: int = 2  # at most
+    loads_per_step: int = 2  # at most
+    prefetch_every: int = 3
+    revoke_every: int = 4  # one open prefetch in this many is revoked rather than polled
+    max_chain: int = 6  # pages per written chain: 1..max_chain
+    run_dir: Path | None = None
+
+
+@dataclass
+class Tally:
+    decisions: int = 0
+    injected_rejections: int = 0
+    divergences: int = 0
+    hangs: int = 0
+    wrong_bytes: int = 0  # loaded pages whose bytes differ from what was written, summed over ranks
+    wrong_decisions: int = 0
+    unexpected_errors: int = 0
+    wall_s: float = 0.0
+    steps: int = 0
+    accepted_steps: int = 0
+    cancelled_calls: int = 0
+    cancelled_mid_round: int = 0  # of which: cancelled while the daemon held the step in its round
+    retried_steps: int = 0
+    writes: int = 0
+    write_acks: int = 0
+    write_failures: int = 0
+    loads: int = 0
+    load_acks: int = 0
+    load_failures: int = 0
+    loaded_pages_verified: int = 0
+    prefetches: int = 0
+    prefetch_hits: int = 0
+    prefetch_done: int = 0
+    prefetch_done_pages: int = 0
+    prefetch_revoked: int = 0
+    polls: int = 0
+    revokes: int = 0
+    backups_stored: int = 0
+    backups_failed: int = 0
+    votes_per_step: float = 0.0  # mean, over the steps sent
+    max_votes_per_step: int = 0
+    decisions_per_s: float = 0.0
+    steps_per_s: float = 0.0
+    first_errors: list = field(default_factory=list)
+
+    def note(self, what: str) -> None:
+        if len(self.first_errors) < 10:
+            self.first_errors.append(what)
+
+    @property
+    def ok(self) -> bool:
+        return not (self.divergences or self.hangs or self.wrong_bytes or self.wrong_decisions
+                    or self.unexpected_errors)
+
+
+def rank_spec(run_dir: Path, seed: int, host_pool_pages: int) -> DomainSpec:
+    per_rank = {
+        rank: dict(fault_storage_delay_ms=sd, fault_storage_fail_rate=sf, fault_copy_delay_ms=cd,
+                   fault_copy_fail_rate=cf, fault_delay_ms=rd, fault_seed=seed * 100 + rank)
+        for rank, (sd, sf, cd, cf, rd) in RANK_FAULTS.items()
+    }
+    return DomainSpec(TOPOLOGY, run_dir, agreement_timeout_s=10.0,
+                      extra=dict(storage="file", storage_root=str(run_dir / "pages"), host_pool_pages=host_pool_pages,
+                                 prefetch_threshold_tokens=GEOMETRY.page_size),
+                      per_rank=per_rank)
+
+
+class Driver:
+    """The replicated scheduler: one model of the cache operations, sent
+    alike to every rank; per-rank device pools with per-rank page bytes."""
+
+    def __init__(self, cfg: SoakConfig, domain: LocalDomain, run_dir: Path) -> None:
+        self.cfg = cfg
+        self.domain = domain
+        self.run_dir = run_dir
+        self.rng = random.Random(cfg.seed)
+        self.nprng = np.random.default_rng(cfg.seed)
+        self.t = Tally()
+        self.votes_sent = 0
+        self.ranks = domain.size
+        self.clients: list[AsyncClient] = []
+        self.hasty: list[AsyncClient] = []
+        self.mid_round: list[AsyncClient] = []
+        self.pools: list[DevicePool] = []
+        self.suffixes: list[str] = []
+        self.step_no = 0
+        self.next_op = 0
+        self.next_chain = 0
+        self.free = list(range(cfg.device_pages - 1, -1, -1))
+        self.writing: dict[int, tuple[list[bytes], list[int]]] = {}  # write op -> (pages, source device pages)
+        self.loading: dict[int, tuple[list[bytes], list[int], list[bytes]]] = {}  # load op -> (pages, targets, chain)
+        self.prefetching: dict[int, list[bytes]] = {}  # open prefetch op -> pages
+        self.known: list[list[bytes]] = []  # chains acknowledged once (host, then perhaps storage)
+        self.busy: set[bytes] = set()  # pages of chains an open operation names
+        op_ids = np.arange(1, BIG_VOTES[1] + 1, dtype=np.int64)
+        self.vote_ids = op_ids.tolist()  # a step's votes are the first n of these
+        self.vote_reduces = [Reduce.MIN if op % 2 else Reduce.MAX for op in self.vote_ids]
+        self.is_min = (op_ids % 2 == 1)
+
+    # -- setup -------------------------------------------------------------------
+
+    async def attach(self) -> None:
+        for rank, socket in enumerate(self.domain.sockets):
+            client = AsyncClient(socket, timeout_s=HANG_S)
+            path = str(self.run_dir / f"pool-{rank}")
+            self.pools.append(DevicePool.create_shared_file(path, GEOMETRY, self.cfg.device_pages))
+            await client.attach("soak", GEOMETRY, self.cfg.device_pages, shm_path=path)
+            self.clients.append(client)
+            self.hasty.append(AsyncClient(socket, timeout_s=HASTY_S))
+            self.mid_round.append(AsyncClient(socket, timeout_s=MID_ROUND_S))
+            c = TOPOLOGY.coordinates(rank)
+            self.suffixes.append(ShardingSpec(cp_rank=c.cp, cp_size=TOPOLOGY.cp, tp_rank=c.atp,
+                                              tp_size=TOPOLOGY.atp).suffix())
+
+    async def close(self) -> None:
+        for client in (*self.clients, *self.hasty, *self.mid_round):
+            await client.close()
+
+    # -- device pages ----------------------------------------------------------------
+
+    def _content(self, rank: int, page: bytes) -> np.ndarray:
+        return page_content(f"{page.hex()}_{self.suffixes[rank]}", GEOMETRY.page_bytes)
+
+    def _write_device(self, rank: int, device_page: int, content: np.ndarray) -> None:
+        view = self.pools[rank].page_view(device_page)
+        view.copy_(torch.from_numpy(content.copy()).view(view.dtype).view(view.shape))
+
+    def _read_device(self, rank: int, device_page: int) -> np.ndarray:
+        return self.pools[rank].page_view(device_page).contiguous().view(-1).view(torch.uint8).numpy()
+
+    def _scribble(self, rank: int, device_page: int) -> None:
+        """Garbage in a load target, so a load that did not land shows."""
+        self._write_device(rank, device_page, np.full(GEOMETRY.page_bytes, 0xA5, dtype=np.uint8))
+
+    # -- one step's content --------------------------------------------------------------
+
+    def _op(self) -> int:
+        self.next_op += 1
+        return self.next_op
+
+    def _new_chain(self) -> list[bytes]:
+        self.next_chain += 1
+        n = self.rng.randint(1, self.cfg.max_chain)
+        return [hashlib.sha256(f"soak-{self.cfg.seed}-{self.next_chain}-{i}".encode()).digest() for i in range(n)]
+
+    async def _plan_ops(self) -> tuple[Ops, list]:
+        """This step's cache operations, and how to undo their bookkeeping if
+        the step is not taken."""
+        cfg, rng = self.cfg, self.rng
+        writes, loads, prefetches, polls, revokes = [], [], [], [], []
+        for op_id in list(self.prefetching):
+            if rng.randrange(cfg.revoke_every) == 0:
+                revokes.append(op_id)
+            else:
+                polls.append(op_id)
+        for _ in range(rng.randint(0, cfg.writes_per_step)):
+            chain = self._new_chain()
+            if len(self.free) < len(chain) + 8:
+                break
+            sources = [self.free.pop() for _ in chain]
+            for rank in range(self.ranks):
+                for page, d in zip(chain, sources):
+                    self._write_device(rank, d, self._content(rank, page))
+            op_id = self._op()
+            writes.append((op_id, chain, sources))
+            self.writing[op_id] = (chain, sources)
+            self.busy.update(chain)
+        candidates = [c for c in self.known[-64:] if not self.busy.intersection(c)]
+        rng.shuffle(candidates)
+        for chain in candidates[: rng.randint(0, cfg.loads_per_step)]:
+            # The host index is shared state: any rank's answer is every rank's.
+            host = (await self.clients[rng.randrange(self.ranks)].match(chain)).host_pages
+            if host == 0 or len(self.free) < host:
+                continue
+            pages = chain[:host]
+            targets = [self.free.pop() for _ in pages]
+            for rank in range(self.ranks):
+                for d in targets:
+                    self._scribble(rank, d)
+            op_id = self._op()
+            loads.append((op_id, pages, targets))
+            self.loading[op_id] = (pages, targets, chain)
+            self.busy.update(chain)
+        candidates = [c for c in self.known[-256:] if not self.busy.intersection(c)]
+        if candidates and rng.randrange(cfg.prefetch_every) == 0:
+            chain = rng.choice(candidates)
+            host = (await self.clients[0].match(chain)).host_pages
+            if host < len(chain):
+                rest = chain[host:]
+                parent = chain[host - 1] if host else b""
+                op_id = self._op()
+                prefetches.append((op_id, rest, len(rest) * GEOMETRY.page_size, parent))
+                self.prefetching[op_id] = chain
+                self.busy.update(chain)
+        ops = Ops(prefetches=tuple(prefetches), polls=tuple(polls), revokes=tuple(revokes), writes=tuple(writes),
+                  loads=tuple(loads))
+        return ops, [w[0] for w in writes] + [x[0] for x in loads] + [p[0] for p in prefetches]
+
+    def _untake(self, opened: list[int]) -> None:
+        """The step was not taken: nothing of it opened anywhere."""
+        for op_id in opened:
+            if op_id in self.writing:
+                chain, sources = self.writing.pop(op_id)
+                self.free.extend(sources)
+                self.busy.difference_update(chain)
+            elif op_id in self.loading:
+                _, targets, chain = self.loading.pop(op_id)
+                self.free.extend(targets)
+                self.busy.difference_update(chain)
+            elif op_id in self.prefetching:
+                self.busy.difference_update(self.prefetching.pop(op_id))
+
+    def _votes(self) -> tuple[list[list], np.ndarray]:
+        """This step's votes: the same questions on every rank, rank-dependent
+        values; and the agreed value each must get."""
+        cfg = self.cfg
+        if cfg.big_every and self.rng.randrange(cfg.big_every) == 0:
+            n = self.rng.randint(*BIG_VOTES)
+        else:
+            n = self.rng.randint(1, 2 * cfg.votes_per_step - 1)
+        self.votes_sent += n
+        self.t.max_votes_per_step = max(self.t.max_votes_per_step, n)
+        values = self.nprng.integers(-VALUE_BOUND, VALUE_BOUND, size=(self.ranks, n), dtype=np.int64)
+        expected = np.where(self.is_min[:n], values.min(axis=0), values.max(axis=0))
+        ids, reduces = self.vote_ids[:n], self.vote_reduces[:n]
+        per_rank = [list(zip(ids, reduces, row.tolist())) for row in values]
+        return per_rank, expected
+
+    # -- one step -------------------------------------------------------------------
+
+    async def _retrying(self, rank: int, step: int, votes: list[tuple[int, Reduce, int]], ops: Ops) -> StepResult:
+        """A call cancelled by its deadline, then the same request again."""
+        try:
+            return await self.hasty[rank].step(step, votes, ops)
+        except errors.Unavailable:
+            self.t.cancelled_calls += 1
+        self.t.retried_steps += 1
+        return await self.clients[rank].step(step, votes, ops)
+
+    async def step(self) -> None:
+        cfg, rng, t = self.cfg, self.rng, self.t
+        self.step_no += 1
+        step = self.step_no
+        t.steps += 1
+        inject = rng.randrange(cfg.cancel_every * cfg.reject_every)
+        reject_rank = rng.randrange(self.ranks) if inject < cfg.cancel_every else None
+        cancel_rank = rng.randrange(self.ranks) if reject_rank is None and inject % cfg.cancel_every == 1 else None
+        if reject_rank is not None:
+            ops, opened = Ops(), list[int]()  # a rejected step opens nothing: keep the cache work for later steps
+        else:
+            ops, opened = await self._plan_ops()
+        votes, expected = self._votes()
+        if cancel_rank is not None and rng.randrange(2):
+            # This rank's call goes first, alone: its daemon enters the round and
+            # waits for peers that have not been sent anything, until the
+            # call's deadline cancels it. Then every rank, that one retrying.
+            try:
+                early = await self.mid_round[cancel_rank].step(step, votes[cancel_rank], ops)
+                t.unexpected_errors += 1
+                t.note(f"step {step}: rank {cancel_rank} answered round {early.round} before its peers had the step")
+            except errors.Unavailable:
+                t.cancelled_calls += 1
+                t.cancelled_mid_round += 1
+            cancel_rank = None
+            t.retried_steps += 1
+        calls = []
+        for rank, client in enumerate(self.clients):
+            mine = votes[rank]
+            if rank == reject_rank:
+                mine = mine + [mine[0]]  # a vote id twice: this rank refuses the step
+            if rank == cancel_rank:
+                calls.append(self._retrying(rank, step, mine, ops))
+            else:
+                calls.append(client.step(step, mine, ops))
+        try:
+            results = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), HANG_S * 2)
+        except TimeoutError:
+            t.hangs += 1
+            t.note(f"step {step}: no answer from every rank within {HANG_S * 2:.0f}s")
+            raise
+        if reject_rank is not None:
+            self._check_rejection(step, reject_rank, results)
+            return
+        failed = [(r, x) for r, x in enumerate(results) if isinstance(x, BaseException)]
+        if failed:
+            for rank, exc in failed:
+                if isinstance(exc, errors.Divergence):
+                    t.divergences += 1
+                elif isinstance(exc, errors.Unavailable) and "Deadline" in str(exc):
+                    t.hangs += 1
+                else:
+                    t.unexpected_errors += 1
+                t.note(f"step {step} rank {rank}: {type(exc).__name__}: {exc}")
+            self._untake(opened)
+            return
+        replies = [r for r in results if isinstance(r, StepResult)]
+        if len({r.wire for r in replies}) != 1:
+            t.divergences += 1
+            t.note(f"step {step}: replies differ across ranks")
+            return
+        t.accepted_steps += 1
+        reply = replies[0]
+        ids = self.vote_ids[: len(expected)]
+        got = np.fromiter((reply.decisions.get(op, 0) for op in ids), dtype=np.int64, count=len(ids))
+        wrong = int(np.count_nonzero(got != expected)) + abs(len(reply.decisions) - len(ids))
+        if wrong:
+            t.wrong_decisions += wrong
+            t.note(f"step {step}: {wrong} agreed values differ from MIN/MAX of the votes")
+        t.decisions += len(reply.decisions)
+        t.writes += len(ops.writes)
+        t.loads += len(ops.loads)
+        t.prefetches += len(ops.prefetches)
+        t.polls += len(ops.polls)
+        t.revokes += len(ops.revokes)
+        await self._absorb(reply)
+
+    def _check_rejection(self, step: int, rank: int, results: list[StepResult | BaseException]) -> None:
+        t = self.t
+        own = results[rank]
+        good = isinstance(own, errors.InvalidArgument)
+        for r, x in enumerate(results):
+            if r != rank:
+                good = good and isinstance(x, errors.RejectedByPeer) and x.rank == rank \
+                    and x.peer_status == "INVALID_ARGUMENT"
+        if good:
+            t.injected_rejections += 1
+            return
+        if any(isinstance(x, errors.Divergence) for x in results):
+            t.divergences += 1
+        else:
+            t.unexpected_errors += 1
+        t.note(f"step {step}: rank {rank} rejected, answers: {[type(x).__name__ for x in results]} "
+               f"{[str(x)[:200] for x in results if isinstance(x, BaseException)]}")
+
+    async def _absorb(self, reply: StepResult) -> None:
+        t = self.t
+        for op_id in reply.write_acks:
+            chain, sources = self.writing.pop(op_id)
+            self.free.extend(sources)
+            self.busy.difference_update(chain)
+            self.known.append(chain)
+            t.write_acks += 1
+        for op_id in reply.write_failures:
+            chain, sources = self.writing.pop(op_id)
+            self.free.extend(sources)
+            self.busy.difference_update(chain)
+            t.write_failures += 1
+        t.prefetch_hits += len(reply.prefetch_hits)
+        for op_id, accepted in reply.prefetch_done.items():
+            self.busy.difference_update(self.prefetching.pop(op_id))
+            t.prefetch_done += 1
+            t.prefetch_done_pages += accepted
+        for op_id in reply.prefetch_revoked:
+            self.busy.difference_update(self.prefetching.pop(op_id))
+            t.prefetch_revoked += 1
+        for stored in reply.backups.values():
+            if stored:
+                t.backups_stored += 1
+            else:
+                t.backups_failed += 1
+        for op_id in reply.load_failures:
+            _, targets, chain = self.loading.pop(op_id)
+            self.free.extend(targets)
+            self.busy.difference_update(chain)
+            t.load_failures += 1
+        done = [op for op in reply.loads if op in self.loading]
+        if done:
+            await asyncio.wait_for(asyncio.gather(*(c.wait_loads(done, timeout_s=HANG_S) for c in self.clients)),
+                                   HANG_S + 10)
+            for op_id in done:
+                pages, targets, chain = self.loading.pop(op_id)
+                for rank in range(self.ranks):
+                    for page, d in zip(pages, targets):
+                        if not np.array_equal(self._read_device(rank, d), self._content(rank, page)):
+                            t.wrong_bytes += 1
+                            t.note(f"load {op_id}: rank {rank} device page {d} holds wrong bytes")
+                        t.loaded_pages_verified += 1
+                self.free.extend(targets)
+                self.busy.difference_update(chain)
+                t.load_acks += 1
+
+
+async def soak(cfg: SoakConfig, progress: Callable[[Tally, float], None] | None = None) -> Tally:
+    """Run the soak; returns its tally."""
+    own_dir = cfg.run_dir is None
+    run_dir = Path(tempfile.mkdtemp(prefix="cpsoak-")) if cfg.run_dir is None else cfg.run_dir
+    started = time.perf_counter()
+    async with LocalDomain(rank_spec(run_dir, cfg.seed, cfg.host_pool_pages)) as domain:
+        driver = Driver(cfg, domain, run_dir)
+        await driver.attach()
+        t = driver.t
+        loop_started = time.perf_counter()
+        last_report = loop_started
+        try:
+            while t.decisions < cfg.decisions:
+                await driver.step()
+                if t.hangs or t.unexpected_errors > 20:
+                    break
+                if progress is not None and time.perf_counter() - last_report > 10:
+                    last_report = time.perf_counter()
+                    progress(t, last_report - loop_started)
+        except TimeoutError:
+            pass  # counted as a hang
+        finally:
+            elapsed = time.perf_counter() - loop_started
+            await driver.close()
+    t.wall_s = round(time.perf_counter() - started, 2)
+    t.decisions_per_s = round(t.decisions / elapsed, 1) if elapsed else 0.0
+    t.steps_per_s = round(t.steps / elapsed, 2) if elapsed else 0.0
+    t.votes_per_step = round(driver.votes_sent / t.steps, 1) if t.steps else 0.0
+    if own_dir and t.ok:
+        import shutil
+
+        shutil.rmtree(run_dir, ignore_errors=True)
+    elif not t.ok:
+        t.note(f"daemon logs kept in {run_dir}")
+    return t
+
+
+def _progress(t: Tally, elapsed: float) -> None:
+    import sys
+
+    print(f"  {elapsed:6.0f}s  steps {t.steps}  decisions {t.decisions}  rejections {t.injected_rejections}  "
+          f"cancelled {t.cancelled_calls}  writes {t.write_acks}/{t.write_failures}  loads {t.load_acks}/"
+          f"{t.load_failures}  divergences {t.divergences}  wrong bytes {t.wrong_bytes}", file=sys.stderr, flush=True)
+
+
+async def main(args: argparse.Namespace) -> int:
+    cfg = SoakConfig(decisions=args.decisions, seed=args.seed)
+    t = await soak(cfg, None if args.json else _progress)
+    out = asdict(t)
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(f"soak: {t.decisions} agreed decisions in {t.steps} steps ({t.wall_s:.1f} s, "
+              f"{t.decisions_per_s:.0f} decisions/s)")
+        for key, value in out.items():
+            if key not in ("first_errors",):
+                print(f"  {key:22s} {value}")
+        for line in t.first_errors:
+            print(f"  ! {line}")
+        print("OK" if t.ok else "FAILED")
+    return 0 if t.ok else 1
