@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import enum
 import logging
 import os
@@ -24,6 +25,7 @@ from grpc_health.v1 import _async as health_async
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from torch.distributed import TCPStore
 
+from cpcache.agreement.attach import agree_on_attach, withdraw
 from cpcache.agreement.collective import Reducer, Rendezvous, build_reducer, host_store
 from cpcache.agreement.engine import AgreementEngine, DivergenceExchange, FaultInjection, peer_lost
 from cpcache.agreement.liveness import Heartbeat, diagnose
@@ -92,6 +94,7 @@ class Daemon:
         self._engine: AgreementEngine | None = None
         self._coordinator: Stepper | None = None
         self._background: set[asyncio.Task] = set()
+        self._attaching = False
         self._crashed = False  # a background task died: exit INTERNAL after the drain
 
     # -- what the servicer and the metrics see -----------------------------
@@ -133,20 +136,40 @@ class Daemon:
 
     async def attach(self, model_id: str, geometry: KVGeometry, device_pages: int, kind: str,
                      pool: str | pb.CudaIpcHandle) -> pb.AttachReply:
-        coordinator = self.admit_decision()
-        if coordinator.cache is not None:
+        """Open the pool and the cache here, then agree with every rank of the
+        domain that all of them attached the same thing; only then is the
+        cache used. The outcome belongs to the daemon: a cancelled call does
+        not undo it."""
+        task = asyncio.ensure_future(self._attach(model_id, geometry, device_pages, kind, pool))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        return await asyncio.shield(task)
+
+    async def _attach(self, model_id: str, geometry: KVGeometry, device_pages: int, kind: str,
+                      pool: str | pb.CudaIpcHandle) -> pb.AttachReply:
+        stepper = self.admit_decision()
+        if stepper.cache is not None:
             raise FailedPrecondition("a device pool is already attached to this daemon")
-        if kind == "shm_path":
-            device = await asyncio.to_thread(DevicePool.from_shared_file, pool, geometry, device_pages)
-        else:
-            assert isinstance(pool, pb.CudaIpcHandle)  # the oneof holds one or the other
-            handle = {f.name: getattr(pool, f.name) for f in pool.DESCRIPTOR.fields}
-            device = await asyncio.to_thread(DevicePool.from_cuda_ipc, handle, geometry, device_pages)
-        runtime = await asyncio.to_thread(open_cache, self.config, geometry, device)
-        if coordinator.cache is not None:  # a concurrent Attach won
-            runtime.io.transfers.close()
-            raise FailedPrecondition("a device pool is already attached to this daemon")
-        coordinator.cache = runtime
+        if self._attaching:
+            raise FailedPrecondition("an Attach is already in progress on this daemon")
+        self._attaching = True
+        runtime: CacheRuntime | None = None
+        store = self._rdzv.connect()
+        try:
+            try:
+                runtime = await asyncio.to_thread(self._open_cache, geometry, device_pages, kind, pool)
+            except CacheError:
+                await asyncio.to_thread(withdraw, store, self._rdzv.namespace, self.config.rank)
+                raise
+            descriptor = self._attach_descriptor(model_id, geometry, device_pages)
+            await asyncio.to_thread(agree_on_attach, store, self._rdzv.namespace, self.config.rank,
+                                    self._domain.ranks, descriptor, self.config.agreement_timeout_s)
+        except BaseException:
+            if runtime is not None:
+                runtime.io.transfers.close()
+            raise
+        finally:
+            self._attaching = False
+        stepper.cache = runtime
         self._key_seed = namespace_seed(model_id, geometry.dtype, self.config.host_layout, geometry.page_size)
         log.info("attached %s: %d device pages of %d bytes (%s)", model_id, device_pages, geometry.page_bytes, kind)
         storage = runtime.io.transfers.tiers.storage
@@ -155,6 +178,21 @@ class Daemon:
             host_layout=self.config.host_layout, storage=storage.name if storage else "none",
             key_seed=self._key_seed,
         )
+
+    def _open_cache(self, geometry: KVGeometry, device_pages: int, kind: str,
+                    pool: str | pb.CudaIpcHandle) -> CacheRuntime:
+        if isinstance(pool, str):
+            device = DevicePool.from_shared_file(pool, geometry, device_pages)
+        else:
+            handle = {f.name: getattr(pool, f.name) for f in pool.DESCRIPTOR.fields}
+            device = DevicePool.from_cuda_ipc(handle, geometry, device_pages)
+        return open_cache(self.config, geometry, device)
+
+    def _attach_descriptor(self, model_id: str, geometry: KVGeometry, device_pages: int) -> dict[str, Any]:
+        """What must be the same on every rank: it shapes the shared state."""
+        return {"model_id": model_id, "geometry": dataclasses.asdict(geometry), "device_pages": device_pages,
+                "host_pool_pages": self.config.host_pool_pages, "host_layout": self.config.host_layout,
+                "cache": dataclasses.asdict(self.config.cache_config)}
 
     def stats(self) -> dict[str, int]:
         counters = {"rounds_completed": self._engine.rounds_completed if self._engine else 0}

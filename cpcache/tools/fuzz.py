@@ -717,10 +717,12 @@ class Fuzz:
     # -- whole run
 
     async def attach_valid(self, run_dir: Path) -> None:
-        for rank, client in enumerate(self.clients):
-            path = str(run_dir / f"pool-{rank}")
+        paths = [str(run_dir / f"pool-{rank}") for rank in range(len(self.clients))]
+        for path in paths:
             DevicePool.create_shared_file(path, GEOMETRY, DEVICE_PAGES)
-            await client.attach("fuzz-model", GEOMETRY, DEVICE_PAGES, shm_path=path)
+        # Attach is agreed across the domain: every rank at once.
+        await asyncio.gather(*(c.attach("fuzz-model", GEOMETRY, DEVICE_PAGES, shm_path=p)
+                               for c, p in zip(self.clients, paths)))
         self.attached = True
 
     async def finish(self) -> None:

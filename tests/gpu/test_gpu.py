@@ -81,9 +81,10 @@ async def test_two_process_domain_on_one_gpu(run_dir):
     pools = [cuda_pool(16), cuda_pool(16)]
     async with LocalDomain(DomainSpec(Topology(tp=2), run_dir, extra=dict(host_pool_pages=16))) as domain:
         clients = [AsyncClient(s) for s in domain.sockets]
-        for client, pool in zip(clients, pools):
-            await client.attach("gpu-test", GEOMETRY, 16, cuda_ipc=ipc_handle(pool))
         import asyncio
+
+        await asyncio.gather(*(c.attach("gpu-test", GEOMETRY, 16, cuda_ipc=ipc_handle(p))
+                               for c, p in zip(clients, pools)))
 
         await asyncio.gather(*(round_trip(c, p, 1) for c, p in zip(clients, pools)))
         for c in clients:

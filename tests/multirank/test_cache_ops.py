@@ -23,15 +23,15 @@ PAGES = 8
 
 
 async def attach_all(domain, run_dir, device_pages=32):
-    clients, pools, seed = [], [], None
-    for rank, socket in enumerate(domain.sockets):
-        client = AsyncClient(socket)
-        path = str(run_dir / f"pool-{rank}")
-        pools.append(DevicePool.create_shared_file(path, GEOMETRY, device_pages))
-        reply = await client.attach("test-model", GEOMETRY, device_pages, shm_path=path)
-        seed = reply.key_seed
-        clients.append(client)
-    return clients, pools, seed
+    """Attach every rank at once (Attach is agreed across the domain)."""
+    import asyncio
+
+    clients = [AsyncClient(socket) for socket in domain.sockets]
+    paths = [str(run_dir / f"pool-{rank}") for rank in range(len(clients))]
+    pools = [DevicePool.create_shared_file(path, GEOMETRY, device_pages) for path in paths]
+    replies = await asyncio.gather(*(c.attach("test-model", GEOMETRY, device_pages, shm_path=path)
+                                     for c, path in zip(clients, paths)))
+    return clients, pools, replies[0].key_seed
 
 
 def write_page(pool: DevicePool, device_page: int, content: np.ndarray) -> None:

@@ -32,14 +32,17 @@ def spec(run_dir, lag=0, **extra):
 
 
 async def attach(domain, run_dir, device_pages=(8, 8)):
-    clients = []
-    for rank, socket in enumerate(domain.sockets):
-        client = AsyncClient(socket)
-        path = str(run_dir / f"pool-{rank}")
-        DevicePool.create_shared_file(path, GEOMETRY, device_pages[rank])
-        await client.attach("m", GEOMETRY, device_pages[rank], shm_path=path)
-        clients.append(client)
+    clients, _ = await attach_pools(domain, run_dir, device_pages)
     return clients
+
+
+async def attach_pools(domain, run_dir, device_pages=(8, 8)):
+    """Attach every rank at once: Attach is agreed across the domain."""
+    clients = [AsyncClient(s) for s in domain.sockets]
+    paths = [str(run_dir / f"pool-{rank}") for rank in range(len(clients))]
+    pools = [DevicePool.create_shared_file(p, GEOMETRY, n) for p, n in zip(paths, device_pages)]
+    await asyncio.gather(*(c.attach("m", GEOMETRY, n, shm_path=p) for c, p, n in zip(clients, paths, device_pages)))
+    return clients, pools
 
 
 async def both(clients, step, per_rank):
@@ -118,28 +121,36 @@ async def test_ranks_sent_different_cache_operations_diverge_everywhere_and_open
             await c.close()
 
 
-async def test_a_device_page_outside_one_ranks_pool_is_refused_on_every_rank(run_dir):
+async def test_mismatched_pools_fail_attach_on_every_rank_and_nothing_is_attached(run_dir):
     async with LocalDomain(spec(run_dir)) as domain:
-        clients = await attach(domain, run_dir, device_pages=(8, 4))
-        results = await both(clients, 1, [((), Ops(writes=((1, [bytes([1]) * 32], [6]),)))] * 2)
-        assert isinstance(results[1], errors.InvalidArgument) and "outside the attached pool of 4" in str(results[1])
-        assert isinstance(results[0], errors.RejectedByPeer) and results[0].rank == 1
-        stats = [await c.stats() for c in clients]
-        assert stats[0]["host_pages_used"] == stats[1]["host_pages_used"] == 0
-        assert stats[0]["cache_digest"] == stats[1]["cache_digest"]
+        clients = [AsyncClient(s) for s in domain.sockets]
+        paths = [str(run_dir / f"pool-{rank}") for rank in range(2)]
+        for path, pages in zip(paths, (8, 4)):
+            DevicePool.create_shared_file(path, GEOMETRY, pages)
+        results = await asyncio.gather(*(c.attach("m", GEOMETRY, n, shm_path=p)
+                                         for c, p, n in zip(clients, paths, (8, 4))), return_exceptions=True)
+        for result in results:
+            assert isinstance(result, errors.FailedPrecondition), result
+            assert "differ in device_pages" in str(result) and "ranks [0]" in str(result) and "ranks [1]" in str(result)
+        assert not any([(await c.status()).attached for c in clients])
+        # The scheduler fixes its pools and attaches again: every rank agrees this time.
+        DevicePool.create_shared_file(paths[1], GEOMETRY, 8)
+        await asyncio.gather(*(c.attach("m", GEOMETRY, 8, shm_path=p) for c, p in zip(clients, paths)))
+        results = await both(clients, 1, [((), Ops(writes=((1, [bytes([1]) * 32], [9]),)))] * 2)
+        assert all(isinstance(r, errors.InvalidArgument) for r in results)  # device page 9 of 8: refused alike
         for c in clients:
             await c.close()
 
 
-async def attach_pools(domain, run_dir, device_pages=8):
-    clients, pools = [], []
-    for rank, socket in enumerate(domain.sockets):
-        client = AsyncClient(socket)
-        path = str(run_dir / f"pool-{rank}")
-        pools.append(DevicePool.create_shared_file(path, GEOMETRY, device_pages))
-        await client.attach("m", GEOMETRY, device_pages, shm_path=path)
-        clients.append(client)
-    return clients, pools
+async def test_an_attach_one_rank_never_sends_fails_naming_it(run_dir):
+    async with LocalDomain(spec(run_dir)) as domain:
+        client = AsyncClient(domain.sockets[0])
+        path = str(run_dir / "pool-0")
+        DevicePool.create_shared_file(path, GEOMETRY, 8)
+        with pytest.raises(errors.Unavailable, match=r"ranks \[1\] did not attach"):
+            await client.attach("m", GEOMETRY, 8, shm_path=path)
+        assert not (await client.status()).attached
+        await client.close()
 
 
 async def test_lag1_write_acks_wait_for_slow_copies_and_load_back_exact_bytes(run_dir):

@@ -186,12 +186,14 @@ class Driver:
     # -- setup -------------------------------------------------------------------
 
     async def attach(self) -> None:
-        for rank, socket in enumerate(self.domain.sockets):
-            client = AsyncClient(socket, timeout_s=HANG_S)
-            path = str(self.run_dir / f"pool-{rank}")
+        paths = [str(self.run_dir / f"pool-{rank}") for rank in range(len(self.domain.sockets))]
+        for socket, path in zip(self.domain.sockets, paths):
             self.pools.append(DevicePool.create_shared_file(path, GEOMETRY, self.cfg.device_pages))
-            await client.attach("soak", GEOMETRY, self.cfg.device_pages, shm_path=path)
-            self.clients.append(client)
+            self.clients.append(AsyncClient(socket, timeout_s=HANG_S))
+        # Attach is agreed across the domain: every rank at once.
+        await asyncio.gather(*(c.attach("soak", GEOMETRY, self.cfg.device_pages, shm_path=p)
+                               for c, p in zip(self.clients, paths)))
+        for rank, socket in enumerate(self.domain.sockets):
             self.hasty.append(AsyncClient(socket, timeout_s=HASTY_S))
             self.mid_round.append(AsyncClient(socket, timeout_s=MID_ROUND_S))
             c = TOPOLOGY.coordinates(rank)

@@ -136,12 +136,15 @@ def merged(tallies: list[Tally]) -> Tally:
 async def _drive(cfg: ReplayConfig, domain: LocalDomain, requests: list[Request], run_dir: Path,
                  progress: Callable[[dict], None] | None) -> dict:
     topology = cfg.topology
+    clients = [AsyncClient(socket) for socket in domain.sockets]
+    pools = [DevicePool.create_shared_file(str(run_dir / f"device-{rank}.pool"), GEOMETRY, cfg.device_pages)
+             for rank in range(len(clients))]
+    # Attach is agreed: every rank attaches at once.
+    replies = await asyncio.gather(*(
+        client.attach("trace-replay", GEOMETRY, cfg.device_pages, shm_path=str(run_dir / f"device-{rank}.pool"))
+        for rank, client in enumerate(clients)))
     schedulers: list[SimScheduler] = []
-    for rank, socket in enumerate(domain.sockets):
-        client = AsyncClient(socket)
-        pool_path = str(run_dir / f"device-{rank}.pool")
-        pool = DevicePool.create_shared_file(pool_path, GEOMETRY, cfg.device_pages)
-        reply = await client.attach("trace-replay", GEOMETRY, cfg.device_pages, shm_path=pool_path)
+    for rank, (client, pool, reply) in enumerate(zip(clients, pools, replies)):
         coords = topology.coordinates(rank)
         suffix = ShardingSpec(cp_rank=coords.cp, cp_size=topology.cp, tp_rank=coords.atp,
                               tp_size=topology.atp).suffix()
