@@ -13,6 +13,7 @@ from typing import TypeVar
 
 from cpcache.errors import InvalidArgument
 from cpcache.topology import MODES, Topology
+from cpcache.values import split_host_port
 
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
@@ -121,8 +122,11 @@ class DaemonConfig:
                 raise bad(name, "must be > 0")
         if self.heartbeat_interval_s * 3 >= self.agreement_timeout_s:
             raise bad("heartbeat_interval_s", "must be under a third of agreement_timeout_s")
-        host, _, port = self.rendezvous.rpartition(":")
-        if not host or not port.isdigit():
+        try:
+            host, _ = split_host_port(self.rendezvous)
+        except InvalidArgument:
+            host = ""
+        if not host:
             raise bad("rendezvous", "must be host:port")
         if self.listen_tcp and not (self.token_file or (self.tls_cert and self.tls_key)):
             raise bad("listen_tcp", "TCP needs token_file or both tls_cert and tls_key")

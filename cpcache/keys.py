@@ -9,7 +9,7 @@ suffix from the declared sharding of the KV, never from rank numbers by habit.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cpcache.errors import InvalidArgument
@@ -79,5 +79,3 @@ class ShardingSpec:
             return True
         return int(page[:16], 16) % self.cp_size == self.cp_rank
 
-    def storage_keys(self, pages: Iterable[str]) -> list[str]:
-        return [self.storage_key(p) for p in pages]

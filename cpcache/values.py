@@ -22,6 +22,14 @@ class Reduce(enum.IntEnum):
     MAX = 2
 
 
+def split_host_port(address: str, what: str = "address") -> tuple[str, int]:
+    """`host:port` (the host may be empty or a bracketed IPv6 address)."""
+    host, _, port = address.rpartition(":")
+    if not port.isdigit() or not 0 <= int(port) < 65536:
+        raise InvalidArgument(f"{what} must be host:port, got {address!r}")
+    return host.strip("[]"), int(port)
+
+
 def check_id(value: int, what: str) -> int:
     """`value` if it lies in [0, 2**63), else `InvalidArgument` naming `what`."""
     if not 0 <= value < ID_LIMIT:

@@ -44,3 +44,13 @@ def test_unknown_key_in_file_is_named(tmp_path):
     config.write_text("rank = 0\nagreement_timeout = 3\n")
     with pytest.raises(InvalidArgument, match=r"unknown settings \['agreement_timeout'\]"):
         resolve(["--config", str(config)], {})
+
+
+def test_every_named_policy_has_its_class():
+    from cpcache.config import PREFETCH_POLICIES, WRITE_POLICIES, CacheConfig
+    from cpcache.state.policies import prefetch_policy, write_policy
+
+    for name in WRITE_POLICIES:
+        assert write_policy(CacheConfig(write_policy=name)) is not None
+    for name in PREFETCH_POLICIES:
+        assert prefetch_policy(CacheConfig(prefetch_policy=name)) is not None

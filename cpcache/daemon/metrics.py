@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from cpcache.agreement.engine import LatencyHistogram
+from cpcache.values import split_host_port
 
 
 class DaemonCollector:
@@ -83,8 +84,8 @@ class DaemonCollector:
 
 def serve(collector: DaemonCollector, address: str) -> int:
     """Serve /metrics on host:port (port 0: any free port); returns the port."""
-    host, _, port = address.rpartition(":")
+    host, port = split_host_port(address, "metrics_address")
     registry = CollectorRegistry()
     registry.register(collector)
-    server, _ = start_http_server(int(port), addr=host or "127.0.0.1", registry=registry)
+    server, _ = start_http_server(port, addr=host or "127.0.0.1", registry=registry)
     return server.server_address[1]

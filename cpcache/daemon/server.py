@@ -43,6 +43,7 @@ from cpcache.keys import namespace_seed
 from cpcache.rank.assembly import CacheRuntime, open_cache
 from cpcache.rank.stepper import Stepper
 from cpcache.v1 import daemon_pb2 as pb
+from cpcache.values import split_host_port
 
 log = logging.getLogger("cpcached")
 
@@ -80,7 +81,7 @@ class Daemon:
         self._topology = config.topology
         self._domain = self._topology.domain(config.rank)
         self._rdzv = Rendezvous(
-            *_split_host_port(config.rendezvous), config.deployment, config.epoch, config.rendezvous_timeout_s
+            *split_host_port(config.rendezvous), config.deployment, config.epoch, config.rendezvous_timeout_s
         )
         self._health = health_async.HealthServicer()
         self._servers: list[grpc.aio.Server] = []
@@ -285,7 +286,7 @@ class Daemon:
     def _join(self) -> Reducer:
         """Blocking rendezvous, on a worker thread."""
         if self.config.host_store:
-            host, port = _split_host_port(self.config.rendezvous)
+            host, port = split_host_port(self.config.rendezvous)
             self._store_server = host_store(host, port)
         store = self._rdzv.connect()
         self._heartbeat = Heartbeat(self._rdzv, self.config.rank, self.config.heartbeat_interval_s)
@@ -413,8 +414,3 @@ async def _bounded(fn: Callable[[], object], timeout_s: float, what: str) -> Non
         await asyncio.wait_for(done, timeout_s)
     except TimeoutError:
         log.warning("%s did not finish within %.0fs; exiting without it", what, timeout_s)
-
-
-def _split_host_port(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    return host, int(port)

@@ -57,7 +57,7 @@ def prefetch_policy(config: CacheConfig) -> PrefetchPolicy:
     return {"best_effort": BestEffort, "wait_complete": WaitComplete}[config.prefetch_policy]()
 
 
-WRITE_POLICIES: dict[str, type[WritePolicy]] = {
+_WRITE_POLICY_CLASSES: dict[str, type[WritePolicy]] = {  # keyed by config.WRITE_POLICIES
     "write_through": WriteThrough,
     "write_through_selective": WriteThroughSelective,
     "write_back": WriteBack,
@@ -65,4 +65,4 @@ WRITE_POLICIES: dict[str, type[WritePolicy]] = {
 
 
 def write_policy(config: CacheConfig) -> WritePolicy:
-    return WRITE_POLICIES[config.write_policy]()
+    return _WRITE_POLICY_CLASSES[config.write_policy]()

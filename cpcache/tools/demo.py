@@ -20,11 +20,9 @@ from pathlib import Path
 from cpcache.tools.sim.replay import ReplayConfig, replay
 from cpcache.topology import Topology
 
-DEFAULT_TRACE = "../shared/traces/conversation_trace.jsonl"
-
 
 def add_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--trace", default=DEFAULT_TRACE, help="a Mooncake-format trace (JSON lines)")
+    p.add_argument("--trace", required=True, help="a Mooncake-format trace (JSON lines)")
     p.add_argument("--requests", type=int, default=1000, help="how many requests to replay")
     p.add_argument("--skip", type=int, default=0, help="start this many requests into the trace")
     p.add_argument("--passes", type=int, default=1, help="replay the slice this many times")

@@ -10,14 +10,14 @@ import socket
 
 from cpcache.dataplane.storage import PageBuffer, StorageBackend, register
 from cpcache.errors import InvalidArgument, Unavailable
+from cpcache.values import split_host_port
 
 
 def _reachable(address: str, timeout_s: float) -> bool:
-    host, _, port = address.rpartition(":")
     try:
-        socket.create_connection((host, int(port)), timeout_s).close()
+        socket.create_connection(split_host_port(address, "storage_master"), timeout_s).close()
         return True
-    except (OSError, ValueError):
+    except (OSError, InvalidArgument):
         return False
 
 

@@ -146,9 +146,8 @@ async def _drive(cfg: ReplayConfig, domain: LocalDomain, requests: list[Request]
     schedulers: list[SimScheduler] = []
     for rank, (client, pool, reply) in enumerate(zip(clients, pools, replies)):
         coords = topology.coordinates(rank)
-        suffix = ShardingSpec(cp_rank=coords.cp, cp_size=topology.cp, tp_rank=coords.atp,
-                              tp_size=topology.atp).suffix()
-        schedulers.append(SimScheduler(client, pool, PageHasher(reply.key_seed, GEOMETRY.page_size), suffix,
+        sharding = ShardingSpec(cp_rank=coords.cp, cp_size=topology.cp, tp_rank=coords.atp, tp_size=topology.atp)
+        schedulers.append(SimScheduler(client, pool, PageHasher(reply.key_seed, GEOMETRY.page_size), sharding,
                                        cfg.device_pages))
     domains = [
         _Domain(i, topology.coordinates(group.ranks[0]).dp, group.ranks, [schedulers[r] for r in group.ranks])

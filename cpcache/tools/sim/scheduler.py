@@ -22,6 +22,7 @@ import torch
 from cpcache.client import AsyncClient, Ops, StepResult
 from cpcache.dataplane.pools import DevicePool
 from cpcache.geometry import KVGeometry
+from cpcache.keys import ShardingSpec
 from cpcache.tools.sim.trace import PageHasher, Request
 
 # A step's operations being gathered, by `Ops` field name (tuples as `Ops` takes them).
@@ -74,13 +75,13 @@ class Active:
 
 
 class SimScheduler:
-    def __init__(self, client: AsyncClient, device: DevicePool, hasher: PageHasher, storage_suffix: str,
+    def __init__(self, client: AsyncClient, device: DevicePool, hasher: PageHasher, sharding: ShardingSpec,
                  device_pages: int) -> None:
         self.client = client
         self.device = device
         self.geometry: KVGeometry = device.geometry
         self.hasher = hasher
-        self.suffix = storage_suffix
+        self.sharding = sharding  # the daemon's own: the same storage keys
         self.lru: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # page -> device page
         self.free = list(range(device_pages - 1, -1, -1))
         self.pinned: collections.Counter[int] = collections.Counter()
@@ -98,7 +99,7 @@ class SimScheduler:
     # -- device pool --------------------------------------------------------------
 
     def _key(self, page: bytes) -> str:
-        return f"{page.hex()}_{self.suffix}" if self.suffix else page.hex()
+        return self.sharding.storage_key(page.hex())
 
     def _allocate(self, count: int) -> list[int] | None:
         while len(self.free) < count:
