@@ -36,6 +36,7 @@ from cpcache.daemon.metrics import DaemonCollector
 from cpcache.daemon.servicer import CacheDaemonServicer
 from cpcache.daemon.status import tolerant
 from cpcache.daemon.systemd import Notifier
+from cpcache.daemon.wire import Attached, DaemonStatus
 from cpcache.dataplane.pools import DevicePool
 from cpcache.errors import CacheError, FailedPrecondition, PeerLost, Unavailable
 from cpcache.geometry import KVGeometry
@@ -136,7 +137,7 @@ class Daemon:
         return coordinator.cache
 
     async def attach(self, model_id: str, geometry: KVGeometry, device_pages: int, kind: str,
-                     pool: str | pb.CudaIpcHandle) -> pb.AttachReply:
+                     pool: str | pb.CudaIpcHandle) -> Attached:
         """Open the pool and the cache here, then agree with every rank of the
         domain that all of them attached the same thing; only then is the
         cache used. The outcome belongs to the daemon: a cancelled call does
@@ -146,7 +147,7 @@ class Daemon:
         return await asyncio.shield(task)
 
     async def _attach(self, model_id: str, geometry: KVGeometry, device_pages: int, kind: str,
-                      pool: str | pb.CudaIpcHandle) -> pb.AttachReply:
+                      pool: str | pb.CudaIpcHandle) -> Attached:
         stepper = self.admit_decision()
         if stepper.cache is not None:
             raise FailedPrecondition("a device pool is already attached to this daemon")
@@ -174,11 +175,8 @@ class Daemon:
         self._key_seed = namespace_seed(model_id, geometry.dtype, self.config.host_layout, geometry.page_size)
         log.info("attached %s: %d device pages of %d bytes (%s)", model_id, device_pages, geometry.page_bytes, kind)
         storage = runtime.io.transfers.tiers.storage
-        return pb.AttachReply(
-            page_bytes=geometry.page_bytes, host_pages=self.config.host_pool_pages,
-            host_layout=self.config.host_layout, storage=storage.name if storage else "none",
-            key_seed=self._key_seed,
-        )
+        return Attached(geometry.page_bytes, self.config.host_pool_pages, self.config.host_layout,
+                        storage.name if storage else "none", self._key_seed)
 
     def _open_cache(self, geometry: KVGeometry, device_pages: int, kind: str,
                     pool: str | pb.CudaIpcHandle) -> CacheRuntime:
@@ -212,13 +210,13 @@ class Daemon:
             counters["rejected_steps"] = coordinator.rejected_steps
         return counters
 
-    def status(self) -> pb.StatusReply:
+    def status(self) -> DaemonStatus:
         coordinator, engine = self._coordinator, self._engine
         failure = engine.failure if engine is not None else None
-        return pb.StatusReply(
+        return DaemonStatus(
             rank=self.config.rank,
             world_size=self._topology.world_size,
-            domain_ranks=self._domain.ranks,
+            domain_ranks=tuple(self._domain.ranks),
             mode=self.config.mode,
             agreement_lag=self.config.agreement_lag,
             last_step=coordinator.last_step if coordinator else 0,

@@ -13,7 +13,17 @@ import grpc
 
 from cpcache.agreement.rounds import Questions
 from cpcache.daemon.status import guarded
-from cpcache.daemon.wire import ops_from_wire, prefetches_from_wire, request_digest, step_reply, votes_from_wire
+from cpcache.daemon.wire import (
+    Attached,
+    DaemonStatus,
+    attach_reply,
+    ops_from_wire,
+    prefetches_from_wire,
+    request_digest,
+    status_reply,
+    step_reply,
+    votes_from_wire,
+)
 from cpcache.errors import CacheError, InvalidArgument, NotFound, Unavailable
 from cpcache.geometry import KVGeometry
 from cpcache.rank.assembly import CacheRuntime
@@ -36,11 +46,11 @@ class DaemonPort(Protocol):
     def cache_runtime(self) -> CacheRuntime: ...
 
     async def attach(self, model_id: str, geometry: KVGeometry, device_pages: int, kind: str,
-                     pool: str | pb.CudaIpcHandle) -> pb.AttachReply: ...
+                     pool: str | pb.CudaIpcHandle) -> Attached: ...
 
     def stats(self) -> dict[str, int]: ...
 
-    def status(self) -> pb.StatusReply: ...
+    def status(self) -> DaemonStatus: ...
 
     def count_rpc(self, method: str, code: str) -> None: ...
 
@@ -98,8 +108,9 @@ class CacheDaemonServicer(pb_grpc.CacheDaemonServicer):
         which = request.WhichOneof("pool")
         if which is None:
             raise InvalidArgument("attach: give shm_path (hosts without CUDA) or cuda_ipc")
-        return await self._daemon.attach(request.model_id, geometry, request.device_pages, which,
-                                         getattr(request, which))
+        attached = await self._daemon.attach(request.model_id, geometry, request.device_pages, which,
+                                             getattr(request, which))
+        return attach_reply(attached)
 
     @guarded
     async def WaitLoads(self, request: pb.WaitLoadsRequest, context: grpc.aio.ServicerContext) -> pb.WaitLoadsReply:
@@ -143,5 +154,5 @@ class CacheDaemonServicer(pb_grpc.CacheDaemonServicer):
 
     @guarded
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusReply:
-        return self._daemon.status()
+        return status_reply(self._daemon.status())
 

@@ -5,6 +5,7 @@ and the servicer carries that into the step's round as a rejection."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import asdict, dataclass
 
 from google.protobuf.message import Message
 
@@ -67,3 +68,38 @@ def step_reply(outcome: StepOutcome) -> pb.StepReply:
         reply.loads.add(op_id=op_id, pages=pages)
     reply.load_failures.extend(d.load_failures)
     return reply
+
+
+@dataclass(frozen=True)
+class Attached:
+    """What an Attach tells the scheduler."""
+
+    page_bytes: int
+    host_pages: int
+    host_layout: str
+    storage: str  # the backend's name, or "none"
+    key_seed: str  # hex seed of this model's page-hash chains
+
+
+def attach_reply(attached: Attached) -> pb.AttachReply:
+    return pb.AttachReply(**asdict(attached))
+
+
+@dataclass(frozen=True)
+class DaemonStatus:
+    rank: int
+    world_size: int
+    domain_ranks: tuple[int, ...]
+    mode: str
+    agreement_lag: int
+    last_step: int
+    rounds_completed: int
+    open_questions: int
+    state: str
+    failure: str
+    metrics_port: int
+    attached: bool
+
+
+def status_reply(status: DaemonStatus) -> pb.StatusReply:
+    return pb.StatusReply(**asdict(status))
