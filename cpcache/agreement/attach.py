@@ -2,9 +2,12 @@
 that shape the shared state) before the cache is used.
 
 Each rank publishes its latest attach descriptor in the rendezvous store and
-waits until every rank of the domain has published the same one. A daemon
-attaches once, so the latest descriptor is all that matters; a rank that
-fails locally withdraws its own, and its peers fail naming it. Knows nothing
+waits until every rank of the domain has published the same one; as soon as
+all have published and they differ, every rank fails naming what differs. A
+daemon attaches once, so the latest descriptor is all that matters. A rank
+that fails locally or times out withdraws its own, so no peer matches a dead
+attempt; a descriptor that differs stays, so every rank sees the same
+difference (a scheduler then attaches again on every rank). Knows nothing
 about caches: a descriptor is a flat JSON object.
 """
 
@@ -44,8 +47,8 @@ def agree_on_attach(store: Any, namespace: str, rank: int, ranks: tuple[int, ...
             theirs[r] = store.get(key).decode() if store.check([key]) else None
         if all(t == mine for t in theirs.values()):
             return
-        if time.monotonic() > deadline:
-            break
+        if all(t is not None for t in theirs.values()) or time.monotonic() > deadline:
+            break  # every rank has said what it attaches, and they differ: no point waiting
         time.sleep(POLL_S)  # a worker thread, polling a store that cannot notify changes
     differ = {r: json.loads(t) for r, t in theirs.items() if t is not None and t != mine}
     if differ:

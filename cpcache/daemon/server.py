@@ -155,17 +155,21 @@ class Daemon:
             raise FailedPrecondition("an Attach is already in progress on this daemon")
         self._attaching = True
         runtime: CacheRuntime | None = None
+        differs = False
         store = self._rdzv.connect()
         try:
-            try:
-                runtime = await asyncio.to_thread(self._open_cache, geometry, device_pages, kind, pool)
-            except CacheError:
-                await asyncio.to_thread(withdraw, store, self._rdzv.namespace, self.config.rank)
-                raise
+            runtime = await asyncio.to_thread(self._open_cache, geometry, device_pages, kind, pool)
             descriptor = self._attach_descriptor(model_id, geometry, device_pages)
-            await asyncio.to_thread(agree_on_attach, store, self._rdzv.namespace, self.config.rank,
-                                    self._domain.ranks, descriptor, self.config.agreement_timeout_s)
+            try:
+                await asyncio.to_thread(agree_on_attach, store, self._rdzv.namespace, self.config.rank,
+                                        self._domain.ranks, descriptor, self.config.agreement_timeout_s)
+            except FailedPrecondition:
+                differs = True  # the ranks attached different things: every rank must see it
+                raise
         except BaseException:
+            if not differs:
+                # Withdrawn, so a peer's retry never matches this failed attempt.
+                await asyncio.to_thread(withdraw, store, self._rdzv.namespace, self.config.rank)
             if runtime is not None:
                 runtime.io.transfers.close()
             raise

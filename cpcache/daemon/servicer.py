@@ -72,7 +72,7 @@ class CacheDaemonServicer(pb_grpc.CacheDaemonServicer):
             votes, ops = parse(request)
         except CacheError as exc:
             votes, ops, invalid = Questions.empty(), StepOps(), exc
-        except (TypeError, ValueError, OverflowError) as exc:
+        except Exception as exc:  # a request this daemon cannot read still takes part in its round
             votes, ops, invalid = Questions.empty(), StepOps(), InvalidArgument(f"unreadable step: {exc}")
         with self._daemon.in_flight():
             outcome = await stepper.step(request.step, votes, ops, invalid=invalid,

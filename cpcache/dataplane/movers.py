@@ -83,15 +83,19 @@ def _copy_pages(src_view: PageView, dst_view: PageView, src_pages: Iterable[int]
 
 def device_to_host(tiers: Tiers, job: TransferJob) -> TransferResult:
     device = _device(tiers)
-    _copy_pages(device.page_view, tiers.host.page_view, job.src, job.dst)
-    _synchronize(device.tensor)
+    try:
+        _copy_pages(device.page_view, tiers.host.page_view, job.src, job.dst)
+    finally:  # copies already queued must end before the slots count as idle
+        _synchronize(device.tensor)
     return TransferResult(job.job_id, True, len(job.src))
 
 
 def host_to_device(tiers: Tiers, job: TransferJob) -> TransferResult:
     device = _device(tiers)
-    _copy_pages(tiers.host.page_view, device.page_view, job.src, job.dst)
-    _synchronize(device.tensor)
+    try:
+        _copy_pages(tiers.host.page_view, device.page_view, job.src, job.dst)
+    finally:  # copies already queued must end before the slots count as idle
+        _synchronize(device.tensor)
     return TransferResult(job.job_id, True, len(job.src))
 
 
@@ -192,8 +196,14 @@ class Transfers:
             return failed
 
     def run_storage_call(self, fn: Callable[[], T]) -> Future[T]:
-        """Run a blocking storage call that is not a transfer (a lookup)."""
-        return self._storage.submit(fn)
+        """Run a blocking storage call that is not a transfer (a lookup).
+        While shutting down, the call is not run and its future fails."""
+        try:
+            return self._storage.submit(fn)
+        except RuntimeError as exc:
+            failed: Future[T] = Future()
+            failed.set_exception(exc)
+            return failed
 
     def counters(self) -> dict[str, dict[tuple[str, str], int]]:
         with self._counters_lock:

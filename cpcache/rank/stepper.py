@@ -32,7 +32,7 @@ from cpcache.agreement.rounds import Questions, RoundInput, RoundResult
 from cpcache.errors import CacheError, FailedPrecondition, InvalidArgument, RejectedByPeer, StepOrder
 from cpcache.hashing import hash62
 from cpcache.rank.assembly import CacheRuntime
-from cpcache.state.intents import Decisions
+from cpcache.state.intents import Decisions, Intent
 from cpcache.state.operations import Operation
 from cpcache.state.requests import StepOps
 from cpcache.values import ID_LIMIT
@@ -194,6 +194,15 @@ class Stepper:
             return CacheError(f"internal error checking the step: {type(exc).__name__}: {exc}")
         return None
 
+    def _start(self, intents: list[Intent]) -> None:
+        """Start this rank's I/O. The shared state has already changed: a
+        failure here must not also skip the rest of the round."""
+        assert self.cache is not None
+        try:
+            self.cache.io.start(intents)
+        except Exception as exc:
+            _never(exc)
+
     async def _settle_guarded(self, submitted: _Submitted) -> StepOutcome | CacheError:
         try:
             return await self._settle(submitted)
@@ -222,21 +231,28 @@ class Stepper:
             try:
                 intents, decided = cache.state.open(submitted.number, submitted.ops)
             except CacheError as exc:
-                # The same on every rank (shared state, same step): an agreed refusal.
-                self.rejected_steps += 1
-                return exc
-            cache.io.start(intents)
+                # The state moved since the step was checked (lag >= 1): the same
+                # on every rank, so each operation opens or fails on its own,
+                # answered by op id, and the round's answers still apply.
+                log.warning("step %d no longer opens as a whole (%s); opening its operations one by one",
+                            submitted.number, exc)
+                intents, decided = cache.state.open_each(submitted.number, submitted.ops)
+            self._start(intents)
         op_ids, values = result.of_kind(VOTE.code)
         chain = np.array([self._applied_chain, result.number], dtype=np.int64)
         self._applied_chain = hash62(chain.tobytes() + op_ids.tobytes() + values.tobytes())
         if cache is not None:
             decisions, intents = cache.state.apply(result)
-            cache.io.start(intents)
+            self._start(intents)
             cache.io.forget(cache.state.closed)
             cache.state.closed.clear()
             decided.merge(decisions)
         self.decision_count += len(op_ids) + decided.count()
         return StepOutcome(0, result.number, op_ids, values, result.digest, decided)
+
+
+def _never(exc: BaseException) -> None:
+    log.error("starting I/O failed; its operations stay pending here until the domain stops", exc_info=exc)
 
 
 def describe(ops: StepOps) -> tuple[str, ...]:

@@ -24,7 +24,7 @@ import numpy as np
 from cpcache.agreement.kinds import VOTE
 from cpcache.agreement.rounds import Questions, RoundResult
 from cpcache.config import CacheConfig
-from cpcache.errors import InvalidArgument, NotFound
+from cpcache.errors import CacheError, InvalidArgument, NotFound
 from cpcache.hashing import hash62
 from cpcache.keys import ShardingSpec
 from cpcache.state.allocator import PageAllocator
@@ -177,6 +177,32 @@ class CacheState:
                 self._record("poll", pf.serial)
         for write in ops.writes:
             intents += self._open_write(write, keep, decided)
+        return intents, decided
+
+    def open_each(self, step: int, ops: StepOps) -> tuple[list[Intent], Decisions]:
+        """Open a step's operations one at a time, in `open`'s order; one that
+        cannot open fails on its own, by op id (a load in load_failures, a
+        write in write_failures, a prefetch revoked with the reason)."""
+        intents: list[Intent] = []
+        decided = Decisions()
+        singles = ([StepOps(loads=(r,)) for r in ops.loads] + [StepOps(revokes=(i,)) for i in ops.revokes]
+                   + [StepOps(prefetches=(r,)) for r in ops.prefetches]
+                   + [StepOps(prefetch_polls=(i,)) for i in ops.prefetch_polls]
+                   + [StepOps(writes=(r,)) for r in ops.writes])
+        for single in singles:
+            try:
+                opened, decisions = self.open(step, single)
+            except CacheError as exc:
+                for load in single.loads:
+                    decided.load_failures.append(load.op_id)
+                for write in single.writes:
+                    decided.write_failures.append(write.op_id)
+                for prefetch in single.prefetches:
+                    decided.prefetch_revoked.append((prefetch.op_id, f"cannot open: {exc}"))
+                self._record("refused", step, repr(single))
+                continue
+            intents += opened
+            decided.merge(decisions)
         return intents, decided
 
     def _open_prefetch(self, op_id: int) -> Prefetch | None:

@@ -241,3 +241,45 @@ async def test_a_hung_store_does_not_hold_write_throughs(run_dir):
         assert not hits, "the write waited for the hung lookups"
         for c in clients:
             await c.close()
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+@pytest.mark.parametrize("kind", ["prefetch", "poll", "revoke", "write", "load"])
+async def test_a_cache_operation_sent_to_one_rank_only_diverges_everywhere_in_bounded_time(run_dir, kind, lag):
+    async with LocalDomain(spec(run_dir, lag, prefetch_threshold_tokens=0)) as domain:
+        clients, _ = await attach_pools(domain, run_dir)
+        page, step = bytes([4]) * 32, 0
+
+        async def agreed(ops=None):
+            nonlocal step
+            step += 1
+            replies = await both(clients, step, [((), ops)] * 2)
+            assert not any(isinstance(r, Exception) for r in replies), replies
+            return replies[0]
+
+        await agreed(Ops(prefetches=((5, [bytes([9]) * 32], GEOMETRY.page_size),)))  # stays open: threshold 0
+        await agreed(Ops(writes=((6, [page], [0]),)))
+        while 6 not in (await agreed()).write_acks:
+            pass
+        odd = {"prefetch": Ops(prefetches=((7, [bytes([8]) * 32], GEOMETRY.page_size),)), "poll": Ops(polls=(5,)),
+               "revoke": Ops(revokes=(5,)), "write": Ops(writes=((7, [bytes([7]) * 32], [1]),)),
+               "load": Ops(loads=((7, [page], [2]),))}[kind]
+        before = [(await c.stats())["cache_digest"] for c in clients]
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        step += 1
+        results = await both(clients, step, [((), odd), ((), None)])
+        if lag:
+            step += 1
+            results = await both(clients, step, [((), None)] * 2)
+        assert loop.time() - started < TIMEOUT_S + 1
+        for result in results:
+            assert isinstance(result, errors.Divergence), result
+            assert f"[{kind} " in str(result), str(result)
+        after = [(await c.stats())["cache_digest"] for c in clients]
+        assert after[0] == after[1]
+        if not lag:
+            assert after == before  # nothing of the step was opened anywhere
+        await agreed()
+        for c in clients:
+            await c.close()

@@ -297,17 +297,14 @@ class Domain:
                 try:
                     intents, decisions = rep.state.open(pending.number, pending.ops)
                 except CacheError as exc:
+                    # As the stepper does: each operation opens or fails on its own.
                     error = f"{type(exc).__name__}: {exc}"
+                    intents, decisions = rep.state.open_each(pending.number, pending.ops)
             errors.append(error)
-            if error is None:
-                new_intents.append(list(intents))
-                more_decisions, more = rep.state.apply(result)
-                decisions.merge(more_decisions)
-                new_intents[-1] += more
-            else:
-                more_decisions, more = rep.state.apply(result)
-                decisions.merge(more_decisions)
-                new_intents.append(list(more))
+            new_intents.append(list(intents))
+            more_decisions, more = rep.state.apply(result)
+            decisions.merge(more_decisions)
+            new_intents[-1] += more
             decided.append(decisions)
         if len(set(errors)) != 1:
             raise InvariantViolation(f"open raised differently across replicas: {errors}")
