@@ -32,25 +32,33 @@ def withdraw(store: Any, namespace: str, rank: int) -> None:
 
 
 def agree_on_attach(store: Any, namespace: str, rank: int, ranks: tuple[int, ...], descriptor: dict[str, Any],
-                    timeout_s: float) -> None:
-    """Publish `descriptor` and wait until every rank of `ranks` has published
-    the same. After `timeout_s`: `FailedPrecondition` naming the ranks whose
-    descriptor differs (and how), or `Unavailable` naming those that have not
-    attached."""
+                    attempt: int, timeout_s: float) -> None:
+    """Publish `descriptor` as this rank's attach number `attempt` and wait
+    until every rank of `ranks` has published the same descriptor. A peer's
+    different descriptor fails the attach at once when it is at least as
+    recent (its attempt number is not below this one; an older one may still
+    be replaced by the peer's retry). After `timeout_s`: `FailedPrecondition`
+    naming the ranks whose descriptor differs (and how), or `Unavailable`
+    naming those that have not attached."""
     mine = json.dumps(descriptor, sort_keys=True)
-    store.set(_key(namespace, rank), mine)
+    store.set(_key(namespace, rank), json.dumps({"attempt": attempt, "what": descriptor}, sort_keys=True))
     deadline = time.monotonic() + timeout_s
     while True:
-        theirs: dict[int, str | None] = {}
+        theirs: dict[int, tuple[int, str] | None] = {}
         for r in ranks:
             key = _key(namespace, r)
-            theirs[r] = store.get(key).decode() if store.check([key]) else None
-        if all(t == mine for t in theirs.values()):
+            if store.check([key]):
+                published = json.loads(store.get(key))
+                theirs[r] = (published["attempt"], json.dumps(published["what"], sort_keys=True))
+            else:
+                theirs[r] = None
+        if all(t is not None and t[1] == mine for t in theirs.values()):
             return
-        if all(t is not None for t in theirs.values()) or time.monotonic() > deadline:
-            break  # every rank has said what it attaches, and they differ: no point waiting
+        settled = all(t is not None and (t[1] == mine or t[0] >= attempt) for t in theirs.values())
+        if settled or time.monotonic() > deadline:
+            break  # every rank has said what it attaches now, and they differ: no point waiting
         time.sleep(POLL_S)  # a worker thread, polling a store that cannot notify changes
-    differ = {r: json.loads(t) for r, t in theirs.items() if t is not None and t != mine}
+    differ = {r: json.loads(t[1]) for r, t in theirs.items() if t is not None and t[1] != mine}
     if differ:
         fields = sorted(k for k in descriptor if any(d.get(k) != descriptor[k] for d in differ.values()))
         listing = "; ".join(f"ranks [{r}]: " + ", ".join(f"{k}={d.get(k)!r}" for k in fields)

@@ -97,6 +97,7 @@ class Daemon:
         self._coordinator: Stepper | None = None
         self._background: set[asyncio.Task] = set()
         self._attaching = False
+        self._attach_attempts = 0  # attaches that reached the agreement: tells a peer's stale one
         self._crashed = False  # a background task died: exit INTERNAL after the drain
 
     # -- what the servicer and the metrics see -----------------------------
@@ -161,8 +162,10 @@ class Daemon:
             runtime = await asyncio.to_thread(self._open_cache, geometry, device_pages, kind, pool)
             descriptor = self._attach_descriptor(model_id, geometry, device_pages)
             try:
+                self._attach_attempts += 1
                 await asyncio.to_thread(agree_on_attach, store, self._rdzv.namespace, self.config.rank,
-                                        self._domain.ranks, descriptor, self.config.agreement_timeout_s)
+                                        self._domain.ranks, descriptor, self._attach_attempts,
+                                        self.config.agreement_timeout_s)
             except FailedPrecondition:
                 differs = True  # the ranks attached different things: every rank must see it
                 raise
