@@ -502,17 +502,6 @@ class Fuzz:
             jobs.append(self.local_one(rpc, self.local_gen.r.randrange(len(self.ranks)), data, raw, request))
         await asyncio.gather(*jobs)
 
-    async def local_phase(self, rpcs: tuple[str, ...], quota: int) -> None:
-        """Send `quota` requests of each of `rpcs`, CONCURRENCY at a time."""
-        left = {rpc: quota for rpc in rpcs}
-        while any(left.values()):
-            batch: list[Any] = []
-            while len(batch) < CONCURRENCY and any(left.values()):
-                rpc = self.local_gen.r.choice([r for r, n in left.items() if n])
-                left[rpc] -= 1
-                batch.append(rpc)
-            await self.local_batch(batch)
-
     # -- decisions
 
     async def digests(self) -> list[int]:
@@ -755,7 +744,7 @@ class Fuzz:
         (attach_dir / "dir").mkdir()
         (attach_dir / "empty").touch()
         # Attach while nothing is attached (half), then everything else while the rounds run.
-        await self.local_phase(("Attach",), self.per_rpc // 2)
+        await self._locals({"Attach": self.per_rpc // 2})
         await self.attach_valid(run_dir)
         quotas = {rpc: self.per_rpc - (self.per_rpc // 2 if rpc == "Attach" else 0) for rpc in LOCALS}
         local = asyncio.ensure_future(self._locals(quotas))
@@ -767,6 +756,7 @@ class Fuzz:
         return self.report
 
     async def _locals(self, quotas: dict[str, int]) -> None:
+        """Send `quotas[rpc]` requests of each RPC, CONCURRENCY at a time."""
         left = dict(quotas)
         while any(left.values()):
             batch: list[Any] = []
