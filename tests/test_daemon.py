@@ -34,6 +34,15 @@ async def test_socket_is_private_to_its_owner(single):
     assert mode == 0o600
 
 
+async def test_a_socket_group_socket_is_born_group_writable_and_owned_by_the_group(run_dir):
+    import grp
+
+    group = grp.getgrgid(os.getgid()).gr_name
+    async with LocalDomain(DomainSpec(Topology(tp=1), run_dir, extra=dict(socket_group=group))) as domain:
+        info = os.stat(domain.sockets[0])
+        assert stat.S_IMODE(info.st_mode) == 0o660 and info.st_gid == os.getgid()
+
+
 BAD_REQUESTS = [
     (pb.StepRequest(step=0), grpc.StatusCode.INVALID_ARGUMENT, "outside [1, 2**63)"),
     (pb.StepRequest(step=2**63), grpc.StatusCode.INVALID_ARGUMENT, "outside [1, 2**63)"),
@@ -102,6 +111,18 @@ def test_tcp_without_token_or_tls_is_refused_at_start(run_dir):
     result = run_cpcached("--rank", "0", "--socket", str(run_dir / "s.sock"), "--listen-tcp", "127.0.0.1:0")
     assert result.returncode == ExitCode.CONFIG
     assert "setting listen_tcp" in result.stderr and "token_file" in result.stderr
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--socket-group", "no-such-group-here"], "setting socket_group: no group named 'no-such-group-here'"),
+    (["--listen-tcp", "127.0.0.1:0", "--token-file", "/nonexistent/token"], "setting token_file: cannot read"),
+    (["--listen-tcp", "127.0.0.1:0", "--tls-cert", "/nonexistent/c.pem", "--tls-key", "/nonexistent/k.pem"],
+     "setting tls_cert: cannot read"),
+])
+def test_unusable_listener_files_and_groups_exit_2_naming_the_setting(run_dir, flags, words):
+    result = run_cpcached("--rank", "0", "--socket", str(run_dir / "s.sock"), *flags)
+    assert result.returncode == ExitCode.CONFIG, result.stderr
+    assert words in result.stderr and "Traceback" not in result.stderr
 
 
 def test_bad_setting_is_named(run_dir):

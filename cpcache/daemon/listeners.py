@@ -15,20 +15,40 @@ import grpc
 
 from cpcache.config import DaemonConfig
 from cpcache.daemon.auth import TokenInterceptor
+from cpcache.errors import InvalidArgument
 
 log = logging.getLogger("cpcached")
 
 ServerFactory = Callable[[Sequence[grpc.aio.ServerInterceptor]], grpc.aio.Server]
 
 
+def check_listener_settings(config: DaemonConfig) -> None:
+    """Refuse at start, naming the setting, what the listeners could only
+    fail on later: a token or TLS file that cannot be read, a group that
+    does not exist."""
+    if config.token_file:
+        TokenInterceptor.from_file(config.token_file)
+    for name in ("tls_cert", "tls_key"):
+        path = getattr(config, name)
+        if path and not os.access(path, os.R_OK):
+            raise InvalidArgument(f"setting {name}: cannot read {path}")
+    if config.socket_group:
+        try:
+            grp.getgrnam(config.socket_group)
+        except KeyError:
+            raise InvalidArgument(f"setting socket_group: no group named {config.socket_group!r}") from None
+
+
 async def start_unix(config: DaemonConfig, new_server: ServerFactory) -> grpc.aio.Server:
-    """Serve on the unix socket: born 0600 (0660 with `socket_group`), never wider."""
+    """Serve on the unix socket, born 0600 (0660 with `socket_group`): the
+    mode comes from the umask at bind, so no chmod by path can be redirected
+    through a symlink planted in the socket's directory."""
     server = new_server(())
     path = config.socket_path
     os.makedirs(os.path.dirname(path) or ".", mode=0o750, exist_ok=True)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)  # a stale socket from a previous run
-    old_umask = os.umask(0o177)
+    old_umask = os.umask(0o117 if config.socket_group else 0o177)
     try:
         server.add_insecure_port("unix:" + path)
         await server.start()
@@ -36,7 +56,6 @@ async def start_unix(config: DaemonConfig, new_server: ServerFactory) -> grpc.ai
         os.umask(old_umask)
     if config.socket_group:
         os.chown(path, -1, grp.getgrnam(config.socket_group).gr_gid, follow_symlinks=False)
-        os.chmod(path, 0o660)
     log.info("listening on unix:%s", path)
     return server
 

@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 
+from cpcache.daemon.listeners import check_listener_settings
 from cpcache.daemon.server import Daemon, ExitCode
 from cpcache.daemon.settings import resolve
 from cpcache.errors import InvalidArgument
@@ -24,6 +25,7 @@ def loop_factory() -> asyncio.AbstractEventLoop:
 def main(argv: list[str] | None = None) -> int:
     try:
         config = resolve(argv)
+        check_listener_settings(config)
     except InvalidArgument as exc:
         print(f"cpcached: {exc}", file=sys.stderr)
         return ExitCode.CONFIG
