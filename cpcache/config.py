@@ -75,6 +75,8 @@ class DaemonConfig:
     heartbeat_interval_s: float = setting(0.1, "How often this daemon publishes its heartbeat.")
     drain_timeout_s: float = setting(0.0, "Longest shutdown waits for in-flight calls (0: agreement_timeout_s + 1).")
     host_pool_pages: int = setting(1024, "Pages in this daemon's host pool (the same on every rank).")
+    host_pool_max_bytes: int = setting(64 << 30,
+                                       "Largest host pool an Attach may size (pages x the client's page bytes).")
     host_layout: str = setting("page_first_direct", "Host pool layout: layer_first, page_first, page_first_direct.")
     io_threads: int = setting(4, "Threads that run transfers and storage calls.")
     storage: str = setting("none", "Storage backend: none, file or mooncake.")
@@ -136,6 +138,8 @@ class DaemonConfig:
             raise bad("socket", "must be a path")
         if self.storage not in ("none", "file", "mooncake"):
             raise bad("storage", "must be none, file or mooncake")
+        if self.host_pool_max_bytes < 1:
+            raise bad("host_pool_max_bytes", "must be >= 1")
         if self.host_pool_pages < 1 or self.io_threads < 1:
             raise bad("host_pool_pages" if self.host_pool_pages < 1 else "io_threads", "must be >= 1")
         if self.kv_cp_sharding not in ("cp_replicated", "cp_sharded"):

@@ -41,7 +41,7 @@ from cpcache.dataplane.pools import DevicePool
 from cpcache.errors import CacheError, FailedPrecondition, PeerLost, Unavailable
 from cpcache.geometry import KVGeometry
 from cpcache.keys import namespace_seed
-from cpcache.rank.assembly import CacheRuntime, open_cache
+from cpcache.rank.assembly import CacheRuntime, check_host_budget, open_cache
 from cpcache.rank.stepper import Stepper
 from cpcache.v1 import daemon_pb2 as pb
 from cpcache.values import split_host_port
@@ -187,6 +187,7 @@ class Daemon:
 
     def _open_cache(self, geometry: KVGeometry, device_pages: int, kind: str,
                     pool: str | pb.CudaIpcHandle) -> CacheRuntime:
+        check_host_budget(self.config, geometry)
         if isinstance(pool, str):
             device = DevicePool.from_shared_file(pool, geometry, device_pages)
         else:

@@ -13,6 +13,7 @@ from cpcache.dataplane.movers import Tiers, Transfers
 from cpcache.dataplane.pools import DevicePool, HostPool
 from cpcache.dataplane.storage import StorageBackend, open_backend
 from cpcache.dataplane.storage.faults import FaultyBackend, StorageFaults
+from cpcache.errors import ResourceExhausted
 from cpcache.geometry import KVGeometry
 from cpcache.keys import ShardingSpec
 from cpcache.state.allocator import PageAllocator
@@ -52,7 +53,18 @@ def open_storage(config: DaemonConfig, geometry: KVGeometry, host: HostPool) -> 
     return FaultyBackend(backend, faults) if faults.active else backend
 
 
+def check_host_budget(config: DaemonConfig, geometry: KVGeometry) -> None:
+    """The client's geometry sizes the host pool: refuse it past the budget,
+    before anything is allocated."""
+    need = geometry.page_bytes * config.host_pool_pages
+    if need > config.host_pool_max_bytes:
+        raise ResourceExhausted(
+            f"attach: {config.host_pool_pages} host pages of {geometry.page_bytes} bytes need {need} bytes, "
+            f"more than host_pool_max_bytes ({config.host_pool_max_bytes}); raise it or send a smaller geometry")
+
+
 def open_cache(config: DaemonConfig, geometry: KVGeometry, device: DevicePool) -> CacheRuntime:
+    check_host_budget(config, geometry)
     topology = config.topology
     coords = topology.coordinates(config.rank)
     host = HostPool(geometry, config.host_pool_pages, config.host_layout)

@@ -283,3 +283,18 @@ async def test_a_cache_operation_sent_to_one_rank_only_diverges_everywhere_in_bo
         await agreed()
         for c in clients:
             await c.close()
+
+
+async def test_a_host_pool_past_the_budget_is_refused_before_it_is_allocated(run_dir):
+    async with LocalDomain(spec(run_dir, host_pool_max_bytes=1000)) as domain:
+        clients = [AsyncClient(s) for s in domain.sockets]
+        paths = [str(run_dir / f"pool-{rank}") for rank in range(2)]
+        for path in paths:
+            DevicePool.create_shared_file(path, GEOMETRY, 8)
+        results = await asyncio.gather(*(c.attach("m", GEOMETRY, 8, shm_path=p) for c, p in zip(clients, paths)),
+                                       return_exceptions=True)
+        for result in results:
+            assert isinstance(result, errors.ResourceExhausted) and "host_pool_max_bytes" in str(result), result
+        assert (await clients[0].stats()).get("host_pages_free") is None  # nothing attached
+        for c in clients:
+            await c.close()
