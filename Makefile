@@ -7,10 +7,21 @@ STAMP := $(VENV)/.installed
 # would pull a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 SYSTEM_PACKAGES := libibverbs1
+# SGLang's own environment, for the tests that run its radix cache on the CPU
+# (tests/sglang). SGLang 0.5.23 cannot be pip-installed without CUDA: its wheel
+# goes in without dependencies, beside the light packages its cache code
+# imports; a constraint keeps torch at the local CPU build.
+SGLANG_VENV := .venv-sglang
+SGLANG_PY := $(SGLANG_VENV)/bin/python
+SGLANG_STAMP := $(SGLANG_VENV)/.installed
+SGLANG_PIN ?= sglang==0.5.23
+SGLANG_PACKAGES := numpy orjson psutil pybase64 requests packaging pillow starlette msgspec pydantic pyzmq tqdm \
+	ipython aiohttp triton apache-tvm-ffi transformers dill sentencepiece compressed-tensors gguf openai \
+	partial-json-parser datasets
 
 .PHONY: setup demo test bench proto clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(SGLANG_STAMP)
 
 $(STAMP): pyproject.toml
 	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
@@ -20,8 +31,19 @@ $(STAMP): pyproject.toml
 	@[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_PIN)"
 	@if command -v nvidia-smi >/dev/null 2>&1; then extra=mooncake; else extra=mooncake-cpu; fi; \
-	  echo "$(PY) -m pip install -q -e '.[dev,$$extra]'"; $(PY) -m pip install -q -e ".[dev,$$extra]"
+	  echo "$(PY) -m pip install -q -e '.[daemon,dev,$$extra]'"; $(PY) -m pip install -q -e ".[daemon,dev,$$extra]"
 	@touch $(STAMP)
+
+# The base cpcache package (client and integrations, no torch pin) goes into
+# SGLang's environment as an operator would install it.
+$(SGLANG_STAMP): pyproject.toml
+	@[ -x $(SGLANG_PY) ] || $(PYTHON) -m venv $(SGLANG_VENV)
+	@$(SGLANG_PY) -c "import torch" 2>/dev/null || $(SGLANG_PY) -m pip install -q "$(TORCH_PIN)"
+	@echo "$(TORCH_PIN)" > $(SGLANG_VENV)/constraints.txt
+	@$(SGLANG_PY) -c "import sglang" 2>/dev/null || $(SGLANG_PY) -m pip install -q --no-deps "$(SGLANG_PIN)"
+	$(SGLANG_PY) -m pip install -q -c $(SGLANG_VENV)/constraints.txt $(SGLANG_PACKAGES) pytest
+	$(SGLANG_PY) -m pip install -q -c $(SGLANG_VENV)/constraints.txt -e .
+	@touch $(SGLANG_STAMP)
 
 demo: setup
 	$(VENV)/bin/cpcache demo --trace ../shared/traces/conversation_trace.jsonl --plot demo.png
@@ -38,4 +60,4 @@ proto: setup
 	$(PY) proto/generate.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(SGLANG_VENV) build *.egg-info

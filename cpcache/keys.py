@@ -1,8 +1,15 @@
 """Page keys (DESIGN section 7).
 
 ``h_i = sha256(h_{i-1} || tokens_i as 4-byte little endian)``: the same bytes
-as SGLang's ``get_hash_str``, seeded by a namespace (model id, KV dtype,
-layout, page size) so two models never share keys. The storage key adds a
+as SGLang's ``get_hash_str``. A chain starts from a seed: the daemon's
+`namespace_seed` for its own schedulers, or, when SGLang drives it, SGLang's
+hashes as they come (`request_namespace_seed` is SGLang's
+``storage_namespace_seed`` for requests with an extra key or cache salt).
+
+Hashes come from schedulers and are not trusted to separate tenants: the
+daemon puts the tenant of the attached model (`tenant_of`) in front of every
+storage key, so a scheduler attached as one model cannot read, probe or
+overwrite another model's pages whatever hashes it sends. The key ends with a
 suffix from the declared sharding of the KV, never from rank numbers by habit.
 """
 
@@ -20,6 +27,26 @@ SHARDINGS = ("cp_replicated", "cp_sharded")
 def namespace_seed(model_id: str, dtype: str, layout: str, page_size: int) -> str:
     """The hex hash every chain of this model's pages starts from."""
     return hashlib.sha256(f"cpcache:{model_id}:{dtype}:{layout}:{page_size}".encode()).hexdigest()
+
+
+def request_namespace_seed(extra_key: str | None, cache_salt: str | None) -> str | None:
+    """SGLang's ``storage_namespace_seed``: the seed of a namespaced request's
+    chain (None when it has neither an extra key nor a cache salt)."""
+    if extra_key is None and cache_salt is None:
+        return None
+    digest = hashlib.sha256(b"sglang-cache-namespace-v1")
+    for part in (extra_key, cache_salt):
+        if part is None:
+            digest.update(b"\x00")
+            continue
+        encoded = part.encode("utf-8")
+        digest.update(b"\x01" + len(encoded).to_bytes(8, "little") + encoded)
+    return digest.hexdigest()
+
+
+def tenant_of(model_id: str, geometry_fingerprint: int) -> str:
+    """The storage namespace of an attached model: its id and KV geometry."""
+    return hashlib.sha256(f"cpcache-tenant:{model_id}:{geometry_fingerprint}".encode()).hexdigest()[:16]
 
 
 def page_hash(tokens: Sequence[int], prior: str | None) -> str:
@@ -52,6 +79,7 @@ class ShardingSpec:
     cp_size: int = 1
     tp_rank: int = 0
     tp_size: int = 1
+    tenant: str = ""  # `tenant_of` the attached model: the first part of every storage key
 
     def __post_init__(self) -> None:
         if self.cp not in SHARDINGS:
@@ -69,13 +97,21 @@ class ShardingSpec:
 
     def storage_key(self, page: str) -> str:
         suffix = self.suffix()
-        return f"{page}_{suffix}" if suffix else page
+        key = f"{page}_{suffix}" if suffix else page
+        return f"{self.tenant}.{key}" if self.tenant else key
 
     def writes(self, page: str) -> bool:
-        """Whether this rank writes `page` to storage. Replicated pages have one
-        elected writer per replica group, balanced by hash(page) mod size; the
-        others skip the write (and still take part in the ack round)."""
-        if self.cp == "cp_sharded" or self.cp_size == 1:
+        """Whether this rank writes `page` to storage. Ranks that hold the same
+        bytes under the same key form a replica group (CP ranks of a
+        cp_replicated page; attention-TP ranks too when heads are not split,
+        as with MLA); each group elects one writer per page, balanced by
+        hash(page) mod size. The others skip the write and still take part in
+        the ack round."""
+        cp_replicas = 1 if self.cp == "cp_sharded" else self.cp_size
+        tp_replicas = 1 if self.tp_sharded_heads else self.tp_size
+        replicas = cp_replicas * tp_replicas
+        if replicas == 1:
             return True
-        return int(page[:16], 16) % self.cp_size == self.cp_rank
+        me = (self.cp_rank if cp_replicas > 1 else 0) * tp_replicas + (self.tp_rank if tp_replicas > 1 else 0)
+        return int(page[:16], 16) % replicas == me
 

@@ -4,6 +4,7 @@ by a hand-kept list.
 
     tools -> daemon -> rank -> dataplane -> state -> agreement -> vocabulary
     client -> vocabulary (and the generated wire code)
+    integrations -> client -> vocabulary (what runs inside an inference server)
 
 The core (agreement, state, dataplane, rank and the vocabulary) never imports
 gRPC nor reads the environment: it can be embedded and tested without either.
@@ -16,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "cpcache"
 VOCABULARY = "vocabulary"  # the top-level modules: errors, values, config, topology, keys, geometry, hashing
 ORDER = ["vocabulary", "agreement", "state", "dataplane", "rank", "daemon", "tools"]
 # Rooms outside the chain, and what each may import besides itself.
-SIDE_ROOMS = {"client": {"vocabulary", "v1"}, "v1": set()}
+SIDE_ROOMS = {"client": {"vocabulary", "v1"}, "integrations": {"client", "vocabulary", "v1"}, "v1": set()}
 CORE = {"vocabulary", "agreement", "state", "dataplane", "rank"}
 
 

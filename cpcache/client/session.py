@@ -52,7 +52,9 @@ class HiCacheSession:
         self._prefetch_of: dict[str, int] = {}  # request id -> open prefetch op
         self._ended: dict[str, int] = {}  # request id -> pages prefetched (0 if revoked)
         self._acked: list[int] = []
+        self._write_failed: list[int] = []
         self._loaded: list[int] = []
+        self._load_failed: list[int] = []
 
     # -- prefetch ------------------------------------------------------------------
 
@@ -100,6 +102,12 @@ class HiCacheSession:
         acked, self._acked = self._acked, []
         return acked
 
+    def write_failures_check(self) -> list[int]:
+        """Write-throughs that failed on some rank (agreed): nothing of them
+        entered the host pool."""
+        failed, self._write_failed = self._write_failed, []
+        return failed
+
     def load_back(self, pages: list[bytes], device_pages: list[int]) -> int:
         op_id = next(self._ids)
         self._pending.loads.append((op_id, pages, device_pages))
@@ -108,6 +116,20 @@ class HiCacheSession:
     def loading_check(self) -> list[int]:
         loaded, self._loaded = self._loaded, []
         return loaded
+
+    def load_failures_check(self) -> list[int]:
+        """Load-backs that failed on some rank (agreed): their device pages
+        hold no agreed data."""
+        failed, self._load_failed = self._load_failed, []
+        return failed
+
+    def has_pending(self) -> bool:
+        """Calls made since the last flush, which the next flush sends."""
+        p = self._pending
+        return bool(p.prefetches or p.polls or p.revokes or p.writes or p.loads)
+
+    def open_prefetches(self) -> int:
+        return len(self._prefetch_of)
 
     def wait_loads(self, op_ids: list[int], timeout_s: float = 30.0) -> None:
         """Block until this rank's copies have reached the device (local)."""
@@ -134,5 +156,7 @@ class HiCacheSession:
                 self._ended[by_op[op_id]] = 0
                 del self._prefetch_of[by_op[op_id]]
         self._acked += reply.write_acks
+        self._write_failed += reply.write_failures
         self._loaded += list(reply.loads)
+        self._load_failed += reply.load_failures
         return reply

@@ -159,7 +159,7 @@ class Daemon:
         differs = False
         store = self._rdzv.connect()
         try:
-            runtime = await asyncio.to_thread(self._open_cache, geometry, device_pages, kind, pool)
+            runtime = await asyncio.to_thread(self._open_cache, model_id, geometry, device_pages, kind, pool)
             descriptor = self._attach_descriptor(model_id, geometry, device_pages)
             try:
                 self._attach_attempts += 1
@@ -185,7 +185,7 @@ class Daemon:
         return Attached(geometry.page_bytes, self.config.host_pool_pages, self.config.host_layout,
                         storage.name if storage else "none", self._key_seed)
 
-    def _open_cache(self, geometry: KVGeometry, device_pages: int, kind: str,
+    def _open_cache(self, model_id: str, geometry: KVGeometry, device_pages: int, kind: str,
                     pool: str | pb.CudaIpcHandle) -> CacheRuntime:
         check_host_budget(self.config, geometry)
         if isinstance(pool, str):
@@ -193,7 +193,7 @@ class Daemon:
         else:
             handle = {f.name: getattr(pool, f.name) for f in pool.DESCRIPTOR.fields}
             device = DevicePool.from_cuda_ipc(handle, geometry, device_pages)
-        return open_cache(self.config, geometry, device)
+        return open_cache(self.config, geometry, device, model_id)
 
     def _attach_descriptor(self, model_id: str, geometry: KVGeometry, device_pages: int) -> dict[str, Any]:
         """What must be the same on every rank: it shapes the shared state."""

@@ -15,7 +15,7 @@ from cpcache.dataplane.storage import StorageBackend, open_backend
 from cpcache.dataplane.storage.faults import FaultyBackend, StorageFaults
 from cpcache.errors import ResourceExhausted
 from cpcache.geometry import KVGeometry
-from cpcache.keys import ShardingSpec
+from cpcache.keys import ShardingSpec, tenant_of
 from cpcache.state.allocator import PageAllocator
 from cpcache.state.machine import CacheState
 
@@ -35,6 +35,7 @@ def open_storage(config: DaemonConfig, geometry: KVGeometry, host: HostPool) -> 
         config.storage,
         root=config.storage_root,
         geometry_fingerprint=geometry.fingerprint(),
+        page_bytes=geometry.page_bytes,
         capacity_bytes=config.storage_capacity_bytes,
         io_threads=config.io_threads,
         master=config.storage_master,
@@ -63,7 +64,7 @@ def check_host_budget(config: DaemonConfig, geometry: KVGeometry) -> None:
             f"more than host_pool_max_bytes ({config.host_pool_max_bytes}); raise it or send a smaller geometry")
 
 
-def open_cache(config: DaemonConfig, geometry: KVGeometry, device: DevicePool) -> CacheRuntime:
+def open_cache(config: DaemonConfig, geometry: KVGeometry, device: DevicePool, model_id: str = "") -> CacheRuntime:
     check_host_budget(config, geometry)
     topology = config.topology
     coords = topology.coordinates(config.rank)
@@ -79,6 +80,7 @@ def open_cache(config: DaemonConfig, geometry: KVGeometry, device: DevicePool) -
         cp_size=topology.cp,
         tp_rank=coords.atp,
         tp_size=topology.atp,
+        tenant=tenant_of(model_id, geometry.fingerprint()),
     )
     state = CacheState(config.cache_config, PageAllocator(host.pages), sharding, geometry.page_size, device.pages)
     return CacheRuntime(state, LocalIO(transfers, config.storage_timeout_s))

@@ -11,7 +11,7 @@ from cpcache.client import AsyncClient, Ops
 from cpcache.dataplane.pools import DevicePool
 from cpcache.dataplane.storage import PageBuffer, open_backend
 from cpcache.geometry import KVGeometry
-from cpcache.keys import ShardingSpec, chain
+from cpcache.keys import ShardingSpec, chain, tenant_of
 from cpcache.tools.launcher import DomainSpec, LocalDomain
 from cpcache.tools.sim.scheduler import page_content
 from cpcache.topology import Topology
@@ -63,10 +63,12 @@ async def test_revoked_prefetch_keeps_its_slots_until_the_slow_rank_is_done(run_
         # The pages are in storage (written with the same backend, as a peer would).
         for rank in range(2):
             backend = open_backend("file", root=str(run_dir / "pages"), geometry_fingerprint=GEOMETRY.fingerprint())
-            suffix = ShardingSpec(tp_rank=rank, tp_size=2).suffix()
-            data = np.concatenate([page_content(f"{p}_{suffix}", GEOMETRY.page_bytes) for p in pages])
+            # The daemon keys every page by the attached model's tenant.
+            sharding = ShardingSpec(tp_rank=rank, tp_size=2, tenant=tenant_of("test-model", GEOMETRY.fingerprint()))
+            keys = [sharding.storage_key(p) for p in pages]
+            data = np.concatenate([page_content(key, GEOMETRY.page_bytes) for key in keys])
             buffers = [PageBuffer(0, data[i * GEOMETRY.page_bytes:(i + 1) * GEOMETRY.page_bytes]) for i in range(PAGES)]
-            assert backend.put_from([f"{p}_{suffix}" for p in pages], buffers) == [True] * PAGES
+            assert backend.put_from(keys, buffers) == [True] * PAGES
         hashes = [bytes.fromhex(p) for p in pages]
         step = 1
         await step_all(clients, step, Ops(prefetches=((1, hashes, PAGES * GEOMETRY.page_size),)))

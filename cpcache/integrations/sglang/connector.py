@@ -1,0 +1,110 @@
+"""The scheduler's side of one rank's daemon, as SGLang's radix cache uses it.
+
+Everything here is deterministic given the agreed replies: every rank's
+scheduler makes the same calls in the same order, so every rank sends the
+same steps and reads the same decisions. Nothing here runs a collective.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from cpcache.client.core import Client, StepResult
+from cpcache.client.session import HiCacheSession
+from cpcache.errors import Unavailable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Tally:
+    """What the cache asked of the daemon and what was agreed, for reports."""
+
+    steps: int = 0
+    loads: int = 0
+    loaded_pages: int = 0
+    load_failures: int = 0
+    writes: int = 0
+    write_acks: int = 0
+    write_failures: int = 0
+    prefetches: int = 0
+    prefetched_pages: int = 0
+    decisions: list[tuple] = field(default_factory=list)  # the agreed decisions, in order
+
+
+class Connector:
+    def __init__(self, client: Client, first_step: int, load_timeout_s: float = 30.0) -> None:
+        self.client = client
+        self.session = HiCacheSession(client, first_step=first_step)
+        self.load_timeout_s = load_timeout_s
+        self.tally = Tally()
+        self._write_done: dict[int, Callable[[bool], None]] = {}  # write op -> called with stored?
+
+    # -- asks ---------------------------------------------------------------------
+
+    def match(self, pages: list[bytes]) -> int:
+        """Pages of `pages`, from the first, resident in the host pool (the
+        agreed state, the same on every rank between two steps)."""
+        if not pages:
+            return 0
+        return self.client.match(pages).host_pages
+
+    def write(self, pages: list[bytes], device_pages: list[int], parent: bytes | None,
+              done: Callable[[bool], None]) -> None:
+        """A write-through of device pages; `done(acked)` once it is decided."""
+        op = self.session.write_backup(pages, device_pages, parent)
+        self._write_done[op] = done
+        self.tally.writes += 1
+
+    def prefetch(self, rid: str, pages: list[bytes], tokens: int, parent: bytes | None) -> None:
+        self.session.prefetch_from_storage(rid, pages, tokens, parent)
+        self.tally.prefetches += 1
+
+    def load_now(self, pages: list[bytes], device_pages: list[int]) -> bool:
+        """Load host pages into device pages and return once every rank has
+        them (True) or the load failed on some rank (False), as agreed."""
+        op = self.session.load_back(pages, device_pages)
+        self.tally.loads += 1
+        deadline = time.monotonic() + self.load_timeout_s
+        loaded: set[int] = set()
+        failed: set[int] = set()
+        while op not in loaded and op not in failed:
+            if time.monotonic() > deadline:
+                raise Unavailable(f"load of {len(pages)} pages not decided in {self.load_timeout_s} s")
+            self.flush()
+            loaded.update(self.session.loading_check())
+            failed.update(self.session.load_failures_check())
+        ok = op in loaded
+        if ok:
+            self.tally.loaded_pages += len(pages)
+        else:
+            self.tally.load_failures += 1
+        return ok
+
+    # -- the iteration boundary -------------------------------------------------------
+
+    def busy(self) -> bool:
+        """Whether a flush has anything to send or wait for."""
+        return self.session.has_pending() or bool(self._write_done) or self.session.open_prefetches() > 0
+
+    def flush(self) -> StepResult:
+        reply = self.session.flush()
+        self.tally.steps += 1
+        self.tally.decisions.append(_decisions(reply))
+        for op in self.session.writing_check():
+            self.tally.write_acks += 1
+            self._write_done.pop(op)(True)
+        for op in self.session.write_failures_check():
+            self.tally.write_failures += 1
+            self._write_done.pop(op)(False)
+        self.tally.prefetched_pages += sum(reply.prefetch_done.values())
+        return reply
+
+
+def _decisions(reply: StepResult) -> tuple:
+    return (reply.step, reply.round, sorted(reply.prefetch_done.items()), sorted(reply.prefetch_revoked),
+            sorted(reply.write_acks), sorted(reply.write_failures), sorted(reply.loads.items()),
+            sorted(reply.load_failures), reply.digest)

@@ -1,0 +1,122 @@
+"""SGLang's device KV pool, placed where the rank's daemon can reach it.
+
+SGLang allocates its KV per layer: MHA as one (2, rows, heads, head_dim)
+tensor per layer with `k_buffer[l]` and `v_buffer[l]` its halves, MLA as one
+(rows, 1, kv_dim) `kv_buffer[l]`; rows = size + page_size (page 0 absorbs
+padded tokens). Stacked over layers this is exactly the daemon's device pool,
+[layers, components, tokens, heads, head_dim]. So the pool is moved once, at
+start, into one allocation the daemon maps (a shared-memory file on hosts
+without CUDA, one CUDA allocation shared by IPC handle elsewhere), and every
+per-layer buffer becomes a view of it: no copy on any step.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from cpcache.geometry import DTYPES, KVGeometry
+
+_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+@dataclass
+class SharedPool:
+    geometry: KVGeometry
+    device_pages: int
+    tensor: torch.Tensor  # [layers, components, rows, heads, head_dim]
+    shm_path: str = ""  # hosts without CUDA
+    cuda_ipc: dict[str, Any] | None = None  # CUDA hosts
+    _mapping: Any = None  # keeps a shared-memory mapping alive
+
+    def close(self) -> None:
+        if self.shm_path:
+            try:
+                os.unlink(self.shm_path)
+            except FileNotFoundError:
+                pass
+
+
+def geometry_of(kv_pool: Any, page_size: int) -> KVGeometry:
+    """The daemon's geometry for an SGLang MHA or MLA token-to-KV pool."""
+    dtype = _DTYPE_NAMES.get(kv_pool.store_dtype)
+    if dtype is None:
+        raise ValueError(f"cpcache: SGLang KV dtype {kv_pool.store_dtype} is not supported "
+                         f"(supported: {', '.join(DTYPES)})")
+    if hasattr(kv_pool, "kv_buffer") and not hasattr(kv_pool, "k_buffer"):
+        return KVGeometry(layers=kv_pool.layer_num, kv_kind="mla", heads=1, head_dim=kv_pool.kv_cache_dim,
+                          dtype=dtype, page_size=page_size)
+    if getattr(kv_pool, "v_head_dim", kv_pool.head_dim) != kv_pool.head_dim:
+        raise ValueError(f"cpcache: MHA with v_head_dim {kv_pool.v_head_dim} != head_dim {kv_pool.head_dim} "
+                         "is not supported")
+    if getattr(kv_pool, "kv_cache_layout", "nhd") != "nhd" or getattr(kv_pool, "use_hnd", False):
+        raise ValueError("cpcache: only SGLang's token-major (NHD) KV layout is supported")
+    return KVGeometry(layers=kv_pool.layer_num, kv_kind="mha", heads=kv_pool.head_num, head_dim=kv_pool.head_dim,
+                      dtype=dtype, page_size=page_size)
+
+
+def _rows(kv_pool: Any, geometry: KVGeometry) -> int:
+    first = kv_pool.kv_buffer[0] if geometry.kv_kind == "mla" else kv_pool.k_buffer[0]
+    rows = first.shape[0]
+    if rows % geometry.page_size:
+        raise ValueError(f"cpcache: {rows} KV rows are not a whole number of pages of {geometry.page_size}")
+    return rows
+
+
+def _allocate_shared_file(path: str, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, Any]:
+    import mmap
+
+    nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+        mapping = mmap.mmap(fd, nbytes)
+    finally:
+        os.close(fd)
+    return torch.frombuffer(mapping, dtype=torch.uint8).view(dtype).view(shape), mapping
+
+
+def share_device_pool(kv_pool: Any, page_size: int, shm_path: str) -> SharedPool:
+    """Move `kv_pool`'s buffers into one shared allocation, in place: the pool's
+    per-layer buffers become views of it, their contents kept."""
+    geometry = geometry_of(kv_pool, page_size)
+    rows = _rows(kv_pool, geometry)
+    shape = (geometry.layers, geometry.components, rows, geometry.heads, geometry.head_dim)
+    device = (kv_pool.kv_buffer[0] if geometry.kv_kind == "mla" else kv_pool.k_buffer[0]).device
+    mapping = None
+    if device.type == "cuda":
+        tensor = torch.empty(shape, dtype=geometry.torch_dtype, device=device)
+    else:
+        tensor, mapping = _allocate_shared_file(shm_path, shape, geometry.torch_dtype)
+    if geometry.kv_kind == "mla":
+        for layer in range(geometry.layers):
+            tensor[layer, 0].copy_(kv_pool.kv_buffer[layer])
+        kv_pool.kv_buffer = [tensor[layer, 0] for layer in range(geometry.layers)]
+    else:
+        for layer in range(geometry.layers):
+            tensor[layer, 0].copy_(kv_pool.k_buffer[layer])
+            tensor[layer, 1].copy_(kv_pool.v_buffer[layer])
+        kv_pool.k_buffer = [tensor[layer, 0] for layer in range(geometry.layers)]
+        kv_pool.v_buffer = [tensor[layer, 1] for layer in range(geometry.layers)]
+        # The pool's pointer tables must name the new buffers.
+        if hasattr(kv_pool, "_build_kv_buffer_descs"):
+            kv_pool._kv_buffer_descs = kv_pool._build_kv_buffer_descs()
+        if hasattr(kv_pool, "_init_data_ptrs_and_strides"):
+            kv_pool._init_data_ptrs_and_strides()
+    pool = SharedPool(geometry, rows // page_size, tensor, _mapping=mapping)
+    if device.type == "cuda":
+        pool.cuda_ipc = _cuda_ipc_fields(tensor)
+    else:
+        pool.shm_path = shm_path
+    return pool
+
+
+def _cuda_ipc_fields(tensor: torch.Tensor) -> dict[str, Any]:
+    (device, handle, storage_size, storage_offset, ref_counter_handle, ref_counter_offset, event_handle,
+     event_sync_required) = tensor.untyped_storage()._share_cuda_()
+    return dict(device=device, handle=handle, storage_size=storage_size, storage_offset=storage_offset,
+                ref_counter_handle=ref_counter_handle, ref_counter_offset=ref_counter_offset,
+                event_handle=event_handle, event_sync_required=event_sync_required)

@@ -1,0 +1,255 @@
+"""SGLang's unified radix tree with cpcache below the device tier.
+
+SGLang keeps the device tree (match, insert, evict) exactly as it is; the
+rank's daemon is the host and storage tiers. Every decision that ranks must
+share comes from the daemon's agreed replies, never from a collective here:
+
+    SGLang call                      cpcache
+    insert / checkpoint              write-through of the new pages (device -> host, then
+                                     storage by the daemon's write policy); the node stays
+                                     locked until the write is decided
+    match_prefix                     device match, then the host pages that follow it
+                                     (agreed state) as a host hit
+    init_load_back                   load of those pages into fresh device slots, returned
+                                     once every rank has them (or none: a miss)
+    prefetch_from_storage            a storage prefetch of the pages beyond the host hit
+    check_prefetch_progress          whether it has ended, as agreed
+    release_aborted_request          revoke
+    check_hicache_events             one Step for everything the iteration asked
+
+Evicting a device node needs no copy: its pages were written through, so a
+later match finds them in the host pool and loads them back.
+
+When the daemon cannot answer (it is down, or its domain lost a peer), the
+cache falls back to SGLang's device-only tree for the rest of the process's
+life: every rank's next step fails the same way (a lost peer is agreed), so
+every rank falls back at the same iteration. Locks held for writes in flight
+are released; the host and storage tiers are simply not used any more.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import (
+    EvictParams,
+    InitLoadBackParams,
+    InsertParams,
+    InsertResult,
+    MatchPrefixParams,
+    MatchResult,
+)
+from sglang.srt.mem_cache.unified_radix_cache import NodeId, UnifiedRadixCache
+
+from cpcache.errors import CacheError
+from cpcache.integrations.sglang.connector import Connector
+from cpcache.integrations.sglang.pool import SharedPool
+from cpcache.keys import chain, request_namespace_seed
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _HostHit:
+    key: Any  # the RadixKey matched
+    device_pages: int  # pages already on the device
+    pages: list[bytes]  # the host pages that follow them
+
+
+class CpcacheRadixCache(UnifiedRadixCache):
+    def __init__(self, params: Any, *, connector: Connector, pool: SharedPool) -> None:
+        # The parent constructor calls reset() before the connector exists.
+        self.connector: Connector | None = None
+        super().__init__(params)
+        self.connector = connector
+        self.shared_pool = pool
+        self._host_hits: dict[str, _HostHit] = {}
+        self._loading = False  # inserting pages loaded from the host: they are there already
+        self._write_locks: dict[int, tuple[NodeId, Any]] = {}  # lock number -> (node, lock) while a write is open
+        self._locks = 0
+        self.fallback_reason = ""
+
+    def _fall_back(self, exc: CacheError) -> None:
+        """Go on device-only: the daemon cannot decide any more."""
+        log.error("cpcache: the daemon cannot answer (%s); serving from the device tree only", exc)
+        self.fallback_reason = str(exc)
+        self.connector = None
+        self._host_hits.clear()
+        for node, lock in self._write_locks.values():
+            self.dec_lock_ref(node, lock)
+        self._write_locks.clear()
+
+    # -- keys -------------------------------------------------------------------------
+
+    def page_hashes(self, key: Any) -> list[bytes]:
+        """SGLang's page hashes of `key` (full pages), seeded like SGLang seeds
+        a namespaced request's storage chain."""
+        if getattr(key, "is_bigram", False):
+            return []  # EAGLE bigram keys are not cached below the device
+        tokens = list(key.raw_token_ids()[: len(key)])
+        seed = request_namespace_seed(getattr(key, "extra_key", None), getattr(key, "cache_salt", None))
+        return [bytes.fromhex(h) for h in chain(tokens, self.page_size, seed)]
+
+    # -- device -> host ---------------------------------------------------------------
+
+    def insert(self, params: InsertParams) -> InsertResult:
+        result = super().insert(params)
+        if self.connector is not None and not self._loading and not self.disable:
+            self._write_through(params.key, result.prefix_len)
+        return result
+
+    def _write_through(self, key: Any, known_tokens: int) -> None:
+        connector = self.connector
+        assert connector is not None
+        ps = self.page_size
+        hashes = self.page_hashes(key)
+        first = known_tokens // ps
+        if first >= len(hashes):
+            return
+        matched = super().match_prefix(MatchPrefixParams(key=key[: len(hashes) * ps]))
+        indices = self.path_device_indices(matched.last_device_node)
+        if len(indices) < len(hashes) * ps:
+            return  # not all on the device (a concurrent eviction): nothing to write
+        node = matched.last_device_node
+        self._locks += 1
+        number = self._locks
+        self._write_locks[number] = (node, self.inc_lock_ref(node).to_dec_params())
+        device_pages = (indices[first * ps : len(hashes) * ps : ps] // ps).tolist()
+
+        def done(_stored: bool) -> None:
+            held = self._write_locks.pop(number, None)
+            if held is not None:
+                self.dec_lock_ref(*held)
+
+        connector.write(hashes[first:], device_pages, hashes[first - 1] if first else None, done)
+
+    # -- host -> device ---------------------------------------------------------------
+
+    def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        result = super().match_prefix(params)
+        req = params.req
+        if req is None or self.connector is None or self.disable:
+            return result
+        self._host_hits.pop(req.rid, None)
+        hashes = self.page_hashes(params.key)
+        on_device = result.device_prefix_len // self.page_size
+        try:
+            host = self.connector.match(hashes[on_device:])
+        except CacheError as exc:
+            self._fall_back(exc)
+            return result
+        if host == 0:
+            return result
+        self._host_hits[req.rid] = _HostHit(params.key, on_device, hashes[on_device : on_device + host])
+        hit_tokens = host * self.page_size
+        return result._replace(
+            last_host_node=result.last_device_node,
+            best_match_node=result.last_device_node,
+            host_hit_length=hit_tokens,
+            full_kv_hit_length=max(result.full_kv_hit_length, result.device_prefix_len + hit_tokens),
+        )
+
+    def init_load_back(self, params: InitLoadBackParams) -> tuple[int, NodeId]:
+        req = params.req
+        connector = self.connector
+        hit = self._host_hits.pop(req.rid, None) if req is not None and connector is not None else None
+        fallback = req.last_node if req is not None else params.best_match_node
+        if hit is None or connector is None:
+            return 0, fallback
+        ps = self.page_size
+        tokens = len(hit.pages) * ps
+        slots = self.token_to_kv_pool_allocator.alloc(tokens)
+        if slots is None:
+            self.evict(EvictParams(num_tokens=tokens))
+            slots = self.token_to_kv_pool_allocator.alloc(tokens)
+        if slots is None:
+            return 0, fallback  # no room: the request computes its prefix
+        try:
+            loaded = connector.load_now(hit.pages, (slots[::ps] // ps).tolist())
+        except CacheError as exc:
+            self._fall_back(exc)
+            loaded = False
+        if not loaded:
+            self.token_to_kv_pool_allocator.free(slots)
+            return 0, fallback
+        prefix_tokens = hit.device_pages * ps
+        key = hit.key[: prefix_tokens + tokens]
+        on_device = super().match_prefix(MatchPrefixParams(key=key[:prefix_tokens]))
+        prefix = self.path_device_indices(on_device.last_device_node)[:prefix_tokens]
+        self._loading = True
+        try:
+            # The prefix's slots are the tree's own (prev_prefix_len); pages that
+            # reached the tree meanwhile make ours duplicates, which SGLang frees.
+            super().insert(InsertParams(key=key, value=torch.cat([prefix, slots]), prev_prefix_len=prefix_tokens))
+        finally:
+            self._loading = False
+        loaded = super().match_prefix(MatchPrefixParams(key=key))
+        return tokens, loaded.last_device_node
+
+    def ready_to_load_host_cache(self) -> int:
+        return -1  # loads end in init_load_back, before the batch that uses them
+
+    # -- storage -> host ----------------------------------------------------------------
+
+    def prefetch_from_storage(self, request: Any, last_host_node_id: Any, new_input_tokens: list[int],
+                              last_hash: str | None = None, prefix_keys: list[str] | None = None,
+                              matched_prefix_tokens: list[int] | None = None, extra_key: str | None = None,
+                              cache_salt: str | None = None, storage_hit_end: int | None = None) -> None:
+        if self.connector is None:
+            return
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        known = list(matched_prefix_tokens or [])
+        key = RadixKey(list(known) + list(new_input_tokens), extra_key=extra_key, cache_salt=cache_salt)
+        hashes = self.page_hashes(key)
+        first = len(known) // self.page_size
+        try:
+            first += self.connector.match(hashes[first:])  # pages already in the host need no prefetch
+        except CacheError as exc:
+            self._fall_back(exc)
+            return
+        if first >= len(hashes):
+            return
+        self.connector.prefetch(request.rid, hashes[first:], (len(hashes) - first) * self.page_size,
+                                hashes[first - 1] if first else None)
+
+    def check_prefetch_progress(self, handle: Any) -> bool:
+        if self.connector is None:
+            return True
+        ended = self.connector.session.check_prefetch_progress(handle.rid)
+        if ended:
+            pages = self.connector.session.prefetched_pages(handle.rid)
+            self.prefetch_loaded_tokens_by_reqid[handle] = pages * self.page_size
+        return ended
+
+    def release_aborted_request(self, handle: Any) -> None:
+        self.prefetch_loaded_tokens_by_reqid.pop(handle, None)
+        self._host_hits.pop(handle.rid, None)
+        if self.connector is not None:
+            self.connector.session.release_aborted_request(handle.rid)
+
+    # -- the iteration boundary ------------------------------------------------------------
+
+    def check_hicache_events(self) -> None:
+        if self.connector is not None and self.connector.busy():
+            try:
+                self.connector.flush()
+            except CacheError as exc:
+                self._fall_back(exc)
+
+    def has_pending_cache_operations(self) -> bool:
+        return self.connector is not None and self.connector.busy()
+
+    def supports_retraction_backup(self) -> bool:
+        return False
+
+    def reset(self) -> None:
+        if getattr(self, "connector", None) is not None:
+            self._host_hits.clear()
+            for node, lock in self._write_locks.values():
+                self.dec_lock_ref(node, lock)
+            self._write_locks.clear()
+        super().reset()

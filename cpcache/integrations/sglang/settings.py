@@ -1,0 +1,54 @@
+"""The backend's settings: a JSON file named by ``CPCACHE_SGLANG_CONFIG``.
+
+    {"socket": "/run/cpcache/rank-{rank}.sock", "model_id": "llama-3-8b",
+     "shm_dir": "/dev/shm", "token_file": "", "timeout_s": 30}
+
+`socket` may name `{rank}` (the process's rank in torch.distributed's world,
+which is what `cpcache launch` and the systemd units number daemons by) and
+`{tp_rank}`. `model_id` defaults to SGLang's served model name: pages are
+stored under it, and schedulers attached as another model never see them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, fields
+from typing import Any
+
+ENV = "CPCACHE_SGLANG_CONFIG"
+
+
+@dataclass(frozen=True)
+class Settings:
+    socket: str = "/run/cpcache/rank-{rank}.sock"
+    model_id: str = ""
+    shm_dir: str = "/dev/shm"
+    token_file: str = ""
+    timeout_s: float = 30.0
+
+    @staticmethod
+    def load(path: str | None = None) -> Settings:
+        path = path if path is not None else os.environ.get(ENV, "")
+        if not path:
+            return Settings()
+        with open(path) as fh:
+            raw = json.load(fh)
+        known = {f.name for f in fields(Settings)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"cpcache: {path}: unknown settings {', '.join(unknown)} "
+                             f"(known: {', '.join(sorted(known))})")
+        return Settings(**raw)
+
+    def socket_for(self, rank: int, tp_rank: int) -> str:
+        return self.socket.format(rank=rank, tp_rank=tp_rank)
+
+    def token(self) -> str | None:
+        if not self.token_file:
+            return None
+        with open(self.token_file) as fh:
+            return fh.read().strip() or None
+
+    def with_(self, **changes: Any) -> Settings:
+        return Settings(**{**{f.name: getattr(self, f.name) for f in fields(self)}, **changes})
