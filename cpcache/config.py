@@ -17,6 +17,11 @@ from cpcache.values import split_host_port
 
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+HOST_LAYOUTS = ("layer_first", "page_first", "page_first_direct")  # as cpcache.dataplane.pools.LAYOUTS
+STORAGES = ("none", "file", "mooncake")
+STORAGE_PROTOCOLS = ("tcp", "rdma")
+KV_CP_SHARDINGS = ("cp_replicated", "cp_sharded")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 T = TypeVar("T")
 
@@ -57,7 +62,8 @@ class DaemonConfig:
     pp: int = setting(1, "Pipeline-parallel size.")
     dp: int = setting(1, "Attention data-parallel size.")
     cp: int = setting(1, "Attention context-parallel size (splits the TP ranks).")
-    mode: str = setting("domain", "How rounds reduce: 'domain' (one group) or 'grid' (attn_cp then attn_tp).")
+    mode: str = setting("domain", "How rounds reduce: 'domain' (one group) or 'grid' (attn_cp then attn_tp).",
+                        choices=MODES)
     agreement_lag: int = setting(0, "Steps between a round and the reply that carries it (0: synchronous).")
     agreement_timeout_s: float = setting(10.0, "Longest a round may wait for peers before they count as lost.")
     rendezvous: str = setting("127.0.0.1:29650", "host:port of the TCPStore where the daemons meet.")
@@ -68,35 +74,47 @@ class DaemonConfig:
     gloo_host: str = setting("127.0.0.1", "Address gloo binds and advertises to peers.")
     socket: str = setting("/run/cpcache/rank-{rank}.sock", "Unix socket path for the gRPC API ({rank} expands).")
     socket_group: str = setting("", "Group that may use the socket (mode 0660); empty: owner only (0600).")
-    listen_tcp: str = setting("", "Also serve gRPC on host:port; needs token_file or tls_cert/tls_key.")
+    listen_tcp: str = setting("", "Also serve gRPC on host:port; needs mTLS (tls_client_ca) or token_file "
+                              "over TLS (a token alone: loopback only).")
     token_file: str = setting("", "File holding the shared token TCP clients must send.")
     tls_cert: str = setting("", "PEM certificate chain for TCP with TLS.")
     tls_key: str = setting("", "PEM private key for TCP with TLS.")
+    tls_client_ca: str = setting("", "PEM CA bundle: TCP clients must present a certificate it signed (mTLS).")
+    max_concurrent_rpcs: int = setting(1024, "Calls served at once per listener; more answer RESOURCE_EXHAUSTED.")
+    keepalive_time_s: float = setting(30.0, "TCP: ping a client connection idle this long (finds dead clients).")
+    keepalive_timeout_s: float = setting(10.0, "TCP: close a connection whose keepalive ping is unanswered this long.")
+    keepalive_min_ping_interval_s: float = setting(
+        10.0, "TCP: shortest client keepalive interval allowed (faster clients get GOAWAY too_many_pings).")
     heartbeat_interval_s: float = setting(0.1, "How often this daemon publishes its heartbeat.")
     drain_timeout_s: float = setting(0.0, "Longest shutdown waits for in-flight calls (0: agreement_timeout_s + 1).")
     host_pool_pages: int = setting(1024, "Pages in this daemon's host pool (the same on every rank).")
     host_pool_max_bytes: int = setting(64 << 30,
                                        "Largest host pool an Attach may size (pages x the client's page bytes).")
-    host_layout: str = setting("page_first_direct", "Host pool layout: layer_first, page_first, page_first_direct.")
+    host_layout: str = setting("page_first_direct", "Host pool layout: layer_first, page_first, page_first_direct.",
+                               choices=HOST_LAYOUTS)
     io_threads: int = setting(4, "Threads that run transfers and storage calls.")
-    storage: str = setting("none", "Storage backend: none, file or mooncake.")
+    storage: str = setting("none", "Storage backend: none, file or mooncake.", choices=STORAGES)
     storage_root: str = setting("/var/lib/cpcache/pages",
                                 "file: root directory (shared by the ranks that share pages).")
     storage_capacity_bytes: int = setting(0, "file: evict least recently used pages above this size (0: no limit).")
     storage_master: str = setting("127.0.0.1:50051", "mooncake: master address host:port.")
     storage_metadata_server: str = setting("http://127.0.0.1:8080/metadata", "mooncake: metadata server URL.")
-    storage_protocol: str = setting("tcp", "mooncake: transfer protocol (tcp, rdma).")
+    storage_protocol: str = setting("tcp", "mooncake: transfer protocol (tcp, rdma).", choices=STORAGE_PROTOCOLS)
     storage_device: str = setting("", "mooncake: RDMA device names, when the protocol is rdma.")
     storage_segment_bytes: int = setting(256 << 20, "mooncake: memory this rank contributes to the store.")
-    storage_timeout_s: float = setting(10.0, "A storage lookup unanswered after this long counts as a miss.")
-    kv_cp_sharding: str = setting("cp_replicated", "How CP ranks hold a page: cp_replicated or cp_sharded.")
-    prefetch_policy: str = setting("best_effort", "When a prefetch may end: best_effort, wait_complete, timeout.")
+    storage_timeout_s: float = setting(10.0, "Longest a storage call may take: a lookup is then a miss, a Match "
+                                      "UNAVAILABLE.")
+    kv_cp_sharding: str = setting("cp_replicated", "How CP ranks hold a page: cp_replicated or cp_sharded.",
+                                  choices=KV_CP_SHARDINGS)
+    prefetch_policy: str = setting("best_effort", "When a prefetch may end: best_effort, wait_complete, timeout.",
+                                   choices=PREFETCH_POLICIES)
     prefetch_threshold_tokens: int = setting(256, "Prefetches whose storage hit is below this are revoked.")
     prefetch_timeout_base_s: float = setting(2.0, "timeout policy: base seconds.")
     prefetch_timeout_per_ki_token_s: float = setting(0.1, "timeout policy: seconds per 1024 tokens.")
     prefetch_timeout_max_s: float = setting(30.0, "timeout policy: upper bound in seconds.")
     write_policy: str = setting("write_through",
-                                "Backups to storage: write_through, write_through_selective, write_back.")
+                                "Backups to storage: write_through, write_through_selective, write_back.",
+                                choices=WRITE_POLICIES)
     fault_delay_ms: float = setting(0.0, "Fault injection: each round waits uniform(0, this) ms first.")
     fault_storage_delay_ms: float = setting(0.0, "Fault injection: each storage batch waits uniform(0, this) ms.")
     fault_storage_fail_rate: float = setting(0.0, "Fault injection: probability that a page's storage I/O fails.")
@@ -105,7 +123,7 @@ class DaemonConfig:
     fault_copy_fail_rate: float = setting(0.0, "Fault injection: probability that a device <-> host copy fails.")
     fault_seed: int = setting(0, "Seed of the fault injection.")
     metrics_address: str = setting("", "Serve Prometheus metrics on host:port (port 0: any free port); empty: off.")
-    log_level: str = setting("INFO", "Logging level.")
+    log_level: str = setting("INFO", "Logging level (any case).", choices=LOG_LEVELS)
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> InvalidArgument:
@@ -119,7 +137,8 @@ class DaemonConfig:
             raise bad("mode", f"must be one of {', '.join(MODES)}")
         if self.agreement_lag < 0:
             raise bad("agreement_lag", "must be >= 0")
-        for name in ("agreement_timeout_s", "rendezvous_timeout_s", "heartbeat_interval_s", "storage_timeout_s"):
+        for name in ("agreement_timeout_s", "rendezvous_timeout_s", "heartbeat_interval_s", "storage_timeout_s",
+                     "keepalive_time_s", "keepalive_timeout_s", "keepalive_min_ping_interval_s"):
             if getattr(self, name) <= 0:
                 raise bad(name, "must be > 0")
         if self.heartbeat_interval_s * 3 >= self.agreement_timeout_s:
@@ -138,6 +157,8 @@ class DaemonConfig:
             raise bad("socket", "must be a path")
         if self.storage not in ("none", "file", "mooncake"):
             raise bad("storage", "must be none, file or mooncake")
+        if self.max_concurrent_rpcs < 1:
+            raise bad("max_concurrent_rpcs", "must be >= 1")
         if self.host_pool_max_bytes < 1:
             raise bad("host_pool_max_bytes", "must be >= 1")
         if self.host_pool_pages < 1 or self.io_threads < 1:
@@ -148,6 +169,11 @@ class DaemonConfig:
             if not 0 <= getattr(self, name) <= 1:
                 raise bad(name, "must be between 0 and 1")
         _ = self.cache_config  # validates the policies, naming them
+        for f in dataclasses.fields(self):  # every other setting with a fixed set of values
+            choices = f.metadata.get("choices")
+            value = getattr(self, f.name)
+            if choices and (value.upper() if f.name == "log_level" else value) not in choices:
+                raise bad(f.name, f"must be one of {', '.join(choices)}")
         if self.write_policy == "write_back" and self.storage == "none":
             raise bad("write_policy", "write_back needs storage (pages could never be evicted); set storage")
 

@@ -13,6 +13,11 @@ from cpcache.errors import InvalidArgument
 
 INT64_MAX = (1 << 63) - 1
 ID_LIMIT = 1 << 63
+# The largest request or reply either side sends: a step of many prefetches
+# (a 128k-token prompt at page size 1 is 4.5 MB of page hashes) fits many
+# times over; gRPC's default of 4 MiB does not. Larger requests are refused
+# with INVALID_ARGUMENT by the client before sending, and by the daemon.
+MAX_MESSAGE_BYTES = 64 << 20
 
 
 class Reduce(enum.IntEnum):

@@ -12,7 +12,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from cpcache import errors
-from cpcache.client import AsyncClient
+from cpcache.client import AsyncClient, core
 from cpcache.daemon.server import ExitCode
 from cpcache.tools.launcher import DomainSpec, LocalDomain
 from cpcache.topology import Topology
@@ -165,3 +165,37 @@ async def test_a_second_signal_cuts_the_drain_short(run_dir):
         with pytest.raises(errors.CacheError):
             await in_flight
         await a.close()
+
+
+async def test_a_long_prompt_fits_a_step_and_an_oversized_request_is_invalid_argument(run_dir):
+    """A 128k-token prefetch at page size 1 (4.5 MB of hashes, past gRPC's
+    default 4 MiB) is an ordinary step; past the message limit the client
+    refuses to send, and the daemon answers INVALID_ARGUMENT, not the
+    RESOURCE_EXHAUSTED that means "pool full"."""
+    from cpcache.client import Ops
+    from cpcache.dataplane.pools import DevicePool
+    from cpcache.geometry import KVGeometry
+    from cpcache.values import MAX_MESSAGE_BYTES
+
+    geometry = KVGeometry(layers=1, kv_kind="mla", heads=1, head_dim=8, dtype="float16", page_size=1)
+    async with LocalDomain(DomainSpec(Topology(tp=1), run_dir, extra=dict(storage="file",
+                                                                         storage_root=str(run_dir / "pages"),
+                                                                         host_pool_pages=64))) as domain:
+        DevicePool.create_shared_file(str(run_dir / "pool"), geometry, 16)
+        async with AsyncClient(domain.sockets[0]) as client:
+            await client.attach("long", geometry, 16, shm_path=str(run_dir / "pool"))
+            pages = [i.to_bytes(32, "little") for i in range(128 * 1024)]
+            reply = await client.step(1, ops=Ops(prefetches=((1, pages, len(pages)),)))
+            assert reply.step == 1
+            huge = Ops(prefetches=tuple((op, pages, len(pages)) for op in range(2, 20)))
+            with pytest.raises(errors.InvalidArgument, match="split it over several steps"):
+                await client.step(2, ops=huge)
+            request = core.step_request(2, ops=huge)
+            assert MAX_MESSAGE_BYTES < request.ByteSize() < 2 * MAX_MESSAGE_BYTES
+            async with grpc.aio.insecure_channel("unix:" + domain.sockets[0],
+                                                 options=[("grpc.max_send_message_length", -1)]) as channel:
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await pb_grpc.CacheDaemonStub(channel).Step(request)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "split it over several steps" in info.value.details()
+            assert (await client.status()).state == "serving"

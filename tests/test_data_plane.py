@@ -2,6 +2,7 @@
 every host layout, MHA and MLA, with the file backend and with Mooncake
 Store on a real mooncake_master."""
 
+import math
 import os
 import threading
 
@@ -13,6 +14,7 @@ from cpcache.dataplane.movers import DEVICE, HOST, STORAGE, Tiers, Transfers
 from cpcache.dataplane.pools import LAYOUTS, DevicePool, HostPool
 from cpcache.dataplane.storage import StorageBackend, open_backend
 from cpcache.dataplane.storage.faults import FaultyBackend, StorageFaults
+from cpcache.dataplane.storage.framing import HEADER
 from cpcache.errors import InvalidArgument, ResourceExhausted, Unavailable
 from cpcache.geometry import KVGeometry
 from cpcache.state.allocator import PageAllocator
@@ -189,3 +191,50 @@ def test_device_pool_file_too_small_for_the_geometry_is_refused(tmp_path):
     path.write_bytes(b"\0" * 100)
     with pytest.raises(InvalidArgument, match="need .* bytes, but .* holds 100"):
         DevicePool.from_shared_file(str(path), GEOMETRIES["mha"], pages=4)
+
+
+# SGLang's host buffer shapes (pool_host/mha.py and mla.py, init_kv_buffer),
+# for `pages` pages: the component leads, and MLA has none.
+def sglang_host_shape(g: KVGeometry, layout: str, pages: int) -> tuple[int, ...]:
+    size = pages * g.page_size
+    if g.kv_kind == "mla":
+        return {"layer_first": (g.layers, size, 1, g.head_dim), "page_first": (size, g.layers, 1, g.head_dim),
+                "page_first_direct": (pages, g.layers, g.page_size, 1, g.head_dim)}[layout]
+    return {"layer_first": (2, g.layers, size, g.heads, g.head_dim),
+            "page_first": (2, size, g.layers, g.heads, g.head_dim),
+            "page_first_direct": (2, pages, g.layers, g.page_size, g.heads, g.head_dim)}[layout]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("kv", ["mha", "mla"])
+def test_host_pages_sit_where_sglang_puts_them_and_are_stored_in_its_order(tmp_path, layout, kv):
+    geometry = GEOMETRIES[kv]
+    g = geometry
+    device = DevicePool.create_shared_file(str(tmp_path / "pool"), geometry, pages=4)
+    fill_random(device, seed=7)
+    host = HostPool(geometry, pages=4, layout=layout)
+    assert host.tensor.numel() == math.prod(sglang_host_shape(geometry, layout, 4))
+    sglang = host.tensor.view(sglang_host_shape(geometry, layout, 4))
+    store = open_backend("file", root=str(tmp_path / "store"), geometry_fingerprint=g.fingerprint())
+    tiers = Tiers(host, device, store)
+    transfers = Transfers(tiers, threads=1)
+    try:
+        assert transfers.submit((DEVICE, HOST), [2], [3]).result(10).success  # device page 2 -> host slot 3
+        assert transfers.submit((HOST, STORAGE), [3], ["stored-page"]).result(10).success
+    finally:
+        transfers.close()
+    page = device.tensor[:, :, 2 * g.page_size : 3 * g.page_size]  # [L, C, ps, H, D]
+    tokens = slice(3 * g.page_size, 4 * g.page_size)
+    views = {  # where SGLang reads component c of host slot 3, as [layers, page_size, heads, head_dim]
+        "layer_first": lambda c: sglang[c, :, tokens] if kv == "mha" else sglang[:, tokens],
+        "page_first": lambda c: (sglang[c, tokens] if kv == "mha" else sglang[tokens]).transpose(0, 1),
+        "page_first_direct": lambda c: sglang[c, 3] if kv == "mha" else sglang[3],
+    }
+    for c in range(g.components):
+        expected = page[:, c]  # [L, ps, H, D]
+        found = views[layout](c).reshape(expected.shape)
+        assert torch.equal(found.view(torch.uint8), expected.view(torch.uint8)), (layout, kv, c)
+    (stored,) = [p for p in (tmp_path / "store").rglob("stored-page") if p.is_file()]
+    payload = stored.read_bytes()[HEADER.size:]
+    # [components, layers, page_size, heads, head_dim], SGLang's page_first_direct order.
+    assert payload == page.transpose(0, 1).contiguous().view(-1).view(torch.uint8).numpy().tobytes()

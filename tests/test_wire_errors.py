@@ -9,6 +9,7 @@ import pytest
 
 from cpcache import errors
 from cpcache.client import AsyncClient, Client, core
+from cpcache.daemon.metrics import RpcMetrics
 from cpcache.daemon.status import guarded
 from cpcache.v1 import daemon_pb2 as pb
 from cpcache.v1 import daemon_pb2_grpc as pb_grpc
@@ -46,21 +47,27 @@ EXPECTED = {
 }
 
 
+class CountingMetrics(RpcMetrics):
+    def __init__(self) -> None:
+        super().__init__()
+        self.changed = asyncio.Event()
+
+    def _end(self, key: tuple[str, str, str], code: str, start: float) -> None:
+        super()._end(key, code, start)
+        self.changed.set()
+
+
 class FakeServicer(pb_grpc.CacheDaemonServicer):
     def __init__(self) -> None:
         self.release = asyncio.Event()
-        self.counted: list[tuple[str, str]] = []
-        self.counted_changed = asyncio.Event()
-
-    def count_rpc(self, method: str, code: str) -> None:
-        self.counted.append((method, code))
-        self.counted_changed.set()
+        self.metrics = CountingMetrics()  # the daemon's per-RPC metrics interceptor
 
     async def wait_counted(self, method: str, code: str) -> None:
         """The status reaches the client before the handler's `finally` runs."""
-        while (method, code) not in self.counted:
-            self.counted_changed.clear()
-            await asyncio.wait_for(self.counted_changed.wait(), 5)
+        key = ("cpcache.v1.CacheDaemon", method, "unary", code)
+        while key not in self.metrics.handled:
+            self.metrics.changed.clear()
+            await asyncio.wait_for(self.metrics.changed.wait(), 5)
 
     @guarded
     async def Step(self, request, context):
@@ -83,7 +90,7 @@ class FakeServicer(pb_grpc.CacheDaemonServicer):
 @pytest.fixture
 async def daemon(run_dir):
     servicer = FakeServicer()
-    server = grpc.aio.server()
+    server = grpc.aio.server(interceptors=[servicer.metrics])
     pb_grpc.add_CacheDaemonServicer_to_server(servicer, server)
     socket = str(run_dir / "d.sock")
     server.add_insecure_port("unix:" + socket)

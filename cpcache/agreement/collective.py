@@ -10,6 +10,7 @@ never meet in the store.
 from __future__ import annotations
 
 import datetime
+import socket
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -47,8 +48,24 @@ class Rendezvous:
 
 
 def host_store(host: str = "127.0.0.1", port: int = 0) -> TCPStore:
-    """Serve a rendezvous store (port 0: any free port, read back `.port`)."""
-    return TCPStore(host, port, is_master=True, wait_for_workers=False)
+    """Serve a rendezvous store on `host` only (port 0: any free port, read
+    back `.port`). TCPStore itself would listen on every interface whatever
+    host it is given, so the socket is bound here and handed over."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        raise InvalidArgument(f"setting rendezvous: cannot resolve {host!r}: {exc}") from None
+    listener = socket.socket(family, kind, proto)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+        listener.listen(1024)
+    except OSError as exc:
+        listener.close()
+        raise InvalidArgument(f"setting rendezvous: cannot listen on {host}:{port}: {exc}") from None
+    bound = listener.getsockname()[1]
+    # The store owns the descriptor from here (it closes it when it goes).
+    return TCPStore(host, bound, is_master=True, wait_for_workers=False, master_listen_fd=listener.detach())
 
 
 class Reducer(Protocol):

@@ -25,7 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from cpcache import errors
 from cpcache.v1 import daemon_pb2 as pb
 from cpcache.v1 import daemon_pb2_grpc as pb_grpc
-from cpcache.values import Reduce
+from cpcache.values import MAX_MESSAGE_BYTES, Reduce
 
 if TYPE_CHECKING:
     from cpcache.geometry import KVGeometry
@@ -42,6 +42,8 @@ CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 50),
     ("grpc.min_reconnect_backoff_ms", 50),
     ("grpc.max_reconnect_backoff_ms", 500),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", 2 * MAX_MESSAGE_BYTES),
 ]
 
 
@@ -261,7 +263,12 @@ class _Face:
         self._timeout_s = timeout_s
 
     def _prepare(self, call: Call[T]) -> tuple[Callable[..., Any], dict[str, Any]]:
-        """The stub method to send `call` with, and its keyword arguments."""
+        """The stub method to send `call` with, and its keyword arguments.
+        A request over the message limit is refused here, unsent."""
+        size = call.request.ByteSize()
+        if size > MAX_MESSAGE_BYTES:
+            raise errors.InvalidArgument(f"{call.rpc}: the request holds {size} bytes, more than the "
+                                         f"{MAX_MESSAGE_BYTES} a request may carry; split it over several steps")
         stub = self._stub if call.service == "daemon" else self._health
         timeout = call.timeout_s if call.timeout_s is not None else self._timeout_s
         return getattr(stub, call.rpc), dict(timeout=timeout, metadata=self._metadata)

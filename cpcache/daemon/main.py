@@ -14,6 +14,22 @@ from cpcache.daemon.settings import resolve
 from cpcache.errors import InvalidArgument
 
 
+class EscapingFormatter(logging.Formatter):
+    """One record, one line: control characters in a message (a client's
+    model id with a newline, say) are escaped, so no field can forge a log
+    line. Tracebacks, which the formatter adds itself, keep their lines."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 (logging's name)
+        record.message = escape_controls(record.message)
+        return super().formatMessage(record)
+
+
+def escape_controls(text: str) -> str:
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 def loop_factory() -> asyncio.AbstractEventLoop:
     try:
         import uvloop
@@ -29,16 +45,18 @@ def main(argv: list[str] | None = None) -> int:
     except InvalidArgument as exc:
         print(f"cpcached: {exc}", file=sys.stderr)
         return ExitCode.CONFIG
-    logging.basicConfig(
-        level=config.log_level.upper(),
-        format=f"%(asctime)s rank{config.rank} %(name)s %(levelname)s %(message)s",
-        stream=sys.stderr,
-    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(EscapingFormatter(f"%(asctime)s rank{config.rank} %(name)s %(levelname)s %(message)s"))
+    logging.basicConfig(level=config.log_level.upper(), handlers=[handler])
     # systemd's side of the environment, read here at the edge with the rest.
     notify_socket = os.environ.get("NOTIFY_SOCKET")
     watchdog_usec = int(os.environ.get("WATCHDOG_USEC", "0") or 0)
     with asyncio.Runner(loop_factory=loop_factory) as runner:
-        code = runner.run(Daemon(config, notify_socket, watchdog_usec).run())
+        try:
+            code = runner.run(Daemon(config, notify_socket, watchdog_usec).run())
+        except InvalidArgument as exc:  # a setting found unusable only at start (a socket taken meanwhile)
+            logging.getLogger("cpcached").error("%s", exc)
+            return ExitCode.CONFIG
     logging.getLogger("cpcached").info("exit code %d (%s)", code, ExitCode(code).name)
     return int(code)
 

@@ -1,91 +1,331 @@
-"""Prometheus metrics on an optional HTTP port. Values are read from the
-daemon at scrape time (the core keeps plain counters); RPC counts by method
-and status are counted here, at the gRPC edge."""
+"""Prometheus metrics on an optional HTTP port, named after the Prometheus
+naming guide: base units in the name, `_total` on counters only, one label
+per dimension, and the rank labels SGLang puts on its own cache metrics
+(`tp_rank`, `pp_rank`, `dp_rank`, plus `cp_rank` and the global `rank`), so
+dashboards join the two.
+
+Scrapes run on prometheus_client's HTTP thread, but the values they read
+belong to the daemon's event loop (shared state, open questions, RPC
+counts). A scrape therefore never reads them itself: it asks the loop for a
+snapshot (`call_soon_threadsafe`) and formats what comes back. Per-RPC
+counts and latencies (`grpc_server_handled_total`,
+`grpc_server_handling_seconds`, as go-grpc-prometheus and grpc-ecosystem
+name them) come from a server interceptor that runs on the loop too."""
 
 from __future__ import annotations
 
-import collections
-from collections.abc import Iterator
+import asyncio
+import concurrent.futures
+import inspect
+import logging
+import platform
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CollectorRegistry, start_http_server
+import grpc
+from google.protobuf import descriptor_pool
+from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
+import cpcache
 from cpcache.agreement.engine import LatencyHistogram
+from cpcache.topology import Topology
 from cpcache.values import split_host_port
+
+log = logging.getLogger(__name__)
+
+RANK_LABELS = ("rank", "tp_rank", "pp_rank", "dp_rank", "cp_rank")
+# Unary calls on a unix socket take well under a millisecond; Attach and
+# steps that wait for peers take seconds.
+RPC_BOUNDS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+SNAPSHOT_TIMEOUT_S = 5.0  # a loop that cannot answer a scrape in this long: the scrape gets what is safe
+
+
+def rank_labels(topology: Topology, rank: int) -> dict[str, str]:
+    """The labels every cpcache series carries. SGLang labels its radix and
+    storage cache metrics (`radix_cache_metric_labels`) with the attention
+    TP and DP ranks when DP attention is on, else the TP rank and dp 0."""
+    k = topology.coordinates(rank)
+    tp_rank = k.atp if topology.dp > 1 else rank % topology.tp
+    return {"rank": str(rank), "tp_rank": str(tp_rank), "pp_rank": str(k.pp), "dp_rank": str(k.dp),
+            "cp_rank": str(k.cp)}
+
+
+class _Histogram:
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.total_s = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.total_s += seconds
+        for i, bound in enumerate(self.bounds):
+            if seconds <= bound:
+                self.counts[i] += 1
+                return
+        self.counts[-1] += 1
+
+
+def _buckets(bounds: tuple[float, ...], counts: list[int]) -> list[tuple[str, float]]:
+    """Cumulative buckets from per-bucket counts (the last one: above every bound)."""
+    out: list[tuple[str, float]] = []
+    running = 0
+    for bound, count in zip(bounds, counts):
+        running += count
+        out.append((repr(float(bound)), running))
+    out.append(("+Inf", running + counts[-1]))
+    return out
+
+
+def _method_of(path: str) -> tuple[str, str]:
+    """(service, method) of a call path, or ("unknown", "unknown") for a
+    method no registered service declares: call paths come from clients,
+    and labels must not grow with whatever names a client makes up."""
+    service, _, method = path.lstrip("/").partition("/")
+    try:
+        descriptor_pool.Default().FindServiceByName(service).methods_by_name[method]
+    except KeyError:
+        return "unknown", "unknown"
+    return service, method
+
+
+class RpcMetrics(grpc.aio.ServerInterceptor):
+    """Counts and times every call the server handles, by service, method,
+    type and status code. Runs on the event loop; read by `snapshot`."""
+
+    def __init__(self) -> None:
+        self.started: Counter[tuple[str, str, str]] = Counter()
+        self.handled: Counter[tuple[str, str, str, str]] = Counter()
+        self.latency: dict[tuple[str, str, str], _Histogram] = {}
+
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:  # no such method: gRPC answers UNIMPLEMENTED itself
+            return handler
+        service, method = _method_of(handler_call_details.method or "")
+        for attr, kind in (("unary_unary", "unary"), ("unary_stream", "server_stream"),
+                           ("stream_unary", "client_stream"), ("stream_stream", "bidi_stream")):
+            behavior = getattr(handler, attr)
+            if behavior is not None:
+                return handler._replace(**{attr: self._wrap(behavior, (service, method, kind))})
+        return handler
+
+    def _wrap(self, behavior: Callable[..., Any], key: tuple[str, str, str]) -> Callable[..., Any]:
+        if inspect.isasyncgenfunction(behavior):
+            async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                start, code = self._start(key), "OK"
+                try:
+                    async for item in behavior(request, context):
+                        yield item
+                except BaseException as exc:
+                    code = _code_of(exc, context)
+                    raise
+                else:
+                    code = _code_set(context)
+                finally:
+                    self._end(key, code, start)
+            return stream
+        if not inspect.iscoroutinefunction(behavior):
+            return behavior  # every handler of this daemon is async; a sync one is left as it is
+
+        async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            start, code = self._start(key), "OK"
+            try:
+                reply = await behavior(request, context)
+            except BaseException as exc:
+                code = _code_of(exc, context)
+                raise
+            else:
+                code = _code_set(context)
+            finally:
+                self._end(key, code, start)
+            return reply
+        return call
+
+    def _start(self, key: tuple[str, str, str]) -> float:
+        self.started[key] += 1
+        return time.perf_counter()
+
+    def _end(self, key: tuple[str, str, str], code: str, start: float) -> None:
+        self.handled[(*key, code)] += 1
+        self.latency.setdefault(key, _Histogram(RPC_BOUNDS_S)).observe(time.perf_counter() - start)
+
+    def snapshot(self) -> tuple[dict[tuple[str, str, str], int], dict[tuple[str, str, str, str], int],
+                                dict[tuple[str, str, str], tuple[list[int], float]]]:
+        """Copies, taken on the loop."""
+        return (dict(self.started), dict(self.handled),
+                {key: (list(h.counts), h.total_s) for key, h in self.latency.items()})
+
+
+def _code_set(context: grpc.aio.ServicerContext) -> str:
+    code = context.code()
+    return code.name if isinstance(code, grpc.StatusCode) else "OK"
+
+
+def _code_of(exc: BaseException, context: grpc.aio.ServicerContext) -> str:
+    if isinstance(exc, asyncio.CancelledError):
+        return "CANCELLED"
+    code = context.code()
+    if isinstance(exc, grpc.aio.AbortError) and isinstance(code, grpc.StatusCode):
+        return code.name
+    return "UNKNOWN"
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Every daemon value a scrape shows, copied on the event loop."""
+
+    rpcs: tuple[dict[tuple[str, str, str], int], dict[tuple[str, str, str, str], int],
+                dict[tuple[str, str, str], tuple[list[int], float]]]
+    engine: dict[str, Any] | None = None
+    open_questions: int | None = None
+    cache: dict[str, Any] | None = None
 
 
 class DaemonCollector:
     def __init__(self, daemon: Any) -> None:
-        """`daemon`: the running `server.Daemon` (read from the metrics thread)."""
+        """`daemon`: the running `server.Daemon`. Its values are read on its
+        event loop only (`bind`), never from the metrics thread."""
         self._daemon = daemon
-        self.rpcs: collections.Counter[tuple[str, str]] = collections.Counter()
+        config = daemon.config
+        self.labels = rank_labels(config.topology, config.rank)
+        self.rpc = RpcMetrics()
+        self._loop: asyncio.AbstractEventLoop | None = None
 
-    def collect(self) -> Iterator[Metric]:
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Take snapshots on `loop` from now on (without one: on the caller's thread)."""
+        self._loop = loop
+
+    def snapshot(self) -> Snapshot:
+        """Runs on the event loop."""
         d = self._daemon
         engine, coordinator = d.engine, d.coordinator
-        labels = [str(d.config.rank)]
-        rpcs = CounterMetricFamily("cpcache_rpcs", "RPCs answered, by method and status",
-                                   labels=["rank", "method", "code"])
-        for (method, code), n in sorted(self.rpcs.items()):
-            rpcs.add_metric(labels + [method, code], n)
-        yield rpcs
-        if engine is None:
+        engine_values = cache = None
+        open_questions = None
+        if engine is not None:
+            hist = engine.round_latency
+            engine_values = {"rounds": engine.rounds_completed, "divergences": engine.divergences,
+                             "peer_lost": int(engine.failure is not None),
+                             "latency": (list(hist.counts), hist.total_s)}
+        if coordinator is not None:
+            open_questions = coordinator.open_questions
+            if coordinator.cache is not None:
+                state = coordinator.cache.state
+                cache = {"hits": dict(state.hit_pages), "stats": dict(state.stats()),
+                         "moved": coordinator.cache.io.transfers.counters()}
+        return Snapshot(self.rpc.snapshot(), engine_values, open_questions, cache)
+
+    def _snapshot_from_loop(self) -> Snapshot | None:
+        loop = self._loop
+        if loop is None:
+            return self.snapshot()
+        if loop.is_closed():
+            return None
+        result: concurrent.futures.Future[Snapshot] = concurrent.futures.Future()
+
+        def take() -> None:
+            try:
+                result.set_result(self.snapshot())
+            except BaseException as exc:  # handed to the scrape, which logs it
+                result.set_exception(exc)
+
+        try:
+            loop.call_soon_threadsafe(take)
+            return result.result(SNAPSHOT_TIMEOUT_S)
+        except RuntimeError:  # the loop closed meanwhile
+            return None
+        except concurrent.futures.TimeoutError:
+            log.warning("the event loop did not answer a scrape within %.0fs", SNAPSHOT_TIMEOUT_S)
+            return None
+
+    def collect(self) -> Iterator[Metric]:
+        names, values = list(self.labels), list(self.labels.values())
+        info = GaugeMetricFamily("cpcache_build_info", "cpcache build; the value is always 1",
+                                 labels=["version", "python_version", "grpc_version"])
+        info.add_metric([cpcache.__version__, platform.python_version(), grpc.__version__], 1)
+        yield info
+        snap = self._snapshot_from_loop()
+        if snap is None:
             return
-        rounds = CounterMetricFamily("cpcache_rounds", "Agreement rounds completed", labels=["rank"])
-        rounds.add_metric(labels, engine.rounds_completed)
-        yield rounds
-        divergences = CounterMetricFamily("cpcache_divergences", "Rounds whose ranks disagreed", labels=["rank"])
-        divergences.add_metric(labels, engine.divergences)
-        yield divergences
-        lost = CounterMetricFamily("cpcache_peer_failures", "Rounds that lost a peer", labels=["rank"])
-        lost.add_metric(labels, int(engine.failure is not None))
-        yield lost
-        hist = engine.round_latency
-        buckets, running = [], 0
-        for bound, count in zip(LatencyHistogram.BOUNDS_S, hist.counts):
-            running += count
-            buckets.append((str(bound), running))
-        buckets.append(("+Inf", running + hist.counts[-1]))
-        latency = HistogramMetricFamily("cpcache_round_seconds", "Time a round spent in its collectives",
-                                        labels=["rank"])
-        latency.add_metric(labels, buckets, hist.total_s)
-        yield latency
-        if coordinator is None:
+        yield from _rpc_families(*snap.rpcs)
+        if snap.engine is not None:
+            e = snap.engine
+            rounds = CounterMetricFamily("cpcache_rounds", "Agreement rounds completed", labels=names)
+            rounds.add_metric(values, e["rounds"])
+            divergences = CounterMetricFamily("cpcache_divergences", "Rounds whose ranks disagreed", labels=names)
+            divergences.add_metric(values, e["divergences"])
+            lost = GaugeMetricFamily("cpcache_peer_lost",
+                                     "1 once the domain has lost a peer (decisions are refused until a restart)",
+                                     labels=names)
+            lost.add_metric(values, e["peer_lost"])
+            latency = HistogramMetricFamily("cpcache_round_duration_seconds",
+                                            "Time a round spent in its collectives", labels=names)
+            counts, total_s = e["latency"]
+            latency.add_metric(values, _buckets(LatencyHistogram.BOUNDS_S, counts), total_s)
+            yield from (rounds, divergences, lost, latency)
+        if snap.open_questions is not None:
+            questions = GaugeMetricFamily("cpcache_open_questions", "Questions open in the agreement table",
+                                          labels=names)
+            questions.add_metric(values, snap.open_questions)
+            yield questions
+        if snap.cache is None:
             return
-        questions = GaugeMetricFamily("cpcache_open_questions", "Questions open in the agreement table",
-                                      labels=["rank"])
-        questions.add_metric(labels, coordinator.open_questions)
-        yield questions
-        if coordinator.cache is None:
-            return
-        state, transfers = coordinator.cache.state, coordinator.cache.io.transfers
-        hits = CounterMetricFamily("cpcache_hit_pages", "Pages served from a tier (agreed)", labels=["rank", "tier"])
-        for tier, n in dict(state.hit_pages).items():
-            hits.add_metric(labels + [tier], n)
-        yield hits
-        pages = CounterMetricFamily("cpcache_pages_moved", "Pages moved, by mover", labels=["rank", "mover"])
-        moved = CounterMetricFamily("cpcache_bytes_moved", "Bytes moved, by mover", labels=["rank", "mover"])
-        errors = CounterMetricFamily("cpcache_transfer_failures", "Transfers that failed (storage errors)",
-                                     labels=["rank", "mover"])
-        counters = transfers.counters()
-        for (src, dst), n in counters["pages_moved"].items():
-            mover = f"{src}->{dst}"
-            pages.add_metric(labels + [mover], n)
-            moved.add_metric(labels + [mover], counters["bytes_moved"][(src, dst)])
-            errors.add_metric(labels + [mover], counters["failed_jobs"][(src, dst)])
-        yield from (pages, moved, errors)
-        occupancy = GaugeMetricFamily("cpcache_host_pages", "Host pool pages by state", labels=["rank", "state"])
-        stats = state.stats()
+        hits = CounterMetricFamily("cpcache_hit_pages", "Pages served from a tier (agreed)", labels=names + ["tier"])
+        for tier, n in sorted(snap.cache["hits"].items()):
+            hits.add_metric(values + [tier], n)
+        route = names + ["src", "dst"]
+        pages = CounterMetricFamily("cpcache_moved_pages", "Pages moved from one tier to another", labels=route)
+        moved = CounterMetricFamily("cpcache_moved_bytes", "Bytes moved from one tier to another", labels=route)
+        errors = CounterMetricFamily("cpcache_transfer_failures", "Transfers that failed", labels=route)
+        counters = snap.cache["moved"]
+        for (src, dst), n in sorted(counters["pages_moved"].items()):
+            pages.add_metric(values + [src, dst], n)
+            moved.add_metric(values + [src, dst], counters["bytes_moved"][(src, dst)])
+            errors.add_metric(values + [src, dst], counters["failed_jobs"][(src, dst)])
+        occupancy = GaugeMetricFamily("cpcache_host_pages", "Host pool pages by state", labels=names + ["state"])
         for name in ("used", "free", "retiring"):
-            occupancy.add_metric(labels + [name], stats[f"host_pages_{name}"])
-        yield occupancy
+            occupancy.add_metric(values + [name], snap.cache["stats"][f"host_pages_{name}"])
+        yield from (hits, pages, moved, errors, occupancy)
+
+
+def _rpc_families(started: dict[tuple[str, str, str], int], handled: dict[tuple[str, str, str, str], int],
+                  latency: dict[tuple[str, str, str], tuple[list[int], float]]) -> Iterator[Metric]:
+    names = ["grpc_service", "grpc_method", "grpc_type"]
+    started_family = CounterMetricFamily("grpc_server_started", "RPCs started on the server", labels=names)
+    for (service, method, kind), n in sorted(started.items()):
+        started_family.add_metric([service, method, kind], n)
+    handled_family = CounterMetricFamily("grpc_server_handled", "RPCs completed on the server, by status code",
+                                         labels=names + ["grpc_code"])
+    for (service, method, kind, code), n in sorted(handled.items()):
+        handled_family.add_metric([service, method, kind, code], n)
+    seconds = HistogramMetricFamily("grpc_server_handling_seconds",
+                                    "Time from the start of an RPC to its status, on the server", labels=names)
+    for (service, method, kind), (counts, total_s) in sorted(latency.items()):
+        seconds.add_metric([service, method, kind], _buckets(RPC_BOUNDS_S, counts), total_s)
+    yield from (started_family, handled_family, seconds)
+
+
+def registry_for(collector: DaemonCollector) -> CollectorRegistry:
+    """The daemon's registry: its own collector plus the standard process_*
+    and python_* ones (a custom registry starts without them)."""
+    registry = CollectorRegistry()
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    GCCollector(registry=registry)
+    registry.register(collector)
+    return registry
 
 
 def serve(collector: DaemonCollector, address: str) -> int:
-    """Serve /metrics on host:port (port 0: any free port); returns the port."""
+    """Serve /metrics on host:port (port 0: any free port); returns the port.
+    Called on the daemon's event loop, which then answers the snapshots."""
     host, port = split_host_port(address, "metrics_address")
-    registry = CollectorRegistry()
-    registry.register(collector)
-    server, _ = start_http_server(port, addr=host or "127.0.0.1", registry=registry)
-    return server.server_address[1]
+    collector.bind(asyncio.get_running_loop())
+    server, _ = start_http_server(port, addr=host or "127.0.0.1", registry=registry_for(collector))
+    return int(server.server_address[1])

@@ -17,12 +17,13 @@ import os
 import signal
 import threading
 from collections.abc import Callable, Coroutine, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf import message_factory
 from grpc_health.v1 import _async as health_async
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 from torch.distributed import TCPStore
 
 from cpcache.agreement.attach import agree_on_attach, withdraw
@@ -31,11 +32,11 @@ from cpcache.agreement.engine import AgreementEngine, DivergenceExchange, FaultI
 from cpcache.agreement.liveness import Heartbeat, diagnose
 from cpcache.config import DaemonConfig
 from cpcache.daemon import metrics
-from cpcache.daemon.listeners import start_listeners
+from cpcache.daemon.listeners import release_unix, start_listeners
 from cpcache.daemon.metrics import DaemonCollector
 from cpcache.daemon.servicer import CacheDaemonServicer
 from cpcache.daemon.status import tolerant
-from cpcache.daemon.systemd import Notifier
+from cpcache.daemon.systemd import Notifier, extend_timeout_while
 from cpcache.daemon.wire import Attached, DaemonStatus
 from cpcache.dataplane.pools import DevicePool
 from cpcache.errors import CacheError, FailedPrecondition, PeerLost, Unavailable
@@ -44,9 +45,11 @@ from cpcache.keys import namespace_seed
 from cpcache.rank.assembly import CacheRuntime, check_host_budget, open_cache
 from cpcache.rank.stepper import Stepper
 from cpcache.v1 import daemon_pb2 as pb
-from cpcache.values import split_host_port
+from cpcache.values import MAX_MESSAGE_BYTES, split_host_port
 
 log = logging.getLogger("cpcached")
+
+T = TypeVar("T")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CacheDaemon"].full_name
 
@@ -117,9 +120,6 @@ class Daemon:
             raise self._engine.failure
         raise Unavailable(f"rank {self.config.rank} is {self.state.value}, not serving decisions")
 
-    def count_rpc(self, method: str, code: str) -> None:
-        self.metrics.rpcs[(method, code)] += 1
-
     @contextlib.contextmanager
     def in_flight(self) -> Iterator[None]:
         self._in_flight += 1
@@ -180,7 +180,7 @@ class Daemon:
             self._attaching = False
         stepper.cache = runtime
         self._key_seed = namespace_seed(model_id, geometry.dtype, self.config.host_layout, geometry.page_size)
-        log.info("attached %s: %d device pages of %d bytes (%s)", model_id, device_pages, geometry.page_bytes, kind)
+        log.info("attached %r: %d device pages of %d bytes (%s)", model_id, device_pages, geometry.page_bytes, kind)
         storage = runtime.io.transfers.tiers.storage
         return Attached(geometry.page_bytes, self.config.host_pool_pages, self.config.host_layout,
                         storage.name if storage else "none", self._key_seed)
@@ -215,6 +215,9 @@ class Daemon:
                 for (src, dst), pages in moved["pages_moved"].items():
                     counters[f"pages_moved_{src}_to_{dst}"] = pages
                     counters[f"bytes_moved_{src}_to_{dst}"] = moved["bytes_moved"][(src, dst)]
+                storage = coordinator.cache.io.transfers.tiers.storage
+                if storage is not None:
+                    counters.update(storage.counters())
             counters["rejected_steps"] = coordinator.rejected_steps
         return counters
 
@@ -250,9 +253,11 @@ class Daemon:
             self._spawn(self._watchdog(), "watchdog")
         self.state = State.JOINING
         self.notifier.status(f"joining {len(self._domain.ranks)} ranks at {self.config.rendezvous}")
-        joining = asyncio.ensure_future(asyncio.to_thread(self._join))
+        if self.notifier.enabled:  # systemd's start timeout runs while the peers are awaited
+            self._spawn(extend_timeout_while(self.notifier, lambda: self.state is State.JOINING), "extend-start")
+        joining = _on_daemon_thread(self._join, "rendezvous")  # a stop meanwhile must not wait for it
         stop = asyncio.ensure_future(self._stop_requested.wait())
-        await asyncio.wait({joining, stop}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait((joining, stop), return_when=asyncio.FIRST_COMPLETED)
         if not joining.done():
             log.info("stop requested while joining peers")
             joining.cancel()
@@ -324,6 +329,7 @@ class Daemon:
         previous = self.state
         self.state = State.DRAINING
         self.notifier.stopping(f"draining {self._in_flight} calls")
+        self.notifier.extend_timeout(self.config.drain_s + 10.0)  # the drain, then closing the backends
         await self._health.enter_graceful_shutdown()
         log.info("draining %d in-flight calls (was %s)", self._in_flight, previous.value)
         try:
@@ -339,8 +345,7 @@ class Daemon:
         if self._heartbeat is not None:
             self._heartbeat.stop()
         self._store_server = None
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.config.socket_path)
+        release_unix(self.config.socket_path)  # only the socket this daemon bound
         for task in list(self._background):
             task.cancel()
         self.state = State.STOPPED
@@ -360,10 +365,23 @@ class Daemon:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self._servers = await start_listeners(self.config, self._new_server)
 
-    def _new_server(self, interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:
-        server = grpc.aio.server(interceptors=list(interceptors))
+    def _new_server(self, interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+                    options: Sequence[tuple[str, int]] = ()) -> grpc.aio.Server:
+        # Above the limit gRPC answers RESOURCE_EXHAUSTED instead of queueing.
+        # The metrics interceptor comes first, so refused calls are counted too.
+        # Twice the message limit: a request between the two gets a clear
+        # INVALID_ARGUMENT from the handler (`status.tolerant`) rather than
+        # gRPC's own RESOURCE_EXHAUSTED, which also means "pool full" here.
+        limits = [("grpc.max_receive_message_length", 2 * MAX_MESSAGE_BYTES),
+                  ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+        server = grpc.aio.server(interceptors=[self.metrics.rpc, *interceptors], options=[*limits, *options],
+                                 maximum_concurrent_rpcs=self.config.max_concurrent_rpcs)
         server.add_generic_rpc_handlers((service_handler(CacheDaemonServicer(self)),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        # Reflection: grpcurl and friends list and call the API without the proto.
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            server)
         return server
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
@@ -397,6 +415,34 @@ def service_handler(servicer: CacheDaemonServicer) -> grpc.GenericRpcHandler:
             response_serializer=reply_class.SerializeToString,
         )
     return grpc.method_handlers_generic_handler(service.full_name, handlers)
+
+
+def _on_daemon_thread(fn: Callable[[], T], name: str) -> asyncio.Future[T]:
+    """`fn` on a daemon thread, as a future of the running loop. Unlike
+    `asyncio.to_thread`, the loop's close does not wait for it: a stop
+    requested while the rendezvous blocks exits at once, not after
+    `rendezvous_timeout_s`."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, exc: BaseException | None) -> None:
+        if future.done():  # cancelled: nobody waits for it any more
+            return
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)  # type: ignore[arg-type]
+
+    def call() -> None:
+        try:
+            outcome: tuple[T | None, BaseException | None] = (fn(), None)
+        except BaseException as exc:
+            outcome = (None, exc)
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the daemon has stopped
+            loop.call_soon_threadsafe(settle, *outcome)
+
+    threading.Thread(target=call, name=name, daemon=True).start()
+    return future
 
 
 async def _bounded(fn: Callable[[], object], timeout_s: float, what: str) -> None:

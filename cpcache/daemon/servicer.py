@@ -7,7 +7,7 @@ import asyncio
 import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import grpc
 
@@ -33,6 +33,7 @@ from cpcache.v1 import daemon_pb2 as pb
 from cpcache.v1 import daemon_pb2_grpc as pb_grpc
 
 MAX_WAIT_S = 3600.0
+T = TypeVar("T")
 StepLike = pb.StepRequest | pb.PrefetchRequest | pb.RevokeRequest | pb.AckRequest
 
 
@@ -52,15 +53,25 @@ class DaemonPort(Protocol):
 
     def status(self) -> DaemonStatus: ...
 
-    def count_rpc(self, method: str, code: str) -> None: ...
+
+async def bounded_storage_call(runtime: CacheRuntime, fn: Callable[[], T], what: str) -> T:
+    """A storage call on the storage executor (never the loop's default
+    pool, which exit waits for), answered within `storage_timeout_s`: a hung
+    store is UNAVAILABLE in bounded time, and a call still queued is dropped."""
+    job = runtime.io.transfers.run_storage_call(fn)
+    timeout_s = runtime.io.storage_timeout_s
+    try:
+        return await asyncio.wait_for(asyncio.wrap_future(job), timeout_s)
+    except TimeoutError:
+        job.cancel()
+        raise Unavailable(f"{what}: storage did not answer within storage_timeout_s ({timeout_s:g}s)") from None
+    except RuntimeError as exc:  # the storage executor is shut down: the daemon is stopping
+        raise Unavailable(f"{what}: storage is closed ({exc})") from None
 
 
 class CacheDaemonServicer(pb_grpc.CacheDaemonServicer):
     def __init__(self, daemon: DaemonPort) -> None:
         self._daemon = daemon
-
-    def count_rpc(self, method: str, code: str) -> None:
-        self._daemon.count_rpc(method, code)
 
     async def _step(self, method: str, request: StepLike,
                     parse: Callable[[Any], tuple[Questions, StepOps]]) -> pb.StepReply:
@@ -145,7 +156,7 @@ class CacheDaemonServicer(pb_grpc.CacheDaemonServicer):
         backend = runtime.io.transfers.tiers.storage
         if backend is not None and pages:
             keys = [runtime.state.storage_key(p) for p in pages]
-            storage = await asyncio.to_thread(backend.exists_prefix, keys)
+            storage = await bounded_storage_call(runtime, lambda: backend.exists_prefix(keys), "match")
         return pb.MatchReply(host_pages=host, storage_pages=storage)
 
     @guarded

@@ -11,6 +11,7 @@ import tomllib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import cpcache
 from cpcache.config import SETTINGS, DaemonConfig
 from cpcache.errors import InvalidArgument
 
@@ -45,6 +46,7 @@ def parser() -> argparse.ArgumentParser:
         description="cpcache daemon: one per rank. Settings come from flags, then "
         f"{ENV_PREFIX}<NAME> environment variables, then --config FILE (TOML).",
     )
+    p.add_argument("--version", action="version", version=f"%(prog)s {cpcache.__version__}")
     p.add_argument("--config", help="TOML file with settings by name")
     for name, f in SETTINGS.items():
         flag = "--" + name.replace("_", "-")
@@ -52,7 +54,9 @@ def parser() -> argparse.ArgumentParser:
             p.add_argument(flag, dest=name, default=None, action=argparse.BooleanOptionalAction,
                            help=f.metadata["help"])
         else:
-            p.add_argument(flag, dest=name, default=None, help=f"{f.metadata['help']} [{f.default!r}]")
+            # A fixed set of values is listed as choices (log levels in any case).
+            p.add_argument(flag, dest=name, default=None, help=f"{f.metadata['help']} [{f.default!r}]",
+                           choices=f.metadata.get("choices"), type=str.upper if name == "log_level" else str)
     return p
 
 

@@ -8,7 +8,6 @@ the clients rebuild the typed exception from."""
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 from collections.abc import Awaitable, Callable
@@ -20,6 +19,7 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from cpcache import errors
+from cpcache.values import MAX_MESSAGE_BYTES
 
 Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]
 
@@ -77,6 +77,9 @@ def tolerant(decode: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
     """A request deserializer that never raises: gRPC would answer UNKNOWN."""
 
     def decode_or_report(data: bytes) -> Any:
+        if len(data) > MAX_MESSAGE_BYTES:
+            return Undecodable(ValueError(f"it holds {len(data)} bytes, more than the {MAX_MESSAGE_BYTES} a request "
+                                          "may carry; split it over several steps"))
         try:
             return decode(data)
         except Exception as exc:  # DecodeError, bad UTF-8 in a string field, ...
@@ -87,28 +90,21 @@ def tolerant(decode: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
 
 def guarded(handler: Handler) -> Handler:
     """Turn every error a handler raises into its rich status. An error
-    outside the family is a bug: INTERNAL, logged with its traceback. The
-    servicer's `count_rpc(method, code)` counts every call by its outcome."""
+    outside the family is a bug: INTERNAL, logged with its traceback. Calls
+    are counted by outcome at the server (`metrics.RpcMetrics`)."""
 
     @functools.wraps(handler)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        # Counted before the reply leaves, so a scrape right after the call sees it.
         try:
             if isinstance(request, Undecodable):
                 raise errors.InvalidArgument(f"the request body does not decode: {request.error}")
             reply = await handler(self, request, context)
         except (grpc.aio.AbortError, grpc.aio.UsageError):
             raise
-        except asyncio.CancelledError:  # the client went away or its deadline passed
-            self.count_rpc(handler.__name__, grpc.StatusCode.CANCELLED.name)
-            raise
         except Exception as exc:
             if not isinstance(exc, errors.CacheError):
                 log.exception("bug in %s", handler.__name__)
-            status = wire_status(exc)
-            self.count_rpc(handler.__name__, status.code.name)
-            await context.abort_with_status(status)
-        self.count_rpc(handler.__name__, grpc.StatusCode.OK.name)
+            await context.abort_with_status(wire_status(exc))
         return reply
 
     return wrapper

@@ -1,10 +1,18 @@
-"""sd_notify without libsystemd: READY, STATUS, STOPPING and WATCHDOG
-messages as datagrams on $NOTIFY_SOCKET (resolved by the entry point)."""
+"""sd_notify without libsystemd: READY, STATUS, STOPPING, WATCHDOG and
+EXTEND_TIMEOUT_USEC messages as datagrams on $NOTIFY_SOCKET (resolved by the
+entry point)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
+from collections.abc import Callable
+
+# While waiting for peers the daemon asks systemd for this much more start
+# time, every third of it: alive and joining, it is never killed for being
+# slow; hung, it is killed within EXTEND_S of its last message.
+EXTEND_S = 30.0
 
 log = logging.getLogger(__name__)
 
@@ -42,3 +50,14 @@ class Notifier:
 
     def watchdog(self) -> None:
         self.send(watchdog="1")
+
+    def extend_timeout(self, seconds: float) -> None:
+        """Ask for `seconds` more of the current start or stop timeout."""
+        self.send(extend_timeout_usec=str(int(seconds * 1e6)))
+
+
+async def extend_timeout_while(notifier: Notifier, waiting: Callable[[], bool], extend_s: float = EXTEND_S) -> None:
+    """Extend systemd's timeout every third of `extend_s` while `waiting()`."""
+    while waiting():
+        notifier.extend_timeout(extend_s)
+        await asyncio.sleep(extend_s / 3)

@@ -62,6 +62,10 @@ class LocalIO:
         self._load_jobs: collections.OrderedDict[int, Future] = collections.OrderedDict()
 
     @property
+    def storage_timeout_s(self) -> float:
+        return self._storage_timeout_s
+
+    @property
     def has_storage(self) -> bool:
         return self.transfers.tiers.storage is not None
 

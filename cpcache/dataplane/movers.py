@@ -59,7 +59,11 @@ class Tiers:
     storage: StorageBackend | None = None
 
     def host_buffers(self, slots: Iterable[int]) -> list[PageBuffer]:
-        return [PageBuffer(self.host.page_address(s), self.host.page_bytes_view(s)) for s in slots]
+        buffers = []
+        for slot in slots:
+            (address, view), *rest = self.host.page_parts(slot)
+            buffers.append(PageBuffer(address, view, tuple(rest)))
+        return buffers
 
 
 T = TypeVar("T")
@@ -107,7 +111,7 @@ def _synchronize(tensor: torch.Tensor) -> None:
 def _staged(tiers: Tiers, slots: list[int]) -> tuple[list[PageBuffer], torch.Tensor]:
     """Contiguous bounce pages for a layout whose pages are scattered."""
     g = tiers.host.geometry
-    stage = torch.empty((len(slots), g.layers, g.components, g.page_size, g.heads, g.head_dim), dtype=g.torch_dtype)
+    stage = torch.empty((len(slots), g.components, g.layers, g.page_size, g.heads, g.head_dim), dtype=g.torch_dtype)
     flat = stage.view(-1).view(torch.uint8).numpy()
     buffers = [
         PageBuffer(stage.data_ptr() + i * g.page_bytes, flat[i * g.page_bytes : (i + 1) * g.page_bytes])
@@ -123,7 +127,7 @@ def host_to_storage(tiers: Tiers, job: TransferJob) -> TransferResult:
     else:
         buffers, stage = _staged(tiers, slots)
         for i, slot in enumerate(slots):
-            stage[i].copy_(tiers.host.page_view(slot)[:, :, 0])
+            stage[i].copy_(tiers.host.stored_view(slot))
         done = _storage(tiers).put_from(keys, buffers)
     n = prefix_done(done)
     return TransferResult(job.job_id, n == len(keys), n)
@@ -137,7 +141,7 @@ def storage_to_host(tiers: Tiers, job: TransferJob) -> TransferResult:
         buffers, stage = _staged(tiers, slots)
         done = _storage(tiers).get_into(keys, buffers)
         for i, slot in enumerate(slots[: prefix_done(done)]):
-            tiers.host.page_view(slot)[:, :, 0].copy_(stage[i])
+            tiers.host.stored_view(slot).copy_(stage[i])
     n = prefix_done(done)
     return TransferResult(job.job_id, n == len(keys), n)
 

@@ -96,11 +96,18 @@ class DevicePool:
 class HostPool:
     """The daemon's host pages, pinned when CUDA is present.
 
-    Layouts (a page is contiguous in both page_first layouts, which lets
-    storage read and write it in place):
-      layer_first        [layers, components, tokens, heads, head_dim] (as the device)
-      page_first         [tokens, layers, components, heads, head_dim]
-      page_first_direct  [pages, layers, components, page_size, heads, head_dim]
+    The layouts are SGLang's host layouts, byte for byte (pool_host/mha.py,
+    pool_host/mla.py), with the K/V component outermost (MLA has one):
+      layer_first        [components, layers, tokens, heads, head_dim]
+      page_first         [components, tokens, layers, heads, head_dim]
+      page_first_direct  [components, pages, layers, page_size, heads, head_dim]
+
+    A stored page is always [components, layers, page_size, heads, head_dim]
+    (SGLang's page_first_direct and layer_first order), whatever the host
+    layout, so daemons with different layouts share storage. A page is one
+    contiguous run of host memory, read and written by storage in place, only
+    where that order is the memory order: page_first_direct with one
+    component (MLA). Elsewhere storage I/O goes through a staging copy.
     """
 
     def __init__(self, geometry: KVGeometry, pages: int, layout: str = "page_first_direct") -> None:
@@ -112,10 +119,11 @@ class HostPool:
         self.pages = pages
         self.layout = layout
         g = geometry
+        c, tokens = g.components, pages * g.page_size
         shape = {
-            "layer_first": g.pool_shape(pages),
-            "page_first": (pages * g.page_size, g.layers, g.components, g.heads, g.head_dim),
-            "page_first_direct": (pages, g.layers, g.components, g.page_size, g.heads, g.head_dim),
+            "layer_first": (c, g.layers, tokens, g.heads, g.head_dim),
+            "page_first": (c, tokens, g.layers, g.heads, g.head_dim),
+            "page_first_direct": (c, pages, g.layers, g.page_size, g.heads, g.head_dim),
         }[layout]
         pin = torch.cuda.is_available()
         self.tensor = torch.zeros(shape, dtype=g.torch_dtype, pin_memory=pin)
@@ -126,7 +134,11 @@ class HostPool:
 
     @property
     def contiguous_pages(self) -> bool:
-        return self.layout != "layer_first"
+        """Whether storage reads and writes pages in place: in page_first_direct
+        a page is one run per component, in stored order (the K run, then
+        the V run). The other layouts interleave pages, and go through a
+        staging copy."""
+        return self.layout == "page_first_direct"
 
     @property
     def nbytes(self) -> int:
@@ -136,21 +148,27 @@ class HostPool:
         """Pages [first, first+count) as a [layers, components, pages, page_size,
         heads, head_dim] view (never a copy: copies into it land in the pool)."""
         s = self.geometry.page_size
-        if self.layout == "layer_first":
-            return self.tensor[:, :, first * s : (first + count) * s].unflatten(2, (count, s))
-        if self.layout == "page_first":
-            return self.tensor[first * s : (first + count) * s].unflatten(0, (count, s)).permute(2, 3, 0, 1, 4, 5)
-        return self.tensor[first : first + count].permute(1, 2, 0, 3, 4, 5)
+        if self.layout == "layer_first":  # [C, L, n*s, H, D]
+            return self.tensor[:, :, first * s : (first + count) * s].unflatten(2, (count, s)).permute(1, 0, 2, 3, 4, 5)
+        if self.layout == "page_first":  # [C, n*s, L, H, D]
+            return self.tensor[:, first * s : (first + count) * s].unflatten(1, (count, s)).permute(3, 0, 1, 2, 4, 5)
+        return self.tensor[:, first : first + count].permute(2, 0, 1, 3, 4, 5)  # [C, n, L, s, H, D]
 
-    def page_bytes_view(self, slot: int) -> np.ndarray:
-        """The bytes of one page, in place (contiguous layouts only)."""
+    def stored_view(self, slot: int) -> torch.Tensor:
+        """One page in stored order, [components, layers, page_size, heads, head_dim] (a view)."""
+        return self.page_view(slot)[:, :, 0].transpose(0, 1)
+
+    def page_parts(self, slot: int) -> list[tuple[int, np.ndarray]]:
+        """(address, bytes) of each run of one page, in stored order, in place
+        (page_first_direct only)."""
         if not self.contiguous_pages:
             raise InvalidArgument(f"host pool: pages are not contiguous in the {self.layout} layout")
-        start = slot * self._page_bytes
-        return self._bytes[start : start + self._page_bytes]
-
-    def page_address(self, slot: int) -> int:
-        return self._base + slot * self._page_bytes
+        run = self._page_bytes // self.geometry.components
+        parts = []
+        for component in range(self.geometry.components):
+            start = (component * self.pages + slot) * run
+            parts.append((self._base + start, self._bytes[start : start + run]))
+        return parts
 
 
 def runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from cpcache.errors import InvalidArgument
 from cpcache.values import check_id
 
-MAX_PAGES_PER_OP = 1 << 16
+MAX_PAGES_PER_OP = 1 << 18  # a 256k-token prompt at page size 1
 MAX_OPS_PER_STEP = 4096
 PAGE_HASH_BYTES = 32
 

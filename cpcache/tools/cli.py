@@ -11,6 +11,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import cpcache
 from cpcache.topology import MODES, Topology
 
 
@@ -79,6 +80,7 @@ async def _status(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="cpcache", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {cpcache.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     launch = sub.add_parser("launch", help="run one daemon per rank on this machine until Ctrl-C")

@@ -11,22 +11,47 @@ import asyncio
 import contextlib
 import os
 import signal
+import stat
 import subprocess
 import sys
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 from cpcache.agreement.collective import host_store
 from cpcache.client import AsyncClient
 from cpcache.config import DaemonConfig
 from cpcache.daemon.settings import as_flags
-from cpcache.errors import Unavailable
+from cpcache.errors import InvalidArgument, Unavailable
 from cpcache.topology import Topology
 
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
+
+
+def private_run_dir(path: Path) -> None:
+    """Create `path` fresh with mode 0700, or accept an existing directory
+    only if this user owns it and nobody else may write it: the daemons'
+    sockets and logs go there, and a directory another user can write lets
+    them plant links that the logs would follow or replace the sockets."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode):
+        raise InvalidArgument(f"run dir {path}: not a directory (a link or file); give a fresh path")
+    if info.st_uid != os.geteuid():
+        raise InvalidArgument(f"run dir {path}: owned by uid {info.st_uid}, not by this user; give a fresh path")
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise InvalidArgument(f"run dir {path}: group- or world-writable (mode {stat.S_IMODE(info.st_mode):o}); "
+                              "give a fresh path or chmod it 0700")
+
+
+def open_log(path: Path) -> BinaryIO:
+    """Append to a rank's log, never through a link planted in its place."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    return os.fdopen(fd, "ab")
 
 
 @dataclass
@@ -91,14 +116,14 @@ class LocalDomain:
         return self.spec.config(rank, self._store.port, self._deployment)
 
     async def start(self) -> None:
-        self.spec.run_dir.mkdir(parents=True, exist_ok=True)
+        private_run_dir(self.spec.run_dir)
         self._store = host_store("127.0.0.1", 0)
         self._deployment = f"local-{uuid.uuid4().hex[:8]}"
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         for rank in range(self.size):
             config = self.config(rank)
             log_path = self.spec.run_dir / f"rank-{rank}.log"
-            with open(log_path, "ab") as log:
+            with open_log(log_path) as log:
                 proc = subprocess.Popen(
                     [sys.executable, "-m", "cpcache.daemon", *as_flags(config)],
                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,

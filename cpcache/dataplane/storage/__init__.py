@@ -21,14 +21,25 @@ from cpcache.errors import InvalidArgument
 
 @dataclass(frozen=True)
 class PageBuffer:
-    """Where one page's bytes live in host memory."""
+    """Where one page's bytes live in host memory: one run, or several runs
+    whose concatenation is the page (in SGLang's MHA host layouts a page is
+    its K half, then its V half, a pool's half apart)."""
 
     address: int
-    view: np.ndarray  # uint8, contiguous, page_bytes long
+    view: np.ndarray  # uint8, contiguous: the first run
+    rest: tuple[tuple[int, np.ndarray], ...] = ()  # (address, view) of the runs after it
+
+    @property
+    def parts(self) -> list[tuple[int, np.ndarray]]:
+        return [(self.address, self.view), *self.rest]
+
+    @property
+    def views(self) -> list[memoryview]:
+        return [view.data for _, view in self.parts]
 
     @property
     def nbytes(self) -> int:
-        return self.view.nbytes
+        return sum(view.nbytes for _, view in self.parts)
 
 
 class StorageBackend(ABC):
@@ -48,6 +59,11 @@ class StorageBackend(ABC):
     @abstractmethod
     def put_from(self, keys: list[str], pages: list[PageBuffer]) -> list[bool]:
         """Write each page under its key; False where the write failed."""
+
+    def counters(self) -> dict[str, int]:
+        """Backend-specific counters for `Stats` (damaged pages deleted, temp
+        files swept, ...); names start with `storage_`."""
+        return {}
 
     def close(self) -> None:  # noqa: B027 (optional: most backends hold nothing)
         """Release what the backend holds. Safe to call twice."""

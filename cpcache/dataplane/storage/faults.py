@@ -59,5 +59,8 @@ class FaultyBackend(StorageBackend):
     def put_from(self, keys: list[str], pages: list[PageBuffer]) -> list[bool]:
         return self._batch(self.inner.put_from, keys, pages)
 
+    def counters(self) -> dict[str, int]:
+        return self.inner.counters()
+
     def close(self) -> None:
         self.inner.close()

@@ -1,20 +1,41 @@
-"""The `file` backend: one file per page under a root directory.
+"""The `file` backend: one file per page under a root directory that every
+daemon sharing the pages shares.
 
-Each file is a 40-byte header (magic, version, geometry fingerprint, payload
-length, XXH3-64 checksum of the payload) followed by the page bytes. Writes
-go to a temp file that is renamed into place, so a reader sees a whole page
-or none. A corrupt, truncated or foreign-geometry page reads as a miss. Keys
-are checked so that no key can name a path outside the root. A capacity
-limit evicts the least recently used pages this process knows of.
+Each file is a framed page (`framing`: header with magic, geometry
+fingerprint, length and checksum, then the page bytes). Keys are checked so
+that no key can name a path outside the root.
+
+Durability: a page is written to a temp file, its data fsynced, renamed into
+place, and the directory fsynced once per batch before the batch reports
+stored; so after a crash a key names a whole page or nothing, and a backup
+reported stored survives power loss.
+
+Damage: a page that reads truncated, not framed or with a bad checksum is
+deleted (if it is still the file that was read), and put-if-absent only
+skips a write when the stored header promises exactly these bytes and the
+file has their length; so a damaged page is rewritten by the next backup.
+
+Temp files: named `.<key>.<host>-<pid>-<random>.tmp`. At start, those of a
+dead writer on this host, and any older than `STALE_TMP_S`, are deleted and
+counted (`storage_tmp_swept_files`, `storage_tmp_swept_bytes`).
+
+Capacity is for the whole root, not per process: recency is each file's
+mtime (set on write, bumped on every read hit), and each daemon rescans the
+root after writing 1/`RESCAN_FRACTION` of the capacity, so it evicts the
+least recently used pages of every daemon sharing the root, not only its
+own. Between rescans a daemon does not see the others' writes, so the root
+may exceed the capacity by up to 1/`RESCAN_FRACTION` of it per writer.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import re
-import struct
+import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -22,15 +43,16 @@ from concurrent.futures import ThreadPoolExecutor
 import xxhash
 
 from cpcache.dataplane.storage import PageBuffer, StorageBackend, register
+from cpcache.dataplane.storage.framing import HEADER, Verdict, check_header, check_page, checksum, pack_header
 from cpcache.errors import InvalidArgument
 
-MAGIC = b"CPCPAGE1"
-HEADER = struct.Struct("<8sIIQQQ")  # magic, version, reserved, geometry, length, checksum
-VERSION = 1
 # Below this page size a read is mostly interpreter time, which threads only
 # contend for; above it the syscalls and checksums (GIL released) overlap.
 PARALLEL_MIN_PAGE_BYTES = 256 << 10
 KEY_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,254}")
+TMP_PATTERN = re.compile(r"\.(?P<key>.+)\.(?P<host>[0-9a-f]{8})-(?P<pid>\d+)-[0-9a-f]{8}\.tmp")
+STALE_TMP_S = 600.0  # a temp file this old is a dead writer's, whichever host wrote it
+RESCAN_FRACTION = 32
 
 
 def check_key(key: str) -> str:
@@ -39,53 +61,144 @@ def check_key(key: str) -> str:
     return key
 
 
+def host_tag() -> str:
+    return xxhash.xxh3_64_hexdigest(socket.gethostname().encode())[:8]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's live process
+    return True
+
+
+class _Clock:
+    """Wall-clock nanoseconds, strictly increasing within this process, so
+    pages touched one after another never tie in mtime order."""
+
+    def __init__(self) -> None:
+        self._last = 0
+        self._lock = threading.Lock()
+
+    def __call__(self) -> int:
+        with self._lock:
+            self._last = max(time.time_ns(), self._last + 1)
+            return self._last
+
+
 @register("file")
 class FileBackend(StorageBackend):
     def __init__(
         self, root: str, geometry_fingerprint: int, capacity_bytes: int = 0, io_threads: int = 4,
-        **_ignored: object,
+        page_bytes: int = 0, **_ignored: object,
     ) -> None:
+        """`page_bytes` (0: unknown) lets a lookup tell a whole page from a
+        truncated one by its size."""
         self.root = os.path.realpath(root)
         os.makedirs(self.root, exist_ok=True)
         self._geometry = geometry_fingerprint
         self._capacity = capacity_bytes  # 0: unlimited
-        self._lock = threading.Lock()
-        self._lru: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._page_file_bytes = HEADER.size + page_bytes if page_bytes else 0
+        self._tag = f"{host_tag()}-{os.getpid()}"
+        self._now_ns = _Clock()
+        self._lock = threading.Lock()  # the index and the counters
+        self._scan_lock = threading.Lock()
+        # key -> (file bytes, mtime ns), least recently used first: the last
+        # scan of the root, plus this process's touches since.
+        self._index: collections.OrderedDict[str, tuple[int, int]] = collections.OrderedDict()
+        self._bytes = 0
+        self._written_since_scan = 0
         self._dirs: set[str] = set()  # fan-out directories known to exist
+        self._counters = collections.Counter[str]()
         # Pages of one batch are read and written in parallel: the syscalls and
         # the checksum release the GIL, so they overlap.
         self._threads = io_threads
         self._workers = ThreadPoolExecutor(io_threads, thread_name_prefix="cpcache-file")
-        self._bytes = 0
-        self._load_index()
+        self._scan(sweep=True)
 
     def path(self, key: str) -> str:
         check_key(key)
         return os.path.join(self.root, key[:2], key)
 
-    def _load_index(self) -> None:
-        found = []
+    # -- the root as a whole ------------------------------------------------------
+
+    def _scan(self, sweep: bool = False) -> None:
+        """Rebuild the index from every page file under the root (any
+        daemon's), oldest first; with `sweep`, delete dead writers' temp
+        files and count them."""
+        found: list[tuple[int, str, int]] = []
+        swept_files = swept_bytes = 0
+        now = time.time()
         for entry in os.scandir(self.root):
-            if entry.is_dir(follow_symlinks=False):
+            if not entry.is_dir(follow_symlinks=False):
+                continue
+            with contextlib.suppress(FileNotFoundError):
                 for page in os.scandir(entry.path):
-                    if page.is_file(follow_symlinks=False) and not page.name.startswith("."):
-                        st = page.stat()
-                        found.append((st.st_mtime, page.name, st.st_size))
-        for _, key, size in sorted(found):
-            self._lru[key] = size
-            self._bytes += size
+                    try:
+                        if not page.is_file(follow_symlinks=False):
+                            continue
+                        st = page.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue  # deleted meanwhile by another daemon
+                    if not page.name.startswith("."):
+                        found.append((st.st_mtime_ns, page.name, st.st_size))
+                    elif sweep and self._stale_tmp(page.name, now - st.st_mtime):
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(page.path)
+                            swept_files += 1
+                            swept_bytes += st.st_size
+        found.sort()
+        with self._lock:
+            self._index = collections.OrderedDict((key, (size, mtime)) for mtime, key, size in found)
+            self._bytes = sum(size for _, _, size in found)
+            self._written_since_scan = 0
+            self._counters["storage_tmp_swept_files"] += swept_files
+            self._counters["storage_tmp_swept_bytes"] += swept_bytes
+            self._counters["storage_root_scans"] += 1
+
+    def _stale_tmp(self, name: str, age_s: float) -> bool:
+        if age_s > STALE_TMP_S:
+            return True
+        match = TMP_PATTERN.fullmatch(name)
+        if match is None or match["host"] != self._tag.split("-")[0]:
+            return False  # another host's writer, or not ours to judge: only by age
+        pid = int(match["pid"])
+        return pid == os.getpid() or not _pid_alive(pid)  # this process has no writes yet
+
+    # -- StorageBackend -------------------------------------------------------------
 
     def exists_prefix(self, keys: list[str]) -> int:
         for i, key in enumerate(keys):
-            if not os.path.exists(self.path(key)):
+            try:
+                size = os.stat(self.path(key)).st_size
+            except FileNotFoundError:
                 return i
+            if self._page_file_bytes and size != self._page_file_bytes:
+                return i  # truncated (or another geometry's page): not a page we can read
         return len(keys)
 
     def get_into(self, keys: list[str], pages: list[PageBuffer]) -> list[bool]:
         return self._parallel(self._read, keys, pages)
 
     def put_from(self, keys: list[str], pages: list[PageBuffer]) -> list[bool]:
-        return self._parallel(self._write, keys, pages)
+        done = self._parallel(self._write, keys, pages)
+        # The renames of this batch survive a crash once their directories are synced.
+        synced: dict[str, bool] = {}
+        for i, key in enumerate(keys):
+            if done[i]:
+                directory = os.path.dirname(self.path(key))
+                if directory not in synced:
+                    synced[directory] = _fsync_dir(directory)
+                done[i] = synced[directory]
+        self._maybe_evict()
+        return done
+
+    def counters(self) -> dict[str, int]:
+        with self._lock:
+            return {**self._counters, "storage_file_bytes": self._bytes}
 
     def _parallel(self, one: Callable[[str, PageBuffer], bool], keys: list[str], pages: list[PageBuffer]) -> list[bool]:
         """Run `one` over the batch in a few contiguous chunks, one per worker."""
@@ -101,80 +214,170 @@ class FileBackend(StorageBackend):
     def close(self) -> None:
         self._workers.shutdown(wait=True)
 
+    # -- one page -------------------------------------------------------------------
+
     def _read(self, key: str, page: PageBuffer) -> bool:
+        path = self.path(key)
         header = bytearray(HEADER.size)
         try:
-            fd = os.open(self.path(key), os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         except FileNotFoundError:
             return False
+        except OSError:
+            return False  # a link or something else planted in the root: not a page
         try:
-            got = os.readv(fd, [header, page.view.data])
+            st = os.fstat(fd)
+            got = os.readv(fd, [header, *page.views])
+        except OSError:
+            os.close(fd)
+            return False
+        try:
+            if got != HEADER.size + page.nbytes or st.st_size != got:
+                verdict = Verdict.DAMAGED  # truncated, or trailing bytes
+            else:
+                verdict = check_page(header, page.views, self._geometry)
+            if verdict is Verdict.DAMAGED:
+                self._delete_damaged(key, path, st)
+                return False
+            if verdict is Verdict.FOREIGN:
+                return False  # another geometry's page: a miss, and the next backup replaces it
+            stamp = self._now_ns()
+            with contextlib.suppress(OSError):
+                os.utime(fd, ns=(stamp, stamp))  # recency, visible to every daemon sharing the root
+        finally:
+            os.close(fd)
+        self._touch(key, got, stamp)
+        return True
+
+    def _delete_damaged(self, key: str, path: str, read: os.stat_result) -> None:
+        """Delete the damaged file that was read, not a whole page a writer
+        renamed into its place meanwhile."""
+        with contextlib.suppress(FileNotFoundError):
+            now = os.lstat(path)
+            if (now.st_dev, now.st_ino) == (read.st_dev, read.st_ino):
+                os.unlink(path)
+                self._forget(key)
+                with self._lock:
+                    self._counters["storage_damaged_pages_deleted"] += 1
+
+    def _already_stored(self, path: str, nbytes: int, digest: int) -> bool:
+        """Put-if-absent: a stored page counts only if its header promises
+        exactly these bytes and the file has their length."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            return False
+        try:
+            header = os.read(fd, HEADER.size)
+            size = os.fstat(fd).st_size
         except OSError:
             return False
         finally:
             os.close(fd)
-        if got != HEADER.size + page.nbytes:
-            return False  # truncated
-        magic, version, _, geometry, length, checksum = HEADER.unpack(header)
-        if magic != MAGIC or version != VERSION or geometry != self._geometry or length != page.nbytes:
-            return False  # not ours, or another geometry
-        if xxhash.xxh3_64_intdigest(page.view.data) != checksum:
-            return False  # corrupt
-        self._touch(key, got)
-        return True
+        verdict, stored_digest = check_header(header, self._geometry, nbytes)
+        return verdict is Verdict.VALID and stored_digest == digest and size == HEADER.size + nbytes
 
     def _write(self, key: str, page: PageBuffer) -> bool:
         path = self.path(key)
-        if key in self._lru and os.path.exists(path):
-            # Keys name their content (a hash chain), so a page already stored
-            # under its key holds these bytes: nothing to write.
-            self._touch(key, HEADER.size + page.nbytes)
+        digest = checksum(page.views)
+        size = HEADER.size + page.nbytes
+        if self._already_stored(path, page.nbytes, digest):
+            # Keys name their content (a hash chain): a whole page already
+            # stored under its key holds these bytes. It is recent now.
+            stamp = self._now_ns()
+            with contextlib.suppress(OSError):
+                os.utime(path, ns=(stamp, stamp), follow_symlinks=False)
+            self._touch(key, size, stamp)
             return True
-        header = HEADER.pack(MAGIC, VERSION, 0, self._geometry, page.nbytes, xxhash.xxh3_64_intdigest(page.view.data))
-        tmp = os.path.join(os.path.dirname(path), f".{key}.{uuid.uuid4().hex[:8]}.tmp")
+        header = pack_header(self._geometry, page.views, digest)
+        directory = os.path.dirname(path)
+        tmp = os.path.join(directory, f".{key}.{self._tag}-{uuid.uuid4().hex[:8]}.tmp")
         try:
-            directory = os.path.dirname(path)
             if directory not in self._dirs:
                 os.makedirs(directory, exist_ok=True)
                 self._dirs.add(directory)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
             try:
-                written = os.writev(fd, [header, page.view.data])
+                written = os.writev(fd, [header, *page.views])
+                if written != size:
+                    raise OSError(f"short write of {key}")
+                os.fdatasync(fd)  # the data is on disk before any name points at it
+                stamp = self._now_ns()
+                os.utime(fd, ns=(stamp, stamp))
             finally:
                 os.close(fd)
-            if written != HEADER.size + page.nbytes:
-                raise OSError(f"short write of {key}")
             os.replace(tmp, path)
         except OSError:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(tmp)
-            except OSError:
-                pass
             return False  # a full disk or a vanished root: a failed put, reported as data
-        self._touch(key, HEADER.size + page.nbytes)
-        self._evict()
+        self._touch(key, size, stamp)
+        with self._lock:
+            self._written_since_scan += size
         return True
 
-    def _touch(self, key: str, size: int) -> None:
+    # -- recency and capacity -------------------------------------------------------
+
+    def _touch(self, key: str, size: int, mtime_ns: int) -> None:
         with self._lock:
-            old = self._lru.pop(key, None)
-            self._bytes += size - (old or 0)
-            self._lru[key] = size
+            old = self._index.pop(key, None)
+            self._bytes += size - (old[0] if old else 0)
+            self._index[key] = (size, mtime_ns)
+
+    def _forget(self, key: str) -> None:
+        with self._lock:
+            old = self._index.pop(key, None)
+            if old:
+                self._bytes -= old[0]
+
+    def _maybe_evict(self) -> None:
+        if not self._capacity or not self._scan_lock.acquire(blocking=False):
+            return  # unlimited, or another thread is evicting already
+        try:
+            with self._lock:
+                rescan = self._written_since_scan * RESCAN_FRACTION > self._capacity
+            if rescan:
+                self._scan()  # learn the other daemons' writes and reads
+            self._evict()
+        finally:
+            self._scan_lock.release()
 
     def _evict(self) -> None:
-        if not self._capacity:
-            return
+        """Delete least recently used pages until the root fits. A page some
+        daemon touched since this index saw it is kept and moved up."""
         while True:
             with self._lock:
-                if self._bytes <= self._capacity or len(self._lru) <= 1:
+                if self._bytes <= self._capacity or len(self._index) <= 1:
                     return
-                key, size = self._lru.popitem(last=False)
+                key, (size, mtime_ns) = self._index.popitem(last=False)
                 self._bytes -= size
+            path = self.path(key)
             try:
-                os.unlink(self.path(key))
+                now = os.lstat(path)
             except FileNotFoundError:
-                pass
+                continue  # another daemon evicted it
+            if now.st_mtime_ns > mtime_ns:
+                self._touch(key, now.st_size, now.st_mtime_ns)  # read or rewritten meanwhile: recent
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            with self._lock:
+                self._counters["storage_pages_evicted"] += 1
 
     @property
     def used_bytes(self) -> int:
         return self._bytes
+
+
+def _fsync_dir(directory: str) -> bool:
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return False
+    try:
+        os.fsync(fd)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)

@@ -1,16 +1,57 @@
 """The `mooncake` backend: Mooncake Store over its transfer engine.
 
 The host pool is registered with the transfer engine once, so batch puts and
-gets move bytes straight between host pages and the store.
+gets move bytes straight between host pages and the store. Each object is a
+framed page like a stored file (`framing`: header with magic, geometry
+fingerprint, length, checksum, then the page): the header travels from a
+small registered arena in the same multi-buffer call, and a read checks it
+all, so a foreign, truncated or corrupt object loads as a miss, never as
+KV; a damaged one is removed so the next backup rewrites it.
 """
 
 from __future__ import annotations
 
 import socket
+import threading
+from collections.abc import Callable
+
+import numpy as np
 
 from cpcache.dataplane.storage import PageBuffer, StorageBackend, register
+from cpcache.dataplane.storage.framing import HEADER, Verdict, check_page, pack_header
 from cpcache.errors import InvalidArgument, Unavailable
 from cpcache.values import split_host_port
+
+HEADERS_PER_LEASE = 64  # headers one call frames at once; larger batches go in parts
+LEASES = 16  # calls that may frame at once
+
+
+class HeaderArena:
+    """Registered memory for page headers, leased to one call at a time."""
+
+    def __init__(self) -> None:
+        self.buffer = np.zeros(LEASES * HEADERS_PER_LEASE * HEADER.size, dtype=np.uint8)
+        self._free = list(range(LEASES))
+        self._ready = threading.Condition()
+
+    @property
+    def address(self) -> int:
+        return int(self.buffer.ctypes.data)
+
+    def lease(self) -> int:
+        with self._ready:
+            self._ready.wait_for(lambda: bool(self._free))
+            return self._free.pop()
+
+    def give_back(self, lease: int) -> None:
+        with self._ready:
+            self._free.append(lease)
+            self._ready.notify()
+
+    def slot(self, lease: int, i: int) -> tuple[int, np.ndarray]:
+        """(address, view) of header `i` of a lease."""
+        start = (lease * HEADERS_PER_LEASE + i) * HEADER.size
+        return self.address + start, self.buffer[start : start + HEADER.size]
 
 
 def _reachable(address: str, timeout_s: float) -> bool:
@@ -20,6 +61,8 @@ def _reachable(address: str, timeout_s: float) -> bool:
     except (OSError, InvalidArgument):
         return False
 
+
+OBJECT_ALREADY_EXISTS = -705  # Mooncake's ErrorCode for a put of a key the store holds
 
 @register("mooncake")
 class MooncakeBackend(StorageBackend):
@@ -34,9 +77,12 @@ class MooncakeBackend(StorageBackend):
         global_segment_size: int = 256 << 20,
         local_buffer_size: int = 64 << 20,
         connect_timeout_s: float = 5.0,
+        geometry_fingerprint: int = 0,
         **_ignored: object,
     ) -> None:
         """`buffers`: (address, nbytes) of host memory to register (the host pool)."""
+        self._geometry = geometry_fingerprint
+        self._closed = True
         from mooncake.store import MooncakeDistributedStore
 
         if not _reachable(master, connect_timeout_s):
@@ -50,10 +96,12 @@ class MooncakeBackend(StorageBackend):
         )
         if rc != 0:
             raise Unavailable(f"mooncake: setup against master {master} failed with code {rc}")
-        for address, nbytes in buffers:
+        self._headers = HeaderArena()
+        for address, nbytes in [*buffers, (self._headers.address, self._headers.buffer.nbytes)]:
             if self._store.register_buffer(address, nbytes) != 0:
                 raise InvalidArgument(f"mooncake: cannot register {nbytes} bytes at {address:#x}")
         self._closed = False
+        self._damaged_removed = 0
 
     def exists_prefix(self, keys: list[str]) -> int:
         if not keys:
@@ -64,17 +112,57 @@ class MooncakeBackend(StorageBackend):
         return len(keys)
 
     def get_into(self, keys: list[str], pages: list[PageBuffer]) -> list[bool]:
-        if not keys:
-            return []
-        sizes = [p.nbytes for p in pages]
-        got = self._store.batch_get_into(keys, [p.address for p in pages], sizes)
-        return [n == size for n, size in zip(got, sizes)]
+        return self._in_parts(self._get_part, keys, pages)
 
     def put_from(self, keys: list[str], pages: list[PageBuffer]) -> list[bool]:
+        return self._in_parts(self._put_part, keys, pages)
+
+    def counters(self) -> dict[str, int]:
+        return {"storage_damaged_pages_deleted": self._damaged_removed}
+
+    def _in_parts(self, part: Callable[[int, list[str], list[PageBuffer]], list[bool]], keys: list[str],
+                  pages: list[PageBuffer]) -> list[bool]:
+        done: list[bool] = []
         if not keys:
-            return []
-        codes = self._store.batch_put_from(keys, [p.address for p in pages], [p.nbytes for p in pages])
-        return [code == 0 for code in codes]
+            return done
+        lease = self._headers.lease()
+        try:
+            for first in range(0, len(keys), HEADERS_PER_LEASE):
+                span = slice(first, first + HEADERS_PER_LEASE)
+                done += part(lease, keys[span], pages[span])
+        finally:
+            self._headers.give_back(lease)
+        return done
+
+    def _put_part(self, lease: int, keys: list[str], pages: list[PageBuffer]) -> list[bool]:
+        pointers, sizes = [], []
+        for i, page in enumerate(pages):
+            address, view = self._headers.slot(lease, i)
+            view[:] = np.frombuffer(pack_header(self._geometry, page.views), dtype=np.uint8)
+            pointers.append([address, *(a for a, _ in page.parts)])
+            sizes.append([HEADER.size, *(v.nbytes for _, v in page.parts)])
+        codes = self._store.batch_put_from_multi_buffers(keys, pointers, sizes)
+        # A page someone stored first (another replica's writer, a retry) is
+        # stored: keys name their bytes, and a damaged object is deleted by
+        # the read that finds it, so the next put rewrites it.
+        return [code in (0, OBJECT_ALREADY_EXISTS) for code in codes]
+
+    def _get_part(self, lease: int, keys: list[str], pages: list[PageBuffer]) -> list[bool]:
+        slots = [self._headers.slot(lease, i) for i in range(len(pages))]
+        pointers = [[address, *(a for a, _ in page.parts)] for (address, _), page in zip(slots, pages)]
+        sizes = [[HEADER.size, *(v.nbytes for _, v in page.parts)] for page in pages]
+        got = self._store.batch_get_into_multi_buffers(keys, pointers, sizes)
+        done = []
+        for key, n, (_, header), page in zip(keys, got, slots, pages):
+            if n < 0:
+                done.append(False)  # missing, or an object of another size
+                continue
+            verdict = Verdict.DAMAGED if n != HEADER.size + page.nbytes else check_page(
+                header.tobytes(), page.views, self._geometry)
+            if verdict is Verdict.DAMAGED:
+                self._damaged_removed += self._store.remove(key, True) == 0  # force: past the read lease
+            done.append(verdict is Verdict.VALID)
+        return done
 
     def close(self) -> None:
         if not self._closed:

@@ -1,0 +1,63 @@
+"""How a stored page is framed, whatever the backend: a 40-byte header
+(magic, version, geometry fingerprint, payload length, XXH3-64 checksum of
+the payload) before the page bytes. A reader checks all of it, so a
+truncated, corrupt, foreign or other-geometry object reads as a miss, never
+as KV."""
+
+from __future__ import annotations
+
+import enum
+import struct
+
+import xxhash
+
+MAGIC = b"CPCPAGE1"
+HEADER = struct.Struct("<8sIIQQQ")  # magic, version, reserved, geometry, length, checksum
+VERSION = 1
+
+
+class Verdict(enum.Enum):
+    VALID = "valid"
+    DAMAGED = "damaged"  # truncated, not a page, or bytes that do not match their checksum: delete it
+    FOREIGN = "foreign"  # a whole page of another geometry: not ours to read, nor to delete
+
+
+def checksum(payload: memoryview | bytes | list[memoryview]) -> int:
+    """XXH3-64 of a page's bytes, given whole or as the runs that make it up."""
+    if not isinstance(payload, list):
+        return xxhash.xxh3_64_intdigest(payload)
+    hasher = xxhash.xxh3_64()
+    for part in payload:
+        hasher.update(part)
+    return hasher.intdigest()
+
+
+def _length(payload: memoryview | bytes | list[memoryview]) -> int:
+    return sum(len(p) for p in payload) if isinstance(payload, list) else len(payload)
+
+
+def pack_header(geometry: int, payload: memoryview | bytes | list[memoryview], digest: int | None = None) -> bytes:
+    return HEADER.pack(MAGIC, VERSION, 0, geometry, _length(payload), checksum(payload) if digest is None else digest)
+
+
+def check_header(header: bytes | bytearray | memoryview, geometry: int, nbytes: int) -> tuple[Verdict, int]:
+    """The verdict on a header alone, and the checksum it promises."""
+    if len(header) != HEADER.size:
+        return Verdict.DAMAGED, 0
+    magic, version, _, their_geometry, length, digest = HEADER.unpack(header)
+    if magic != MAGIC or version != VERSION:
+        return Verdict.DAMAGED, 0
+    if their_geometry != geometry:
+        return Verdict.FOREIGN, 0
+    if length != nbytes:
+        return Verdict.DAMAGED, 0  # this geometry's pages are all nbytes long
+    return Verdict.VALID, digest
+
+
+def check_page(header: bytes | bytearray | memoryview, payload: memoryview | list[memoryview],
+               geometry: int) -> Verdict:
+    """The verdict on a header and the payload read after it."""
+    verdict, digest = check_header(header, geometry, _length(payload))
+    if verdict is Verdict.VALID and checksum(payload) != digest:
+        return Verdict.DAMAGED
+    return verdict
