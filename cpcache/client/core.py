@@ -119,6 +119,7 @@ class StepResult:
     loads: dict[int, int] = field(default_factory=dict)
     write_failures: tuple[int, ...] = ()  # nothing of these entered the host pool (a failed copy, a full pool)
     load_failures: tuple[int, ...] = ()  # the device pages of these hold no agreed data
+    epoch: int = 0  # the domain's epoch: it moves when the domain re-forms after losing a rank
 
 
 @dataclass(frozen=True)
@@ -177,6 +178,7 @@ def step_result(reply: pb.StepReply) -> StepResult:
         loads={x.op_id: x.pages for x in reply.loads},
         write_failures=tuple(reply.write_failures),
         load_failures=tuple(reply.load_failures),
+        epoch=reply.epoch,
     )
 
 

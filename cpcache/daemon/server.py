@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import dataclasses
 import enum
+import functools
 import logging
 import os
 import signal
@@ -29,6 +30,7 @@ from torch.distributed import TCPStore
 from cpcache.agreement.attach import agree_on_attach, withdraw
 from cpcache.agreement.collective import Reducer, Rendezvous, build_reducer, host_store
 from cpcache.agreement.engine import AgreementEngine, DivergenceExchange, FaultInjection, peer_lost
+from cpcache.agreement.epochs import Epochs
 from cpcache.agreement.liveness import Heartbeat, diagnose
 from cpcache.config import DaemonConfig
 from cpcache.daemon import metrics
@@ -42,8 +44,9 @@ from cpcache.dataplane.pools import DevicePool
 from cpcache.errors import CacheError, FailedPrecondition, PeerLost, Unavailable
 from cpcache.geometry import KVGeometry
 from cpcache.keys import namespace_seed
-from cpcache.rank.assembly import CacheRuntime, check_host_budget, open_cache
+from cpcache.rank.assembly import CacheRuntime, carry_over, check_host_budget, open_cache
 from cpcache.rank.stepper import Stepper
+from cpcache.state import carryover
 from cpcache.v1 import daemon_pb2 as pb
 from cpcache.values import MAX_MESSAGE_BYTES, split_host_port
 
@@ -58,6 +61,7 @@ class State(enum.Enum):
     STARTING = "starting"
     JOINING = "joining"  # rendezvous with the peers
     SERVING = "serving"
+    REFORMING = "reforming"  # a rank was lost: the domain forms again in the next epoch
     BROKEN = "broken"  # a peer was lost: decisions are refused
     DRAINING = "draining"
     STOPPED = "stopped"
@@ -84,9 +88,17 @@ class Daemon:
         self.state = State.STARTING
         self._topology = config.topology
         self._domain = self._topology.domain(config.rank)
-        self._rdzv = Rendezvous(
+        self._epochs = Epochs(Rendezvous(
             *split_host_port(config.rendezvous), config.deployment, config.epoch, config.rendezvous_timeout_s
-        )
+        ))
+        self._rdzv = self._epochs.base  # the current epoch's; replaced when the domain re-forms
+        self._reforming: asyncio.Future[None] | None = None
+        self._reform_reason = ""
+        # The cache of an ended session or epoch, detached from its device pool,
+        # until an Attach of the same model and geometry picks it up again.
+        self._kept: tuple[CacheRuntime, dict[str, Any]] | None = None
+        self._descriptor: dict[str, Any] | None = None  # what the attached cache was attached with
+        self.reforms = 0
         self._health = health_async.HealthServicer()
         self._servers: list[grpc.aio.Server] = []
         self._stop_requested = asyncio.Event()
@@ -113,9 +125,16 @@ class Daemon:
     def coordinator(self) -> Stepper | None:
         return self._coordinator
 
+    @property
+    def epoch(self) -> int:
+        return self._rdzv.epoch
+
     def admit_decision(self) -> Stepper:
         if self.state is State.SERVING and self._coordinator is not None:
             return self._coordinator
+        if self.state is State.REFORMING:
+            raise Unavailable(f"rank {self.config.rank} is re-forming its domain out of epoch {self.epoch} "
+                              f"({self._reform_reason}); decisions resume once every rank has joined")
         if self.state is State.BROKEN and self._engine is not None and self._engine.failure is not None:
             raise self._engine.failure
         raise Unavailable(f"rank {self.config.rank} is {self.state.value}, not serving decisions")
@@ -149,18 +168,29 @@ class Daemon:
 
     async def _attach(self, model_id: str, geometry: KVGeometry, device_pages: int, kind: str,
                       pool: str | pb.CudaIpcHandle) -> Attached:
+        if self.state is State.REFORMING and self._reforming is not None:
+            await asyncio.shield(self._reforming)
         stepper = self.admit_decision()
-        if stepper.cache is not None:
-            raise FailedPrecondition("a device pool is already attached to this daemon")
+        if stepper.cache is not None and not self._attaching:
+            # A scheduler attached again (it restarted): its old session ends
+            # on every rank the same way, by forming the domain again; what
+            # the host pool holds is carried over.
+            await self.reform("a scheduler attached again: its previous session ends")
+            stepper = self.admit_decision()
         if self._attaching:
             raise FailedPrecondition("an Attach is already in progress on this daemon")
         self._attaching = True
         runtime: CacheRuntime | None = None
         differs = False
         store = self._rdzv.connect()
+        descriptor = self._attach_descriptor(model_id, geometry, device_pages)
+        kept = self._kept if self._kept is not None and self._kept[1] == descriptor else None
         try:
-            runtime = await asyncio.to_thread(self._open_cache, model_id, geometry, device_pages, kind, pool)
-            descriptor = self._attach_descriptor(model_id, geometry, device_pages)
+            if kept is None and self._kept is not None:  # another model or geometry: start clean
+                old, self._kept = self._kept[0], None
+                await asyncio.to_thread(old.io.transfers.close)
+            runtime = await asyncio.to_thread(self._open_cache, model_id, geometry, device_pages, kind, pool,
+                                              kept[0] if kept else None)
             try:
                 self._attach_attempts += 1
                 await asyncio.to_thread(agree_on_attach, store, self._rdzv.namespace, self.config.rank,
@@ -173,26 +203,34 @@ class Daemon:
             if not differs:
                 # Withdrawn, so a peer's retry never matches this failed attempt.
                 await asyncio.to_thread(withdraw, store, self._rdzv.namespace, self.config.rank)
-            if runtime is not None:
+            if runtime is not None and kept is not None:
+                runtime.io.transfers.tiers.device = None  # still kept, for the next attempt
+            elif runtime is not None:
                 runtime.io.transfers.close()
             raise
         finally:
             self._attaching = False
         stepper.cache = runtime
+        self._kept, self._descriptor = None, descriptor
+        resumed = len(runtime.state.index) if kept is not None else 0
         self._key_seed = namespace_seed(model_id, geometry.dtype, self.config.host_layout, geometry.page_size)
-        log.info("attached %r: %d device pages of %d bytes (%s)", model_id, device_pages, geometry.page_bytes, kind)
+        log.info("attached %r in epoch %d: %d device pages of %d bytes (%s), %d host pages resumed", model_id,
+                 self.epoch, device_pages, geometry.page_bytes, kind, resumed)
         storage = runtime.io.transfers.tiers.storage
         return Attached(geometry.page_bytes, self.config.host_pool_pages, self.config.host_layout,
-                        storage.name if storage else "none", self._key_seed)
+                        storage.name if storage else "none", self._key_seed, resumed)
 
     def _open_cache(self, model_id: str, geometry: KVGeometry, device_pages: int, kind: str,
-                    pool: str | pb.CudaIpcHandle) -> CacheRuntime:
+                    pool: str | pb.CudaIpcHandle, kept: CacheRuntime | None = None) -> CacheRuntime:
         check_host_budget(self.config, geometry)
         if isinstance(pool, str):
             device = DevicePool.from_shared_file(pool, geometry, device_pages)
         else:
             handle = {f.name: getattr(pool, f.name) for f in pool.DESCRIPTOR.fields}
             device = DevicePool.from_cuda_ipc(handle, geometry, device_pages)
+        if kept is not None:  # the same model and geometry: the host pool and its pages go on
+            kept.io.transfers.tiers.device = device
+            return kept
         return open_cache(self.config, geometry, device, model_id)
 
     def _attach_descriptor(self, model_id: str, geometry: KVGeometry, device_pages: int) -> dict[str, Any]:
@@ -237,6 +275,7 @@ class Daemon:
             failure=str(failure) if failure else "",
             metrics_port=self.metrics_port,
             attached=bool(coordinator and coordinator.cache),
+            epoch=self.epoch,
         )
 
     # -- lifecycle ----------------------------------------------------------
@@ -265,12 +304,59 @@ class Daemon:
             return ExitCode.STOPPED
         stop.cancel()
         try:
-            reducer = joining.result()
+            reducer, offers = joining.result()
         except (RuntimeError, CacheError) as exc:
             log.error("rendezvous failed: %s", exc)
             await self._shutdown()
             return ExitCode.RENDEZVOUS_FAILED
-        self._engine = AgreementEngine(
+        await self._serve_epoch(reducer, offers)
+        self.notifier.ready(f"serving rank {self.config.rank} of domain {list(self._domain.ranks)}")
+        log.info("serving rank %d of domain %s in epoch %d (%s mode, lag %d)", self.config.rank,
+                 list(self._domain.ranks), self.epoch, self.config.mode, self.config.agreement_lag)
+        threading.Thread(target=self._watch_epochs, args=(loop,), name="epoch-watch", daemon=True).start()
+        await self._stop_requested.wait()
+        broken = self.state in (State.BROKEN, State.REFORMING)
+        await self._shutdown()
+        if self._crashed:
+            return ExitCode.INTERNAL
+        return ExitCode.PEER_LOST if broken else ExitCode.STOPPED
+
+    def _join(self) -> tuple[Reducer, list[bytes]]:
+        """Blocking rendezvous, on a worker thread: the deployment's current
+        epoch, or the next one when the current one formed without this rank
+        (it restarted)."""
+        if self.config.host_store:
+            host, port = split_host_port(self.config.rendezvous)
+            self._store_server = host_store(host, port)
+        store = self._epochs.base.connect()
+        return self._form(store, self._epochs.to_join(store, self.config.epoch), b"")
+
+    def _form(self, store: TCPStore, epoch: int, offer: bytes) -> tuple[Reducer, list[bytes]]:
+        """Join `epoch` with every rank of the domain, then trade what each
+        carries over (blocking, on a worker thread)."""
+        self._rdzv = self._epochs.rendezvous(epoch)
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+        self._heartbeat = Heartbeat(self._rdzv, self.config.rank, self.config.heartbeat_interval_s)
+        self._heartbeat.start()
+        reducer = build_reducer(
+            store, self._rdzv, self._topology, self.config.rank, self.config.mode,
+            self.config.agreement_timeout_s, self.config.gloo_host,
+        )
+        try:
+            offers = self._epochs.exchange(store, epoch, self.config.rank, tuple(self._domain.ranks), offer,
+                                           self.config.rendezvous_timeout_s)
+        except BaseException:
+            reducer.close()
+            raise
+        self._epochs.mark_formed(store, epoch)
+        return reducer, offers
+
+    async def _serve_epoch(self, reducer: Reducer, offers: list[bytes]) -> None:
+        """Decide in the epoch just formed: a new engine and stepper, and the
+        carried-over cache (the pages every rank offered alike), if any."""
+        loop = asyncio.get_running_loop()
+        engine = AgreementEngine(
             reducer,
             DivergenceExchange(
                 self._rdzv.connect(), self._rdzv.namespace, self.config.rank, self._domain.ranks,
@@ -279,40 +365,114 @@ class Daemon:
             self._diagnose,
             heartbeat=self._heartbeat,
             faults=FaultInjection(self.config.fault_delay_ms, self.config.fault_seed + self.config.rank),
-            on_failure=lambda failure: loop.call_soon_threadsafe(self._on_broken, failure),
+            on_failure=lambda failure: loop.call_soon_threadsafe(self._on_broken, failure, engine),
         )
-        self._coordinator = Stepper(self._engine, self.config.rank, self.config.agreement_lag)
+        self._engine = engine
+        self._coordinator = Stepper(engine, self.config.rank, self.config.agreement_lag, self.epoch)
+        if self._kept is not None:
+            runtime, descriptor = self._kept
+            kept = carryover.common([carryover.decode(offer) for offer in offers])
+            self._kept = (carry_over(runtime, kept, self.config.storage_timeout_s), descriptor)
+            log.info("epoch %d carries %d host pages over (until the scheduler attaches again)", self.epoch,
+                     len(kept))
         self.state = State.SERVING
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
-        self.notifier.ready(f"serving rank {self.config.rank} of domain {list(self._domain.ranks)}")
-        log.info("serving rank %d of domain %s (%s mode, lag %d)", self.config.rank, list(self._domain.ranks),
-                 self.config.mode, self.config.agreement_lag)
-        await self._stop_requested.wait()
-        broken = self.state is State.BROKEN
-        await self._shutdown()
-        if self._crashed:
-            return ExitCode.INTERNAL
-        return ExitCode.PEER_LOST if broken else ExitCode.STOPPED
 
-    def _join(self) -> Reducer:
-        """Blocking rendezvous, on a worker thread."""
-        if self.config.host_store:
-            host, port = split_host_port(self.config.rendezvous)
-            self._store_server = host_store(host, port)
-        store = self._rdzv.connect()
-        self._heartbeat = Heartbeat(self._rdzv, self.config.rank, self.config.heartbeat_interval_s)
-        self._heartbeat.start()
-        return build_reducer(
-            store, self._rdzv, self._topology, self.config.rank, self.config.mode,
-            self.config.agreement_timeout_s, self.config.gloo_host,
-        )
+    async def reform(self, reason: str) -> None:
+        """Form the domain again in the next epoch (once, however many ask)."""
+        if self._reforming is None or self._reforming.done():
+            self._reforming = asyncio.ensure_future(self._reform(reason))
+        await asyncio.shield(self._reforming)
+
+    async def _reform(self, reason: str) -> None:
+        if self.state not in (State.SERVING, State.BROKEN):
+            return
+        leaving = self.epoch
+        self.state, self._reform_reason = State.REFORMING, reason
+        self.reforms += 1
+        log.warning("leaving epoch %d: %s", leaving, reason)
+        self.notifier.status(f"re-forming out of epoch {leaving}: {reason}"[:400])
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        engine, stepper = self._engine, self._coordinator
+        self._engine = self._coordinator = None
+        if engine is not None:
+            await _bounded(engine.close, self.config.agreement_timeout_s + 5.0, "closing the old epoch's groups")
+        offer = await self._detach_for_epoch(stepper)
+        while not self._stop_requested.is_set():
+            forming = _on_daemon_thread(functools.partial(self._rejoin, leaving, offer), "re-form")
+            stop = asyncio.ensure_future(self._stop_requested.wait())
+            await asyncio.wait((forming, stop), return_when=asyncio.FIRST_COMPLETED)
+            stop.cancel()
+            if not forming.done():
+                forming.cancel()
+                return  # stopping: the shutdown follows
+            try:
+                reducer, offers = forming.result()
+            except (RuntimeError, CacheError) as exc:
+                log.warning("epoch %d did not form (%s); trying the next", self.epoch, exc)
+                leaving = self.epoch
+                continue
+            await self._serve_epoch(reducer, offers)
+            log.info("serving rank %d in epoch %d", self.config.rank, self.epoch)
+            self.notifier.status(f"serving rank {self.config.rank} in epoch {self.epoch}")
+            return
+
+    def _rejoin(self, leaving: int, offer: bytes) -> tuple[Reducer, list[bytes]]:
+        store = self._epochs.base.connect()
+        return self._form(store, self._epochs.advance(store, leaving), offer)
+
+    async def _detach_for_epoch(self, stepper: Stepper | None) -> bytes:
+        """Keep the cache of the ending epoch for the scheduler's next attach,
+        once this rank's I/O has drained (DESIGN rule 5); what it may offer."""
+        runtime = stepper.cache if stepper is not None else None
+        descriptor = self._descriptor
+        if runtime is None and self._kept is not None:
+            runtime, descriptor = self._kept
+        if runtime is None or descriptor is None:
+            return b""
+        drain_s = 2 * self.config.storage_timeout_s + 5.0
+        idle = await asyncio.to_thread(runtime.io.transfers.in_flight.wait_all_idle, drain_s)
+        runtime.io.transfers.tiers.device = None  # the scheduler's pool: its next attach brings one
+        self._kept, self._descriptor = (runtime, descriptor), None
+        if not idle:
+            log.warning("I/O still in flight after %.0fs: this rank carries no pages over", drain_s)
+            return b""
+        return carryover.encode(carryover.offer(runtime.state.index))
+
+    def _watch_epochs(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On a daemon thread: notice the deployment moving to a later epoch
+        (a restarted rank started one), and leave this one."""
+        store: TCPStore | None = None
+        stopped = threading.Event()
+        interval = max(0.2, 2 * self.config.heartbeat_interval_s)
+        while not stopped.wait(interval):
+            if self.state is State.STOPPED or self.state is State.DRAINING:
+                return
+            try:
+                store = store or self._epochs.base.connect(timeout_s=max(1.0, 5 * interval))
+                current = self._epochs.current(store)
+            except (RuntimeError, OSError):
+                store = None  # the store is away: the rounds will say what that means
+                continue
+            if current > self.epoch and self.state is State.SERVING:
+                with contextlib.suppress(RuntimeError):  # the loop is closed: the daemon has stopped
+                    loop.call_soon_threadsafe(self._epoch_moved, current)
+
+    def _epoch_moved(self, current: int) -> None:
+        if self.state is State.SERVING and current > self.epoch:
+            self._spawn(self.reform(f"the deployment moved to epoch {current}"), "re-form")
 
     def _diagnose(self, round_number: int, exc: BaseException) -> PeerLost:
         peers = tuple(r for r in self._domain.ranks if r != self.config.rank)
         window = max(0.3, 3 * self.config.heartbeat_interval_s)
         return peer_lost(round_number, exc, diagnose(self._rdzv, peers, round_number, window))
 
-    def _on_broken(self, failure: CacheError) -> None:
+    def _on_broken(self, failure: CacheError, engine: AgreementEngine | None = None) -> None:
+        if engine is not None and engine is not self._engine:
+            return  # an epoch already left
+        if isinstance(failure, PeerLost) and self.state is State.SERVING:
+            self._spawn(self.reform(str(failure)), "re-form")
+            return
         if self.state is State.SERVING:
             self.state = State.BROKEN
             self.notifier.status(f"broken: {failure}"[:400])
@@ -342,6 +502,8 @@ class Daemon:
             await asyncio.to_thread(self._engine.close)
         if self._coordinator is not None and self._coordinator.cache is not None:
             await _bounded(self._coordinator.cache.io.transfers.close, 5.0, "closing the storage backend")
+        if self._kept is not None:
+            await _bounded(self._kept[0].io.transfers.close, 5.0, "closing the kept storage backend")
         if self._heartbeat is not None:
             self._heartbeat.stop()
         self._store_server = None

@@ -88,7 +88,9 @@ class CacheDaemonServicer(pb_grpc.CacheDaemonServicer):
         with self._daemon.in_flight():
             outcome = await stepper.step(request.step, votes, ops, invalid=invalid,
                                          request_digest=request_digest(method, request))
-        return step_reply(outcome)
+        reply = step_reply(outcome)
+        reply.epoch = stepper.epoch
+        return reply
 
     @guarded
     async def Step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> pb.StepReply:

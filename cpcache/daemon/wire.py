@@ -79,6 +79,7 @@ class Attached:
     host_layout: str
     storage: str  # the backend's name, or "none"
     key_seed: str  # hex seed of this model's page-hash chains
+    resumed_pages: int = 0  # host pages carried over from the previous session or epoch
 
 
 def attach_reply(attached: Attached) -> pb.AttachReply:
@@ -99,6 +100,7 @@ class DaemonStatus:
     failure: str
     metrics_port: int
     attached: bool
+    epoch: int = 0
 
 
 def status_reply(status: DaemonStatus) -> pb.StatusReply:

@@ -39,6 +39,11 @@ class InFlight:
         with self._lock:
             return any(slot in self._counts for slot in slots)
 
+    def wait_all_idle(self, timeout_s: float) -> bool:
+        """Until no slot has I/O in flight (True), or `timeout_s` passes (False)."""
+        with self._lock:
+            return self._idle.wait_for(lambda: not self._counts, timeout_s)
+
     def wait_idle(self, slots: Iterable[int], timeout_s: float) -> bool:
         with self._lock:
             return self._idle.wait_for(lambda: not any(s in self._counts for s in slots), timeout_s)

@@ -17,6 +17,7 @@ from cpcache.errors import ResourceExhausted
 from cpcache.geometry import KVGeometry
 from cpcache.keys import ShardingSpec, tenant_of
 from cpcache.state.allocator import PageAllocator
+from cpcache.state.carryover import KeptPage, restore
 from cpcache.state.machine import CacheState
 
 
@@ -84,3 +85,14 @@ def open_cache(config: DaemonConfig, geometry: KVGeometry, device: DevicePool, m
     )
     state = CacheState(config.cache_config, PageAllocator(host.pages), sharding, geometry.page_size, device.pages)
     return CacheRuntime(state, LocalIO(transfers, config.storage_timeout_s))
+
+
+def carry_over(runtime: CacheRuntime, kept: list[KeptPage], storage_timeout_s: float) -> CacheRuntime:
+    """The runtime a new epoch starts from: the same host pool, storage and
+    movers, a fresh shared state holding only `kept` (what every rank
+    offered alike) and no open operations, and a fresh record of this rank's
+    I/O (none is in flight: the offer was made once it had drained)."""
+    old = runtime.state
+    state = CacheState(old.config, PageAllocator(old.allocator.pages), old.sharding, old.page_size, old.device_pages)
+    restore(kept, state.index, state.allocator)
+    return CacheRuntime(state, LocalIO(runtime.io.transfers, storage_timeout_s))

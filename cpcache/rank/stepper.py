@@ -64,7 +64,7 @@ class _Submitted:
 
 
 class Stepper:
-    def __init__(self, engine: AgreementEngine, rank: int = 0, agreement_lag: int = 0) -> None:
+    def __init__(self, engine: AgreementEngine, rank: int = 0, agreement_lag: int = 0, epoch: int = 0) -> None:
         if agreement_lag < 0:
             raise InvalidArgument(f"agreement_lag must be >= 0, got {agreement_lag}")
         self._engine = engine
@@ -74,6 +74,7 @@ class Stepper:
         self._replies: collections.OrderedDict[int, tuple[int, asyncio.Future]] = collections.OrderedDict()
         self._tail: asyncio.Future | None = None  # the latest step's task: the next one starts after it
         self._applied_chain = 0  # hash chain of every agreed vote result applied here
+        self.epoch = epoch  # the domain epoch this stepper decides in (one stepper per epoch)
         self.cache: CacheRuntime | None = None
         self.last_step = 0
         self.decision_count = 0

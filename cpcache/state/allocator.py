@@ -30,6 +30,16 @@ class PageAllocator:
         self._allocated.update(slots)
         return slots
 
+    def take(self, slots: list[int]) -> None:
+        """Mark free `slots` allocated (a state rebuilt from kept pages)."""
+        wanted = set(slots)
+        missing = wanted - set(self._free)
+        if missing or len(wanted) != len(slots):
+            raise InvalidArgument(f"host pool: slots {sorted(missing)[:8]} are not free, or repeat")
+        self._free = [s for s in self._free if s not in wanted]
+        heapq.heapify(self._free)
+        self._allocated.update(wanted)
+
     def retire(self, slots: list[int]) -> None:
         """The owner is done with `slots`; they return to the free list only
         through `reclaim`, once no rank has I/O on them."""

@@ -119,24 +119,34 @@ class LocalDomain:
         private_run_dir(self.spec.run_dir)
         self._store = host_store("127.0.0.1", 0)
         self._deployment = f"local-{uuid.uuid4().hex[:8]}"
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
         for rank in range(self.size):
-            config = self.config(rank)
-            log_path = self.spec.run_dir / f"rank-{rank}.log"
-            with open_log(log_path) as log:
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", "cpcache.daemon", *as_flags(config)],
-                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                )
-            self.procs.append(proc)
-            self.sockets.append(config.socket_path)
-            self.logs.append(log_path)
+            self.procs.append(self._spawn(rank))
+            self.sockets.append(self.config(rank).socket_path)
+            self.logs.append(self.spec.run_dir / f"rank-{rank}.log")
         await asyncio.gather(*(self._wait_serving(rank) for rank in range(self.size)))
 
-    async def _wait_serving(self, rank: int) -> None:
+    def _spawn(self, rank: int) -> subprocess.Popen[bytes]:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        with open_log(self.spec.run_dir / f"rank-{rank}.log") as log:
+            return subprocess.Popen(
+                [sys.executable, "-m", "cpcache.daemon", *as_flags(self.config(rank))],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+            )
+
+    async def restart(self, rank: int, timeout_s: float | None = None) -> None:
+        """Start `rank` again once its process has exited (as a supervisor
+        would) and wait until its domain has formed again with it: the
+        rendezvous store lives here, in the launcher, so it outlives any
+        daemon."""
+        await asyncio.to_thread(self.procs[rank].wait)
+        self.procs[rank] = self._spawn(rank)
+        await self._wait_serving(rank, timeout_s)
+
+    async def _wait_serving(self, rank: int, timeout_s: float | None = None) -> None:
+        timeout_s = timeout_s or self.start_timeout_s
         exited = asyncio.ensure_future(asyncio.to_thread(self.procs[rank].wait))
         async with AsyncClient(self.sockets[rank]) as client:
-            serving = asyncio.ensure_future(client.wait_serving(self.start_timeout_s))
+            serving = asyncio.ensure_future(client.wait_serving(timeout_s))
             await asyncio.wait({exited, serving}, return_when=asyncio.FIRST_COMPLETED)
             if serving.done() and serving.exception() is None:
                 exited.cancel()
@@ -145,7 +155,7 @@ class LocalDomain:
         tail = self.log_tail(rank)
         if exited.done():
             raise Unavailable(f"rank {rank} exited with code {exited.result()} while starting:\n{tail}")
-        raise Unavailable(f"rank {rank} did not serve within {self.start_timeout_s}s:\n{tail}")
+        raise Unavailable(f"rank {rank} did not serve within {timeout_s}s:\n{tail}")
 
     def log_tail(self, rank: int, lines: int = 30) -> str:
         with contextlib.suppress(OSError):

@@ -67,18 +67,20 @@ class AttachRequest(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., device_pages: _Optional[int] = ..., shm_path: _Optional[str] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...) -> None: ...
 
 class AttachReply(_message.Message):
-    __slots__ = ("page_bytes", "host_pages", "host_layout", "storage", "key_seed")
+    __slots__ = ("page_bytes", "host_pages", "host_layout", "storage", "key_seed", "resumed_pages")
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     HOST_PAGES_FIELD_NUMBER: _ClassVar[int]
     HOST_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     STORAGE_FIELD_NUMBER: _ClassVar[int]
     KEY_SEED_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_PAGES_FIELD_NUMBER: _ClassVar[int]
     page_bytes: int
     host_pages: int
     host_layout: str
     storage: str
     key_seed: str
-    def __init__(self, page_bytes: _Optional[int] = ..., host_pages: _Optional[int] = ..., host_layout: _Optional[str] = ..., storage: _Optional[str] = ..., key_seed: _Optional[str] = ...) -> None: ...
+    resumed_pages: int
+    def __init__(self, page_bytes: _Optional[int] = ..., host_pages: _Optional[int] = ..., host_layout: _Optional[str] = ..., storage: _Optional[str] = ..., key_seed: _Optional[str] = ..., resumed_pages: _Optional[int] = ...) -> None: ...
 
 class PrefetchOp(_message.Message):
     __slots__ = ("op_id", "pages", "tokens", "parent")
@@ -256,7 +258,7 @@ class LoadDecision(_message.Message):
     def __init__(self, op_id: _Optional[int] = ..., pages: _Optional[int] = ...) -> None: ...
 
 class StepReply(_message.Message):
-    __slots__ = ("step", "round", "decisions", "state_digest", "prefetches", "write_acks", "backups", "loads", "write_failures", "load_failures")
+    __slots__ = ("step", "round", "decisions", "state_digest", "prefetches", "write_acks", "backups", "loads", "write_failures", "load_failures", "epoch")
     STEP_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     DECISIONS_FIELD_NUMBER: _ClassVar[int]
@@ -267,6 +269,7 @@ class StepReply(_message.Message):
     LOADS_FIELD_NUMBER: _ClassVar[int]
     WRITE_FAILURES_FIELD_NUMBER: _ClassVar[int]
     LOAD_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     step: int
     round: int
     decisions: Decisions
@@ -277,14 +280,15 @@ class StepReply(_message.Message):
     loads: _containers.RepeatedCompositeFieldContainer[LoadDecision]
     write_failures: _containers.RepeatedScalarFieldContainer[int]
     load_failures: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step: _Optional[int] = ..., round: _Optional[int] = ..., decisions: _Optional[_Union[Decisions, _Mapping]] = ..., state_digest: _Optional[int] = ..., prefetches: _Optional[_Iterable[_Union[PrefetchDecision, _Mapping]]] = ..., write_acks: _Optional[_Iterable[int]] = ..., backups: _Optional[_Iterable[_Union[BackupDecision, _Mapping]]] = ..., loads: _Optional[_Iterable[_Union[LoadDecision, _Mapping]]] = ..., write_failures: _Optional[_Iterable[int]] = ..., load_failures: _Optional[_Iterable[int]] = ...) -> None: ...
+    epoch: int
+    def __init__(self, step: _Optional[int] = ..., round: _Optional[int] = ..., decisions: _Optional[_Union[Decisions, _Mapping]] = ..., state_digest: _Optional[int] = ..., prefetches: _Optional[_Iterable[_Union[PrefetchDecision, _Mapping]]] = ..., write_acks: _Optional[_Iterable[int]] = ..., backups: _Optional[_Iterable[_Union[BackupDecision, _Mapping]]] = ..., loads: _Optional[_Iterable[_Union[LoadDecision, _Mapping]]] = ..., write_failures: _Optional[_Iterable[int]] = ..., load_failures: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("rank", "world_size", "domain_ranks", "mode", "agreement_lag", "last_step", "rounds_completed", "open_questions", "state", "failure", "metrics_port", "attached")
+    __slots__ = ("rank", "world_size", "domain_ranks", "mode", "agreement_lag", "last_step", "rounds_completed", "open_questions", "state", "failure", "metrics_port", "attached", "epoch")
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     DOMAIN_RANKS_FIELD_NUMBER: _ClassVar[int]
@@ -297,6 +301,7 @@ class StatusReply(_message.Message):
     FAILURE_FIELD_NUMBER: _ClassVar[int]
     METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
     ATTACHED_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     rank: int
     world_size: int
     domain_ranks: _containers.RepeatedScalarFieldContainer[int]
@@ -309,4 +314,5 @@ class StatusReply(_message.Message):
     failure: str
     metrics_port: int
     attached: bool
-    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., domain_ranks: _Optional[_Iterable[int]] = ..., mode: _Optional[str] = ..., agreement_lag: _Optional[int] = ..., last_step: _Optional[int] = ..., rounds_completed: _Optional[int] = ..., open_questions: _Optional[int] = ..., state: _Optional[str] = ..., failure: _Optional[str] = ..., metrics_port: _Optional[int] = ..., attached: _Optional[bool] = ...) -> None: ...
+    epoch: int
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., domain_ranks: _Optional[_Iterable[int]] = ..., mode: _Optional[str] = ..., agreement_lag: _Optional[int] = ..., last_step: _Optional[int] = ..., rounds_completed: _Optional[int] = ..., open_questions: _Optional[int] = ..., state: _Optional[str] = ..., failure: _Optional[str] = ..., metrics_port: _Optional[int] = ..., attached: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...

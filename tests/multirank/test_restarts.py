@@ -1,0 +1,145 @@
+"""Restarts without losing the cache. A scheduler that attaches again starts
+a new session in which the host pool's pages are still found; a daemon that
+dies and comes back (the launcher restarts it, as systemd would) finds its
+domain formed again in the next epoch; a daemon stopped past the agreement
+timeout learns on waking that its domain moved on, and never decides in its
+old epoch."""
+
+import asyncio
+import signal
+
+import numpy as np
+import pytest
+import torch
+
+from cpcache import errors
+from cpcache.client import AsyncClient, Ops
+from cpcache.dataplane.pools import DevicePool
+from cpcache.geometry import KVGeometry
+from cpcache.tools.launcher import DomainSpec, LocalDomain
+from cpcache.topology import Topology
+from cpcache.values import Reduce
+
+pytestmark = [pytest.mark.multirank, pytest.mark.timeout(180)]
+
+GEOMETRY = KVGeometry(layers=2, kv_kind="mha", heads=1, head_dim=8, dtype="bfloat16", page_size=4)
+TIMEOUT_S = 2.0
+PAGES = 6
+
+
+def spec(run_dir, **extra):
+    return DomainSpec(Topology(tp=2), run_dir, agreement_timeout_s=TIMEOUT_S,
+                      extra=dict(host_pool_pages=32, rendezvous_timeout_s=60.0, **extra))
+
+
+class Scheduler:
+    """One rank's scheduler: its client and its device pool (a new one per life)."""
+
+    def __init__(self, socket, path):
+        self.client = AsyncClient(socket)
+        self.pool = DevicePool.create_shared_file(path, GEOMETRY, 16)
+        self.path = path
+
+    def fill(self, page, rank):
+        view = self.pool.page_view(page)
+        data = np.random.default_rng(page * 10 + rank).integers(0, 256, view.numel() * 2, dtype=np.uint8)
+        view.copy_(torch.from_numpy(data).view(view.dtype).view(view.shape))
+
+    def read(self, page):
+        return self.pool.page_view(page).contiguous().view(-1).view(torch.uint8).numpy().copy()
+
+
+async def start_sessions(domain, run_dir, life):
+    schedulers = [Scheduler(s, str(run_dir / f"pool-{rank}-{life}")) for rank, s in enumerate(domain.sockets)]
+    replies = await asyncio.gather(*(s.client.attach("m", GEOMETRY, 16, shm_path=s.path) for s in schedulers))
+    return schedulers, replies
+
+
+async def step_all(schedulers, step, ops=None):
+    replies = await asyncio.gather(*(s.client.step(step, [(1, Reduce.MIN, 1)], ops=ops) for s in schedulers))
+    assert len({r.wire for r in replies}) == 1
+    return replies[0]
+
+
+PAGE_HASHES = [bytes([7]) * 31 + bytes([i]) for i in range(PAGES)]
+
+
+async def write_through(schedulers, step):
+    for rank, s in enumerate(schedulers):
+        for page in range(PAGES):
+            s.fill(page, rank)
+    expected = [[s.read(page) for page in range(PAGES)] for s in schedulers]
+    reply = await step_all(schedulers, step, Ops(writes=((1, PAGE_HASHES, list(range(PAGES))),)))
+    while 1 not in reply.write_acks:
+        step += 1
+        reply = await step_all(schedulers, step)
+    return step, expected
+
+
+async def test_a_scheduler_that_attaches_again_finds_the_host_pages_of_its_last_session(run_dir):
+    async with LocalDomain(spec(run_dir)) as domain:
+        old, _ = await start_sessions(domain, run_dir, 1)
+        step, expected = await write_through(old, 1)
+        # The schedulers restart: new processes, new pools, and they attach again.
+        new, replies = await start_sessions(domain, run_dir, 2)
+        assert [r.resumed_pages for r in replies] == [PAGES, PAGES]
+        statuses = [await s.client.status() for s in new]
+        assert {st.epoch for st in statuses} == {1} and {st.state for st in statuses} == {"serving"}
+        assert [(await s.client.match(PAGE_HASHES)).host_pages for s in new] == [PAGES, PAGES]
+        # Steps go on from 1 in the new session; the pages load into the new pools intact.
+        reply = await step_all(new, 1, Ops(loads=((9, PAGE_HASHES, list(range(8, 8 + PAGES))),)))
+        assert reply.epoch == 1
+        step = 1
+        while 9 not in reply.loads:
+            step += 1
+            reply = await step_all(new, step)
+        for rank, s in enumerate(new):
+            for page in range(PAGES):
+                assert np.array_equal(s.read(8 + page), expected[rank][page]), (rank, page)
+        # Another model (or geometry) starts clean, and says so.
+        other = [AsyncClient(s) for s in domain.sockets]
+        replies = await asyncio.gather(*(c.attach("another-model", GEOMETRY, 16, shm_path=s.path)
+                                         for c, s in zip(other, new)))
+        assert [r.resumed_pages for r in replies] == [0, 0]
+        for c in [*other, *(s.client for s in old + new)]:
+            await c.close()
+
+
+async def test_a_killed_daemon_restarted_by_the_launcher_rejoins_its_domain_in_the_next_epoch(run_dir):
+    async with LocalDomain(spec(run_dir)) as domain:
+        schedulers, _ = await start_sessions(domain, run_dir, 1)
+        step, _ = await write_through(schedulers, 1)
+        domain.signal(1, signal.SIGKILL)
+        with pytest.raises(errors.Unavailable, match=r"ranks \[1\]"):
+            await schedulers[0].client.step(step + 1, [(1, Reduce.MIN, 1)])
+        with pytest.raises(errors.Unavailable, match="re-forming its domain out of epoch 0"):
+            await schedulers[0].client.step(step + 2, [(1, Reduce.MIN, 1)])
+        await domain.restart(1)
+        await schedulers[0].client.wait_serving(30)
+        statuses = [await AsyncClient(s).status() for s in domain.sockets]
+        assert [st.epoch for st in statuses] == [1, 1] and {st.state for st in statuses} == {"serving"}
+        # The restarted rank's host pool is new: nothing is carried over; storage would be untouched.
+        schedulers, replies = await start_sessions(domain, run_dir, 2)
+        assert [r.resumed_pages for r in replies] == [0, 0]
+        assert [(await s.client.match(PAGE_HASHES)).host_pages for s in schedulers] == [0, 0]
+        reply = await step_all(schedulers, 1)
+        assert reply.epoch == 1 and reply.decisions == {1: 1}
+
+
+async def test_a_daemon_stopped_past_the_timeout_learns_its_domain_moved_on_and_rejoins(run_dir):
+    async with LocalDomain(spec(run_dir)) as domain:
+        clients = [AsyncClient(s) for s in domain.sockets]
+        await asyncio.gather(*(c.step(1, [(1, Reduce.MIN, 1)]) for c in clients))
+        domain.signal(1, signal.SIGSTOP)
+        with pytest.raises(errors.Unavailable, match=r"ranks \[1\]"):
+            await clients[0].step(2, [(1, Reduce.MIN, 1)])
+        assert (await clients[0].status()).state == "reforming"
+        domain.signal(1, signal.SIGCONT)
+        await asyncio.gather(*(c.wait_serving(60) for c in clients))
+        statuses = [await c.status() for c in clients]
+        assert [st.epoch for st in statuses] == [1, 1]
+        # Both decide together again, in the new epoch only.
+        replies = await asyncio.gather(*(c.step(3, [(1, Reduce.MIN, 5)]) for c in clients))
+        assert {r.epoch for r in replies} == {1} and {r.decisions[1] for r in replies} == {5}
+        for c in clients:
+            await c.close()
