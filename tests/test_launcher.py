@@ -1,6 +1,7 @@
 """`cpcache launch` starts every rank, prints their sockets, and stops them
 all cleanly on SIGINT."""
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -8,7 +9,7 @@ import sys
 
 import pytest
 
-from cpcache.client import Client
+from cpcache.client import AsyncClient, Client
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -35,3 +36,49 @@ def test_launch_prints_sockets_and_stops_on_sigint(run_dir):
     assert proc.returncode == 0, rest
     assert "exit codes [0, 0]" in rest
     assert not any(os.path.exists(s) for s in sockets)
+
+
+async def wait_serving(socket):
+    async with AsyncClient(socket) as client:
+        await client.wait_serving(30)
+
+
+def daemon_pid(run_dir, rank):
+    """The pid of the daemon of `rank` under `run_dir` (read from /proc)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                argv = fh.read().split(b"\0")
+        except OSError:
+            continue
+        if b"cpcache.daemon" in argv and str(run_dir).encode() in b" ".join(argv) \
+                and argv[argv.index(b"--rank") + 1] == str(rank).encode():
+            return int(pid)
+    raise AssertionError(f"no daemon of rank {rank} under {run_dir}")
+
+
+def test_launch_starts_a_killed_rank_again_and_its_domain_forms_again(run_dir):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cpcache.tools.cli", "launch", "--tp", "2", "--run-dir", str(run_dir),
+         "--agreement-timeout", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    sockets = []
+    for line in proc.stdout:
+        if line.startswith("rank "):
+            sockets.append(line.split("unix:", 1)[1].strip())
+        if "press Ctrl-C" in line:
+            break
+    os.kill(daemon_pid(run_dir, 1), signal.SIGKILL)
+    for line in proc.stdout:  # the launcher says what it did, line by line
+        if "rank 1 is back" in line:
+            break
+        assert "stopping the others" not in line, line
+    for socket in sockets:
+        asyncio.run(wait_serving(socket))
+        with Client(socket, timeout_s=10) as client:
+            status = client.status()
+            assert status.state == "serving" and status.epoch == 1
+    proc.send_signal(signal.SIGINT)
+    rest, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, rest

@@ -57,6 +57,40 @@ def test_systemd_unit_verifies(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+def test_the_store_unit_verifies_and_is_confined(tmp_path):
+    unit = (REPO / "services" / "cpcached" / "cpcache-store.service").read_text()
+    instance = tmp_path / "cpcache-store.service"
+    instance.write_text(unit.replace("/opt/cpcache/.venv/bin/cpcache", str(Path(sys.executable).with_name("cpcache"))))
+    result = subprocess.run(["systemd-analyze", "verify", str(instance)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and not result.stderr.strip(), result.stderr
+    assert "Restart=always" in unit and "cpcache store --listen 127.0.0.1:" in unit
+    result = subprocess.run(["systemd-analyze", "security", "--offline=true", "--no-pager", str(instance)],
+                            capture_output=True, text=True, timeout=60)
+    overall = re.search(r"Overall exposure level for \S+: ([0-9.]+)", result.stdout)
+    assert overall and float(overall.group(1)) <= 2.5, result.stdout
+
+
+def test_cpcache_store_serves_the_rendezvous_until_stopped(tmp_path):
+    proc = subprocess.Popen([str(Path(sys.executable).with_name("cpcache")), "store", "--listen", "127.0.0.1:0"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()  # printed once it listens
+        port = int(line.rsplit(":", 1)[1])
+        from cpcache.agreement.collective import Rendezvous
+        from cpcache.agreement.epochs import Epochs
+
+        store = Rendezvous("127.0.0.1", port, timeout_s=10).connect()
+        epochs = Epochs(Rendezvous("127.0.0.1", port))
+        assert epochs.to_join(store, 0) == 0
+        epochs.mark_formed(store, 0)
+        assert epochs.to_join(store, 0) == 1  # a rank starting after its domain formed joins the next epoch
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+    assert proc.returncode == 0
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
 def test_systemd_unit_exposure_is_low(tmp_path):
     unit, instance = unit_instance(tmp_path)
     result = subprocess.run(["systemd-analyze", "security", "--offline=true", "--no-pager", str(instance)],

@@ -29,6 +29,7 @@ def topology_of(args: argparse.Namespace) -> Topology:
 
 
 async def _launch(args: argparse.Namespace) -> int:
+    from cpcache.errors import CacheError
     from cpcache.tools.launcher import DomainSpec, LocalDomain
 
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="cpcache-"))
@@ -45,17 +46,64 @@ async def _launch(args: argparse.Namespace) -> int:
         for rank, socket in enumerate(domain.sockets):
             print(f"rank {rank}: unix:{socket}")
         print("cpcache: press Ctrl-C to stop", flush=True)
-        exits = [asyncio.ensure_future(asyncio.to_thread(p.wait)) for p in domain.procs]
         stopped = asyncio.ensure_future(stop.wait())
-        done, _ = await asyncio.wait({stopped, *exits}, return_when=asyncio.FIRST_COMPLETED)
-        if stopped not in done:
-            rank = next(i for i, e in enumerate(exits) if e.done())
-            print(f"cpcache: rank {rank} exited with code {exits[rank].result()}; stopping the others", file=sys.stderr)
+        # A supervisor, as systemd's Restart=on-failure is: a rank that exits
+        # is started again and its domain forms again in the next epoch.
+        # Settings errors (exit 2) are not retried.
+        while True:
+            exits = {asyncio.ensure_future(asyncio.to_thread(p.wait)): rank for rank, p in enumerate(domain.procs)}
+            done, _ = await asyncio.wait({stopped, *exits}, return_when=asyncio.FIRST_COMPLETED)
+            for e in exits:
+                e.cancel()
+            if stopped in done:
+                break
+            rank = next(exits[e] for e in done if e in exits)
+            code = domain.procs[rank].poll()
+            if code == 2 or not args.restart:
+                print(f"cpcache: rank {rank} exited with code {code}; stopping the others", file=sys.stderr)
+                break
+            print(f"cpcache: rank {rank} exited with code {code}; starting it again", file=sys.stderr, flush=True)
+            try:
+                await domain.restart(rank)
+            except CacheError as exc:
+                print(f"cpcache: rank {rank} did not come back: {exc}", file=sys.stderr)
+                break
+            print(f"cpcache: rank {rank} is back", flush=True)
         codes = await domain.stop()
-        for e in exits:
-            e.cancel()
     print(f"cpcache: stopped; exit codes {codes}", flush=True)
     return 0 if all(c == 0 for c in codes) else 1
+
+
+async def _store(args: argparse.Namespace) -> int:
+    """The rendezvous store on its own, as a service: every daemon's restart
+    (rank 0's included) finds it where it was."""
+    from cpcache.agreement.collective import host_store
+    from cpcache.values import split_host_port
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    host, port = split_host_port(args.listen, "--listen")
+    store = host_store(host or "127.0.0.1", port)
+    print(f"cpcache: rendezvous store on {host or '127.0.0.1'}:{store.port}", flush=True)
+    _notify_systemd(f"READY=1\nSTATUS=serving the rendezvous store on port {store.port}")
+    await stop.wait()
+    del store
+    return 0
+
+
+def _notify_systemd(message: str) -> None:
+    import os
+    import socket as socket_module
+
+    address = os.environ.get("NOTIFY_SOCKET")
+    if not address:
+        return
+    if address.startswith("@"):
+        address = "\0" + address[1:]
+    with socket_module.socket(socket_module.AF_UNIX, socket_module.SOCK_DGRAM) as sock:
+        sock.sendto(message.encode(), address)
 
 
 async def _status(args: argparse.Namespace) -> int:
@@ -88,6 +136,11 @@ def main(argv: list[str] | None = None) -> int:
     launch.add_argument("--run-dir", help="where sockets and logs go (default: a new temp dir)")
     launch.add_argument("--agreement-timeout", type=float, default=10.0, help="seconds before a peer counts as lost")
     launch.add_argument("--fault-delay-ms", type=float, default=0.0, help="inject up to this delay into each round")
+    launch.add_argument("--no-restart", dest="restart", action="store_false",
+                        help="stop every rank when one exits, instead of starting it again")
+
+    store = sub.add_parser("store", help="serve the rendezvous store on its own (a service that outlives daemons)")
+    store.add_argument("--listen", default="127.0.0.1:29500", help="HOST:PORT to listen on (binds only there)")
 
     for name, text in (("status", "health, domain, step and open questions of a daemon"),
                        ("stats", "a daemon's counters: tier occupancy, pages moved, hits")):
@@ -98,7 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="run a benchmark and print its figures")
     bench.add_argument("name", choices=["agreement", "movers", "soak"])
     bench.add_argument("--json", action="store_true", help="print one JSON object")
-    bench.add_argument("--steps", type=int, default=200, help="agreement: measured steps per case")
+    bench.add_argument("--steps", type=int, default=40, help="agreement: measured steps per case and block")
+    bench.add_argument("--repeat", type=int, default=5,
+                       help="agreement, movers: blocks, each measuring candidate and baseline one after the other; "
+                            "ratios are the median over the blocks")
     bench.add_argument("--no-mooncake", action="store_true", help="movers: skip Mooncake Store")
     bench.add_argument("--decisions", type=int, default=1_000_000, help="soak: agreed decisions to reach")
     bench.add_argument("--seed", type=int, default=1, help="soak: seed of the injected faults")
@@ -120,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "launch":
             return asyncio.run(_launch(args))
+        if args.command == "store":
+            return asyncio.run(_store(args))
         if args.command in ("status", "stats"):
             return asyncio.run(_status(args))
         if args.command == "demo":

@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-from cpcache.tools.sim.replay import ReplayConfig, replay
+from cpcache.tools.sim.replay import RESTARTS, ReplayConfig, replay
 from cpcache.topology import Topology
 
 
@@ -37,6 +37,13 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fault-delay-ms", type=float, default=0.0, help="per-rank storage and round delays")
     p.add_argument("--fault-fail-rate", type=float, default=0.0, help="per-rank storage page failure rate")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--restart", choices=RESTARTS, default="none",
+                   help="at --restart-at: restart every scheduler, or SIGKILL (the launcher restarts it) or "
+                        "SIGSTOP past the agreement timeout one daemon (--restart-rank)")
+    p.add_argument("--restart-at", type=float, default=0.5, help="where in the arrivals (0..1); also where the "
+                   "report splits its hit rates in halves")
+    p.add_argument("--restart-rank", type=int, default=1)
+    p.add_argument("--agreement-timeout", type=float, default=10.0, help="seconds before a silent peer is lost")
     p.add_argument("--plot", help="write a PNG of hit rate and round latency over the replay")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
 
@@ -52,6 +59,8 @@ def config_from(args: argparse.Namespace) -> ReplayConfig:
         host_pages=args.host_pages, batch=args.batch, time_scale=args.time_scale,
         prefetch_policy=args.prefetch_policy, write_policy=args.write_policy,
         fault_delay_ms=args.fault_delay_ms, fault_fail_rate=args.fault_fail_rate, seed=args.seed,
+        restart=args.restart, restart_at=args.restart_at, restart_rank=args.restart_rank,
+        agreement_timeout_s=args.agreement_timeout,
     )
 
 
@@ -84,10 +93,32 @@ def text_report(r: dict) -> str:
         f"  step latency          p50 {r['step_latency_us']['p50'] / 1000:.1f} ms  "
         f"p99 {r['step_latency_us']['p99'] / 1000:.1f} ms (a whole simulated iteration, {r['ranks']} ranks)",
         *domain_lines(r),
+        *restart_lines(r),
         f"  wall time             {r['wall_s']} s",
         f"  verdict               {'OK' if ok else 'FAILED'}",
     ]
     return "\n".join(lines)
+
+
+def restart_lines(r: dict) -> list[str]:
+    """The two halves of the replay, and the restart between them, if any."""
+    halves, restart = r.get("halves") or {}, r.get("restart") or {}
+    lines = []
+    if restart.get("kind", "none") != "none":
+        what = {"schedulers": "every scheduler restarted and attached anew",
+                "daemon-kill": f"rank {restart.get('rank')}'s daemon SIGKILLed, restarted by the launcher",
+                "daemon-stop": f"rank {restart.get('rank')}'s daemon stopped past the agreement timeout"}
+        lines.append(f"  restart               {what[restart['kind']]}; domain in epoch {r.get('epoch')}")
+        if "outage_s" in restart:
+            lines.append(f"  outage                {restart['outage_s']} s, {restart['outage_steps']} failed steps "
+                         "(UNAVAILABLE), then every scheduler attached again")
+        lines.append(f"  host pages resumed    {restart.get('resumed_pages', 0)}")
+    for name in ("first", "second"):
+        if name in halves:
+            h = halves[name]
+            lines.append(f"  {name} half hit rate  device {h['device']:.1%}  host {h['host']:.1%}  "
+                         f"storage {h['storage']:.1%}  total {h['total']:.1%}")
+    return lines
 
 
 def domain_lines(r: dict) -> list[str]:

@@ -96,3 +96,30 @@ async def test_attention_dp_routes_each_request_to_one_domain_that_agrees_within
     for key in ("requests", "decisions", "divergences", "corrupt_loads", "prefetches"):
         assert report[key] == sum(d[key] for d in domains), key
     assert report["ranks"] == 4
+
+
+def restartable(run_dir, name, **kw) -> ReplayConfig:
+    (run_dir / name).mkdir()
+    return small(run_dir / name, requests=60, device_pages=16, host_pages=1024, agreement_timeout_s=2.0, **kw)
+
+
+async def test_every_scheduler_restarting_halfway_keeps_the_host_tier(run_dir):
+    """All schedulers die halfway and attach again: the second half's host
+    hits stay within 2 points of the same replay without the restart."""
+    baseline = await replay(restartable(run_dir, "baseline"))
+    restarted = await replay(restartable(run_dir, "restarted", restart="schedulers"))
+    assert_agreed_and_exact(restarted)
+    assert restarted["epoch"] == 1 and restarted["restart"]["resumed_pages"] > 0
+    second, before = restarted["halves"]["second"], baseline["halves"]["second"]
+    assert before["host"] > 0
+    assert abs(second["host"] - before["host"]) <= 0.02, (second, before)
+
+
+@pytest.mark.parametrize("how", ["daemon-kill", "daemon-stop"])
+async def test_a_daemon_lost_mid_replay_comes_back_and_the_replay_finishes_exact(run_dir, how):
+    report = await replay(restartable(run_dir, how, restart=how))
+    assert_agreed_and_exact(report)
+    assert report["epoch"] == 1
+    restart = report["restart"]
+    assert restart["outage_steps"] >= 1 and restart["outage_s"] > 0
+    assert "rank" in restart and report["halves"]["second"]["total"] > 0

@@ -17,14 +17,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
+import signal
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from cpcache.client import AsyncClient, StepResult
 from cpcache.dataplane.pools import DevicePool
+from cpcache.errors import CacheError
 from cpcache.geometry import KVGeometry
 from cpcache.keys import ShardingSpec
 from cpcache.tools.bench.stats import percentiles_us
@@ -59,6 +62,19 @@ class ReplayConfig:
     passes: int = 1  # replay the slice this many times (later passes find it in storage)
     drain_steps: int = 200  # steps after the last arrival to let operations close
     run_dir: Path | None = None
+    # A restart at `restart_at` of the arrivals: "schedulers" (every scheduler
+    # process dies and starts again, attaching anew), "daemon-kill" (rank
+    # `restart_rank`'s daemon is SIGKILLed and the launcher starts it again),
+    # "daemon-stop" (it is SIGSTOPped past the agreement timeout, then
+    # continued). The report's "halves" split the hit rates at that point
+    # whether or not anything restarts, so runs compare.
+    restart: str = "none"
+    restart_at: float = 0.5
+    restart_rank: int = 1
+    agreement_timeout_s: float = 10.0
+
+
+RESTARTS = ("none", "schedulers", "daemon-kill", "daemon-stop")
 
 
 def arrivals(requests: list[Request], cfg: ReplayConfig) -> Iterator[list[Request]]:
@@ -103,7 +119,8 @@ async def replay(cfg: ReplayConfig, progress: Callable[[dict], None] | None = No
             extra.update(storage_master=master.master, storage_metadata_server=master.metadata_server,
                          storage_segment_bytes=64 << 20)
         spec = DomainSpec(cfg.topology, run_dir, mode=cfg.mode, agreement_lag=cfg.lag,
-                          fault_delay_ms=cfg.fault_delay_ms, seed=cfg.seed, extra=extra)
+                          agreement_timeout_s=cfg.agreement_timeout_s, fault_delay_ms=cfg.fault_delay_ms,
+                          seed=cfg.seed, extra=extra)
         async with LocalDomain(spec) as domain:
             return await _drive(cfg, domain, requests, run_dir, progress)
 
@@ -119,10 +136,16 @@ class _Domain:
     schedulers: list[SimScheduler]
     requests: list[Request] = field(default_factory=list)
     divergences: int = 0
+    past: list[list[SimScheduler]] = field(default_factory=list)  # the schedulers of earlier lives
 
     @property
     def tally(self) -> Tally:
-        return self.schedulers[0].tally  # every rank of a domain sees the same requests and replies
+        # Every rank of a domain sees the same requests and replies: rank 0's tally is the domain's.
+        return merged([self.schedulers[0].tally, *(life[0].tally for life in self.past)])
+
+    @property
+    def every_scheduler(self) -> list[SimScheduler]:
+        return [*self.schedulers, *(s for life in self.past for s in life)]
 
 
 def merged(tallies: list[Tally]) -> Tally:
@@ -136,19 +159,7 @@ def merged(tallies: list[Tally]) -> Tally:
 async def _drive(cfg: ReplayConfig, domain: LocalDomain, requests: list[Request], run_dir: Path,
                  progress: Callable[[dict], None] | None) -> dict:
     topology = cfg.topology
-    clients = [AsyncClient(socket) for socket in domain.sockets]
-    pools = [DevicePool.create_shared_file(str(run_dir / f"device-{rank}.pool"), GEOMETRY, cfg.device_pages)
-             for rank in range(len(clients))]
-    # Attach is agreed: every rank attaches at once.
-    replies = await asyncio.gather(*(
-        client.attach("trace-replay", GEOMETRY, cfg.device_pages, shm_path=str(run_dir / f"device-{rank}.pool"))
-        for rank, client in enumerate(clients)))
-    schedulers: list[SimScheduler] = []
-    for rank, (client, pool, reply) in enumerate(zip(clients, pools, replies)):
-        coords = topology.coordinates(rank)
-        sharding = ShardingSpec(cp_rank=coords.cp, cp_size=topology.cp, tp_rank=coords.atp, tp_size=topology.atp)
-        schedulers.append(SimScheduler(client, pool, PageHasher(reply.key_seed, GEOMETRY.page_size), sharding,
-                                       cfg.device_pages))
+    schedulers = await _start_schedulers(cfg, domain, run_dir, life=1)
     domains = [
         _Domain(i, topology.coordinates(group.ranks[0]).dp, group.ranks, [schedulers[r] for r in group.ranks])
         for i, group in enumerate(topology.domains())
@@ -159,9 +170,27 @@ async def _drive(cfg: ReplayConfig, domain: LocalDomain, requests: list[Request]
     hit_series: list[float] = []
     steps = 0
     started = time.monotonic()
+    halfway: Tally | None = None
+    restart: dict = {"kind": cfg.restart}
 
     def total_tally() -> Tally:
         return merged([d.tally for d in domains])
+
+    async def restart_schedulers(life: int) -> list[Request]:
+        """Every scheduler process dies and starts again: new clients, new
+        pools, a new attach (a new session on every rank). The requests they
+        had in flight are lost with them; the server runs them again."""
+        nonlocal schedulers
+        lost = [a.request for d in domains for a in d.schedulers[0].active]
+        for s in schedulers:
+            await s.client.close()
+        fresh = await _start_schedulers(cfg, domain, run_dir, life)
+        for d in domains:
+            d.past.append(d.schedulers)
+            d.schedulers = [fresh[r] for r in d.ranks]
+        schedulers = fresh
+        restart["resumed_pages"] = fresh[0].resumed_pages
+        return lost
 
     async def one_step(batch: list[Request]) -> None:
         nonlocal steps
@@ -192,7 +221,14 @@ async def _drive(cfg: ReplayConfig, domain: LocalDomain, requests: list[Request]
                 "hit_rate": total_tally().hit_rates()["total"], "elapsed_s": time.monotonic() - started}
 
     batches = list(arrivals(requests, cfg))
+    split = int(len(batches) * cfg.restart_at)
     for i, batch in enumerate(batches):
+        if i == split:
+            halfway = copy.deepcopy(total_tally())
+            if cfg.restart == "schedulers":
+                batch = await restart_schedulers(2) + batch
+            elif cfg.restart in ("daemon-kill", "daemon-stop"):
+                batch = await _daemon_outage(cfg, domain, one_step, batch, restart_schedulers, restart)
         await one_step(batch)
         if progress and (i % max(1, len(batches) // 20) == 0 or i == len(batches) - 1):
             progress(summary())
@@ -202,6 +238,7 @@ async def _drive(cfg: ReplayConfig, domain: LocalDomain, requests: list[Request]
         await one_step([])
     for _ in range(max(3, cfg.lag + 2)):  # let the last writes be acknowledged
         await one_step([])
+    statuses = [await s.client.status() for s in schedulers]
     stats = [await s.client.stats() for s in schedulers]
     for s in schedulers:
         await s.client.close()
@@ -220,9 +257,10 @@ async def _drive(cfg: ReplayConfig, domain: LocalDomain, requests: list[Request]
             "requests": tally.requests,
             "decisions": stats[d.ranks[0]].get("decisions", 0),
             "divergences": d.divergences,
-            "identical_decision_logs": all(s.log == d.schedulers[0].log for s in d.schedulers),
-            "corrupt_loads": sum(s.tally.corrupt_loads for s in d.schedulers),
-            "loaded_pages": sum(s.tally.loaded_pages for s in d.schedulers),
+            "identical_decision_logs": all(s.log == d.schedulers[0].log for s in d.schedulers)
+            and all(s.log == life[0].log for life in d.past for s in life),
+            "corrupt_loads": sum(s.tally.corrupt_loads for s in d.every_scheduler),
+            "loaded_pages": sum(s.tally.loaded_pages for s in d.every_scheduler),
             "hit_rate": {k: round(v, 4) for k, v in tally.hit_rates().items()},
             # An infinite cache that saw only this domain's requests. Storage is
             # shared by every domain, so a domain may beat it with pages another wrote.
@@ -252,10 +290,79 @@ async def _drive(cfg: ReplayConfig, domain: LocalDomain, requests: list[Request]
         "prefetches": tally.prefetches,
         "prefetch_revoked": tally.prefetch_revoked,
         "pages_moved_rank0": moved(0),
-        "round_latency_us": percentiles_us([t for s in schedulers for t in s.round_latencies]),
+        "epoch": statuses[0].epoch,
+        "halves": _halves(halfway, tally),
+        "restart": restart,
+        "round_latency_us": percentiles_us([t for d in domains for s in d.every_scheduler for t in s.round_latencies]),
         "step_latency_us": percentiles_us(latencies),
         "wall_s": round(time.monotonic() - started, 1),
         "domains": per_domain,
         "per_step_latency_s": latencies,
         "per_step_hit_rate": hit_series,
     }
+
+
+async def _start_schedulers(cfg: ReplayConfig, domain: LocalDomain, run_dir: Path, life: int) -> list[SimScheduler]:
+    """One scheduler per rank, each with a new device pool, attached at once
+    on every rank (Attach is agreed)."""
+    topology = cfg.topology
+    clients = [AsyncClient(socket) for socket in domain.sockets]
+    paths = [str(run_dir / f"device-{rank}-life{life}.pool") for rank in range(len(clients))]
+    pools = [DevicePool.create_shared_file(path, GEOMETRY, cfg.device_pages) for path in paths]
+    replies = await asyncio.gather(*(client.attach("trace-replay", GEOMETRY, cfg.device_pages, shm_path=path)
+                                     for client, path in zip(clients, paths)))
+    schedulers: list[SimScheduler] = []
+    for rank, (client, pool, reply) in enumerate(zip(clients, pools, replies)):
+        coords = topology.coordinates(rank)
+        sharding = ShardingSpec(cp_rank=coords.cp, cp_size=topology.cp, tp_rank=coords.atp, tp_size=topology.atp)
+        scheduler = SimScheduler(client, pool, PageHasher(reply.key_seed, GEOMETRY.page_size), sharding,
+                                 cfg.device_pages)
+        scheduler.resumed_pages = reply.resumed_pages
+        schedulers.append(scheduler)
+    return schedulers
+
+
+async def _daemon_outage(cfg: ReplayConfig, domain: LocalDomain, one_step: Callable[[list[Request]], Awaitable[None]],
+                         batch: list[Request], restart_schedulers: Callable[[int], Awaitable[list[Request]]],
+                         restart: dict) -> list[Request]:
+    """Take rank `restart_rank`'s daemon away (SIGKILL, or SIGSTOP past the
+    agreement timeout), keep stepping as a scheduler would until the domain
+    answers again, then attach anew. The launcher restarts a killed daemon,
+    as systemd would; nobody touches the others. Returns the requests to
+    run next."""
+    rank = cfg.restart_rank
+    started, failed_steps = time.monotonic(), 0
+    supervisor = None
+    if cfg.restart == "daemon-kill":
+        domain.signal(rank, signal.SIGKILL)
+        supervisor = asyncio.ensure_future(domain.restart(rank, timeout_s=120.0))
+    else:
+        domain.signal(rank, signal.SIGSTOP)
+    step = asyncio.ensure_future(one_step([]))  # the schedulers go on stepping into the outage
+    if cfg.restart == "daemon-stop":
+        await asyncio.sleep(cfg.agreement_timeout_s + 1.0)  # the outage itself: stopped past the timeout
+        domain.signal(rank, signal.SIGCONT)
+    try:
+        await step
+    except CacheError as exc:
+        failed_steps += 1
+        restart["first_error"] = str(exc)[:300]
+    if supervisor is not None:
+        await supervisor
+    for socket in domain.sockets:
+        async with AsyncClient(socket) as client:
+            await client.wait_serving(120.0)
+    lost = await restart_schedulers(2)
+    restart.update(rank=rank, outage_s=round(time.monotonic() - started, 2), outage_steps=failed_steps)
+    return lost + batch
+
+
+def _halves(halfway: Tally | None, total: Tally) -> dict:
+    """Hit rates before and after the split point (the restart, if any)."""
+    if halfway is None:
+        return {}
+    second = Tally()
+    for name in Tally.__dataclass_fields__:
+        setattr(second, name, getattr(total, name) - getattr(halfway, name))
+    return {"first": {k: round(v, 4) for k, v in halfway.hit_rates().items()},
+            "second": {k: round(v, 4) for k, v in second.hit_rates().items()}}

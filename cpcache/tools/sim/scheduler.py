@@ -95,6 +95,7 @@ class SimScheduler:
         self._waiting_prefetch: dict[int, Active] = {}
         self._waiting_load: dict[int, Active] = {}
         self._writing: dict[int, list[int]] = {}  # write op -> device pages it reads
+        self.resumed_pages = 0  # host pages its attach found from an earlier session
 
     # -- device pool --------------------------------------------------------------
 
