@@ -19,7 +19,7 @@ SGLANG_PACKAGES := numpy orjson psutil pybase64 requests packaging pillow starle
 	ipython aiohttp triton apache-tvm-ffi transformers dill sentencepiece compressed-tensors gguf openai \
 	partial-json-parser datasets
 
-.PHONY: setup demo test bench proto clean
+.PHONY: setup demo test compose-test bench proto clean
 
 setup: $(STAMP) $(SGLANG_STAMP)
 
@@ -52,6 +52,11 @@ test: setup
 	$(PY) -m ruff check cpcache tests
 	$(PY) -m mypy
 	$(PY) -m pytest
+
+# compose.yaml's cpu profile, one container per daemon (podman; installed and
+# configured when run as root): README, Compose tests. Not part of `test`.
+compose-test: $(STAMP)
+	scripts/compose-test.sh
 
 bench: setup
 	$(VENV)/bin/cpcache bench agreement --json

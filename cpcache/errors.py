@@ -109,6 +109,13 @@ class StepOrder(FailedPrecondition):
         return cls(message, int(metadata.get("last_step", 0)))
 
 
+class PermissionDenied(CacheError):
+    """The caller may not make the daemon do this (e.g. open a file by path)."""
+
+    status = "PERMISSION_DENIED"
+    reason = "PERMISSION_DENIED"
+
+
 class ResourceExhausted(CacheError):
     """A pool or a batch limit is full."""
 
@@ -144,7 +151,7 @@ class PeerLost(Unavailable):
 # Every class, most specific first. A client rebuilds the class named by the
 # ErrorInfo reason (`BY_REASON`); without one, the base class of the status.
 FAMILY: tuple[type[CacheError], ...] = (
-    InvalidArgument, NotFound, Divergence, RejectedByPeer, StepOrder, FailedPrecondition, ResourceExhausted,
-    PeerLost, Unavailable,
+    InvalidArgument, NotFound, Divergence, RejectedByPeer, StepOrder, FailedPrecondition, PermissionDenied,
+    ResourceExhausted, PeerLost, Unavailable,
 )
 BY_REASON: dict[str, type[CacheError]] = {kind.reason: kind for kind in FAMILY}

@@ -20,7 +20,9 @@ def chain(first: int, n: int, slot0: int) -> list[KeptPage]:
 
 def test_offers_round_trip_through_bytes():
     pages = chain(10, 5, 3)
-    assert decode(encode(pages)) == pages
+    offer = decode(encode(pages, [7, 9]))
+    assert offer.pages == pages and offer.busy == [7, 9]
+    assert decode(b"").pages == [] and decode(encode([])).busy == []
 
 
 def test_every_rank_keeps_the_same_pages_whatever_order_it_reads_the_offers():

@@ -181,9 +181,9 @@ async def test_a_long_prompt_fits_a_step_and_an_oversized_request_is_invalid_arg
     async with LocalDomain(DomainSpec(Topology(tp=1), run_dir, extra=dict(storage="file",
                                                                          storage_root=str(run_dir / "pages"),
                                                                          host_pool_pages=64))) as domain:
-        DevicePool.create_shared_file(str(run_dir / "pool"), geometry, 16)
+        pool = DevicePool.create_sealed(geometry, 16)
         async with AsyncClient(domain.sockets[0]) as client:
-            await client.attach("long", geometry, 16, shm_path=str(run_dir / "pool"))
+            await client.attach("long", geometry, 16, pool_fd=pool.fd)
             pages = [i.to_bytes(32, "little") for i in range(128 * 1024)]
             reply = await client.step(1, ops=Ops(prefetches=((1, pages, len(pages)),)))
             assert reply.step == 1

@@ -15,7 +15,7 @@ from cpcache.dataplane.pools import LAYOUTS, DevicePool, HostPool
 from cpcache.dataplane.storage import StorageBackend, open_backend
 from cpcache.dataplane.storage.faults import FaultyBackend, StorageFaults
 from cpcache.dataplane.storage.framing import HEADER
-from cpcache.errors import InvalidArgument, ResourceExhausted, Unavailable
+from cpcache.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from cpcache.geometry import KVGeometry
 from cpcache.state.allocator import PageAllocator
 
@@ -52,7 +52,7 @@ def backend_kind(request):
 @pytest.mark.parametrize("kv", ["mha", "mla"])
 def test_round_trip_is_bit_exact(tmp_path, backend_kind, request, layout, kv):
     geometry = GEOMETRIES[kv]
-    device = DevicePool.create_shared_file(str(tmp_path / "pool"), geometry, pages=16)
+    device = DevicePool.create_sealed(geometry, pages=16)
     fill_random(device, seed=len(layout) + len(kv))
     original = device.tensor.clone()
     host = HostPool(geometry, pages=8, layout=layout)
@@ -186,11 +186,23 @@ def test_slow_read_keeps_its_slot_out_of_reuse_until_it_ends(tmp_path):
     transfers.close()
 
 
-def test_device_pool_file_too_small_for_the_geometry_is_refused(tmp_path):
+def test_a_pool_of_the_wrong_size_unsealed_or_read_only_is_refused(tmp_path):
+    g = GEOMETRIES["mha"]
+    small = DevicePool.create_sealed(g, pages=2)
+    with pytest.raises(InvalidArgument, match="need .* bytes, but the pool holds"):
+        DevicePool.from_fd(os.dup(small.fd), g, pages=4)
     path = tmp_path / "pool"
-    path.write_bytes(b"\0" * 100)
-    with pytest.raises(InvalidArgument, match="need .* bytes, but .* holds 100"):
-        DevicePool.from_shared_file(str(path), GEOMETRIES["mha"], pages=4)
+    path.write_bytes(b"\0" * g.page_bytes * 4)  # a plain file: it could shrink under the daemon (SIGBUS)
+    with pytest.raises(FailedPrecondition, match="sealed against shrinking"):
+        DevicePool.from_fd(os.open(path, os.O_RDWR), g, pages=4)
+    pool = DevicePool.create_sealed(g, pages=4)
+    with pytest.raises(InvalidArgument, match="reading and writing"):
+        DevicePool.from_fd(os.open(f"/proc/self/fd/{pool.fd}", os.O_RDONLY), g, pages=4)
+    with pytest.raises(PermissionError):  # sealed: nobody can shrink it, its creator included
+        os.ftruncate(pool.fd, 0)
+    mapped = DevicePool.from_fd(os.dup(pool.fd), g, pages=4)
+    pool.page_view(1).fill_(3)
+    assert torch.equal(mapped.page_view(1), pool.page_view(1))  # the same memory
 
 
 # SGLang's host buffer shapes (pool_host/mha.py and mla.py, init_kv_buffer),
@@ -210,7 +222,7 @@ def sglang_host_shape(g: KVGeometry, layout: str, pages: int) -> tuple[int, ...]
 def test_host_pages_sit_where_sglang_puts_them_and_are_stored_in_its_order(tmp_path, layout, kv):
     geometry = GEOMETRIES[kv]
     g = geometry
-    device = DevicePool.create_shared_file(str(tmp_path / "pool"), geometry, pages=4)
+    device = DevicePool.create_sealed(geometry, pages=4)
     fill_random(device, seed=7)
     host = HostPool(geometry, pages=4, layout=layout)
     assert host.tensor.numel() == math.prod(sglang_host_shape(geometry, layout, 4))

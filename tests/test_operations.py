@@ -114,27 +114,33 @@ def test_compose_file_follows_the_compose_spec():
 
 def test_compose_checks_each_rank_and_builds_one_image():
     services = YAML(typ="safe").load((REPO / "compose.yaml").read_text())["services"]
-    daemons = {name: svc for name, svc in services.items() if name.startswith("cpcached-")}
-    assert len(daemons) == 2
-    for name, svc in daemons.items():  # each rank's check probes its own socket
-        rank = name.rpartition("-")[2]
-        assert svc["healthcheck"]["test"] == ["CMD", "cpcache", "status", f"/run/cpcache/rank-{rank}.sock"]
-        assert svc["command"][:2] == ["--rank", rank]
-    for name, svc in services.items():
-        if name != "driver":
-            assert svc["healthcheck"]["start_period"], name
-        for needed, how in svc.get("depends_on", {}).items():
-            assert how == {"condition": "service_healthy"}, (name, needed)
-            assert "healthcheck" in services[needed], needed
-    builders: dict[str, list[str]] = {}
-    for name, svc in services.items():
-        if "build" in svc:
-            builders.setdefault(svc["image"], []).append(name)
-        else:
-            assert svc.get("pull_policy") == "never", name  # built here, never pulled
-    assert builders == {"cpcache:gpu": ["cpcached-0"], "cpcache:gpu-driver": ["driver"]}
-    assert services["cpcached-0"]["build"]["target"] == "runtime"
-    assert {svc["image"] for svc in services.values() if "build" not in svc} == {"cpcache:gpu"}
+    profiles = {"gpu": ("cpcached-", "driver", "cpcache:gpu", 2),
+                "cpu": ("cpu-rank-", "cpu-driver", "localhost/cpcache:cpu", 4)}
+    for profile, (prefix, driver, image, ranks) in profiles.items():
+        mine = {name: svc for name, svc in services.items() if svc["profiles"] == [profile]}
+        daemons = {name: svc for name, svc in mine.items() if name.startswith(prefix)}
+        assert len(daemons) == ranks, profile
+        for name, svc in daemons.items():  # each rank's check probes its own socket
+            rank = name.rpartition("-")[2]
+            assert svc["healthcheck"]["test"] == ["CMD", "cpcache", "status", f"/run/cpcache/rank-{rank}.sock"]
+            assert svc["command"][:2] == ["--rank", rank]
+        for name, svc in mine.items():
+            if name != driver:
+                assert svc["healthcheck"]["start_period"], name
+            for needed, how in svc.get("depends_on", {}).items():
+                assert "healthcheck" in services[needed], needed
+                # rank 0 serves the rendezvous store: the others start with it, it is healthy once they joined
+                assert how == {"condition": "service_healthy"} or (
+                    how == {"condition": "service_started"} and needed == f"{prefix}0"), (name, needed)
+        builders: dict[str, list[str]] = {}
+        for name, svc in mine.items():
+            if "build" in svc:
+                builders.setdefault(svc["image"], []).append(name)
+            else:
+                assert svc.get("pull_policy") == "never", name  # built here, never pulled
+        assert builders[image] == [f"{prefix}0"] and mine[f"{prefix}0"]["build"]["target"] == "runtime", profile
+        assert {svc["image"] for svc in mine.values() if "build" not in svc} == {image}, profile
+    assert {name for name, svc in services.items() if "build" in svc} == {"cpcached-0", "driver", "cpu-rank-0"}
 
 
 def dockerfile_stages() -> dict[str, list[str]]:
@@ -225,6 +231,7 @@ CPCACHE_FAMILIES = {
     "cpcache_divergences_total": "counter",
     "cpcache_peer_lost": "gauge",
     "cpcache_round_duration_seconds": "histogram",
+    "cpcache_step_phase_seconds": "histogram",
     "cpcache_open_questions": "gauge",
     "cpcache_hit_pages_total": "counter",
     "cpcache_moved_pages_total": "counter",
@@ -325,9 +332,8 @@ async def test_metrics_move_while_the_cache_works(run_dir):
             scraper = Scraper(port)
             scraper.start()  # scrapes all along the work below: none may fail
             try:
-                path = str(run_dir / "pool")
-                DevicePool.create_shared_file(path, geometry, 8)
-                await client.attach("m", geometry, 8, shm_path=path)
+                pool = DevicePool.create_sealed(geometry, 8)
+                await client.attach("m", geometry, 8, pool_fd=pool.fd)
                 pages = [bytes([i]) * 32 for i in range(3)]
                 await client.step(1, ops=Ops(writes=((1, pages, [0, 1, 2]),)))
                 step = 1
@@ -352,6 +358,7 @@ async def test_metrics_move_while_the_cache_works(run_dir):
     assert series(after, "cpcache_hit_pages_total", tier="host", **rank) == 3
     assert series(after, "cpcache_peer_lost", **rank) == 0
     assert series(after, "cpcache_round_duration_seconds_count", **rank) >= step
+    assert series(after, "cpcache_step_phase_seconds_count", phase="handler", **rank) >= step
     assert series(after, "cpcache_host_pages", state="used") == 3
     step_call = dict(grpc_service="cpcache.v1.CacheDaemon", grpc_method="Step", grpc_type="unary")
     assert series(after, "grpc_server_handled_total", grpc_code="OK", **step_call) >= step

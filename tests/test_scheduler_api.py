@@ -21,10 +21,9 @@ async def test_a_scheduler_iteration_maps_to_one_flush(run_dir):
                                                           host_pool_pages=6, prefetch_threshold_tokens=0,
                                                           prefetch_policy="wait_complete"))
     async with LocalDomain(spec) as domain:
-        pool_path = str(run_dir / "pool")
-        DevicePool.create_shared_file(pool_path, GEOMETRY, 16)
+        pool = DevicePool.create_sealed(GEOMETRY, 16)
         with Client(domain.sockets[0], timeout_s=10) as client:
-            seed = client.attach("m", GEOMETRY, 16, shm_path=pool_path).key_seed
+            seed = client.attach("m", GEOMETRY, 16, pool_fd=pool.fd).key_seed
             cache = HiCacheSession(client)
             pages = [bytes.fromhex(h) for h in chain(list(range(64)), 16, seed)]
             write = cache.write_backup(pages[:2], [0, 1])

@@ -16,7 +16,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from cpcache import errors
-from cpcache.client import AsyncClient
+from cpcache.client import AsyncClient, Ops
 from cpcache.daemon.server import ExitCode
 from cpcache.dataplane.pools import DevicePool
 from cpcache.errors import InvalidArgument
@@ -43,9 +43,8 @@ def free_port() -> int:
 
 
 async def attach(client, run_dir, model_id="m"):
-    path = str(run_dir / "pool-0")
-    DevicePool.create_shared_file(path, GEOMETRY, 8)
-    return await client.attach(model_id, GEOMETRY, 8, shm_path=path)
+    pool = DevicePool.create_sealed(GEOMETRY, 8)
+    return await client.attach(model_id, GEOMETRY, 8, pool_fd=pool.fd)
 
 
 # -- 5: the launcher's run directory ---------------------------------------------------
@@ -286,3 +285,78 @@ async def test_a_model_id_with_a_newline_forges_no_log_line(run_dir):
         await domain.stop()
         lines = domain.logs[0].read_text().splitlines()
     assert not any(line.startswith("2099-01-01") for line in lines), lines
+
+
+# -- 1, 2: the daemon opens no file a caller names; pools cannot shrink under it -------
+
+
+async def test_a_pool_named_by_path_is_refused_and_the_file_untouched(run_dir):
+    """A caller naming a file the daemon's user can write (here: a 0600 file
+    the caller could not read if it were another user) gets
+    PERMISSION_DENIED; the daemon never opens it."""
+    victim = run_dir / "victim"
+    victim.write_bytes(b"secret" * 1000)
+    victim.chmod(0o600)
+    before = victim.stat()
+    async with LocalDomain(DomainSpec(Topology(tp=1), run_dir)) as domain:
+        async with grpc.aio.insecure_channel("unix:" + domain.sockets[0]) as channel:
+            request = pb.AttachRequest(model_id="m", device_pages=1, shm_path=str(victim), geometry=pb.Geometry(
+                layers=1, kv_kind="mla", heads=1, head_dim=3000, dtype="uint8", page_size=2))
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await pb_grpc.CacheDaemonStub(channel).Attach(request)
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "opens no file a caller names" in info.value.details()
+        async with AsyncClient(domain.sockets[0]) as client:
+            assert (await client.status()).state == "serving" and not (await client.status()).attached
+    after = victim.stat()
+    assert (after.st_atime_ns, after.st_mtime_ns, after.st_size) == (before.st_atime_ns, before.st_mtime_ns,
+                                                                   before.st_size)
+
+
+async def test_a_pool_that_could_shrink_is_refused_and_a_sealed_one_cannot(run_dir):
+    """A plain file handed over by descriptor could be truncated under the
+    daemon's mapping (SIGBUS): refused. A sealed memfd cannot shrink, even by
+    its creator, so the daemon lives on whatever the scheduler does."""
+    plain = run_dir / "plain-pool"
+    plain.write_bytes(bytes(GEOMETRY.page_bytes * 8))
+    async with LocalDomain(DomainSpec(Topology(tp=1), run_dir)) as domain:
+        async with AsyncClient(domain.sockets[0]) as client:
+            fd = os.open(plain, os.O_RDWR)
+            try:
+                with pytest.raises(errors.FailedPrecondition, match="sealed against shrinking"):
+                    await client.attach("m", GEOMETRY, 8, pool_fd=fd)
+            finally:
+                os.close(fd)
+            pool = DevicePool.create_sealed(GEOMETRY, 8)
+            await client.attach("m", GEOMETRY, 8, pool_fd=pool.fd)
+            with pytest.raises(PermissionError):
+                os.ftruncate(pool.fd, 0)  # what a restarting scheduler re-creating its pool would do
+            reply = await client.step(1, ops=Ops(writes=((1, [bytes(32)], [0]),)))
+            step = 1
+            while 1 not in reply.write_acks:
+                step += 1
+                reply = await client.step(step)
+            assert (await client.status()).state == "serving"
+
+
+async def test_a_pool_ticket_is_good_once_and_only_on_its_daemon(run_dir):
+    from cpcache.client.pools import hand_over
+
+    async with LocalDomain(DomainSpec(Topology(tp=1), run_dir)) as domain:
+        pool = DevicePool.create_sealed(GEOMETRY, 8)
+        ticket = hand_over(domain.sockets[0], pool.fd)
+        async with grpc.aio.insecure_channel("unix:" + domain.sockets[0]) as channel:
+            stub = pb_grpc.CacheDaemonStub(channel)
+            request = pb.AttachRequest(model_id="m", device_pages=8, shm_ticket="0" * 32, geometry=pb.Geometry(
+                layers=GEOMETRY.layers, kv_kind=GEOMETRY.kv_kind, heads=GEOMETRY.heads,
+                head_dim=GEOMETRY.head_dim, dtype=GEOMETRY.dtype, page_size=GEOMETRY.page_size))
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.Attach(request)  # a guessed ticket
+            assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            request.shm_ticket = ticket
+            await stub.Attach(request)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.Attach(request)  # the same ticket again
+            assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        mode = os.stat(domain.sockets[0] + ".pools").st_mode & 0o777
+        assert mode == 0o600  # as private as the daemon's own socket

@@ -1,6 +1,7 @@
 """Epochs: a domain that lost a rank forms again, under a new number.
 
-The rendezvous store holds the deployment's current epoch. Ranks meet under
+The rendezvous store holds each agreement domain's current epoch (domains
+of one deployment, e.g. attention-DP replicas, form and re-form apart). Ranks meet under
 that epoch's namespace; once every rank of the domain has joined, the epoch
 is marked formed. A rank that finds its epoch formed without it (it was
 restarted) or broken (a peer was lost) moves the deployment to the next
@@ -23,9 +24,10 @@ from cpcache.agreement.collective import Rendezvous
 
 
 class Epochs:
-    def __init__(self, base: Rendezvous) -> None:
+    def __init__(self, base: Rendezvous, domain: tuple[int, ...] = (0,)) -> None:
         self.base = base
-        self._key = f"cpcache/{base.deployment}/current_epoch"
+        self._domain = "-".join(map(str, domain))
+        self._key = f"cpcache/{base.deployment}/domain{self._domain}/current_epoch"
 
     def rendezvous(self, epoch: int) -> Rendezvous:
         return dataclasses.replace(self.base, epoch=epoch)
@@ -52,10 +54,10 @@ class Epochs:
         return self.current(store)
 
     def mark_formed(self, store: TCPStore, epoch: int) -> None:
-        store.set(f"{self.rendezvous(epoch).namespace}/formed", "1")
+        store.set(f"{self.rendezvous(epoch).namespace}/formed/domain{self._domain}", "1")
 
     def formed(self, store: TCPStore, epoch: int) -> bool:
-        return bool(store.check([f"{self.rendezvous(epoch).namespace}/formed"]))
+        return bool(store.check([f"{self.rendezvous(epoch).namespace}/formed/domain{self._domain}"]))
 
     def exchange(self, store: TCPStore, epoch: int, rank: int, ranks: tuple[int, ...], offer: bytes,
                  timeout_s: float) -> list[bytes]:

@@ -60,14 +60,18 @@ class Diagnosis:
     reason: str
 
 
+CONNECT_S = 2.0
+
+
 def diagnose(
     rdzv: Rendezvous, peers: tuple[int, ...], failed_round: int, window_s: float
 ) -> Diagnosis:
     """Watch `peers`' heartbeats for `window_s` and name those that are
-    stopped, dead, or never reached `failed_round`. Bounded by about
-    2 * window_s even when the store itself is unreachable."""
+    stopped, dead, or never reached `failed_round`. Bounded by the window
+    plus CONNECT_S even when the store itself is unreachable (a loaded host
+    may take longer than the window to accept a connection)."""
     try:
-        store = rdzv.connect(timeout_s=window_s)
+        store = rdzv.connect(timeout_s=max(CONNECT_S, window_s))
         keys = [_key(rdzv, r) for r in peers]
         first = store.multi_get(keys)
         time.sleep(window_s)  # the observation window itself, not a wait for an event

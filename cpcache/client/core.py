@@ -13,6 +13,8 @@ passes it raises `Unavailable`.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -23,6 +25,7 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cpcache import errors
+from cpcache.client.pools import hand_over
 from cpcache.v1 import daemon_pb2 as pb
 from cpcache.v1 import daemon_pb2_grpc as pb_grpc
 from cpcache.values import MAX_MESSAGE_BYTES, Reduce
@@ -182,7 +185,7 @@ def step_result(reply: pb.StepReply) -> StepResult:
     )
 
 
-def attach_request(model_id: str, geometry: KVGeometry, device_pages: int, shm_path: str = "",
+def attach_request(model_id: str, geometry: KVGeometry, device_pages: int, shm_ticket: str = "",
                    cuda_ipc: dict[str, Any] | None = None) -> pb.AttachRequest:
     request = pb.AttachRequest(model_id=model_id, device_pages=device_pages, geometry=pb.Geometry(
         layers=geometry.layers, kv_kind=geometry.kv_kind, heads=geometry.heads, head_dim=geometry.head_dim,
@@ -190,7 +193,7 @@ def attach_request(model_id: str, geometry: KVGeometry, device_pages: int, shm_p
     if cuda_ipc is not None:
         request.cuda_ipc.CopyFrom(pb.CudaIpcHandle(**cuda_ipc))
     else:
-        request.shm_path = shm_path
+        request.shm_ticket = shm_ticket
     return request
 
 
@@ -210,9 +213,9 @@ def _step_call(step: int, votes: Iterable[tuple[int, Reduce, int]], ops: Ops | N
     return Call("Step", step_request(step, votes, ops), step_result)
 
 
-def _attach_call(model_id: str, geometry: KVGeometry, device_pages: int, shm_path: str,
+def _attach_call(model_id: str, geometry: KVGeometry, device_pages: int, shm_ticket: str,
                  cuda_ipc: dict[str, Any] | None) -> Call[pb.AttachReply]:
-    return Call("Attach", attach_request(model_id, geometry, device_pages, shm_path, cuda_ipc))
+    return Call("Attach", attach_request(model_id, geometry, device_pages, shm_ticket, cuda_ipc))
 
 
 def _wait_loads_call(op_ids: Iterable[int], timeout_s: float) -> Call[None]:
@@ -221,8 +224,8 @@ def _wait_loads_call(op_ids: Iterable[int], timeout_s: float) -> Call[None]:
     return Call("WaitLoads", pb.WaitLoadsRequest(op_ids=op_ids, timeout_s=timeout_s), lambda reply: None, deadline)
 
 
-def _match_call(pages: Iterable[bytes]) -> Call[pb.MatchReply]:
-    return Call("Match", pb.MatchRequest(pages=pages))
+def _match_call(pages: Iterable[bytes], host_only: bool = False) -> Call[pb.MatchReply]:
+    return Call("Match", pb.MatchRequest(pages=pages, host_only=host_only))
 
 
 def _stats_call() -> Call[dict[str, int]]:
@@ -255,6 +258,7 @@ class _Face:
                  timeout_s: float | None = DEFAULT_TIMEOUT_S) -> None:
         """`timeout_s`: the deadline of every call (None: none)."""
         target = target_of(address)
+        self._address = target
         if credentials is not None:
             self._channel = self._grpc.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
         else:
@@ -284,19 +288,23 @@ class _Face:
         """One scheduler iteration: -> StepResult."""
         return self._send(_step_call, step, votes, ops)
 
-    def attach(self, model_id: str, geometry: KVGeometry, device_pages: int, shm_path: str = "",
+    def attach(self, model_id: str, geometry: KVGeometry, device_pages: int, pool_fd: int = -1,
                cuda_ipc: dict[str, Any] | None = None) -> Any:
-        """Hand the daemon this model's device pool: -> pb.AttachReply."""
-        return self._send(_attach_call, model_id, geometry, device_pages, shm_path, cuda_ipc)
+        """Hand the daemon this model's device pool: -> pb.AttachReply.
+        `pool_fd`: a sealed memfd pool (`DevicePool.create_sealed`), handed
+        over by descriptor on the daemon's `<socket>.pools`; or `cuda_ipc`."""
+        ticket = hand_over(self._address, pool_fd) if pool_fd >= 0 else ""
+        return self._send(_attach_call, model_id, geometry, device_pages, ticket, cuda_ipc)
 
     def wait_loads(self, op_ids: Iterable[int], timeout_s: float = 30.0) -> Any:
         """Wait until these loads reached the device pool: -> None. The call's
         deadline is `timeout_s` plus a margin."""
         return self._send(_wait_loads_call, op_ids, timeout_s)
 
-    def match(self, pages: Iterable[bytes]) -> Any:
-        """Host and storage prefix hits: -> pb.MatchReply."""
-        return self._send(_match_call, pages)
+    def match(self, pages: Iterable[bytes], host_only: bool = False) -> Any:
+        """Host and storage prefix hits: -> pb.MatchReply. `host_only`: the
+        host pool only (agreed state, the same on every rank; no storage)."""
+        return self._send(_match_call, pages, host_only)
 
     def stats(self) -> Any:
         """-> dict[str, int], the daemon's counters."""
@@ -334,6 +342,10 @@ class AsyncClient(_Face):
     async def close(self) -> None:
         await self._channel.close()
 
+    def steps_stream(self) -> AsyncStepStream:
+        """The `Steps` stream's face: `await stream.step(...)` as `step`."""
+        return AsyncStepStream(self)
+
     async def wait_serving(self, timeout_s: float) -> None:
         """Wait until the daemon reports SERVING: waits for the socket to
         appear and for the health status to change, without polling."""
@@ -349,6 +361,67 @@ class AsyncClient(_Face):
         finally:
             call.cancel()
         raise errors.Unavailable("the daemon closed its health stream before serving")
+
+
+class AsyncStepStream:
+    """`AsyncClient.step` over one `Steps` stream: the scheduler's fast path.
+    One step at a time, in order; each reply (or typed error) is exactly what
+    `step` would give. A failed step ends the stream; the next step opens a
+    new one. Each step has the client's deadline: past it the stream is
+    cancelled and the step raises `Unavailable` (its outcome is kept by the
+    daemon: send the same request again, by either call, to get it)."""
+
+    def __init__(self, client: AsyncClient) -> None:
+        self._client = client
+        self._call: Any = None
+        self._lock: asyncio.Lock | None = None  # made on first use, inside the loop
+
+    async def step(self, step: int, votes: Iterable[tuple[int, Reduce, int]] = (), ops: Ops | None = None
+                   ) -> StepResult:
+        """One scheduler iteration: -> StepResult."""
+        call = _step_call(step, votes, ops)
+        _, kwargs = self._client._prepare(call)  # refuses an oversized request, unsent
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            if self._call is None:
+                self._call = self._client._stub.Steps(metadata=kwargs["metadata"])
+            stream = self._call
+            timer = None
+            timed_out = False
+            if kwargs["timeout"] is not None:
+                def expire() -> None:
+                    nonlocal timed_out
+                    timed_out = True
+                    stream.cancel()
+                timer = asyncio.get_running_loop().call_later(kwargs["timeout"], expire)
+            try:
+                await stream.write(call.request)
+                reply = await stream.read()
+            except grpc.aio.AioRpcError as exc:
+                self._call = None
+                raise error_from(exc) from None
+            except asyncio.CancelledError:
+                self._call = None
+                stream.cancel()
+                if timed_out:
+                    raise errors.Unavailable(f"DEADLINE_EXCEEDED: step {step} had no reply within "
+                                             f"{kwargs['timeout']}s") from None
+                raise
+            finally:
+                if timer is not None:
+                    timer.cancel()
+            if reply is grpc.aio.EOF:
+                self._call = None
+                raise errors.Unavailable("the daemon ended the step stream without a reply")
+            return call.read(reply)
+
+    async def close(self) -> None:
+        if self._call is not None:
+            call, self._call = self._call, None
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await call.done_writing()
+            call.cancel()
 
 
 class Client(_Face):

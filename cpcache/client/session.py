@@ -59,6 +59,10 @@ class HiCacheSession:
     # -- prefetch ------------------------------------------------------------------
 
     def prefetch_from_storage(self, rid: str, pages: list[bytes], tokens: int, parent: bytes | None = None) -> int:
+        """A new prefetch for `rid` replaces any earlier one (revoked if open)."""
+        if rid in self._prefetch_of:
+            self.release_aborted_request(rid)
+        self._ended.pop(rid, None)
         op_id = next(self._ids)
         self._pending.prefetches.append((op_id, pages, tokens, parent or b""))
         self._prefetch_of[rid] = op_id
@@ -78,6 +82,10 @@ class HiCacheSession:
 
     def prefetched_pages(self, rid: str) -> int:
         return self._ended.get(rid, 0)
+
+    def take_prefetched(self, rid: str) -> int:
+        """Pages the ended prefetch of `rid` brought, forgetting it."""
+        return self._ended.pop(rid, 0)
 
     def release_aborted_request(self, rid: str) -> None:
         op_id = self._prefetch_of.pop(rid, None)

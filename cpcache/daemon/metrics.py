@@ -32,6 +32,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 import cpcache
 from cpcache.agreement.engine import LatencyHistogram
+from cpcache.rank.phases import PhaseHistogram
 from cpcache.topology import Topology
 from cpcache.values import split_host_port
 
@@ -186,6 +187,7 @@ class Snapshot:
     engine: dict[str, Any] | None = None
     open_questions: int | None = None
     cache: dict[str, Any] | None = None
+    phases: dict[str, tuple[list[int], float]] | None = None
 
 
 class DaemonCollector:
@@ -206,7 +208,7 @@ class DaemonCollector:
         """Runs on the event loop."""
         d = self._daemon
         engine, coordinator = d.engine, d.coordinator
-        engine_values = cache = None
+        engine_values = cache = phases = None
         open_questions = None
         if engine is not None:
             hist = engine.round_latency
@@ -215,11 +217,12 @@ class DaemonCollector:
                              "latency": (list(hist.counts), hist.total_s)}
         if coordinator is not None:
             open_questions = coordinator.open_questions
+            phases = {name: (list(h.counts), h.total_s) for name, h in coordinator.phases.histograms.items()}
             if coordinator.cache is not None:
                 state = coordinator.cache.state
                 cache = {"hits": dict(state.hit_pages), "stats": dict(state.stats()),
                          "moved": coordinator.cache.io.transfers.counters()}
-        return Snapshot(self.rpc.snapshot(), engine_values, open_questions, cache)
+        return Snapshot(self.rpc.snapshot(), engine_values, open_questions, cache, phases)
 
     def _snapshot_from_loop(self) -> Snapshot | None:
         loop = self._loop
@@ -269,6 +272,13 @@ class DaemonCollector:
             counts, total_s = e["latency"]
             latency.add_metric(values, _buckets(LatencyHistogram.BOUNDS_S, counts), total_s)
             yield from (rounds, divergences, lost, latency)
+        if snap.phases is not None:
+            phase = HistogramMetricFamily(
+                "cpcache_step_phase_seconds", "Time a step spent in each phase on this rank (the collective "
+                "itself: cpcache_round_duration_seconds)", labels=names + ["phase"])
+            for name, (counts, total_s) in snap.phases.items():
+                phase.add_metric(values + [name], _buckets(PhaseHistogram.BOUNDS_S, counts), total_s)
+            yield phase
         if snap.open_questions is not None:
             questions = GaugeMetricFamily("cpcache_open_questions", "Questions open in the agreement table",
                                           labels=names)
@@ -329,3 +339,19 @@ def serve(collector: DaemonCollector, address: str) -> int:
     collector.bind(asyncio.get_running_loop())
     server, _ = start_http_server(port, addr=host or "127.0.0.1", registry=registry_for(collector))
     return int(server.server_address[1])
+
+
+def phase_counters(coordinator: Any, engine: Any) -> dict[str, int]:
+    """The step phases as Stats counters: `step_phase_<phase>_us` (total
+    microseconds) and `step_phase_<phase>_count`, with the collective itself
+    as phase `reduce` (from the agreement engine) and `steps` (the calls the
+    handler served), so a breakdown per step is each total over `steps`."""
+    out: dict[str, int] = {}
+    histograms: dict[str, Any] = dict(coordinator.phases.histograms)
+    if engine is not None:
+        histograms["reduce"] = engine.round_latency
+    for name, h in histograms.items():
+        out[f"step_phase_{name}_us"] = round(h.total_s * 1e6)
+        out[f"step_phase_{name}_count"] = sum(h.counts)
+    out["step_phase_steps"] = out.get("step_phase_handler_count", 0)
+    return out

@@ -35,7 +35,9 @@ from cpcache.agreement.liveness import Heartbeat, diagnose
 from cpcache.config import DaemonConfig
 from cpcache.daemon import metrics
 from cpcache.daemon.listeners import release_unix, start_listeners
-from cpcache.daemon.metrics import DaemonCollector
+from cpcache.daemon.metrics import DaemonCollector, phase_counters
+from cpcache.daemon.pool_handover import SUFFIX as POOLS_SUFFIX
+from cpcache.daemon.pool_handover import PoolHandover
 from cpcache.daemon.servicer import CacheDaemonServicer
 from cpcache.daemon.status import tolerant
 from cpcache.daemon.systemd import Notifier, extend_timeout_while
@@ -67,6 +69,17 @@ class State(enum.Enum):
     STOPPED = "stopped"
 
 
+@dataclasses.dataclass(frozen=True)
+class _LastAttach:
+    """The attach that began the current session, to answer its retries."""
+
+    stepper: Stepper
+    descriptor: dict[str, Any]
+    pool: tuple[int, ...]
+    step: int
+    attached: Attached
+
+
 class ExitCode(enum.IntEnum):
     STOPPED = 0  # stopped on request, cleanly
     INTERNAL = 1  # a background task crashed: the daemon drained and stopped
@@ -90,7 +103,7 @@ class Daemon:
         self._domain = self._topology.domain(config.rank)
         self._epochs = Epochs(Rendezvous(
             *split_host_port(config.rendezvous), config.deployment, config.epoch, config.rendezvous_timeout_s
-        ))
+        ), tuple(self._domain.ranks))
         self._rdzv = self._epochs.base  # the current epoch's; replaced when the domain re-forms
         self._reforming: asyncio.Future[None] | None = None
         self._reform_reason = ""
@@ -98,6 +111,10 @@ class Daemon:
         # until an Attach of the same model and geometry picks it up again.
         self._kept: tuple[CacheRuntime, dict[str, Any]] | None = None
         self._descriptor: dict[str, Any] | None = None  # what the attached cache was attached with
+        self._pools: PoolHandover | None = None
+        self._attach_task: asyncio.Future[Attached] | None = None
+        self._epoch_busy: list[int] = []  # host slots this epoch started with retired (agreed)
+        self._last_attach: _LastAttach | None = None
         self.reforms = 0
         self._health = health_async.HealthServicer()
         self._servers: list[grpc.aio.Server] = []
@@ -111,7 +128,6 @@ class Daemon:
         self._engine: AgreementEngine | None = None
         self._coordinator: Stepper | None = None
         self._background: set[asyncio.Task] = set()
-        self._attaching = False
         self._attach_attempts = 0  # attaches that reached the agreement: tells a peer's stale one
         self._crashed = False  # a background task died: exit INTERNAL after the drain
 
@@ -170,35 +186,53 @@ class Daemon:
                       pool: str | pb.CudaIpcHandle) -> Attached:
         if self.state is State.REFORMING and self._reforming is not None:
             await asyncio.shield(self._reforming)
+        self.admit_decision()
+        while self._attach_task is not None and not self._attach_task.done():
+            # One at a time: a retry of a cancelled call waits for that call's attach.
+            await asyncio.wait({self._attach_task})
+        # The pool is opened and checked before anything else changes: a bad
+        # one is refused without ending the session that works.
+        check_host_budget(self.config, geometry)
+        device = await asyncio.to_thread(self._open_device, geometry, device_pages, pool)
+        descriptor = self._attach_descriptor(model_id, geometry, device_pages)
         stepper = self.admit_decision()
-        if stepper.cache is not None and not self._attaching:
+        last = self._last_attach
+        if (stepper.cache is not None and last is not None and last.stepper is stepper
+                and last.descriptor == descriptor and last.pool == device.identity and stepper.last_step == last.step):
+            return last.attached  # a retry of the attach that began this session: the same answer
+        if stepper.cache is not None:
             # A scheduler attached again (it restarted): its old session ends
             # on every rank the same way, by forming the domain again; what
             # the host pool holds is carried over.
             await self.reform("a scheduler attached again: its previous session ends")
             stepper = self.admit_decision()
-        if self._attaching:
-            raise FailedPrecondition("an Attach is already in progress on this daemon")
-        self._attaching = True
+        task = asyncio.ensure_future(self._attach_agreed(stepper, model_id, geometry, device, descriptor, kind))
+        self._attach_task = task
+        return await task
+
+    async def _attach_agreed(self, stepper: Stepper, model_id: str, geometry: KVGeometry, device: DevicePool,
+                             descriptor: dict[str, Any], kind: str) -> Attached:
         runtime: CacheRuntime | None = None
         differs = False
         store = self._rdzv.connect()
-        descriptor = self._attach_descriptor(model_id, geometry, device_pages)
         kept = self._kept if self._kept is not None and self._kept[1] == descriptor else None
+        # What the attach resumes is part of what every rank must agree on.
+        resumes = carryover.digest(kept[0].state.index) if kept is not None and len(kept[0].state.index) else 0
         try:
-            if kept is None and self._kept is not None:  # another model or geometry: start clean
-                old, self._kept = self._kept[0], None
-                await asyncio.to_thread(old.io.transfers.close)
-            runtime = await asyncio.to_thread(self._open_cache, model_id, geometry, device_pages, kind, pool,
+            runtime = await asyncio.to_thread(self._open_cache, model_id, geometry, device,
                                               kept[0] if kept else None)
+            if kept is None:
+                runtime.state.carried_over([], self._epoch_busy)
             try:
                 self._attach_attempts += 1
                 await asyncio.to_thread(agree_on_attach, store, self._rdzv.namespace, self.config.rank,
-                                        self._domain.ranks, descriptor, self._attach_attempts,
-                                        self.config.agreement_timeout_s)
+                                        self._domain.ranks, {**descriptor, "resumes": resumes},
+                                        self._attach_attempts, self.config.agreement_timeout_s)
             except FailedPrecondition:
                 differs = True  # the ranks attached different things: every rank must see it
                 raise
+            if self._coordinator is not stepper:
+                raise Unavailable("the domain formed again while this Attach was agreed; attach again")
         except BaseException:
             if not differs:
                 # Withdrawn, so a peer's retry never matches this failed attempt.
@@ -208,26 +242,35 @@ class Daemon:
             elif runtime is not None:
                 runtime.io.transfers.close()
             raise
-        finally:
-            self._attaching = False
+        if kept is None and self._kept is not None:  # another model or geometry, agreed: start clean
+            old, self._kept = self._kept[0], None
+            await asyncio.to_thread(old.io.transfers.close)
         stepper.cache = runtime
         self._kept, self._descriptor = None, descriptor
         resumed = len(runtime.state.index) if kept is not None else 0
         self._key_seed = namespace_seed(model_id, geometry.dtype, self.config.host_layout, geometry.page_size)
         log.info("attached %r in epoch %d: %d device pages of %d bytes (%s), %d host pages resumed", model_id,
-                 self.epoch, device_pages, geometry.page_bytes, kind, resumed)
+                 self.epoch, device.pages, geometry.page_bytes, kind, resumed)
         storage = runtime.io.transfers.tiers.storage
-        return Attached(geometry.page_bytes, self.config.host_pool_pages, self.config.host_layout,
-                        storage.name if storage else "none", self._key_seed, resumed)
+        attached = Attached(geometry.page_bytes, self.config.host_pool_pages, self.config.host_layout,
+                            storage.name if storage else "none", self._key_seed, resumed)
+        self._last_attach = _LastAttach(stepper, descriptor, device.identity, stepper.last_step, attached)
+        return attached
 
-    def _open_cache(self, model_id: str, geometry: KVGeometry, device_pages: int, kind: str,
-                    pool: str | pb.CudaIpcHandle, kept: CacheRuntime | None = None) -> CacheRuntime:
-        check_host_budget(self.config, geometry)
+    def _open_device(self, geometry: KVGeometry, device_pages: int, pool: str | pb.CudaIpcHandle) -> DevicePool:
         if isinstance(pool, str):
-            device = DevicePool.from_shared_file(pool, geometry, device_pages)
-        else:
-            handle = {f.name: getattr(pool, f.name) for f in pool.DESCRIPTOR.fields}
-            device = DevicePool.from_cuda_ipc(handle, geometry, device_pages)
+            if self._pools is None:
+                raise Unavailable("attach: the pool handover socket is not open yet")
+            fd, uid, pid = self._pools.take(pool)
+            device = DevicePool.from_fd(fd, geometry, device_pages)
+            log.info("attach: pool of %d pages handed over by pid %d (uid %d)", device_pages, pid, uid)
+            return device
+        handle = {f.name: getattr(pool, f.name) for f in pool.DESCRIPTOR.fields}
+        return DevicePool.from_cuda_ipc(handle, geometry, device_pages)
+
+    def _open_cache(self, model_id: str, geometry: KVGeometry, device: DevicePool,
+                    kept: CacheRuntime | None = None) -> CacheRuntime:
+        check_host_budget(self.config, geometry)
         if kept is not None:  # the same model and geometry: the host pool and its pages go on
             kept.io.transfers.tiers.device = device
             return kept
@@ -257,6 +300,7 @@ class Daemon:
                 if storage is not None:
                     counters.update(storage.counters())
             counters["rejected_steps"] = coordinator.rejected_steps
+            counters.update(phase_counters(coordinator, self._engine))
         return counters
 
     def status(self) -> DaemonStatus:
@@ -369,12 +413,16 @@ class Daemon:
         )
         self._engine = engine
         self._coordinator = Stepper(engine, self.config.rank, self.config.agreement_lag, self.epoch)
+        decoded = [carryover.decode(offer) for offer in offers]
+        kept = carryover.common([o.pages for o in decoded])
+        # Every rank's cache of this epoch starts with these slots retired,
+        # kept or new alike, so all of them allocate the same slots.
+        busy = self._epoch_busy = carryover.busy_slots(decoded, kept)
         if self._kept is not None:
             runtime, descriptor = self._kept
-            kept = carryover.common([carryover.decode(offer) for offer in offers])
-            self._kept = (carry_over(runtime, kept, self.config.storage_timeout_s), descriptor)
-            log.info("epoch %d carries %d host pages over (until the scheduler attaches again)", self.epoch,
-                     len(kept))
+            self._kept = (carry_over(runtime, kept, busy, self.config.storage_timeout_s), descriptor)
+            log.info("epoch %d carries %d host pages over (until the scheduler attaches again); %d slots wait "
+                     "for I/O to end", self.epoch, len(kept), len(busy))
         self.state = State.SERVING
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
 
@@ -435,8 +483,10 @@ class Daemon:
         runtime.io.transfers.tiers.device = None  # the scheduler's pool: its next attach brings one
         self._kept, self._descriptor = (runtime, descriptor), None
         if not idle:
-            log.warning("I/O still in flight after %.0fs: this rank carries no pages over", drain_s)
-            return b""
+            busy = runtime.io.transfers.in_flight.slots()
+            log.warning("I/O still in flight after %.0fs on %d slots: this rank carries no pages over, and "
+                        "those slots stay out of use until it ends", drain_s, len(busy))
+            return carryover.encode([], busy)
         return carryover.encode(carryover.offer(runtime.state.index))
 
     def _watch_epochs(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -508,6 +558,8 @@ class Daemon:
             self._heartbeat.stop()
         self._store_server = None
         release_unix(self.config.socket_path)  # only the socket this daemon bound
+        if self._pools is not None:
+            self._pools.close()
         for task in list(self._background):
             task.cancel()
         self.state = State.STOPPED
@@ -526,6 +578,9 @@ class Daemon:
     async def _start_servers(self) -> None:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self._servers = await start_listeners(self.config, self._new_server)
+        # Pools come by descriptor, beside the socket, with its mode and group.
+        self._pools = PoolHandover(self.config.socket_path + POOLS_SUFFIX, self.config.socket_group)
+        self._pools.start()
 
     def _new_server(self, interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
                     options: Sequence[tuple[str, int]] = ()) -> grpc.aio.Server:
@@ -571,7 +626,9 @@ def service_handler(servicer: CacheDaemonServicer) -> grpc.GenericRpcHandler:
     for method in service.methods:
         request_class = message_factory.GetMessageClass(method.input_type)
         reply_class = message_factory.GetMessageClass(method.output_type)
-        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+        kind = (grpc.stream_stream_rpc_method_handler if method.client_streaming and method.server_streaming
+                else grpc.unary_unary_rpc_method_handler)
+        handlers[method.name] = kind(
             getattr(servicer, method.name),
             request_deserializer=tolerant(request_class.FromString),
             response_serializer=reply_class.SerializeToString,

@@ -4,7 +4,9 @@ the core. Validation and decisions live in the core."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any, Protocol, TypeVar
@@ -12,7 +14,7 @@ from typing import Any, Protocol, TypeVar
 import grpc
 
 from cpcache.agreement.rounds import Questions
-from cpcache.daemon.status import guarded
+from cpcache.daemon.status import Undecodable, guarded, wire_status
 from cpcache.daemon.wire import (
     Attached,
     DaemonStatus,
@@ -24,13 +26,15 @@ from cpcache.daemon.wire import (
     step_reply,
     votes_from_wire,
 )
-from cpcache.errors import CacheError, InvalidArgument, NotFound, Unavailable
+from cpcache.errors import CacheError, InvalidArgument, NotFound, PermissionDenied, Unavailable
 from cpcache.geometry import KVGeometry
 from cpcache.rank.assembly import CacheRuntime
 from cpcache.rank.stepper import Stepper
 from cpcache.state.requests import StepOps
 from cpcache.v1 import daemon_pb2 as pb
 from cpcache.v1 import daemon_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
 
 MAX_WAIT_S = 3600.0
 T = TypeVar("T")
@@ -69,6 +73,10 @@ async def bounded_storage_call(runtime: CacheRuntime, fn: Callable[[], T], what:
         raise Unavailable(f"{what}: storage is closed ({exc})") from None
 
 
+def _step_parts(request: pb.StepRequest) -> tuple[Questions, StepOps]:
+    return votes_from_wire(request.votes), ops_from_wire(request)
+
+
 class CacheDaemonServicer(pb_grpc.CacheDaemonServicer):
     def __init__(self, daemon: DaemonPort) -> None:
         self._daemon = daemon
@@ -77,6 +85,7 @@ class CacheDaemonServicer(pb_grpc.CacheDaemonServicer):
                     parse: Callable[[Any], tuple[Questions, StepOps]]) -> pb.StepReply:
         """One step. A request that cannot be read still takes part in its
         round (rejected), so the other ranks are never left waiting."""
+        started = time.perf_counter()
         stepper = self._daemon.admit_decision()
         invalid: CacheError | None = None
         try:
@@ -88,13 +97,34 @@ class CacheDaemonServicer(pb_grpc.CacheDaemonServicer):
         with self._daemon.in_flight():
             outcome = await stepper.step(request.step, votes, ops, invalid=invalid,
                                          request_digest=request_digest(method, request))
+        built = time.perf_counter()
         reply = step_reply(outcome)
         reply.epoch = stepper.epoch
+        ended = time.perf_counter()
+        stepper.phases.observe("reply", ended - built)
+        stepper.phases.observe("handler", ended - started)
         return reply
 
     @guarded
     async def Step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> pb.StepReply:
-        return await self._step("Step", request, lambda r: (votes_from_wire(r.votes), ops_from_wire(r)))
+        return await self._step("Step", request, _step_parts)
+
+    async def Steps(self, requests: Any, context: grpc.aio.ServicerContext) -> None:
+        """`Step` over one stream: each request is one step, answered in
+        order with exactly what `Step` answers (a retry, by either call, is
+        told apart by the same digest). A step that fails ends the stream
+        with the status `Step` would have answered."""
+        while (request := await context.read()) is not grpc.aio.EOF:
+            try:
+                if isinstance(request, Undecodable):
+                    raise InvalidArgument(f"the request body does not decode: {request.error}")
+                reply = await self._step("Step", request, _step_parts)
+            except Exception as exc:
+                if not isinstance(exc, CacheError):
+                    log.exception("bug in Steps")
+                await context.abort_with_status(wire_status(exc))
+            else:
+                await context.write(reply)
 
     @guarded
     async def Prefetch(self, request: pb.PrefetchRequest, context: grpc.aio.ServicerContext) -> pb.StepReply:
@@ -120,7 +150,11 @@ class CacheDaemonServicer(pb_grpc.CacheDaemonServicer):
             raise InvalidArgument("attach: model_id is required (it namespaces the page keys)")
         which = request.WhichOneof("pool")
         if which is None:
-            raise InvalidArgument("attach: give shm_path (hosts without CUDA) or cuda_ipc")
+            raise InvalidArgument("attach: give shm_ticket (hosts without CUDA) or cuda_ipc")
+        if which == "shm_path":
+            raise PermissionDenied("attach: the daemon opens no file a caller names; hand the pool over by "
+                                   "descriptor (a sealed memfd) on its .pools socket and attach with the "
+                                   "ticket (cpcache.client does it: attach(..., pool_fd=...))")
         attached = await self._daemon.attach(request.model_id, geometry, request.device_pages, which,
                                              getattr(request, which))
         return attach_reply(attached)
@@ -156,7 +190,7 @@ class CacheDaemonServicer(pb_grpc.CacheDaemonServicer):
         host = runtime.state.match(pages)
         storage = 0
         backend = runtime.io.transfers.tiers.storage
-        if backend is not None and pages:
+        if backend is not None and pages and not request.host_only:
             keys = [runtime.state.storage_key(p) for p in pages]
             storage = await bounded_storage_call(runtime, lambda: backend.exists_prefix(keys), "match")
         return pb.MatchReply(host_pages=host, storage_pages=storage)

@@ -30,6 +30,11 @@ class InFlight:
                     del self._counts[slot]
             self._idle.notify_all()
 
+    def slots(self) -> list[int]:
+        """The slots with I/O in flight now."""
+        with self._lock:
+            return sorted(self._counts)
+
     def count(self) -> int:
         """Slots with I/O in flight."""
         with self._lock:

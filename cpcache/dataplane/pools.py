@@ -9,8 +9,10 @@ whatever the layouts.
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
+import stat
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +31,8 @@ class DevicePool:
     geometry: KVGeometry
     tensor: torch.Tensor
     _keepalive: object = None  # the mapping behind a shared-memory pool
+    fd: int = -1  # the creator's descriptor of a memfd pool, to hand over
+    identity: tuple[int, ...] = ()  # which memory this is (device and inode of a memfd), to tell a retry
 
     @property
     def pages(self) -> int:
@@ -41,36 +45,48 @@ class DevicePool:
         return self.tensor[:, :, first * s : (first + count) * s].unflatten(2, (count, s))
 
     @staticmethod
-    def from_shared_file(path: str, geometry: KVGeometry, pages: int) -> DevicePool:
-        """Map a pool that the inference process placed in a shared-memory file
-        (hosts without CUDA). Refuses a file too small for the geometry."""
-        need = geometry.page_bytes * pages
+    def from_fd(fd: int, geometry: KVGeometry, pages: int) -> DevicePool:
+        """Map a pool handed over by descriptor (hosts without CUDA): a memfd,
+        open for writing, sealed against shrinking, of exactly the size the
+        geometry needs. Takes the descriptor (closes it)."""
         try:
-            fd = os.open(path, os.O_RDWR)
-        except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
-            raise InvalidArgument(f"attach: cannot open device pool file {path}: {exc}") from None
-        try:
-            size = os.fstat(fd).st_size
-            if pages < 1 or size < need:
-                raise InvalidArgument(
-                    f"attach: {pages} pages of {geometry.page_bytes} bytes need {need} bytes, "
-                    f"but {path} holds {size}"
-                )
+            need = geometry.page_bytes * pages
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise InvalidArgument("attach: the pool descriptor is not a regular file (a memfd)")
+            if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDWR:
+                raise InvalidArgument("attach: the pool descriptor must be open for reading and writing")
+            try:
+                seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            except OSError:
+                seals = 0  # not a memfd: files cannot be sealed
+            if not seals & fcntl.F_SEAL_SHRINK:
+                raise FailedPrecondition(
+                    "attach: the pool must be a memfd sealed against shrinking (F_SEAL_SHRINK): a pool that "
+                    "shrinks under the daemon would kill it (DevicePool.create_sealed makes one)")
+            if pages < 1 or info.st_size != need:
+                raise InvalidArgument(f"attach: {pages} pages of {geometry.page_bytes} bytes need {need} bytes, "
+                                      f"but the pool holds {info.st_size}")
             mapping = mmap.mmap(fd, need)
         finally:
             os.close(fd)
         flat = torch.frombuffer(mapping, dtype=torch.uint8)
         tensor = flat.view(geometry.torch_dtype).view(geometry.pool_shape(pages))
-        return DevicePool(geometry, tensor, mapping)
+        return DevicePool(geometry, tensor, mapping, identity=(info.st_dev, info.st_ino))
 
     @staticmethod
-    def create_shared_file(path: str, geometry: KVGeometry, pages: int) -> DevicePool:
-        """The inference process's side on a host without CUDA: create the
-        pool as a shared-memory file (e.g. under /dev/shm) and map it."""
-        with open(path, "wb") as fh:
-            fh.truncate(geometry.page_bytes * pages)
-        os.chmod(path, 0o600)
-        return DevicePool.from_shared_file(path, geometry, pages)
+    def create_sealed(geometry: KVGeometry, pages: int, name: str = "cpcache-pool") -> DevicePool:
+        """The inference process's side on a host without CUDA: the pool as a
+        memfd sealed against shrinking and growing, mapped here; hand `fd`
+        to the daemon (`Client.attach(..., pool_fd=pool.fd)`)."""
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        os.ftruncate(fd, geometry.page_bytes * pages)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+        mapping = mmap.mmap(fd, geometry.page_bytes * pages)
+        flat = torch.frombuffer(mapping, dtype=torch.uint8)
+        pool = DevicePool(geometry, flat.view(geometry.torch_dtype).view(geometry.pool_shape(pages)), mapping)
+        pool.fd = fd
+        return pool
 
     @staticmethod
     def from_cuda_ipc(handle: dict, geometry: KVGeometry, pages: int) -> DevicePool:
@@ -90,7 +106,9 @@ class DevicePool:
         if storage.nbytes() < need:
             raise InvalidArgument(f"attach: the CUDA pool holds {storage.nbytes()} bytes, {need} needed")
         flat = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)[:need]
-        return DevicePool(geometry, flat.view(geometry.torch_dtype).view(geometry.pool_shape(pages)), storage)
+        identity = (handle["device"], hash(bytes(handle["handle"])), handle["storage_offset"])
+        return DevicePool(geometry, flat.view(geometry.torch_dtype).view(geometry.pool_shape(pages)), storage,
+                          identity=identity)
 
 
 class HostPool:

@@ -87,12 +87,13 @@ def open_cache(config: DaemonConfig, geometry: KVGeometry, device: DevicePool, m
     return CacheRuntime(state, LocalIO(transfers, config.storage_timeout_s))
 
 
-def carry_over(runtime: CacheRuntime, kept: list[KeptPage], storage_timeout_s: float) -> CacheRuntime:
+def carry_over(runtime: CacheRuntime, kept: list[KeptPage], busy: list[int], storage_timeout_s: float) -> CacheRuntime:
     """The runtime a new epoch starts from: the same host pool, storage and
     movers, a fresh shared state holding only `kept` (what every rank
-    offered alike) and no open operations, and a fresh record of this rank's
-    I/O (none is in flight: the offer was made once it had drained)."""
+    offered alike), the `busy` slots retired until every rank's I/O on them
+    has ended, no open operations, and a fresh record of this rank's I/O."""
     old = runtime.state
     state = CacheState(old.config, PageAllocator(old.allocator.pages), old.sharding, old.page_size, old.device_pages)
     restore(kept, state.index, state.allocator)
+    state.carried_over(kept, busy)
     return CacheRuntime(state, LocalIO(runtime.io.transfers, storage_timeout_s))

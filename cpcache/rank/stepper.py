@@ -32,6 +32,7 @@ from cpcache.agreement.rounds import Questions, RoundInput, RoundResult
 from cpcache.errors import CacheError, FailedPrecondition, InvalidArgument, RejectedByPeer, StepOrder
 from cpcache.hashing import hash62
 from cpcache.rank.assembly import CacheRuntime
+from cpcache.rank.phases import StepPhases
 from cpcache.state.intents import Decisions, Intent
 from cpcache.state.operations import Operation
 from cpcache.state.requests import StepOps
@@ -79,6 +80,7 @@ class Stepper:
         self.last_step = 0
         self.decision_count = 0
         self.rejected_steps = 0
+        self.phases = StepPhases()  # where this rank's steps spend their time
 
     @property
     def open_questions(self) -> int:
@@ -141,7 +143,9 @@ class Stepper:
         return StepOutcome(step, carried.round, carried.op_ids, carried.values, carried.digest, carried.cache)
 
     def _submit(self, step: int, votes: Questions, ops: StepOps, invalid: CacheError | None) -> None:
+        clock = self.phases.clock()
         rejection = invalid or self._refusal(votes, ops)
+        clock.lap("check")
         round_input: RoundInput
         if rejection is None:
             try:
@@ -152,8 +156,10 @@ class Stepper:
         if rejection is not None:
             self.rejected_steps += 1
             round_input = RoundInput.rejected(step, self._rank, rejection.status, str(rejection))
+        clock.lap("pack")
         future = asyncio.wrap_future(self._engine.submit(round_input))
         self._pipeline.append(_Submitted(step, None if rejection else ops, future, rejection))
+        clock.lap("submit")
 
     def _pack(self, step: int, votes: Questions, ops: StepOps) -> RoundInput:
         questions = votes
@@ -215,10 +221,13 @@ class Stepper:
         """Apply one round, in round order: open its step's operations if
         every rank took it, then apply its answers. Returns what the step
         that carries it answers."""
+        clock = self.phases.clock()
         try:
             result: RoundResult = await submitted.round
         except CacheError as exc:  # a divergence or a lost peer: nothing applied
             return exc
+        finally:
+            clock.lap("wait")
         if result.rejection is not None:
             if submitted.rejection is not None:
                 return submitted.rejection
@@ -238,13 +247,17 @@ class Stepper:
                 log.warning("step %d no longer opens as a whole (%s); opening its operations one by one",
                             submitted.number, exc)
                 intents, decided = cache.state.open_each(submitted.number, submitted.ops)
+            clock.lap("open")
             self._start(intents)
+            clock.lap("io")
         op_ids, values = result.of_kind(VOTE.code)
         chain = np.array([self._applied_chain, result.number], dtype=np.int64)
         self._applied_chain = hash62(chain.tobytes() + op_ids.tobytes() + values.tobytes())
         if cache is not None:
             decisions, intents = cache.state.apply(result)
+            clock.lap("apply")
             self._start(intents)
+            clock.lap("io")
             cache.io.forget(cache.state.closed)
             cache.state.closed.clear()
             decided.merge(decisions)

@@ -9,6 +9,11 @@ same parent, whole chains only. Every rank computes the same result from the
 same offers, so the new epoch starts from one state everywhere: at worst
 empty (a restarted daemon offers nothing), never different. Open operations
 do not carry over: their schedulers are gone or told so.
+
+A rank whose I/O has not drained offers no pages and names the host slots
+that I/O still touches: every rank takes the union out of the new epoch's
+free slots (retired, back only through an agreed reclaim once no rank has
+I/O on them, DESIGN rule 5), so a late write never lands in a reused slot.
 """
 
 from __future__ import annotations
@@ -17,10 +22,13 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from cpcache.hashing import hash62
 from cpcache.state.allocator import PageAllocator
 from cpcache.state.host_index import HostIndex
 
 _ENTRY = struct.Struct("<32s32sI?")  # page, parent (zeros: none), slot, backed up
+_COUNT = struct.Struct("<I")
+_SLOT = struct.Struct("<I")
 _NONE = bytes(32)
 
 
@@ -39,18 +47,43 @@ def offer(index: HostIndex) -> list[KeptPage]:
                    for page, entry in index.items() if not entry.io_suspect), key=lambda k: k.page)
 
 
-def encode(pages: Sequence[KeptPage]) -> bytes:
-    return b"".join(_ENTRY.pack(k.page.rjust(32, b"\0"), (k.parent or _NONE).rjust(32, b"\0"), k.slot, k.backed_up)
-                    for k in pages)
+@dataclass(frozen=True)
+class Offer:
+    pages: list[KeptPage]
+    busy: list[int]  # host slots this rank's I/O still touches
 
 
-def decode(data: bytes) -> list[KeptPage]:
-    if len(data) % _ENTRY.size:
-        raise ValueError(f"a page offer of {len(data)} bytes is not a whole number of entries")
-    out = []
-    for page, parent, slot, backed_up in _ENTRY.iter_unpack(data):
-        out.append(KeptPage(page, None if parent == _NONE else parent, slot, backed_up))
-    return out
+def digest(index: HostIndex) -> int:
+    """What a kept index would offer, as one number (ranks attaching to
+    kept caches agree on it)."""
+    return hash62(encode(offer(index)))
+
+
+def encode(pages: Sequence[KeptPage], busy: Sequence[int] = ()) -> bytes:
+    head = _COUNT.pack(len(busy)) + b"".join(_SLOT.pack(slot) for slot in busy)
+    return head + b"".join(_ENTRY.pack(k.page.rjust(32, b"\0"), (k.parent or _NONE).rjust(32, b"\0"), k.slot,
+                                       k.backed_up) for k in pages)
+
+
+def decode(data: bytes) -> Offer:
+    if not data:
+        return Offer([], [])  # a rank with nothing to offer
+    (count,) = _COUNT.unpack_from(data)
+    start = _COUNT.size + count * _SLOT.size
+    busy = [slot for (slot,) in _SLOT.iter_unpack(data[_COUNT.size:start])]
+    body = data[start:]
+    if len(body) % _ENTRY.size:
+        raise ValueError(f"a page offer of {len(body)} bytes is not a whole number of entries")
+    pages = [KeptPage(page, None if parent == _NONE else parent, slot, backed_up)
+             for page, parent, slot, backed_up in _ENTRY.iter_unpack(body)]
+    return Offer(pages, busy)
+
+
+def busy_slots(offers: Sequence[Offer], kept: Sequence[KeptPage]) -> list[int]:
+    """Slots some rank's I/O still touches, apart from kept pages' (read in
+    place, unchanged)."""
+    kept_slots = {k.slot for k in kept}
+    return sorted({slot for o in offers for slot in o.busy} - kept_slots)
 
 
 def common(offers: Sequence[Sequence[KeptPage]]) -> list[KeptPage]:

@@ -82,6 +82,15 @@ class CacheState:
         self._next_serial += 1
         return serial
 
+    def carried_over(self, kept: list, busy: list[int]) -> None:
+        """A new epoch's start: the pages kept (already restored) enter the
+        digest, so ranks that started from different pages disagree at their
+        first round; slots still under some rank's I/O wait for a reclaim."""
+        self._record("carried over", tuple((k.page, k.slot) for k in kept), tuple(busy))
+        if busy:
+            self.allocator.take(list(busy))
+            self._retire(list(busy))
+
     def storage_key(self, page: bytes) -> str:
         return self.sharding.storage_key(page.hex())
 

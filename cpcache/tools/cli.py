@@ -80,6 +80,16 @@ async def _store(args: argparse.Namespace) -> int:
     from cpcache.agreement.collective import host_store
     from cpcache.values import split_host_port
 
+    if args.probe:
+        import socket as socket_module
+
+        try:
+            socket_module.create_connection(split_host_port(args.probe, "--probe"), timeout=3.0).close()
+        except OSError as exc:
+            print(f"cpcache: no store at {args.probe}: {exc}", file=sys.stderr)
+            return 1
+        return 0
+
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -141,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
 
     store = sub.add_parser("store", help="serve the rendezvous store on its own (a service that outlives daemons)")
     store.add_argument("--listen", default="127.0.0.1:29500", help="HOST:PORT to listen on (binds only there)")
+    store.add_argument("--probe", metavar="HOST:PORT", help="exit 0 if a store accepts connections there, else 1 "
+                       "(a healthcheck)")
 
     for name, text in (("status", "health, domain, step and open questions of a daemon"),
                        ("stats", "a daemon's counters: tier occupancy, pages moved, hits")):

@@ -17,6 +17,7 @@ import json
 import sys
 from pathlib import Path
 
+from cpcache.tools.sim.breakdown import breakdown_lines
 from cpcache.tools.sim.replay import RESTARTS, ReplayConfig, replay
 from cpcache.topology import Topology
 
@@ -92,6 +93,7 @@ def text_report(r: dict) -> str:
         f"p99 {r['round_latency_us']['p99'] / 1000:.1f} ms (a Step call, as each scheduler sees it)",
         f"  step latency          p50 {r['step_latency_us']['p50'] / 1000:.1f} ms  "
         f"p99 {r['step_latency_us']['p99'] / 1000:.1f} ms (a whole simulated iteration, {r['ranks']} ranks)",
+        *breakdown_lines(r),
         *domain_lines(r),
         *restart_lines(r),
         f"  wall time             {r['wall_s']} s",

@@ -61,7 +61,7 @@ REQUEST_TYPES: dict[str, type[Message]] = {
     "Revoke": pb.RevokeRequest, "Ack": pb.AckRequest, "WaitLoads": pb.WaitLoadsRequest,
     "Match": pb.MatchRequest, "Stats": pb.StatsRequest, "Status": pb.StatusRequest,
 }
-DOCUMENTED = {"OK", "INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION", "RESOURCE_EXHAUSTED"}
+DOCUMENTED = {"OK", "INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED"}
 ALLOWED = {rpc: DOCUMENTED | ({"UNAVAILABLE"} if rpc == "WaitLoads" else set()) for rpc in RPCS}
 # What gRPC itself answers a request it cannot decode, before any handler runs.
 FRAMEWORK_ON_UNDECODABLE = {"INTERNAL", "UNKNOWN", "INVALID_ARGUMENT", "CANCELLED"}
@@ -706,12 +706,10 @@ class Fuzz:
     # -- whole run
 
     async def attach_valid(self, run_dir: Path) -> None:
-        paths = [str(run_dir / f"pool-{rank}") for rank in range(len(self.clients))]
-        for path in paths:
-            DevicePool.create_shared_file(path, GEOMETRY, DEVICE_PAGES)
+        self.pools = [DevicePool.create_sealed(GEOMETRY, DEVICE_PAGES) for _ in self.clients]
         # Attach is agreed across the domain: every rank at once.
-        await asyncio.gather(*(c.attach("fuzz-model", GEOMETRY, DEVICE_PAGES, shm_path=p)
-                               for c, p in zip(self.clients, paths)))
+        await asyncio.gather(*(c.attach("fuzz-model", GEOMETRY, DEVICE_PAGES, pool_fd=p.fd)
+                               for c, p in zip(self.clients, self.pools)))
         self.attached = True
 
     async def finish(self) -> None:

@@ -53,18 +53,20 @@ class CudaIpcHandle(_message.Message):
     def __init__(self, device: _Optional[int] = ..., handle: _Optional[bytes] = ..., storage_size: _Optional[int] = ..., storage_offset: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
-    __slots__ = ("model_id", "geometry", "device_pages", "shm_path", "cuda_ipc")
+    __slots__ = ("model_id", "geometry", "device_pages", "shm_path", "cuda_ipc", "shm_ticket")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
     DEVICE_PAGES_FIELD_NUMBER: _ClassVar[int]
     SHM_PATH_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    SHM_TICKET_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     geometry: Geometry
     device_pages: int
     shm_path: str
     cuda_ipc: CudaIpcHandle
-    def __init__(self, model_id: _Optional[str] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., device_pages: _Optional[int] = ..., shm_path: _Optional[str] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...) -> None: ...
+    shm_ticket: str
+    def __init__(self, model_id: _Optional[str] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., device_pages: _Optional[int] = ..., shm_path: _Optional[str] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., shm_ticket: _Optional[str] = ...) -> None: ...
 
 class AttachReply(_message.Message):
     __slots__ = ("page_bytes", "host_pages", "host_layout", "storage", "key_seed", "resumed_pages")
@@ -153,10 +155,12 @@ class WaitLoadsReply(_message.Message):
     def __init__(self) -> None: ...
 
 class MatchRequest(_message.Message):
-    __slots__ = ("pages",)
+    __slots__ = ("pages", "host_only")
     PAGES_FIELD_NUMBER: _ClassVar[int]
+    HOST_ONLY_FIELD_NUMBER: _ClassVar[int]
     pages: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, pages: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    host_only: bool
+    def __init__(self, pages: _Optional[_Iterable[bytes]] = ..., host_only: _Optional[bool] = ...) -> None: ...
 
 class MatchReply(_message.Message):
     __slots__ = ("host_pages", "storage_pages")

@@ -44,6 +44,11 @@ class CacheDaemonStub:
                 request_serializer=cpcache_dot_v1_dot_daemon__pb2.StepRequest.SerializeToString,
                 response_deserializer=cpcache_dot_v1_dot_daemon__pb2.StepReply.FromString,
                 _registered_method=True)
+        self.Steps = channel.stream_stream(
+                '/cpcache.v1.CacheDaemon/Steps',
+                request_serializer=cpcache_dot_v1_dot_daemon__pb2.StepRequest.SerializeToString,
+                response_deserializer=cpcache_dot_v1_dot_daemon__pb2.StepReply.FromString,
+                _registered_method=True)
         self.Prefetch = channel.unary_unary(
                 '/cpcache.v1.CacheDaemon/Prefetch',
                 request_serializer=cpcache_dot_v1_dot_daemon__pb2.PrefetchRequest.SerializeToString,
@@ -93,6 +98,17 @@ class CacheDaemonServicer:
 
     def Step(self, request, context):
         """One scheduler iteration: everything it needs, decided in one round.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Steps(self, request_iterator, context):
+        """The same steps over one stream per scheduler: request n in, its reply
+        (the StepReply that Step would answer, round n - agreement_lag) out,
+        one at a time, in order. A step that fails ends the stream with the
+        status Step would answer (the scheduler opens a new stream for its next
+        step); a retry of a step, by either call, gets the outcome kept for it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -155,6 +171,11 @@ def add_CacheDaemonServicer_to_server(servicer, server):
             ),
             'Step': grpc.unary_unary_rpc_method_handler(
                     servicer.Step,
+                    request_deserializer=cpcache_dot_v1_dot_daemon__pb2.StepRequest.FromString,
+                    response_serializer=cpcache_dot_v1_dot_daemon__pb2.StepReply.SerializeToString,
+            ),
+            'Steps': grpc.stream_stream_rpc_method_handler(
+                    servicer.Steps,
                     request_deserializer=cpcache_dot_v1_dot_daemon__pb2.StepRequest.FromString,
                     response_serializer=cpcache_dot_v1_dot_daemon__pb2.StepReply.SerializeToString,
             ),
@@ -246,6 +267,33 @@ class CacheDaemon:
             request,
             target,
             '/cpcache.v1.CacheDaemon/Step',
+            cpcache_dot_v1_dot_daemon__pb2.StepRequest.SerializeToString,
+            cpcache_dot_v1_dot_daemon__pb2.StepReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Steps(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/cpcache.v1.CacheDaemon/Steps',
             cpcache_dot_v1_dot_daemon__pb2.StepRequest.SerializeToString,
             cpcache_dot_v1_dot_daemon__pb2.StepReply.FromString,
             options,

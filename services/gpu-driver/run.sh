@@ -2,6 +2,8 @@
 # The GPU tests and the device <-> host benchmark, on one GPU, in under
 # 5 minutes. Run inside the compose driver, or on any CUDA host:
 #   bash services/gpu-driver/run.sh [OUT_DIR]
+# The whole GPU stack (master, one daemon per GPU, this driver), from the repo root:
+#   docker compose --profile gpu up --build --abort-on-container-exit --exit-code-from driver
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out="${1:-${OUT:-gpu-results}}"

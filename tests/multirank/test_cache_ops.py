@@ -27,10 +27,9 @@ async def attach_all(domain, run_dir, device_pages=32):
     import asyncio
 
     clients = [AsyncClient(socket) for socket in domain.sockets]
-    paths = [str(run_dir / f"pool-{rank}") for rank in range(len(clients))]
-    pools = [DevicePool.create_shared_file(path, GEOMETRY, device_pages) for path in paths]
-    replies = await asyncio.gather(*(c.attach("test-model", GEOMETRY, device_pages, shm_path=path)
-                                     for c, path in zip(clients, paths)))
+    pools = [DevicePool.create_sealed(GEOMETRY, device_pages) for _ in clients]
+    replies = await asyncio.gather(*(c.attach("test-model", GEOMETRY, device_pages, pool_fd=pool.fd)
+                                     for c, pool in zip(clients, pools)))
     return clients, pools, replies[0].key_seed
 
 
@@ -137,13 +136,10 @@ async def test_every_error_status_leaves_the_daemon_serving_and_state_unchanged(
     client = AsyncClient(single.sockets[0])
     with pytest.raises(errors.FailedPrecondition, match="no device pool is attached"):
         await client.step(1, ops=Ops(revokes=(5,)))
-    path = str(run_dir / "pool")
-    DevicePool.create_shared_file(path, GEOMETRY, 4)
+    pool = DevicePool.create_sealed(GEOMETRY, 4)
     with pytest.raises(errors.InvalidArgument, match="need .* bytes"):
-        await client.attach("m", GEOMETRY, 64, shm_path=path)  # the file holds only 4 pages
-    await client.attach("m", GEOMETRY, 4, shm_path=path)
-    with pytest.raises(errors.FailedPrecondition, match="already attached"):
-        await client.attach("m", GEOMETRY, 4, shm_path=path)
+        await client.attach("m", GEOMETRY, 64, pool_fd=pool.fd)  # the pool holds only 4 pages
+    await client.attach("m", GEOMETRY, 4, pool_fd=pool.fd)
     page = bytes(32)
     reply = await client.step(2, ops=Ops(writes=((1, [page], [0]),)))
     step = 2
@@ -188,10 +184,9 @@ async def test_single_purpose_calls_are_one_round_each(single, run_dir):
     from cpcache.v1 import daemon_pb2 as pb
     from cpcache.v1 import daemon_pb2_grpc as pb_grpc
 
-    path = str(run_dir / "pool")
-    DevicePool.create_shared_file(path, GEOMETRY, 4)
+    pool = DevicePool.create_sealed(GEOMETRY, 4)
     async with AsyncClient(single.sockets[0]) as client:
-        await client.attach("m", GEOMETRY, 4, shm_path=path)
+        await client.attach("m", GEOMETRY, 4, pool_fd=pool.fd)
     async with grpc.aio.insecure_channel("unix:" + single.sockets[0]) as channel:
         stub = pb_grpc.CacheDaemonStub(channel)
         page = bytes([7]) * 32

@@ -35,10 +35,9 @@ def spec(run_dir, **extra):
 class Scheduler:
     """One rank's scheduler: its client and its device pool (a new one per life)."""
 
-    def __init__(self, socket, path):
+    def __init__(self, socket):
         self.client = AsyncClient(socket)
-        self.pool = DevicePool.create_shared_file(path, GEOMETRY, 16)
-        self.path = path
+        self.pool = DevicePool.create_sealed(GEOMETRY, 16)
 
     def fill(self, page, rank):
         view = self.pool.page_view(page)
@@ -50,8 +49,8 @@ class Scheduler:
 
 
 async def start_sessions(domain, run_dir, life):
-    schedulers = [Scheduler(s, str(run_dir / f"pool-{rank}-{life}")) for rank, s in enumerate(domain.sockets)]
-    replies = await asyncio.gather(*(s.client.attach("m", GEOMETRY, 16, shm_path=s.path) for s in schedulers))
+    schedulers = [Scheduler(s) for s in domain.sockets]
+    replies = await asyncio.gather(*(s.client.attach("m", GEOMETRY, 16, pool_fd=s.pool.fd) for s in schedulers))
     return schedulers, replies
 
 
@@ -98,7 +97,7 @@ async def test_a_scheduler_that_attaches_again_finds_the_host_pages_of_its_last_
                 assert np.array_equal(s.read(8 + page), expected[rank][page]), (rank, page)
         # Another model (or geometry) starts clean, and says so.
         other = [AsyncClient(s) for s in domain.sockets]
-        replies = await asyncio.gather(*(c.attach("another-model", GEOMETRY, 16, shm_path=s.path)
+        replies = await asyncio.gather(*(c.attach("another-model", GEOMETRY, 16, pool_fd=s.pool.fd)
                                          for c, s in zip(other, new)))
         assert [r.resumed_pages for r in replies] == [0, 0]
         for c in [*other, *(s.client for s in old + new)]:

@@ -39,9 +39,8 @@ async def attach(domain, run_dir, device_pages=(8, 8)):
 async def attach_pools(domain, run_dir, device_pages=(8, 8)):
     """Attach every rank at once: Attach is agreed across the domain."""
     clients = [AsyncClient(s) for s in domain.sockets]
-    paths = [str(run_dir / f"pool-{rank}") for rank in range(len(clients))]
-    pools = [DevicePool.create_shared_file(p, GEOMETRY, n) for p, n in zip(paths, device_pages)]
-    await asyncio.gather(*(c.attach("m", GEOMETRY, n, shm_path=p) for c, p, n in zip(clients, paths, device_pages)))
+    pools = [DevicePool.create_sealed(GEOMETRY, n) for n in device_pages]
+    await asyncio.gather(*(c.attach("m", GEOMETRY, n, pool_fd=p.fd) for c, p, n in zip(clients, pools, device_pages)))
     return clients, pools
 
 
@@ -124,18 +123,16 @@ async def test_ranks_sent_different_cache_operations_diverge_everywhere_and_open
 async def test_mismatched_pools_fail_attach_on_every_rank_and_nothing_is_attached(run_dir):
     async with LocalDomain(spec(run_dir)) as domain:
         clients = [AsyncClient(s) for s in domain.sockets]
-        paths = [str(run_dir / f"pool-{rank}") for rank in range(2)]
-        for path, pages in zip(paths, (8, 4)):
-            DevicePool.create_shared_file(path, GEOMETRY, pages)
-        results = await asyncio.gather(*(c.attach("m", GEOMETRY, n, shm_path=p)
-                                         for c, p, n in zip(clients, paths, (8, 4))), return_exceptions=True)
+        pools = [DevicePool.create_sealed(GEOMETRY, pages) for pages in (8, 4)]
+        results = await asyncio.gather(*(c.attach("m", GEOMETRY, n, pool_fd=p.fd)
+                                         for c, p, n in zip(clients, pools, (8, 4))), return_exceptions=True)
         for result in results:
             assert isinstance(result, errors.FailedPrecondition), result
             assert "differ in device_pages" in str(result) and "ranks [0]" in str(result) and "ranks [1]" in str(result)
         assert not any([(await c.status()).attached for c in clients])
         # The scheduler fixes its pools and attaches again: every rank agrees this time.
-        DevicePool.create_shared_file(paths[1], GEOMETRY, 8)
-        await asyncio.gather(*(c.attach("m", GEOMETRY, 8, shm_path=p) for c, p in zip(clients, paths)))
+        pools[1] = DevicePool.create_sealed(GEOMETRY, 8)
+        await asyncio.gather(*(c.attach("m", GEOMETRY, 8, pool_fd=p.fd) for c, p in zip(clients, pools)))
         results = await both(clients, 1, [((), Ops(writes=((1, [bytes([1]) * 32], [9]),)))] * 2)
         assert all(isinstance(r, errors.InvalidArgument) for r in results)  # device page 9 of 8: refused alike
         for c in clients:
@@ -145,10 +142,9 @@ async def test_mismatched_pools_fail_attach_on_every_rank_and_nothing_is_attache
 async def test_an_attach_one_rank_never_sends_fails_naming_it(run_dir):
     async with LocalDomain(spec(run_dir)) as domain:
         client = AsyncClient(domain.sockets[0])
-        path = str(run_dir / "pool-0")
-        DevicePool.create_shared_file(path, GEOMETRY, 8)
+        pool = DevicePool.create_sealed(GEOMETRY, 8)
         with pytest.raises(errors.Unavailable, match=r"ranks \[1\] did not attach"):
-            await client.attach("m", GEOMETRY, 8, shm_path=path)
+            await client.attach("m", GEOMETRY, 8, pool_fd=pool.fd)
         assert not (await client.status()).attached
         await client.close()
 
@@ -288,10 +284,8 @@ async def test_a_cache_operation_sent_to_one_rank_only_diverges_everywhere_in_bo
 async def test_a_host_pool_past_the_budget_is_refused_before_it_is_allocated(run_dir):
     async with LocalDomain(spec(run_dir, host_pool_max_bytes=1000)) as domain:
         clients = [AsyncClient(s) for s in domain.sockets]
-        paths = [str(run_dir / f"pool-{rank}") for rank in range(2)]
-        for path in paths:
-            DevicePool.create_shared_file(path, GEOMETRY, 8)
-        results = await asyncio.gather(*(c.attach("m", GEOMETRY, 8, shm_path=p) for c, p in zip(clients, paths)),
+        pools = [DevicePool.create_sealed(GEOMETRY, 8) for _ in range(2)]
+        results = await asyncio.gather(*(c.attach("m", GEOMETRY, 8, pool_fd=p.fd) for c, p in zip(clients, pools)),
                                        return_exceptions=True)
         for result in results:
             assert isinstance(result, errors.ResourceExhausted) and "host_pool_max_bytes" in str(result), result

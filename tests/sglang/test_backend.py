@@ -37,6 +37,7 @@ async def run_worker(out: Path, *args: str, env: dict[str, str] | None = None) -
         str(SGLANG_PYTHON), str(WORKER), "--trace", str(TRACE), "--out", str(out), *args,
         env={**os.environ, **(env or {})}, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
     output, _ = await proc.communicate()
+    await proc.wait()
     assert proc.returncode == 0, f"worker {args} failed:\n{output.decode()[-4000:]}"
     return json.loads(out.read_text())
 
@@ -52,19 +53,25 @@ def hit_rate(report: dict) -> dict[str, float]:
 
 async def test_sglang_radix_cache_on_four_ranks_agrees_and_loads_every_byte(run_dir):
     topology = Topology(tp=4, cp=2)  # attention TP 2 x CP 2
-    spec = DomainSpec(topology, run_dir, extra=dict(
+    # SGLang's import takes seconds of CPU per process; four of them on a busy
+    # machine may reach their (agreed) Attach well apart: a generous timeout.
+    spec = DomainSpec(topology, run_dir, agreement_timeout_s=60.0, extra=dict(
         storage="file", storage_root=str(run_dir / "pages"), host_pool_pages=160,
         prefetch_policy="wait_complete", prefetch_threshold_tokens=0))
     async with LocalDomain(spec) as domain:
         workers = []
         for rank, socket in enumerate(domain.sockets):
             config = run_dir / f"sglang-{rank}.json"
-            config.write_text(json.dumps({"socket": socket, "model_id": "trace-model", "shm_dir": str(run_dir)}))
+            config.write_text(json.dumps({"socket": socket, "model_id": "trace-model"}))
             coords = topology.coordinates(rank)
             workers.append(run_worker(run_dir / f"report-{rank}.json", "--backend", "cpcache",
                                       "--tp-rank", str(coords.atp), "--atp", str(topology.atp),
                                       env={"CPCACHE_SGLANG_CONFIG": str(config)}))
-        reports = await asyncio.gather(*workers)
+        outcomes = await asyncio.gather(*workers, return_exceptions=True)  # every worker ends before any check
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        reports = outcomes
     baseline = await run_worker(run_dir / "report-sglang.json", "--backend", "sglang")
 
     # The same decisions on every rank: what each request hit, and every agreed reply.

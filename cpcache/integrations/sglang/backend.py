@@ -5,7 +5,6 @@ the tree a connector."""
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 from cpcache.client.core import Client
@@ -37,11 +36,10 @@ def build_cache(context: Any, settings: Settings | None = None) -> Any:
     model_id = settings.model_id or getattr(context.server_args, "served_model_name", None) \
         or context.server_args.model_path
     kv_pool = params.token_to_kv_pool_allocator.get_kvcache()
-    shm_path = os.path.join(settings.shm_dir, f"cpcache-sglang-{os.getpid()}-rank{rank}.kv")
-    pool = share_device_pool(kv_pool, params.page_size, shm_path)
+    pool = share_device_pool(kv_pool, params.page_size)
     client = Client(socket, token=settings.token(), timeout_s=settings.timeout_s)
     try:
-        attached = client.attach(model_id, pool.geometry, pool.device_pages, shm_path=pool.shm_path,
+        attached = client.attach(model_id, pool.geometry, pool.device_pages, pool_fd=pool.fd,
                                  cuda_ipc=pool.cuda_ipc)
         first_step = client.status().last_step + 1
     except BaseException:

@@ -50,7 +50,7 @@ class Connector:
         agreed state, the same on every rank between two steps)."""
         if not pages:
             return 0
-        return self.client.match(pages).host_pages
+        return self.client.match(pages, host_only=True).host_pages
 
     def write(self, pages: list[bytes], device_pages: list[int], parent: bytes | None,
               done: Callable[[bool], None]) -> None:

@@ -5,9 +5,10 @@ tensor per layer with `k_buffer[l]` and `v_buffer[l]` its halves, MLA as one
 (rows, 1, kv_dim) `kv_buffer[l]`; rows = size + page_size (page 0 absorbs
 padded tokens). Stacked over layers this is exactly the daemon's device pool,
 [layers, components, tokens, heads, head_dim]. So the pool is moved once, at
-start, into one allocation the daemon maps (a shared-memory file on hosts
-without CUDA, one CUDA allocation shared by IPC handle elsewhere), and every
-per-layer buffer becomes a view of it: no copy on any step.
+start, into one allocation the daemon maps (on hosts without CUDA a memfd
+sealed against shrinking, handed to the daemon by descriptor; elsewhere one
+CUDA allocation shared by IPC handle), and every per-layer buffer becomes a
+view of it: no copy on any step.
 """
 
 from __future__ import annotations
@@ -28,16 +29,14 @@ class SharedPool:
     geometry: KVGeometry
     device_pages: int
     tensor: torch.Tensor  # [layers, components, rows, heads, head_dim]
-    shm_path: str = ""  # hosts without CUDA
+    fd: int = -1  # hosts without CUDA: the sealed memfd to hand over
     cuda_ipc: dict[str, Any] | None = None  # CUDA hosts
     _mapping: Any = None  # keeps a shared-memory mapping alive
 
     def close(self) -> None:
-        if self.shm_path:
-            try:
-                os.unlink(self.shm_path)
-            except FileNotFoundError:
-                pass
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def geometry_of(kv_pool: Any, page_size: int) -> KVGeometry:
@@ -66,31 +65,32 @@ def _rows(kv_pool: Any, geometry: KVGeometry) -> int:
     return rows
 
 
-def _allocate_shared_file(path: str, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, Any]:
+def _allocate_sealed(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, Any, int]:
+    """A memfd sealed against shrinking and growing (the daemon refuses a
+    pool that could shrink under it), mapped here."""
+    import fcntl
     import mmap
 
     nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    try:
-        os.ftruncate(fd, nbytes)
-        mapping = mmap.mmap(fd, nbytes)
-    finally:
-        os.close(fd)
-    return torch.frombuffer(mapping, dtype=torch.uint8).view(dtype).view(shape), mapping
+    fd = os.memfd_create("cpcache-sglang-kv", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, nbytes)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+    mapping = mmap.mmap(fd, nbytes)
+    return torch.frombuffer(mapping, dtype=torch.uint8).view(dtype).view(shape), mapping, fd
 
 
-def share_device_pool(kv_pool: Any, page_size: int, shm_path: str) -> SharedPool:
+def share_device_pool(kv_pool: Any, page_size: int) -> SharedPool:
     """Move `kv_pool`'s buffers into one shared allocation, in place: the pool's
     per-layer buffers become views of it, their contents kept."""
     geometry = geometry_of(kv_pool, page_size)
     rows = _rows(kv_pool, geometry)
     shape = (geometry.layers, geometry.components, rows, geometry.heads, geometry.head_dim)
     device = (kv_pool.kv_buffer[0] if geometry.kv_kind == "mla" else kv_pool.k_buffer[0]).device
-    mapping = None
+    mapping, fd = None, -1
     if device.type == "cuda":
         tensor = torch.empty(shape, dtype=geometry.torch_dtype, device=device)
     else:
-        tensor, mapping = _allocate_shared_file(shm_path, shape, geometry.torch_dtype)
+        tensor, mapping, fd = _allocate_sealed(shape, geometry.torch_dtype)
     if geometry.kv_kind == "mla":
         for layer in range(geometry.layers):
             tensor[layer, 0].copy_(kv_pool.kv_buffer[layer])
@@ -106,11 +106,9 @@ def share_device_pool(kv_pool: Any, page_size: int, shm_path: str) -> SharedPool
             kv_pool._kv_buffer_descs = kv_pool._build_kv_buffer_descs()
         if hasattr(kv_pool, "_init_data_ptrs_and_strides"):
             kv_pool._init_data_ptrs_and_strides()
-    pool = SharedPool(geometry, rows // page_size, tensor, _mapping=mapping)
+    pool = SharedPool(geometry, rows // page_size, tensor, fd=fd, _mapping=mapping)
     if device.type == "cuda":
         pool.cuda_ipc = _cuda_ipc_fields(tensor)
-    else:
-        pool.shm_path = shm_path
     return pool
 
 

@@ -221,7 +221,7 @@ class CpcacheRadixCache(UnifiedRadixCache):
             return True
         ended = self.connector.session.check_prefetch_progress(handle.rid)
         if ended:
-            pages = self.connector.session.prefetched_pages(handle.rid)
+            pages = self.connector.session.take_prefetched(handle.rid)
             self.prefetch_loaded_tokens_by_reqid[handle] = pages * self.page_size
         return ended
 

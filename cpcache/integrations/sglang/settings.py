@@ -1,7 +1,7 @@
 """The backend's settings: a JSON file named by ``CPCACHE_SGLANG_CONFIG``.
 
     {"socket": "/run/cpcache/rank-{rank}.sock", "model_id": "llama-3-8b",
-     "shm_dir": "/dev/shm", "token_file": "", "timeout_s": 30}
+     "token_file": "", "timeout_s": 30}
 
 `socket` may name `{rank}` (the process's rank in torch.distributed's world,
 which is what `cpcache launch` and the systemd units number daemons by) and
@@ -23,7 +23,6 @@ ENV = "CPCACHE_SGLANG_CONFIG"
 class Settings:
     socket: str = "/run/cpcache/rank-{rank}.sock"
     model_id: str = ""
-    shm_dir: str = "/dev/shm"
     token_file: str = ""
     timeout_s: float = 30.0
 

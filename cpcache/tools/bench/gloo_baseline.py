@@ -1,14 +1,22 @@
 """Baselines over the same ranks, without cpcache: a bare gloo all-reduce,
 and SGLang's way of deciding N questions (two all-reduces per question per
-step). Run as one process per rank:
+step). Run as one process per rank, kept alive for the whole benchmark and
+driven block by block over stdin, so the baselines are measured between the
+candidate's blocks, in the same minutes:
 
     python -m cpcache.tools.bench.gloo_baseline --rank R --tp 4 --cp 2 --port P
+
+It prints `ready` once its group is up; then each stdin line `ITERATIONS
+SGLANG_STEPS` runs one block and prints one JSON line, {"bare": [seconds...],
+"sglang": [seconds...]}. Every rank must be sent the same lines (they are
+collectives). End of input ends it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections.abc import Callable
 
@@ -16,7 +24,6 @@ import torch
 from torch.distributed import AllreduceOptions, ReduceOp, Work
 
 from cpcache.agreement.collective import Rendezvous, gloo_group, reducer_groups
-from cpcache.tools.bench.stats import percentiles_us
 from cpcache.topology import Topology
 
 
@@ -26,9 +33,7 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=4)
     ap.add_argument("--cp", type=int, default=2)
     ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--iterations", type=int, default=300)
     ap.add_argument("--questions", type=int, default=256)
-    ap.add_argument("--sglang-steps", type=int, default=3)
     args = ap.parse_args()
 
     topology = Topology(tp=args.tp, cp=args.cp)
@@ -45,25 +50,28 @@ def main() -> None:
     small = torch.zeros(1, dtype=torch.int64)
     for _ in range(20):  # warm up connections
         allreduce([small], opts_min).wait()
-    bare = []
-    for _ in range(args.iterations):
-        start = time.perf_counter()
-        allreduce([small], opts_min).wait()
-        bare.append(time.perf_counter() - start)
+    print("ready", flush=True)
 
-    # SGLang-style: per question, one all-reduce of its progress (MIN) and one
-    # of its termination vote (MAX), every step.
-    sglang = []
-    for _ in range(args.sglang_steps):
-        start = time.perf_counter()
-        for _ in range(args.questions):
-            progress = torch.tensor([args.rank], dtype=torch.int64)
-            allreduce([progress], opts_min).wait()
-            vote = torch.tensor([1], dtype=torch.int64)
-            allreduce([vote], opts_max).wait()
-        sglang.append(time.perf_counter() - start)
+    for line in sys.stdin:
+        iterations, sglang_steps = (int(x) for x in line.split())
+        bare = []
+        for _ in range(iterations):
+            start = time.perf_counter()
+            allreduce([small], opts_min).wait()
+            bare.append(time.perf_counter() - start)
+        # SGLang-style: per question, one all-reduce of its progress (MIN) and
+        # one of its termination vote (MAX), every step.
+        sglang = []
+        for _ in range(sglang_steps):
+            start = time.perf_counter()
+            for _ in range(args.questions):
+                progress = torch.tensor([args.rank], dtype=torch.int64)
+                allreduce([progress], opts_min).wait()
+                vote = torch.tensor([1], dtype=torch.int64)
+                allreduce([vote], opts_max).wait()
+            sglang.append(time.perf_counter() - start)
+        print(json.dumps({"bare": bare, "sglang": sglang}), flush=True)
     pg.shutdown()
-    print(json.dumps({"bare_allreduce": percentiles_us(bare), "sglang_style": percentiles_us(sglang)}), flush=True)
 
 
 if __name__ == "__main__":

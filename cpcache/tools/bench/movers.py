@@ -26,6 +26,7 @@ from cpcache.dataplane.movers import DEVICE, HOST, STORAGE, Tiers, Transfers
 from cpcache.dataplane.pools import DevicePool, HostPool
 from cpcache.dataplane.storage import open_backend
 from cpcache.geometry import KVGeometry
+from cpcache.tools.bench.stats import block_summary
 from cpcache.tools.mooncake_master import MooncakeMaster
 
 PAGE_SIZES = {64 << 10: 4, 1 << 20: 64, 4 << 20: 256}  # page bytes -> tokens per page
@@ -48,23 +49,28 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def compare(mover: Callable[[], object], raw: Callable[[], object], nbytes: int) -> dict:
-    """Alternate the two so drift on a shared machine hits both alike."""
+def compare_in_blocks(mover: Callable[[], object], raw: Callable[[], object], nbytes: int, blocks: int) -> dict:
+    """Alternate the two in blocks (raw, then mover) so drift on a shared
+    machine hits both alike; `ratio` is the median over the blocks of each
+    block's mover rate over its raw rate (`spread`: min-max and IQR)."""
     ours, base = [], []
-    for _ in range(REPEATS):
+    for _ in range(blocks):
         base.append(timed(raw))
         ours.append(timed(mover))
     mover_rate = gib_s(nbytes, statistics.median(ours))
     raw_rate = gib_s(nbytes, statistics.median(base))
-    return {"gib_s": round(mover_rate, 3), "raw_gib_s": round(raw_rate, 3), "ratio": round(mover_rate / raw_rate, 3)}
+    summary = block_summary([b / o for o, b in zip(ours, base)])
+    return {"gib_s": round(mover_rate, 3), "raw_gib_s": round(raw_rate, 3), "ratio": summary["median"],
+            "median": summary["median"], "spread": summary["spread"]}
 
 
-def bench_page_size(page_bytes: int, tokens: int, work: Path, master: MooncakeMaster | None) -> list[dict]:
+def bench_page_size(page_bytes: int, tokens: int, work: Path, master: MooncakeMaster | None,
+                    blocks: int = REPEATS) -> list[dict]:
     geometry = geometry_for(tokens)
     assert geometry.page_bytes == page_bytes
     n = max(8, BATCH_BYTES // page_bytes)
     nbytes = n * page_bytes
-    device = DevicePool.create_shared_file(str(work / f"pool-{page_bytes}"), geometry, pages=n)
+    device = DevicePool.create_sealed(geometry, pages=n)
     device.tensor.view(-1).view(torch.uint8).copy_(torch.randint(0, 256, (device.tensor.numel() * 2,),
                                                                  dtype=torch.uint8))
     host = HostPool(geometry, pages=n, layout="page_first_direct")
@@ -74,6 +80,9 @@ def bench_page_size(page_bytes: int, tokens: int, work: Path, master: MooncakeMa
 
     def entry(name: str, figures: dict) -> None:
         out.append({"mover": name, "page_bytes": page_bytes, **figures})
+
+    def compare(mover: Callable[[], object], raw: Callable[[], object], nbytes: int) -> dict:
+        return compare_in_blocks(mover, raw, nbytes, blocks)
 
     transfers = Transfers(Tiers(host, device), threads=1)
     gathered = torch.empty((geometry.layers, geometry.components, n * tokens, geometry.heads, geometry.head_dim),
@@ -148,22 +157,22 @@ def bench_page_size(page_bytes: int, tokens: int, work: Path, master: MooncakeMa
     return out
 
 
-def run(with_mooncake: bool = True) -> dict:
+def run(with_mooncake: bool = True, blocks: int = REPEATS) -> dict:
     movers: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="cpc-movers-") as tmp:
         work = Path(tmp)
         master = MooncakeMaster(work / "master.log").__enter__() if with_mooncake else None
         try:
             for page_bytes, tokens in PAGE_SIZES.items():
-                movers += bench_page_size(page_bytes, tokens, work, master)
+                movers += bench_page_size(page_bytes, tokens, work, master, blocks)
         finally:
             if master is not None:
                 master.stop()
-    return {"movers": movers, "batch_bytes": BATCH_BYTES, "repeats": REPEATS, "host_layout": "page_first_direct",
+    return {"movers": movers, "batch_bytes": BATCH_BYTES, "repeats": blocks, "host_layout": "page_first_direct",
             "device": "cuda" if torch.cuda.is_available() else "shared-memory file (no CUDA)"}
 
 
 def main(args: argparse.Namespace) -> int:
-    report = run(with_mooncake=not getattr(args, "no_mooncake", False))
+    report = run(with_mooncake=not getattr(args, "no_mooncake", False), blocks=getattr(args, "repeat", REPEATS))
     print(json.dumps(report) if args.json else json.dumps(report, indent=2))
     return 0

@@ -1,9 +1,15 @@
 """One rank's scheduler for `cpcache bench agreement`: a process of its own,
-as real schedulers are, driving its own daemon and timing each call.
+as real schedulers are, driving its own daemon and timing each call. It is
+kept alive for the whole benchmark and driven block by block over stdin:
 
-    python -m cpcache.tools.bench.scheduler --socket S --rank R --counts 1,64 --steps N [--think-ms 10]
+    python -m cpcache.tools.bench.scheduler --socket S --rank R
 
-Prints one JSON object: {"bare_rpc": [seconds...], "steps": {"<count>": [seconds...]}}.
+It prints `ready` once connected; then each stdin line is one block, a JSON
+object {"bare_rpc": N, "counts": [1, 64], "steps": N, "think_ms": 10,
+"transports": ["unary", "stream"]}, answered by one JSON line
+{"bare_rpc": [seconds...], "steps": {"<transport>:<count>": [seconds...]}}.
+Every rank must be sent the same blocks (each step is a round of all of
+them). End of input ends it.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import time
 from collections.abc import Awaitable
 
@@ -18,7 +25,7 @@ from cpcache.client import AsyncClient
 from cpcache.daemon.main import loop_factory
 from cpcache.values import Reduce
 
-WARMUP_STEPS = 10
+WARMUP_STEPS = 3  # per case and block: the ranks line up again after the baselines ran
 
 
 def votes(count: int, rank: int) -> list[tuple[int, Reduce, int]]:
@@ -32,38 +39,55 @@ async def timed(call: Awaitable[object]) -> float:
     return time.perf_counter() - start
 
 
-async def run(args: argparse.Namespace) -> dict:
-    out: dict = {"bare_rpc": [], "steps": {}}
+class Scheduler:
+    def __init__(self, client: AsyncClient, rank: int) -> None:
+        self.client = client
+        self.rank = rank
+        self.step = 0
+        self.stream = client.steps_stream()
+
+    async def block(self, spec: dict) -> dict:
+        out: dict = {"bare_rpc": [], "steps": {}}
+        if spec.get("bare_rpc"):
+            await self.client.health()
+            out["bare_rpc"] = [await timed(self.client.health()) for _ in range(spec["bare_rpc"])]
+        think_s = spec.get("think_ms", 0.0) / 1000
+        for transport in spec.get("transports", ["unary"]):
+            send = self.client.step if transport == "unary" else self.stream.step
+            for count in spec.get("counts", []):
+                request = votes(count, self.rank)
+                samples = []
+                for _ in range(spec["steps"] + WARMUP_STEPS):
+                    self.step += 1
+                    samples.append(await timed(send(self.step, request)))
+                    if think_s:
+                        await asyncio.sleep(think_s)  # the forward pass between two steps
+                out["steps"][f"{transport}:{count}"] = samples[WARMUP_STEPS:]
+        return out
+
+
+async def run(args: argparse.Namespace) -> None:
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     async with AsyncClient(args.socket) as client:
-        step = 0
-        for _ in range(WARMUP_STEPS):  # connect, and line up with the other ranks
-            step += 1
-            await client.step(step, [])
-        if args.bare_rpc:
-            out["bare_rpc"] = [await timed(client.health()) for _ in range(args.steps)]
-        for count in args.counts:
-            request = votes(count, args.rank)
-            samples = []
-            for _ in range(args.steps + WARMUP_STEPS):
-                step += 1
-                samples.append(await timed(client.step(step, request)))
-                if args.think_ms:
-                    await asyncio.sleep(args.think_ms / 1000)  # the forward pass between two steps
-            out["steps"][str(count)] = samples[WARMUP_STEPS:]
-    return out
+        scheduler = Scheduler(client, args.rank)
+        await client.wait_serving(120.0)  # connected, however loaded the machine is
+        print("ready", flush=True)
+        try:
+            while line := await reader.readline():
+                print(json.dumps(await scheduler.block(json.loads(line))), flush=True)
+        finally:
+            await scheduler.stream.close()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--socket", required=True)
     ap.add_argument("--rank", type=int, required=True)
-    ap.add_argument("--counts", type=lambda s: [int(x) for x in s.split(",")], default=[1])
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--think-ms", type=float, default=0.0)
-    ap.add_argument("--bare-rpc", action="store_true", help="also time bare health calls")
     args = ap.parse_args()
     with asyncio.Runner(loop_factory=loop_factory) as runner:
-        print(json.dumps(runner.run(run(args))), flush=True)
+        runner.run(run(args))
 
 
 if __name__ == "__main__":

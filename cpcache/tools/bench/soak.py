@@ -186,13 +186,12 @@ class Driver:
     # -- setup -------------------------------------------------------------------
 
     async def attach(self) -> None:
-        paths = [str(self.run_dir / f"pool-{rank}") for rank in range(len(self.domain.sockets))]
-        for socket, path in zip(self.domain.sockets, paths):
-            self.pools.append(DevicePool.create_shared_file(path, GEOMETRY, self.cfg.device_pages))
+        for socket in self.domain.sockets:
+            self.pools.append(DevicePool.create_sealed(GEOMETRY, self.cfg.device_pages))
             self.clients.append(AsyncClient(socket, timeout_s=HANG_S))
         # Attach is agreed across the domain: every rank at once.
-        await asyncio.gather(*(c.attach("soak", GEOMETRY, self.cfg.device_pages, shm_path=p)
-                               for c, p in zip(self.clients, paths)))
+        await asyncio.gather(*(c.attach("soak", GEOMETRY, self.cfg.device_pages, pool_fd=p.fd)
+                               for c, p in zip(self.clients, self.pools)))
         for rank, socket in enumerate(self.domain.sockets):
             self.hasty.append(AsyncClient(socket, timeout_s=HASTY_S))
             self.mid_round.append(AsyncClient(socket, timeout_s=MID_ROUND_S))

@@ -33,6 +33,7 @@ from cpcache.keys import ShardingSpec
 from cpcache.tools.bench.stats import percentiles_us
 from cpcache.tools.launcher import DomainSpec, LocalDomain
 from cpcache.tools.mooncake_master import MooncakeMaster
+from cpcache.tools.sim.breakdown import step_breakdown
 from cpcache.tools.sim.scheduler import SimScheduler, Tally
 from cpcache.tools.sim.trace import PageHasher, Request, ceiling_hit_rate, load
 from cpcache.topology import Topology
@@ -294,6 +295,8 @@ async def _drive(cfg: ReplayConfig, domain: LocalDomain, requests: list[Request]
         "halves": _halves(halfway, tally),
         "restart": restart,
         "round_latency_us": percentiles_us([t for d in domains for s in d.every_scheduler for t in s.round_latencies]),
+        "round_latency_mean_ms": _mean_ms([t for d in domains for s in d.every_scheduler for t in s.round_latencies]),
+        "step_phases": step_breakdown(stats),
         "step_latency_us": percentiles_us(latencies),
         "wall_s": round(time.monotonic() - started, 1),
         "domains": per_domain,
@@ -307,10 +310,10 @@ async def _start_schedulers(cfg: ReplayConfig, domain: LocalDomain, run_dir: Pat
     on every rank (Attach is agreed)."""
     topology = cfg.topology
     clients = [AsyncClient(socket) for socket in domain.sockets]
-    paths = [str(run_dir / f"device-{rank}-life{life}.pool") for rank in range(len(clients))]
-    pools = [DevicePool.create_shared_file(path, GEOMETRY, cfg.device_pages) for path in paths]
-    replies = await asyncio.gather(*(client.attach("trace-replay", GEOMETRY, cfg.device_pages, shm_path=path)
-                                     for client, path in zip(clients, paths)))
+    pools = [DevicePool.create_sealed(GEOMETRY, cfg.device_pages, name=f"rank{rank}-life{life}")
+             for rank in range(len(clients))]
+    replies = await asyncio.gather(*(client.attach("trace-replay", GEOMETRY, cfg.device_pages, pool_fd=pool.fd)
+                                     for client, pool in zip(clients, pools)))
     schedulers: list[SimScheduler] = []
     for rank, (client, pool, reply) in enumerate(zip(clients, pools, replies)):
         coords = topology.coordinates(rank)
@@ -355,6 +358,10 @@ async def _daemon_outage(cfg: ReplayConfig, domain: LocalDomain, one_step: Calla
     lost = await restart_schedulers(2)
     restart.update(rank=rank, outage_s=round(time.monotonic() - started, 2), outage_steps=failed_steps)
     return lost + batch
+
+
+def _mean_ms(seconds: list[float]) -> float:
+    return round(1000 * sum(seconds) / len(seconds), 3) if seconds else 0.0
 
 
 def _halves(halfway: Tally | None, total: Tally) -> dict:
