@@ -51,6 +51,37 @@ def run(*cmd: str, timeout: float = 120, check: bool = True, env: dict | None = 
     return result
 
 
+def rank_states(stack: Stack, ranks: int = 4) -> dict[int, tuple[str, int]]:
+    """Each daemon's (state, epoch), from `cpcache status` in its container."""
+    states = {}
+    for rank in range(ranks):
+        out = run("podman", "exec", stack.container(f"cpu-rank-{rank}"), "cpcache", "status",
+                  f"/run/cpcache/rank-{rank}.sock", timeout=60, check=False)
+        try:
+            status = json.loads(out.stdout)
+            states[rank] = (status.get("state", "?"), int(status.get("epoch", 0)))
+        except ValueError:
+            states[rank] = ("unreachable", -1)
+    return states
+
+
+def reform(stack: Stack, victim: str, deadline: float) -> dict:
+    """Start the killed daemon's container again (what compose's restart
+    policy or an operator does) and wait, each check a `cpcache status` per
+    rank, until every rank serves in a later epoch: the domain re-forms with
+    nobody touching the survivors."""
+    started = time.time()
+    run("podman", "start", victim, timeout=120)
+    states: dict[int, tuple[str, int]] = {}
+    while time.monotonic() < deadline:
+        states = rank_states(stack)
+        if all(state == "serving" and epoch >= 1 for state, epoch in states.values()):
+            break
+    passed = bool(states) and all(state == "serving" and epoch >= 1 for state, epoch in states.values())
+    return {"states": {str(r): list(v) for r, v in states.items()}, "after_start_s": round(time.time() - started, 2),
+            "passed": passed}
+
+
 def profile_services(profile: str) -> list[str]:
     services = yaml.safe_load(COMPOSE_FILE.read_text())["services"]
     return [name for name, svc in services.items() if profile in svc.get("profiles", [])]
@@ -217,7 +248,10 @@ def main() -> int:
         summary["driver_exit"] = int(code.stdout.strip() or -1)
         victim_state = run("podman", "inspect", "--format", "{{.State.Status}} {{.State.ExitCode}}", victim).stdout
         summary["killed_container"] = victim_state.strip()
+        summary["reform"] = reform(stack, victim, deadline)
+        log(f"re-form: {json.dumps(summary['reform'])}")
         summary["passed"] = bool(replay["passed"] and kill["passed"] and summary["driver_exit"] == 0
+                                 and summary["reform"]["passed"]
                                  and all(v == "healthy" for v in summary["healthchecks"].values()))
     except (RuntimeError, TimeoutError, subprocess.TimeoutExpired, OSError, ValueError) as exc:
         summary["error"] = str(exc)
