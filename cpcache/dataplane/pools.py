@@ -93,7 +93,8 @@ class DevicePool:
         """Open a pool shared by CUDA IPC. `handle` holds the fields of
         `torch.UntypedStorage._share_cuda_()`, sent as plain bytes and ints."""
         if not torch.cuda.is_available():
-            raise FailedPrecondition("attach: cuda_ipc needs a CUDA device and this host has none; use shm_path")
+            raise FailedPrecondition("attach: cuda_ipc needs a CUDA device and this host has none; hand over a "
+                                     "sealed memfd pool instead (attach(..., pool_fd=...))")
         try:
             storage = torch.UntypedStorage._new_shared_cuda(
                 handle["device"], handle["handle"], handle["storage_size"], handle["storage_offset"],
