@@ -101,6 +101,8 @@ class DaemonConfig:
     storage_metadata_server: str = setting("http://127.0.0.1:8080/metadata", "mooncake: metadata server URL.")
     storage_protocol: str = setting("tcp", "mooncake: transfer protocol (tcp, rdma).", choices=STORAGE_PROTOCOLS)
     storage_device: str = setting("", "mooncake: RDMA device names, when the protocol is rdma.")
+    storage_local_hostname: str = setting(
+        "127.0.0.1", "mooncake: the address other hosts reach this daemon's segment at (its host or container name).")
     storage_segment_bytes: int = setting(256 << 20, "mooncake: memory this rank contributes to the store.")
     storage_timeout_s: float = setting(10.0, "Longest a storage call may take: a lookup is then a miss, a Match "
                                       "UNAVAILABLE.")

@@ -43,6 +43,7 @@ def open_storage(config: DaemonConfig, geometry: KVGeometry, host: HostPool) -> 
         metadata_server=config.storage_metadata_server,
         protocol=config.storage_protocol,
         device_name=config.storage_device,
+        local_hostname=config.storage_local_hostname,
         global_segment_size=config.storage_segment_bytes,
         buffers=[(host.tensor.data_ptr(), host.nbytes)],
     )

@@ -77,10 +77,9 @@ async def _launch(args: argparse.Namespace) -> int:
 async def _store(args: argparse.Namespace) -> int:
     """The rendezvous store on its own, as a service: every daemon's restart
     (rank 0's included) finds it where it was."""
-    from cpcache.agreement.collective import host_store
     from cpcache.values import split_host_port
 
-    if args.probe:
+    if args.probe:  # a healthcheck: stay light (no torch import)
         import socket as socket_module
 
         try:
@@ -89,6 +88,7 @@ async def _store(args: argparse.Namespace) -> int:
             print(f"cpcache: no store at {args.probe}: {exc}", file=sys.stderr)
             return 1
         return 0
+    from cpcache.agreement.collective import host_store
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -16,10 +16,14 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cpcache.tools.sim.breakdown import breakdown_lines
-from cpcache.tools.sim.replay import RESTARTS, ReplayConfig, replay
+from cpcache.tools.sim.restarts import RESTARTS
 from cpcache.topology import Topology
+
+if TYPE_CHECKING:
+    from cpcache.tools.sim.replay import ReplayConfig
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
@@ -50,6 +54,8 @@ def add_flags(p: argparse.ArgumentParser) -> None:
 
 
 def config_from(args: argparse.Namespace) -> ReplayConfig:
+    from cpcache.tools.sim.replay import ReplayConfig
+
     trace = Path(args.trace)
     if not trace.exists():
         raise SystemExit(f"cpcache demo: trace {trace} not found (give --trace FILE)")
@@ -164,6 +170,8 @@ def plot(report: dict, path: str) -> None:
 
 
 async def main(args: argparse.Namespace) -> int:
+    from cpcache.tools.sim.replay import replay
+
     report = await replay(config_from(args), progress=None if args.json else show_progress)
     if args.plot:
         plot(report, args.plot)

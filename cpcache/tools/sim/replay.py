@@ -75,7 +75,6 @@ class ReplayConfig:
     agreement_timeout_s: float = 10.0
 
 
-RESTARTS = ("none", "schedulers", "daemon-kill", "daemon-stop")
 
 
 def arrivals(requests: list[Request], cfg: ReplayConfig) -> Iterator[list[Request]]:
