@@ -192,33 +192,47 @@ def test_dockerfile_rules():
     assert ignore[0] == "*" and "!cpcache/" in ignore and "!.venv" not in ignore and "**/__pycache__" in ignore
 
 
+class NotifiedDaemon:
+    """A daemon started as systemd would (NOTIFY_SOCKET), with the datagrams
+    it sends; `until(word)` reads them until one holds `word` (recv blocks on
+    the daemon's next datagram; its timeout only bounds a failure)."""
+
+    def __init__(self, run_dir, *flags: str, watchdog_usec: int = 0) -> None:
+        notify = run_dir / "notify"
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(notify))
+        self.sock.settimeout(30)
+        self.store = __import__("cpcache.agreement.collective", fromlist=["host_store"]).host_store()
+        env = {"NOTIFY_SOCKET": str(notify), "PATH": "/usr/bin:/bin"}
+        if watchdog_usec:
+            env["WATCHDOG_USEC"] = str(watchdog_usec)
+        with open(run_dir / "daemon.log", "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "cpcache.daemon", "--socket", str(run_dir / "d.sock"),
+                 "--rendezvous", f"127.0.0.1:{self.store.port}", *flags],
+                env=env, stdout=log, stderr=subprocess.STDOUT)
+        self.messages: list[str] = []
+
+    def until(self, word: str) -> str:
+        while not any(word in m for m in self.messages):
+            self.messages.append(self.sock.recv(4096).decode())
+        return next(m for m in self.messages if word in m)
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.sock.close()
+
+
 def test_daemon_notifies_ready_then_stopping(run_dir):
-    notify = run_dir / "notify"
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    sock.bind(str(notify))
-    sock.settimeout(30)  # recv waits for the daemon's datagram; the timeout only bounds a failure
-    store = __import__("cpcache.agreement.collective", fromlist=["host_store"]).host_store()
-    with open(run_dir / "daemon.log", "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "cpcache.daemon", "--rank", "0", "--socket", str(run_dir / "d.sock"),
-             "--rendezvous", f"127.0.0.1:{store.port}"],
-            env={"NOTIFY_SOCKET": str(notify), "WATCHDOG_USEC": "2000000", "PATH": "/usr/bin:/bin"},
-            stdout=log, stderr=subprocess.STDOUT,
-        )
+    daemon = NotifiedDaemon(run_dir, "--rank", "0", watchdog_usec=2_000_000)
     try:
-        messages = []
-        while not any("READY=1" in m for m in messages):
-            messages.append(sock.recv(4096).decode())
-        ready = next(m for m in messages if "READY=1" in m)
-        assert "STATUS=serving rank 0" in ready
-        proc.send_signal(signal.SIGTERM)
-        while not any("STOPPING=1" in m for m in messages):
-            messages.append(sock.recv(4096).decode())
-        assert "WATCHDOG=1" in messages  # the first ping goes out as the daemon starts
-        assert proc.wait(30) == 0
+        assert "STATUS=serving rank 0" in daemon.until("READY=1")
+        daemon.proc.send_signal(signal.SIGTERM)
+        daemon.until("STOPPING=1")
+        assert "WATCHDOG=1" in daemon.messages  # the first ping goes out as the daemon starts
+        assert daemon.proc.wait(30) == 0
     finally:
-        proc.kill()
-        sock.close()
+        daemon.close()
 
 
 # The metric families a daemon with an attached cache exposes, and their
@@ -247,31 +261,16 @@ STANDARD_FAMILIES = ("process_cpu_seconds_total", "process_resident_memory_bytes
 
 
 def test_daemon_extends_the_start_timeout_while_awaiting_peers(run_dir):
-    notify = run_dir / "notify"
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    sock.bind(str(notify))
-    sock.settimeout(30)  # recv waits for the daemon's datagram; the timeout only bounds a failure
-    store = __import__("cpcache.agreement.collective", fromlist=["host_store"]).host_store()
-    with open(run_dir / "daemon.log", "wb") as log:
-        proc = subprocess.Popen(  # rank 0 of 2, alone: it waits for rank 1 until stopped
-            [sys.executable, "-m", "cpcache.daemon", "--rank", "0", "--tp", "2", "--socket", str(run_dir / "d.sock"),
-             "--rendezvous", f"127.0.0.1:{store.port}"],
-            env={"NOTIFY_SOCKET": str(notify), "PATH": "/usr/bin:/bin"}, stdout=log, stderr=subprocess.STDOUT,
-        )
+    daemon = NotifiedDaemon(run_dir, "--rank", "0", "--tp", "2")  # rank 0 of 2, alone: it waits until stopped
     try:
-        messages = [sock.recv(4096).decode()]
-        while not any("EXTEND_TIMEOUT_USEC=" in m for m in messages):
-            messages.append(sock.recv(4096).decode())
-        extend = next(m for m in messages if "EXTEND_TIMEOUT_USEC=" in m)
+        extend = daemon.until("EXTEND_TIMEOUT_USEC=")
         assert int(extend.partition("EXTEND_TIMEOUT_USEC=")[2].split()[0]) == 30_000_000
-        assert not any("READY=1" in m for m in messages)
-        proc.send_signal(signal.SIGTERM)
-        while not any("STOPPING=1" in m for m in messages):
-            messages.append(sock.recv(4096).decode())
-        assert proc.wait(30) == 0
+        assert not any("READY=1" in m for m in daemon.messages)
+        daemon.proc.send_signal(signal.SIGTERM)
+        daemon.until("STOPPING=1")
+        assert daemon.proc.wait(30) == 0
     finally:
-        proc.kill()
-        sock.close()
+        daemon.close()
 
 
 def scrape_text(port: int) -> str:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from cpcache.agreement.divergence import DivergenceExchange
 from cpcache.agreement.rounds import MIN_CAPACITY, RoundInput, RoundResult
 from cpcache.errors import CacheError, Divergence, PeerLost, Unavailable
+from cpcache.histogram import Histogram
 
 if TYPE_CHECKING:
     from cpcache.agreement.collective import Reducer
@@ -32,23 +33,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class LatencyHistogram:
-    """Round durations (collective time, including waiting for peers), in
-    cumulative buckets, for metrics. Written by the agreement thread only."""
-
-    BOUNDS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-
-    def __init__(self) -> None:
-        self.counts = [0] * (len(self.BOUNDS_S) + 1)
-        self.total_s = 0.0
-
-    def observe(self, seconds: float) -> None:
-        self.total_s += seconds
-        for i, bound in enumerate(self.BOUNDS_S):
-            if seconds <= bound:
-                self.counts[i] += 1
-                return
-        self.counts[-1] += 1
+# Round durations (collective time, including waiting for peers), written by
+# the agreement thread only.
+ROUND_BOUNDS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 @dataclass(frozen=True)
@@ -85,7 +72,7 @@ class AgreementEngine:
         self._closed = False
         self.rounds_completed = 0
         self.divergences = 0
-        self.round_latency = LatencyHistogram()
+        self.round_latency = Histogram(ROUND_BOUNDS_S)
         self._capacity = MIN_CAPACITY  # touched only by the agreement thread
         self._thread = threading.Thread(target=self._run, name="agreement", daemon=True)
         self._thread.start()

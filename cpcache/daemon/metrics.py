@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import inspect
 import logging
 import platform
@@ -31,8 +32,9 @@ from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 import cpcache
-from cpcache.agreement.engine import LatencyHistogram
-from cpcache.rank.phases import PhaseHistogram
+from cpcache.agreement.engine import ROUND_BOUNDS_S
+from cpcache.histogram import Histogram
+from cpcache.rank.phases import PHASE_BOUNDS_S
 from cpcache.topology import Topology
 from cpcache.values import split_host_port
 
@@ -53,21 +55,6 @@ def rank_labels(topology: Topology, rank: int) -> dict[str, str]:
     tp_rank = k.atp if topology.dp > 1 else rank % topology.tp
     return {"rank": str(rank), "tp_rank": str(tp_rank), "pp_rank": str(k.pp), "dp_rank": str(k.dp),
             "cp_rank": str(k.cp)}
-
-
-class _Histogram:
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)
-        self.total_s = 0.0
-
-    def observe(self, seconds: float) -> None:
-        self.total_s += seconds
-        for i, bound in enumerate(self.bounds):
-            if seconds <= bound:
-                self.counts[i] += 1
-                return
-        self.counts[-1] += 1
 
 
 def _buckets(bounds: tuple[float, ...], counts: list[int]) -> list[tuple[str, float]]:
@@ -100,7 +87,7 @@ class RpcMetrics(grpc.aio.ServerInterceptor):
     def __init__(self) -> None:
         self.started: Counter[tuple[str, str, str]] = Counter()
         self.handled: Counter[tuple[str, str, str, str]] = Counter()
-        self.latency: dict[tuple[str, str, str], _Histogram] = {}
+        self.latency: dict[tuple[str, str, str], Histogram] = {}
 
     async def intercept_service(
         self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
@@ -117,36 +104,32 @@ class RpcMetrics(grpc.aio.ServerInterceptor):
                 return handler._replace(**{attr: self._wrap(behavior, (service, method, kind))})
         return handler
 
+    @contextlib.contextmanager
+    def _measured(self, key: tuple[str, str, str], context: grpc.aio.ServicerContext) -> Iterator[None]:
+        start, code = self._start(key), "OK"
+        try:
+            yield
+        except BaseException as exc:
+            code = _code_of(exc, context)
+            raise
+        else:
+            code = _code_set(context)
+        finally:
+            self._end(key, code, start)
+
     def _wrap(self, behavior: Callable[..., Any], key: tuple[str, str, str]) -> Callable[..., Any]:
         if inspect.isasyncgenfunction(behavior):
             async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-                start, code = self._start(key), "OK"
-                try:
+                with self._measured(key, context):
                     async for item in behavior(request, context):
                         yield item
-                except BaseException as exc:
-                    code = _code_of(exc, context)
-                    raise
-                else:
-                    code = _code_set(context)
-                finally:
-                    self._end(key, code, start)
             return stream
         if not inspect.iscoroutinefunction(behavior):
             return behavior  # every handler of this daemon is async; a sync one is left as it is
 
         async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            start, code = self._start(key), "OK"
-            try:
-                reply = await behavior(request, context)
-            except BaseException as exc:
-                code = _code_of(exc, context)
-                raise
-            else:
-                code = _code_set(context)
-            finally:
-                self._end(key, code, start)
-            return reply
+            with self._measured(key, context):
+                return await behavior(request, context)
         return call
 
     def _start(self, key: tuple[str, str, str]) -> float:
@@ -155,7 +138,7 @@ class RpcMetrics(grpc.aio.ServerInterceptor):
 
     def _end(self, key: tuple[str, str, str], code: str, start: float) -> None:
         self.handled[(*key, code)] += 1
-        self.latency.setdefault(key, _Histogram(RPC_BOUNDS_S)).observe(time.perf_counter() - start)
+        self.latency.setdefault(key, Histogram(RPC_BOUNDS_S)).observe(time.perf_counter() - start)
 
     def snapshot(self) -> tuple[dict[tuple[str, str, str], int], dict[tuple[str, str, str, str], int],
                                 dict[tuple[str, str, str], tuple[list[int], float]]]:
@@ -270,14 +253,14 @@ class DaemonCollector:
             latency = HistogramMetricFamily("cpcache_round_duration_seconds",
                                             "Time a round spent in its collectives", labels=names)
             counts, total_s = e["latency"]
-            latency.add_metric(values, _buckets(LatencyHistogram.BOUNDS_S, counts), total_s)
+            latency.add_metric(values, _buckets(ROUND_BOUNDS_S, counts), total_s)
             yield from (rounds, divergences, lost, latency)
         if snap.phases is not None:
             phase = HistogramMetricFamily(
                 "cpcache_step_phase_seconds", "Time a step spent in each phase on this rank (the collective "
                 "itself: cpcache_round_duration_seconds)", labels=names + ["phase"])
             for name, (counts, total_s) in snap.phases.items():
-                phase.add_metric(values + [name], _buckets(PhaseHistogram.BOUNDS_S, counts), total_s)
+                phase.add_metric(values + [name], _buckets(PHASE_BOUNDS_S, counts), total_s)
             yield phase
         if snap.open_questions is not None:
             questions = GaugeMetricFamily("cpcache_open_questions", "Questions open in the agreement table",

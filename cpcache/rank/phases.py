@@ -25,32 +25,19 @@ from __future__ import annotations
 
 import time
 
+from cpcache.histogram import Histogram
+
 PHASES = ("check", "pack", "submit", "wait", "open", "apply", "io", "reply", "handler")
 
 
-class PhaseHistogram:
-    """Durations in cumulative buckets, like the engine's round histogram
-    but finer at the low end: most phases take microseconds."""
-
-    BOUNDS_S: tuple[float, ...] = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
-                                   0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-
-    def __init__(self) -> None:
-        self.counts = [0] * (len(self.BOUNDS_S) + 1)
-        self.total_s = 0.0
-
-    def observe(self, seconds: float) -> None:
-        self.total_s += seconds
-        for i, bound in enumerate(self.BOUNDS_S):
-            if seconds <= bound:
-                self.counts[i] += 1
-                return
-        self.counts[-1] += 1
+# Finer at the low end than the round histogram: most phases take microseconds.
+PHASE_BOUNDS_S = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                  5.0, 10.0)
 
 
 class StepPhases:
     def __init__(self) -> None:
-        self.histograms = {phase: PhaseHistogram() for phase in PHASES}
+        self.histograms = {phase: Histogram(PHASE_BOUNDS_S) for phase in PHASES}
 
     def observe(self, phase: str, seconds: float) -> None:
         self.histograms[phase].observe(seconds)

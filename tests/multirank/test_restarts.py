@@ -10,69 +10,28 @@ import signal
 
 import numpy as np
 import pytest
-import torch
 
 from cpcache import errors
 from cpcache.client import AsyncClient, Ops
-from cpcache.dataplane.pools import DevicePool
-from cpcache.geometry import KVGeometry
-from cpcache.tools.launcher import DomainSpec, LocalDomain
-from cpcache.topology import Topology
+from cpcache.tools.launcher import LocalDomain
 from cpcache.values import Reduce
+
+from .attacks.common import GEOMETRY, PAGE_HASHES, PAGES, attach_all, make, spec, write_through
+from .attacks.common import step_all as step_all_ranks
 
 pytestmark = [pytest.mark.multirank, pytest.mark.timeout(180)]
 
-GEOMETRY = KVGeometry(layers=2, kv_kind="mha", heads=1, head_dim=8, dtype="bfloat16", page_size=4)
-TIMEOUT_S = 2.0
-PAGES = 6
-
-
-def spec(run_dir, **extra):
-    return DomainSpec(Topology(tp=2), run_dir, agreement_timeout_s=TIMEOUT_S,
-                      extra=dict(host_pool_pages=32, rendezvous_timeout_s=60.0, **extra))
-
-
-class Scheduler:
-    """One rank's scheduler: its client and its device pool (a new one per life)."""
-
-    def __init__(self, socket):
-        self.client = AsyncClient(socket)
-        self.pool = DevicePool.create_sealed(GEOMETRY, 16)
-
-    def fill(self, page, rank):
-        view = self.pool.page_view(page)
-        data = np.random.default_rng(page * 10 + rank).integers(0, 256, view.numel() * 2, dtype=np.uint8)
-        view.copy_(torch.from_numpy(data).view(view.dtype).view(view.shape))
-
-    def read(self, page):
-        return self.pool.page_view(page).contiguous().view(-1).view(torch.uint8).numpy().copy()
-
 
 async def start_sessions(domain, run_dir, life):
-    schedulers = [Scheduler(s) for s in domain.sockets]
-    replies = await asyncio.gather(*(s.client.attach("m", GEOMETRY, 16, pool_fd=s.pool.fd) for s in schedulers))
-    return schedulers, replies
+    schedulers = make(domain, run_dir, life)
+    return schedulers, await attach_all(schedulers)
 
 
 async def step_all(schedulers, step, ops=None):
-    replies = await asyncio.gather(*(s.client.step(step, [(1, Reduce.MIN, 1)], ops=ops) for s in schedulers))
+    """One step on every rank; the replies must be the same bytes."""
+    replies = await step_all_ranks(schedulers, step, ops)
     assert len({r.wire for r in replies}) == 1
     return replies[0]
-
-
-PAGE_HASHES = [bytes([7]) * 31 + bytes([i]) for i in range(PAGES)]
-
-
-async def write_through(schedulers, step):
-    for rank, s in enumerate(schedulers):
-        for page in range(PAGES):
-            s.fill(page, rank)
-    expected = [[s.read(page) for page in range(PAGES)] for s in schedulers]
-    reply = await step_all(schedulers, step, Ops(writes=((1, PAGE_HASHES, list(range(PAGES))),)))
-    while 1 not in reply.write_acks:
-        step += 1
-        reply = await step_all(schedulers, step)
-    return step, expected
 
 
 async def test_a_scheduler_that_attaches_again_finds_the_host_pages_of_its_last_session(run_dir):

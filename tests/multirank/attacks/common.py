@@ -25,10 +25,11 @@ def spec(run_dir, lag=0, per_rank=None, **extra):
 
 
 class Scheduler:
-    def __init__(self, socket, path, geometry=GEOMETRY):
+    """One rank's scheduler: its client and its device pool (a new one per life)."""
+
+    def __init__(self, socket, geometry=GEOMETRY):
         self.client = AsyncClient(socket)
         self.pool = DevicePool.create_sealed(geometry, 16)
-        self.path = path
         self.geometry = geometry
 
     def fill(self, page, rank):
@@ -41,8 +42,7 @@ class Scheduler:
 
 
 def make(domain, run_dir, life, geometries=None):
-    return [Scheduler(s, str(run_dir / f"pool-{rank}-{life}"), (geometries or {}).get(rank, GEOMETRY))
-            for rank, s in enumerate(domain.sockets)]
+    return [Scheduler(s, (geometries or {}).get(rank, GEOMETRY)) for rank, s in enumerate(domain.sockets)]
 
 
 async def attach_all(schedulers, model="m", return_exceptions=False):
