@@ -324,6 +324,13 @@ class AsyncClient(_Face):
 
     _grpc = grpc.aio
 
+    async def attach(self, model_id: str, geometry: KVGeometry, device_pages: int, pool_fd: int = -1,
+                     cuda_ipc: dict[str, Any] | None = None) -> Any:
+        """As `Client.attach`; the pool's handover (a blocking exchange on the
+        daemon's `.pools` socket) runs on a thread, off the event loop."""
+        ticket = await asyncio.to_thread(hand_over, self._address, pool_fd) if pool_fd >= 0 else ""
+        return await self._send(_attach_call, model_id, geometry, device_pages, ticket, cuda_ipc)
+
     async def _send(self, build: Callable[..., Call[T]], *args: Any) -> T:
         call = build(*args)
         method, kwargs = self._prepare(call)

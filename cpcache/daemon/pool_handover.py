@@ -80,7 +80,7 @@ class PoolHandover:
                 conn.settimeout(5.0)
                 try:
                     self._receive(conn)
-                except OSError as exc:
+                except Exception as exc:  # a bad peer must not end the handover thread
                     log.warning("pool handover failed: %s", exc)
 
     def _receive(self, conn: socket.socket) -> None:

@@ -501,8 +501,8 @@ class Daemon:
             try:
                 store = store or self._epochs.base.connect(timeout_s=max(1.0, 5 * interval))
                 current = self._epochs.current(store)
-            except (RuntimeError, OSError):
-                store = None  # the store is away: the rounds will say what that means
+            except Exception:  # the store is away (or answered nonsense): the rounds will say what that means
+                store = None
                 continue
             if current > self.epoch and self.state is State.SERVING:
                 with contextlib.suppress(RuntimeError):  # the loop is closed: the daemon has stopped
