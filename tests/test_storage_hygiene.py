@@ -151,6 +151,24 @@ def test_killed_writers_temp_files_are_swept_at_start_and_counted(tmp_path):
         proc.stdout.close()
 
 
+def test_the_sweep_deletes_only_files_named_like_its_own_temp_files(tmp_path):
+    """Issue 22, 7: a dot-file the daemon never wrote (a `.gitattributes`
+    beside the pages) is kept however old; an old temp file of its own name
+    pattern, from any host, is swept."""
+    root = tmp_path / "store"
+    (root / "ab").mkdir(parents=True)
+    foreign = root / "ab" / ".gitattributes"
+    foreign.write_text("*.bin filter=lfs\n")
+    old_tmp = root / "ab" / ".abkey.0badc0de-1-0123abcd.tmp"  # another host's, long dead
+    old_tmp.write_bytes(b"x" * 7)
+    hour_ago = os.stat(foreign).st_mtime - 3600
+    for path in (foreign, old_tmp):
+        os.utime(path, (hour_ago, hour_ago))
+    counters = backend_at(root).counters()
+    assert foreign.exists() and not old_tmp.exists()
+    assert counters["storage_tmp_swept_files"] == 1 and counters["storage_tmp_swept_bytes"] == 7
+
+
 # -- 14: capacity for the whole shared root ------------------------------------------------------
 
 

@@ -160,11 +160,15 @@ class FileBackend(StorageBackend):
             self._counters["storage_root_scans"] += 1
 
     def _stale_tmp(self, name: str, age_s: float) -> bool:
+        # The name first: a dot-file this daemon did not name (a
+        # `.gitattributes` beside the pages) is never ours to delete, however old.
+        match = TMP_PATTERN.fullmatch(name)
+        if match is None:
+            return False
         if age_s > STALE_TMP_S:
             return True
-        match = TMP_PATTERN.fullmatch(name)
-        if match is None or match["host"] != self._tag.split("-")[0]:
-            return False  # another host's writer, or not ours to judge: only by age
+        if match["host"] != self._tag.split("-")[0]:
+            return False  # another host's writer: only by age
         pid = int(match["pid"])
         return pid == os.getpid() or not _pid_alive(pid)  # this process has no writes yet
 
