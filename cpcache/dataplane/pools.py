@@ -12,12 +12,12 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
-import stat
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from cpcache.dataplane.memfd import check_pool
 from cpcache.errors import FailedPrecondition, InvalidArgument
 from cpcache.geometry import KVGeometry
 
@@ -46,28 +46,20 @@ class DevicePool:
 
     @staticmethod
     def from_fd(fd: int, geometry: KVGeometry, pages: int) -> DevicePool:
-        """Map a pool handed over by descriptor (hosts without CUDA): a memfd,
-        open for writing, sealed against shrinking, of exactly the size the
-        geometry needs. Takes the descriptor (closes it)."""
+        """Map a pool handed over by descriptor (hosts without CUDA): a shmem
+        memfd, open for writing, sealed against shrinking and growing, of
+        exactly the size the geometry needs (`memfd.check_pool`). Takes the
+        descriptor (closes it)."""
+        need = geometry.page_bytes * pages
         try:
-            need = geometry.page_bytes * pages
+            if pages < 1:
+                raise InvalidArgument(f"attach: a pool needs at least 1 page, not {pages}")
+            check_pool(fd, need)
             info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode):
-                raise InvalidArgument("attach: the pool descriptor is not a regular file (a memfd)")
-            if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDWR:
-                raise InvalidArgument("attach: the pool descriptor must be open for reading and writing")
             try:
-                seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-            except OSError:
-                seals = 0  # not a memfd: files cannot be sealed
-            if not seals & fcntl.F_SEAL_SHRINK:
-                raise FailedPrecondition(
-                    "attach: the pool must be a memfd sealed against shrinking (F_SEAL_SHRINK): a pool that "
-                    "shrinks under the daemon would kill it (DevicePool.create_sealed makes one)")
-            if pages < 1 or info.st_size != need:
-                raise InvalidArgument(f"attach: {pages} pages of {geometry.page_bytes} bytes need {need} bytes, "
-                                      f"but the pool holds {info.st_size}")
-            mapping = mmap.mmap(fd, need)
+                mapping = mmap.mmap(fd, need)
+            except (OSError, ValueError) as exc:  # what the checks above did not foresee is still typed
+                raise FailedPrecondition(f"attach: the pool cannot be mapped: {exc}") from None
         finally:
             os.close(fd)
         flat = torch.frombuffer(mapping, dtype=torch.uint8)
