@@ -3,16 +3,18 @@ all cleanly on SIGINT."""
 
 import asyncio
 import os
+import re
 import signal
+import statistics
 import subprocess
 import sys
+import time
 
 import pytest
 
 from cpcache.client import AsyncClient, Client
 
 pytestmark = pytest.mark.timeout(90)
-
 
 def test_launch_prints_sockets_and_stops_on_sigint(run_dir):
     proc = subprocess.Popen(
@@ -82,3 +84,60 @@ def test_launch_starts_a_killed_rank_again_and_its_domain_forms_again(run_dir):
     proc.send_signal(signal.SIGINT)
     rest, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, rest
+
+
+KILLS_PER_RANK = 5
+
+
+def status_of(socket):
+    with Client(socket, timeout_s=10) as client:
+        return client.status()
+
+
+@pytest.mark.timeout(900)
+def test_every_rank_killed_again_and_again_is_seen_and_its_domain_serves_again(run_dir, capsys):
+    """4 ranks (tp 4, cp 2: one domain), each SIGKILLed KILLS_PER_RANK times
+    in turn: the launcher sees every death (no thread waits for a child, so
+    none runs out) and the domain serves again each time, in a later epoch."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cpcache.tools.cli", "launch", "--tp", "4", "--cp", "2", "--run-dir", str(run_dir),
+         "--agreement-timeout", "3"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    sockets = []
+    for line in proc.stdout:
+        if line.startswith("rank "):
+            sockets.append(line.split("unix:", 1)[1].strip())
+        if "press Ctrl-C" in line:
+            break
+    assert len(sockets) == 4
+    pids = {rank: daemon_pid(run_dir, rank) for rank in range(4)}
+    epoch, times = 0, []
+    try:
+        for _ in range(KILLS_PER_RANK):
+            for rank in range(4):
+                killed_at = time.monotonic()
+                os.kill(pids[rank], signal.SIGKILL)
+                seen = False
+                for line in proc.stdout:
+                    assert "stopping the others" not in line and "did not come back" not in line, line
+                    seen = seen or f"rank {rank} exited with code -9" in line
+                    if f"rank {rank} is back" in line:
+                        pids[rank] = int(re.search(r"pid (\d+)", line).group(1))
+                        break
+                assert seen, f"the death of rank {rank} went unseen"
+                for socket in sockets:
+                    asyncio.run(wait_serving(socket))
+                times.append(time.monotonic() - killed_at)
+                statuses = [status_of(s) for s in sockets]
+                epochs = {st.epoch for st in statuses}
+                assert {st.state for st in statuses} == {"serving"} and len(epochs) == 1, statuses
+                assert epochs.pop() > epoch
+                epoch = statuses[0].epoch
+    finally:
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, rest
+    with capsys.disabled():
+        print(f"\n{len(times)} kills, time from SIGKILL to the whole domain serving: "
+              f"median {statistics.median(times):.2f}s, max {max(times):.2f}s, min {min(times):.2f}s")

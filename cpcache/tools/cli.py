@@ -9,10 +9,15 @@ import json
 import signal
 import sys
 import tempfile
+import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import cpcache
 from cpcache.topology import MODES, Topology
+
+if TYPE_CHECKING:
+    from cpcache.tools.launcher import LocalDomain
 
 
 def add_topology_flags(p: argparse.ArgumentParser, tp: int = 4, cp: int = 2) -> None:
@@ -29,7 +34,6 @@ def topology_of(args: argparse.Namespace) -> Topology:
 
 
 async def _launch(args: argparse.Namespace) -> int:
-    from cpcache.errors import CacheError
     from cpcache.tools.launcher import DomainSpec, LocalDomain
 
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="cpcache-"))
@@ -46,32 +50,43 @@ async def _launch(args: argparse.Namespace) -> int:
         for rank, socket in enumerate(domain.sockets):
             print(f"rank {rank}: unix:{socket}")
         print("cpcache: press Ctrl-C to stop", flush=True)
+        # A supervisor per rank, as systemd's Restart=on-failure is: a rank
+        # that exits is started again, however often, and its domain forms
+        # again in the next epoch. Settings errors (exit 2) are not retried.
+        supervisors = [asyncio.ensure_future(_supervise(domain, rank, args.restart))
+                       for rank in range(domain.size)]
         stopped = asyncio.ensure_future(stop.wait())
-        # A supervisor, as systemd's Restart=on-failure is: a rank that exits
-        # is started again and its domain forms again in the next epoch.
-        # Settings errors (exit 2) are not retried.
-        while True:
-            exits = {asyncio.ensure_future(asyncio.to_thread(p.wait)): rank for rank, p in enumerate(domain.procs)}
-            done, _ = await asyncio.wait({stopped, *exits}, return_when=asyncio.FIRST_COMPLETED)
-            for e in exits:
-                e.cancel()
-            if stopped in done:
-                break
-            rank = next(exits[e] for e in done if e in exits)
-            code = domain.procs[rank].poll()
-            if code == 2 or not args.restart:
-                print(f"cpcache: rank {rank} exited with code {code}; stopping the others", file=sys.stderr)
-                break
-            print(f"cpcache: rank {rank} exited with code {code}; starting it again", file=sys.stderr, flush=True)
-            try:
-                await domain.restart(rank)
-            except CacheError as exc:
-                print(f"cpcache: rank {rank} did not come back: {exc}", file=sys.stderr)
-                break
-            print(f"cpcache: rank {rank} is back", flush=True)
+        await asyncio.wait({stopped, *supervisors}, return_when=asyncio.FIRST_COMPLETED)
+        for task in (stopped, *supervisors):
+            task.cancel()
+        await asyncio.gather(stopped, *supervisors, return_exceptions=True)
         codes = await domain.stop()
     print(f"cpcache: stopped; exit codes {codes}", flush=True)
     return 0 if all(c == 0 for c in codes) else 1
+
+
+async def _supervise(domain: LocalDomain, rank: int, restart: bool) -> None:
+    """Watch one rank for as long as the launcher runs; returns (ending the
+    launch) only when the rank may not or could not be started again."""
+    from cpcache.errors import CacheError
+
+    while True:
+        code = await asyncio.shield(domain.exited(rank))
+        if code == 2 or not restart:
+            print(f"cpcache: rank {rank} exited with code {code}; stopping the others", file=sys.stderr, flush=True)
+            return
+        seen = time.monotonic()
+        print(f"cpcache: rank {rank} exited with code {code}; starting it again", file=sys.stderr, flush=True)
+        domain.respawn(rank)
+        try:
+            await domain.wait_serving(rank)
+        except CacheError as exc:
+            if domain.exited(rank).done():
+                continue  # it died again while starting: that death is seen like any other
+            print(f"cpcache: rank {rank} did not come back: {exc}", file=sys.stderr, flush=True)
+            return
+        print(f"cpcache: rank {rank} is back (pid {domain.procs[rank].pid}, serving "
+              f"{time.monotonic() - seen:.2f}s after its exit was seen)", flush=True)
 
 
 async def _store(args: argparse.Namespace) -> int:

@@ -17,13 +17,13 @@ import sys
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from cpcache.agreement.collective import host_store
 from cpcache.client import AsyncClient
 from cpcache.config import DaemonConfig
 from cpcache.daemon.settings import as_flags
-from cpcache.errors import InvalidArgument, Unavailable
+from cpcache.errors import CacheError, InvalidArgument, Unavailable
 from cpcache.topology import Topology
 
 if TYPE_CHECKING:
@@ -85,6 +85,42 @@ class DomainSpec:
         return DaemonConfig(**{**settings, **self.extra, **self.per_rank.get(rank, {})})
 
 
+class ExitWatch:
+    """A child's exit as a future of the event loop, told by its pidfd.
+
+    No thread waits for any child: a pool of waiting threads (what
+    `asyncio.to_thread(proc.wait)` borrows) runs out on a small host, and a
+    cancelled wait never gives its thread back, so deaths went unseen."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        self.proc = proc
+        self._loop = asyncio.get_running_loop()
+        self.exited: asyncio.Future[int] = self._loop.create_future()
+        self._fd = -1
+        try:
+            self._fd = os.pidfd_open(proc.pid)
+        except ProcessLookupError:  # already reaped by a poll(): its code is known
+            pass
+        if self._fd < 0:
+            self._readable()
+        else:
+            self._loop.add_reader(self._fd, self._readable)
+            self._readable()  # it may have exited before the reader was added
+
+    def _readable(self) -> None:
+        code = self.proc.poll()
+        if code is None or self.exited.done():
+            return
+        self.close()
+        self.exited.set_result(code)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            self._loop.remove_reader(self._fd)
+            os.close(self._fd)
+            self._fd = -1
+
+
 class LocalDomain:
     """Async context manager: starts every rank, waits until all serve."""
 
@@ -92,6 +128,7 @@ class LocalDomain:
         self.spec = spec
         self.start_timeout_s = start_timeout_s
         self.procs: list[subprocess.Popen[bytes]] = []
+        self._exits: list[ExitWatch] = []
         self.sockets: list[str] = []
         self.logs: list[Path] = []
         self._store: TCPStore | None = None
@@ -121,9 +158,10 @@ class LocalDomain:
         self._deployment = f"local-{uuid.uuid4().hex[:8]}"
         for rank in range(self.size):
             self.procs.append(self._spawn(rank))
+            self._exits.append(ExitWatch(self.procs[rank]))
             self.sockets.append(self.config(rank).socket_path)
             self.logs.append(self.spec.run_dir / f"rank-{rank}.log")
-        await asyncio.gather(*(self._wait_serving(rank) for rank in range(self.size)))
+        await asyncio.gather(*(self.wait_serving(rank) for rank in range(self.size)))
 
     def _spawn(self, rank: int) -> subprocess.Popen[bytes]:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -138,20 +176,33 @@ class LocalDomain:
         would) and wait until its domain has formed again with it: the
         rendezvous store lives here, in the launcher, so it outlives any
         daemon."""
-        await asyncio.to_thread(self.procs[rank].wait)
-        self.procs[rank] = self._spawn(rank)
-        await self._wait_serving(rank, timeout_s)
+        await asyncio.shield(self.exited(rank))
+        self.respawn(rank)
+        await self.wait_serving(rank, timeout_s)
 
-    async def _wait_serving(self, rank: int, timeout_s: float | None = None) -> None:
+    def exited(self, rank: int) -> asyncio.Future[int]:
+        """The exit code of `rank`'s current process, once it has exited."""
+        return self._exits[rank].exited
+
+    def respawn(self, rank: int) -> None:
+        """Start `rank` again; its last process must have exited."""
+        assert self.exited(rank).done(), f"rank {rank} is still running"
+        self.procs[rank] = self._spawn(rank)
+        self._exits[rank] = ExitWatch(self.procs[rank])
+
+    async def wait_serving(self, rank: int, timeout_s: float | None = None) -> None:
+        """Until `rank`'s current process serves; `Unavailable` if it exits first."""
         timeout_s = timeout_s or self.start_timeout_s
-        exited = asyncio.ensure_future(asyncio.to_thread(self.procs[rank].wait))
+        exited = self.exited(rank)
         async with AsyncClient(self.sockets[rank]) as client:
             serving = asyncio.ensure_future(client.wait_serving(timeout_s))
-            await asyncio.wait({exited, serving}, return_when=asyncio.FIRST_COMPLETED)
+            either: set[asyncio.Future[Any]] = {exited, serving}
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
             if serving.done() and serving.exception() is None:
-                exited.cancel()
                 return
             serving.cancel()
+            with contextlib.suppress(asyncio.CancelledError, CacheError):
+                await serving
         tail = self.log_tail(rank)
         if exited.done():
             raise Unavailable(f"rank {rank} exited with code {exited.result()} while starting:\n{tail}")
@@ -166,7 +217,7 @@ class LocalDomain:
         self.procs[rank].send_signal(sig)
 
     async def wait_exit(self, rank: int, timeout_s: float) -> int:
-        return await asyncio.wait_for(asyncio.to_thread(self.procs[rank].wait), timeout_s)
+        return await asyncio.wait_for(asyncio.shield(self.exited(rank)), timeout_s)
 
     async def stop(self, timeout_s: float | None = None) -> list[int | None]:
         """SIGTERM every rank still running (resuming stopped ones first) and
@@ -178,12 +229,12 @@ class LocalDomain:
                     proc.send_signal(signal.SIGCONT)
                     proc.send_signal(signal.SIGTERM)
         codes: list[int | None] = []
-        for proc in self.procs:
+        for proc, watch in zip(self.procs, self._exits):
             try:
-                codes.append(await asyncio.wait_for(asyncio.to_thread(proc.wait), timeout_s))
+                codes.append(await asyncio.wait_for(asyncio.shield(watch.exited), timeout_s))
             except TimeoutError:
                 proc.kill()
-                codes.append(await asyncio.to_thread(proc.wait))
+                codes.append(await watch.exited)
         self._store = None
         return codes
 
