@@ -12,6 +12,12 @@ needs every rank of its epoch and they have all left it.
 
 Moving the number is a compare-and-set from the epoch a rank leaves, so
 ranks that leave the same epoch at once move it by one, not by one each.
+
+Epoch numbers only grow, even across a restart of the store (which forgets
+the counter and begins again from 0): a rank moves the counter to at least
+the successor of the epoch it leaves, whatever the store reads, and a serving
+rank that finds the store behind its own epoch writes that epoch back (with
+its "formed" mark), so a restarted rank joining afterwards moves past it.
 """
 
 from __future__ import annotations
@@ -48,16 +54,33 @@ class Epochs:
 
     def advance(self, store: TCPStore, leaving: int) -> int:
         """Move the deployment past `leaving` (if nobody has yet) and return
-        the epoch to join."""
-        if self.current(store) <= leaving:
-            store.compare_set(self._key, str(leaving), str(leaving + 1))
-        return self.current(store)
+        the epoch to join: always above `leaving`."""
+        return self._raise_to(store, leaving + 1)
+
+    def restore(self, store: TCPStore, serving: int) -> bool:
+        """The store reads an epoch below the one this rank serves in (it
+        restarted): write `serving` back, formed. True if it was behind."""
+        if self.current(store) >= serving:
+            return False
+        self._raise_to(store, serving)
+        self.mark_formed(store, serving)
+        return True
+
+    def _raise_to(self, store: TCPStore, at_least: int) -> int:
+        # A compare-and-set from whatever the store reads, never from what this
+        # rank assumes: after a store restart it reads 0, not the epoch left.
+        while (current := self.current(store)) < at_least:
+            store.compare_set(self._key, str(current), str(at_least))
+        return current
+
+    def formed_key(self, epoch: int) -> str:
+        return f"{self.rendezvous(epoch).namespace}/formed/domain{self._domain}"
 
     def mark_formed(self, store: TCPStore, epoch: int) -> None:
-        store.set(f"{self.rendezvous(epoch).namespace}/formed/domain{self._domain}", "1")
+        store.set(self.formed_key(epoch), "1")
 
     def formed(self, store: TCPStore, epoch: int) -> bool:
-        return bool(store.check([f"{self.rendezvous(epoch).namespace}/formed/domain{self._domain}"]))
+        return bool(store.check([self.formed_key(epoch)]))
 
     def exchange(self, store: TCPStore, epoch: int, rank: int, ranks: tuple[int, ...], offer: bytes,
                  timeout_s: float) -> list[bytes]:

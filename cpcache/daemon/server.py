@@ -501,6 +501,10 @@ class Daemon:
             try:
                 store = store or self._epochs.base.connect(timeout_s=max(1.0, 5 * interval))
                 current = self._epochs.current(store)
+                serving = self.epoch
+                if current < serving and self.state is State.SERVING and self._epochs.restore(store, serving):
+                    log.warning("the rendezvous store read epoch %d below this domain's %d (it restarted); "
+                                "wrote %d back so that epochs only grow", current, serving, serving)
             except Exception:  # the store is away (or answered nonsense): the rounds will say what that means
                 store = None
                 continue

@@ -208,6 +208,14 @@ class LocalDomain:
             raise Unavailable(f"rank {rank} exited with code {exited.result()} while starting:\n{tail}")
         raise Unavailable(f"rank {rank} did not serve within {timeout_s}s:\n{tail}")
 
+    def restart_store(self) -> None:
+        """Stop the rendezvous store and serve a new, empty one on the same
+        port, as a restarted `cpcache store` would: it forgets every key."""
+        assert self._store is not None, "the domain has not started"
+        port = self._store.port
+        self._store = None  # the server stops with its last reference
+        self._store = host_store("127.0.0.1", port)
+
     def log_tail(self, rank: int, lines: int = 30) -> str:
         with contextlib.suppress(OSError):
             return "\n".join(self.logs[rank].read_text(errors="replace").splitlines()[-lines:])

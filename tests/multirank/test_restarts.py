@@ -7,14 +7,17 @@ old epoch."""
 
 import asyncio
 import signal
+from datetime import timedelta
 
 import numpy as np
 import pytest
 
 from cpcache import errors
+from cpcache.agreement.collective import Rendezvous
+from cpcache.agreement.epochs import Epochs
 from cpcache.client import AsyncClient, Ops
 from cpcache.tools.launcher import LocalDomain
-from cpcache.values import Reduce
+from cpcache.values import Reduce, split_host_port
 
 from .attacks.common import GEOMETRY, PAGE_HASHES, PAGES, attach_all, make, spec, write_through
 from .attacks.common import step_all as step_all_ranks
@@ -101,3 +104,29 @@ async def test_a_daemon_stopped_past_the_timeout_learns_its_domain_moved_on_and_
         assert {r.epoch for r in replies} == {1} and {r.decisions[1] for r in replies} == {5}
         for c in clients:
             await c.close()
+
+
+async def test_epochs_only_grow_across_restarts_of_the_rendezvous_store(run_dir):
+    async with LocalDomain(spec(run_dir)) as domain:
+        await start_sessions(domain, run_dir, 1)
+        schedulers, _ = await start_sessions(domain, run_dir, 2)  # attached again: epoch 1
+        assert (await step_all(schedulers, 1)).epoch == 1
+        # The store restarts and forgets the counter; a scheduler attaching
+        # again at once moves the domain past epoch 1, not back to 0.
+        domain.restart_store()
+        schedulers, _ = await start_sessions(domain, run_dir, 3)
+        assert (await step_all(schedulers, 1)).epoch == 2
+        # It restarts again; the serving ranks write their epoch back (and
+        # its "formed" mark), so a daemon restarted now joins a later epoch.
+        domain.restart_store()
+        config = domain.config(0)
+        rdzv = Rendezvous(*split_host_port(config.rendezvous), config.deployment, 0, 20.0)
+        store = rdzv.connect()
+        await asyncio.to_thread(store.wait, [Epochs(rdzv, (0, 1)).formed_key(2)], timedelta(seconds=30))
+        domain.signal(1, signal.SIGKILL)
+        await domain.restart(1)
+        await asyncio.gather(*(s.client.wait_serving(30) for s in schedulers))
+        statuses = [await s.client.status() for s in schedulers]
+        assert [st.epoch for st in statuses] == [3, 3] and {st.state for st in statuses} == {"serving"}
+        schedulers, _ = await start_sessions(domain, run_dir, 4)
+        assert (await step_all(schedulers, 1)).epoch == 3  # its first session of epoch 3
