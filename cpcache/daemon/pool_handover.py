@@ -8,30 +8,48 @@ group) and gets a one-time ticket for its Attach. The daemon can then map
 only what the caller itself could open, and the kernel names the caller
 (SO_PEERCRED), which the log records.
 
-A pool must be a memfd sealed against shrinking (F_SEAL_SHRINK): a file
-that shrinks under the daemon's mapping would kill it with SIGBUS.
+Anyone who may connect can also try to wear the daemon down, so every
+resource here is bounded (`budget`): connections are served concurrently,
+a few per uid, each within a short deadline; tickets are capped per uid and
+in total and expire on a timer; only shmem regular files are kept (the only
+pools `memfd.check_pool` accepts). Closing a descriptor can block in the
+kernel (a TCP socket lingering, a FUSE file whose server never answers its
+flush), so no serving thread and no lock holder closes one: `_Closer`
+does, and accepting pauses while too many closes are pending. A failed
+accept (EMFILE above all) is waited out, never taken for a shutdown.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import errno
 import grp
 import logging
 import os
+import queue
 import secrets
 import socket
+import stat
 import struct
 import threading
 import time
 from dataclasses import dataclass
 
-from cpcache.errors import PermissionDenied
+from cpcache.daemon import budget
+from cpcache.dataplane.memfd import check_kind
+from cpcache.errors import CacheError, PermissionDenied
 
 log = logging.getLogger("cpcached")
 
 SUFFIX = ".pools"
-TICKET_TTL_S = 120.0
+TICKET_TTL_S = budget.POOLS_TICKET_TTL_S
 _UCRED = struct.Struct("3i")  # pid, uid, gid
+_LINGER_OFF = struct.pack("ii", 1, 0)  # close at once (RST), whatever linger the sender set
+# accept() failures that pass: out of descriptors or memory, or a peer gone before it was accepted.
+_TEMPORARY = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED, errno.EPROTO,
+              errno.EPERM}
+_BACKOFF_S = (0.01, 1.0)
 
 
 @dataclass
@@ -42,14 +60,75 @@ class _Handed:
     at: float
 
 
+class _Closer:
+    """Closes sockets and descriptors on its own threads, counting those
+    not closed yet."""
+
+    def __init__(self, threads: int) -> None:
+        self._queue: queue.SimpleQueue[tuple[socket.socket | int, ...]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._pending = 0
+        for i in range(threads):
+            threading.Thread(target=self._run, name=f"pool-closer-{i}", daemon=True).start()
+
+    @property
+    def pending(self) -> int:
+        return self._pending
+
+    def close(self, *items: socket.socket | int) -> None:
+        if not items:
+            return
+        with self._lock:
+            self._pending += 1
+        self._queue.put(items)
+
+    def _run(self) -> None:
+        while True:
+            items = self._queue.get()
+            for item in items:
+                with contextlib.suppress(OSError):
+                    if isinstance(item, socket.socket):
+                        item.close()
+                    else:
+                        os.close(item)
+            with self._lock:
+                self._pending -= 1
+
+
+class _Sometimes:
+    """A warning at most every `every_s` per kind, with how many it stands for:
+    a flood of bad connections must not become a flood of log lines."""
+
+    def __init__(self, every_s: float = 30.0) -> None:
+        self._every_s = every_s
+        self._last: dict[str, float] = {}
+        self._count: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Lock()
+
+    def warn(self, kind: str, message: str, *args: object) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._count[kind] += 1
+            if now - self._last.get(kind, -self._every_s) < self._every_s:
+                return
+            self._last[kind], count = now, self._count.pop(kind)
+        log.warning("pool handover: " + message + " (%d like it since the last such warning)", *args, count)
+
+
 class PoolHandover:
     def __init__(self, path: str, socket_group: str = "") -> None:
         self.path = path
         self._group = socket_group
         self._tickets: dict[str, _Handed] = {}
-        self._lock = threading.Lock()
+        self._serving: collections.Counter[int] = collections.Counter()  # uid -> connections served now
+        self._lock = threading.Lock()  # the two above; nothing that can block runs under it
+        self._slots = threading.BoundedSemaphore(budget.POOLS_SERVED)
+        self._stop = threading.Event()
+        self._closer: _Closer | None = None
         self._listener: socket.socket | None = None
         self._identity: tuple[int, int] | None = None
+        self._warnings = _Sometimes()
+        self.counters: collections.Counter[str] = collections.Counter()
 
     def start(self) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -65,66 +144,203 @@ class PoolHandover:
             os.chown(self.path, -1, grp.getgrnam(self._group).gr_gid, follow_symlinks=False)
         info = os.lstat(self.path)
         self._identity = (info.st_dev, info.st_ino)
-        listener.listen(64)
+        listener.listen(budget.POOLS_BACKLOG)
+        listener.settimeout(0.5)  # the acceptor looks at `_stop` this often
         self._listener = listener
-        threading.Thread(target=self._serve, name="pool-handover", daemon=True).start()
+        self._closer = _Closer(budget.POOLS_CLOSERS)
+        threading.Thread(target=self._accept_loop, args=(listener,), name="pool-handover", daemon=True).start()
+        threading.Thread(target=self._expire_loop, name="pool-tickets", daemon=True).start()
 
-    def _serve(self) -> None:
-        assert self._listener is not None
-        while True:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return  # closed: the daemon stops
-            with conn:
-                conn.settimeout(5.0)
+    # -- accepting -------------------------------------------------------------
+
+    def _accept_loop(self, listener: socket.socket) -> None:
+        assert self._closer is not None
+        backoff = 0.0
+        try:
+            while not self._stop.is_set():
+                if not self._slots.acquire(timeout=0.5):
+                    continue  # every server is busy: connections wait in the backlog
+                if self._closer.pending >= budget.POOLS_PENDING_CLOSES:
+                    self._slots.release()
+                    self._count("paused_for_closes")
+                    self._warnings.warn("closes", "%d closes pending; not accepting until they finish",
+                                        self._closer.pending)
+                    self._stop.wait(0.1)
+                    continue
                 try:
-                    self._receive(conn)
-                except Exception as exc:  # a bad peer must not end the handover thread
-                    log.warning("pool handover failed: %s", exc)
+                    conn, _ = listener.accept()
+                except TimeoutError:
+                    self._slots.release()
+                    continue
+                except OSError as exc:
+                    self._slots.release()
+                    if self._stop.is_set() or exc.errno in (errno.EBADF, errno.EINVAL):
+                        return  # closed: the daemon stops
+                    backoff = min(max(2 * backoff, _BACKOFF_S[0]), _BACKOFF_S[1])
+                    self._count("accept_errors")
+                    self._warnings.warn(f"accept-{exc.errno}", "accept failed (%s); retrying in %.2fs",
+                                        exc.strerror, backoff)
+                    if exc.errno not in _TEMPORARY:
+                        log.debug("pool handover: unexpected accept error", exc_info=True)
+                    self._stop.wait(backoff)
+                    continue
+                backoff = 0.0
+                self._dispatch(conn)
+        finally:
+            listener.close()
 
-    def _receive(self, conn: socket.socket) -> None:
-        pid, uid, _ = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
-        _, fds, _, _ = socket.recv_fds(conn, 16, 4)
-        if len(fds) != 1:
-            for fd in fds:
-                os.close(fd)
-            conn.sendall(b"ERR send exactly one descriptor")
+    def _dispatch(self, conn: socket.socket) -> None:
+        """Hand `conn` to a server thread of its own, unless its uid already
+        has its share of them (then it is closed unread)."""
+        assert self._closer is not None
+        try:
+            pid, uid, _ = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+        except OSError:
+            self._closer.close(conn)
+            self._slots.release()
             return
+        with self._lock:
+            busy = self._serving[uid] >= budget.POOLS_SERVED_PER_UID
+            if not busy:
+                self._serving[uid] += 1
+        if busy:
+            self._count("refused_busy")
+            self._warnings.warn("busy", "uid %d already has %d connections served; closing another", uid,
+                                budget.POOLS_SERVED_PER_UID)
+            with contextlib.suppress(OSError):
+                conn.send(b"ERR busy: too many handovers from this uid at once; retry", socket.MSG_DONTWAIT)
+            self._closer.close(conn)
+            self._slots.release()
+            return
+        try:
+            threading.Thread(target=self._serve_one, args=(conn, uid, pid), name="pool-handover-conn",
+                             daemon=True).start()
+        except RuntimeError:  # no thread to be had now: like EMFILE, it passes
+            self._served(uid)
+            self._closer.close(conn)
+            self._stop.wait(0.1)
+
+    # -- serving one connection ----------------------------------------------------
+
+    def _serve_one(self, conn: socket.socket, uid: int, pid: int) -> None:
+        assert self._closer is not None
+        deadline = time.monotonic() + budget.POOLS_DEADLINE_S
+        received: list[int] = []
+        try:
+            conn.settimeout(budget.POOLS_DEADLINE_S)
+            answer = self._exchange(conn, uid, pid, received)
+            conn.settimeout(max(0.01, deadline - time.monotonic()))
+            conn.sendall(answer)
+        except Exception as exc:  # a bad peer must not end anything but its own exchange
+            self._count("failed")
+            self._warnings.warn("failed", "an exchange with uid %d pid %d failed: %s", uid, pid, exc)
+        finally:
+            self._closer.close(conn, *received)
+            self._served(uid)
+
+    def _exchange(self, conn: socket.socket, uid: int, pid: int, received: list[int]) -> bytes:
+        """The answer to one connection. Descriptors read land in `received`
+        (closed by the caller); a kept one is taken out of it."""
+        _, fds, _, _ = socket.recv_fds(conn, 16, budget.POOLS_FDS_PER_MESSAGE)
+        received.extend(fds)
+        for fd in fds:
+            _unlinger(fd)
+        if len(fds) != 1:
+            return b"ERR send exactly one descriptor"
+        try:
+            check_kind(fds[0])
+        except CacheError as exc:
+            return b"ERR " + str(exc).encode()
         ticket = secrets.token_hex(16)
         with self._lock:
+            full = self._full(uid)
+            if not full:
+                self._tickets[ticket] = _Handed(fds[0], uid, pid, time.monotonic())
+        if full:
+            self._count("refused_tickets")
+            self._warnings.warn("tickets", "uid %d: %s", uid, full)
+            return b"ERR " + full.encode()
+        received.remove(fds[0])
+        return ticket.encode()
+
+    def _full(self, uid: int) -> str:
+        """Why `uid` may hold no more tickets ("" if it may). Under `_lock`."""
+        mine = sum(1 for h in self._tickets.values() if h.uid == uid)
+        if mine >= budget.POOLS_TICKETS_PER_UID or len(self._tickets) >= budget.POOLS_TICKETS:
+            return (f"too many pool tickets held (this uid: {mine} of {budget.POOLS_TICKETS_PER_UID}, all: "
+                    f"{len(self._tickets)} of {budget.POOLS_TICKETS}); attach with them, or wait "
+                    f"{budget.POOLS_TICKET_TTL_S:.0f}s for unused ones to expire")
+        return ""
+
+    def _served(self, uid: int) -> None:
+        with self._lock:
+            self._serving[uid] -= 1
+            if self._serving[uid] <= 0:
+                del self._serving[uid]
+        self._slots.release()
+
+    def _count(self, name: str) -> None:
+        with self._lock:
+            self.counters[name] += 1
+
+    # -- tickets ----------------------------------------------------------------
+
+    def _expire_loop(self) -> None:
+        while not self._stop.wait(1.0):
             self._expire()
-            self._tickets[ticket] = _Handed(fds[0], uid, pid, time.monotonic())
-        conn.sendall(ticket.encode())
 
     def _expire(self) -> None:
         now = time.monotonic()
-        for ticket in [t for t, h in self._tickets.items() if now - h.at > TICKET_TTL_S]:
-            os.close(self._tickets.pop(ticket).fd)
+        with self._lock:
+            expired = [self._tickets.pop(t) for t, h in list(self._tickets.items()) if now - h.at > TICKET_TTL_S]
+            self.counters["expired"] += len(expired)
+        if expired and self._closer is not None:
+            self._closer.close(*(h.fd for h in expired))
 
     def take(self, ticket: str) -> tuple[int, int, int]:
         """The descriptor a ticket stands for (once), with the uid and pid
         that handed it over."""
         with self._lock:
-            self._expire()
             handed = self._tickets.pop(ticket, None)
+        if handed is not None and time.monotonic() - handed.at > TICKET_TTL_S:
+            if self._closer is not None:
+                self._closer.close(handed.fd)
+            handed = None
         if handed is None:
-            raise PermissionDenied("attach: unknown or used pool ticket; hand the pool over again "
+            raise PermissionDenied("attach: unknown, used or expired pool ticket; hand the pool over again "
                                    f"on {self.path} (cpcache.client does it)")
         return handed.fd, handed.uid, handed.pid
 
+    @property
+    def tickets(self) -> int:
+        return len(self._tickets)
+
     def close(self) -> None:
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
+        self._stop.set()
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            with contextlib.suppress(OSError):
+                listener.shutdown(socket.SHUT_RDWR)  # wakes the acceptor, which closes it
         with self._lock:
-            for handed in self._tickets.values():
-                os.close(handed.fd)
+            held = [h.fd for h in self._tickets.values()]
             self._tickets.clear()
+        if held and self._closer is not None:
+            self._closer.close(*held)
         with contextlib.suppress(FileNotFoundError):
             info = os.lstat(self.path)
             if (info.st_dev, info.st_ino) == self._identity:
                 os.unlink(self.path)
+
+
+def _unlinger(fd: int) -> None:
+    """A socket received is closed at once, not after the linger its sender set."""
+    with contextlib.suppress(OSError):
+        if stat.S_ISSOCK(os.fstat(fd).st_mode):
+            sock = socket.socket(fileno=fd)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_OFF)
+            finally:
+                sock.detach()
 
 
 def _stale(path: str) -> bool:

@@ -1,0 +1,188 @@
+"""Issue 22 (2, 4, 5): the pool handover socket under a hostile local peer,
+in process. Every wait is bounded; none sleeps for a set time."""
+
+import fcntl
+import os
+import resource
+import socket
+import struct
+import time
+
+import pytest
+
+from cpcache import errors
+from cpcache.client.pools import hand_over
+from cpcache.daemon import budget, pool_handover
+from cpcache.daemon.pool_handover import PoolHandover
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def until(condition, timeout_s: float = 10.0, what: str = "") -> None:
+    """Wait for `condition`, looking every few ms, at most `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what or condition}"
+        time.sleep(0.005)
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def pool_fd(size: int = 4096) -> int:
+    fd = os.memfd_create("pool", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    return fd
+
+
+@pytest.fixture
+def handover(run_dir):
+    h = PoolHandover(str(run_dir / "d.sock") + pool_handover.SUFFIX)
+    h.start()
+    yield h
+    h.close()
+
+
+def address(h: PoolHandover) -> str:
+    return h.path[: -len(pool_handover.SUFFIX)]
+
+
+def test_tickets_are_capped_per_uid_and_the_descriptors_stay_bounded(handover):
+    """Issue 22, 2: the same memfd sent 1,100 times used to hold 1,100
+    descriptors for 120 s."""
+    fd = pool_fd()
+    before = open_fds()
+    tickets, refusals = [], []
+    started = time.monotonic()
+    for _ in range(1100):
+        try:
+            tickets.append(hand_over(address(handover), fd, timeout_s=5))
+        except errors.InvalidArgument as exc:
+            refusals.append(str(exc))
+    elapsed = time.monotonic() - started
+    assert len(tickets) == budget.POOLS_TICKETS_PER_UID
+    assert len(refusals) == 1100 - budget.POOLS_TICKETS_PER_UID and "too many pool tickets" in refusals[0]
+    until(lambda: open_fds() <= before + budget.POOLS_TICKETS_PER_UID + 2, what="the refused closed")
+    assert handover.tickets == budget.POOLS_TICKETS_PER_UID
+    taken, _, _ = handover.take(tickets[0])  # a held ticket is good, and frees a place
+    os.close(taken)
+    assert hand_over(address(handover), fd)
+    print(f"1,100 handovers in {elapsed:.2f}s")
+    os.close(fd)
+
+
+def test_unused_tickets_expire_on_a_timer_without_any_receive(handover, monkeypatch):
+    monkeypatch.setattr(pool_handover, "TICKET_TTL_S", 0.2)
+    fd = pool_fd()
+    before = open_fds()
+    ticket = hand_over(address(handover), fd)
+    assert handover.tickets == 1
+    until(lambda: handover.tickets == 0, what="the ticket to expire")  # nothing else happens meanwhile
+    until(lambda: open_fds() <= before, what="its descriptor to be closed")
+    with pytest.raises(errors.PermissionDenied, match="expired"):
+        handover.take(ticket)
+    os.close(fd)
+
+
+def test_accept_failing_with_emfile_is_waited_out(handover):
+    """Issue 22, 2: EMFILE from accept() used to end the handover thread."""
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    fd = pool_fd()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    filler = []
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(int(f) for f in os.listdir("/proc/self/fd")) + 8, hard))
+    try:
+        try:
+            while True:
+                filler.append(os.dup(0))
+        except OSError:
+            pass
+        client.connect(handover.path)  # waits in the backlog: the acceptor gets EMFILE
+        until(lambda: handover.counters["accept_errors"] >= 2, what="accept() to fail")
+    finally:
+        for f in filler:
+            os.close(f)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    client.settimeout(10)
+    socket.send_fds(client, [b"pool"], [fd])
+    assert len(client.recv(256)) == 32  # the same connection, served once descriptors were free again
+    client.close()
+    assert hand_over(address(handover), fd)
+    os.close(fd)
+
+
+def test_idle_connections_do_not_starve_a_real_handover(handover):
+    """Issue 22, 5: connections were served one at a time, 5 s each; three
+    idle ones made a real handover fail after 10 s."""
+    idle = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(budget.POOLS_SERVED_PER_UID - 1)]
+    for s in idle:
+        s.connect(handover.path)
+    fd = pool_fd()
+    started = time.monotonic()
+    assert hand_over(address(handover), fd, timeout_s=5)
+    assert time.monotonic() - started < 1.0
+    for s in idle:  # and each idle one is dropped at its deadline
+        s.settimeout(budget.POOLS_DEADLINE_S + 5)
+        assert s.recv(1) == b""
+        s.close()
+    os.close(fd)
+
+
+def lingering_tcp_socket() -> tuple[socket.socket, socket.socket]:
+    """A connected TCP socket with unsent data, an hour's SO_LINGER and a
+    peer that never reads: closing its last descriptor blocks for an hour."""
+    server = socket.create_server(("127.0.0.1", 0))
+    sock = socket.create_connection(server.getsockname())
+    peer, _ = server.accept()
+    server.close()
+    peer.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    try:
+        while True:
+            sock.send(b"x" * 65536)
+    except BlockingIOError:
+        pass
+    sock.setblocking(True)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 3600))
+    return sock, peer
+
+
+def test_a_lingering_socket_handed_over_wedges_nothing(handover):
+    """Issue 22, 4: two descriptors of such a socket, then every later
+    handover (so every Attach) timed out."""
+    sock, peer = lingering_tcp_socket()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as attacker:
+        attacker.settimeout(10)
+        attacker.connect(handover.path)
+        socket.send_fds(attacker, [b"pool"], [sock.fileno(), os.dup(sock.fileno())])
+        sock.detach()  # the daemon holds the last descriptors now
+        assert attacker.recv(256).startswith(b"ERR")
+    fd = pool_fd()
+    started = time.monotonic()
+    for _ in range(3):
+        assert hand_over(address(handover), fd, timeout_s=5)
+    assert time.monotonic() - started < 2.0
+    peer.close()
+    os.close(fd)
+
+
+@pytest.mark.parametrize("kind", ["pipe", "hugetlb", "tcp"])
+def test_only_shmem_files_are_kept(handover, kind):
+    if kind == "pipe":
+        fd, other = os.pipe()
+        os.close(other)
+    elif kind == "tcp":
+        fd = socket.socket().detach()
+    else:
+        try:
+            fd = os.memfd_create("huge", os.MFD_HUGETLB)
+        except OSError as exc:
+            pytest.skip(f"no hugetlbfs here: {exc}")
+    before = open_fds()
+    with pytest.raises(errors.InvalidArgument, match="refused the pool"):
+        hand_over(address(handover), fd)
+    assert handover.tickets == 0
+    os.close(fd)
+    until(lambda: open_fds() < before, what="the refused descriptor closed")
