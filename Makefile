@@ -15,13 +15,21 @@ SGLANG_VENV := .venv-sglang
 SGLANG_PY := $(SGLANG_VENV)/bin/python
 SGLANG_STAMP := $(SGLANG_VENV)/.installed
 SGLANG_PIN ?= sglang==0.5.23
+# The server's own (sglang.launch_server: HTTP, grammar, metrics) come after
+# the cache code's.
 SGLANG_PACKAGES := numpy orjson psutil pybase64 requests packaging pillow starlette msgspec pydantic pyzmq tqdm \
 	ipython aiohttp triton apache-tvm-ffi transformers dill sentencepiece compressed-tensors gguf openai \
-	partial-json-parser datasets
+	partial-json-parser datasets \
+	jsonschema xgrammar soundfile fastapi uvicorn uvloop setproctitle python-multipart prometheus-client \
+	interegular einops xxhash
 
-.PHONY: setup demo test compose-test bench proto clean
+.PHONY: setup setup-sglang demo test test-sglang compose-test bench proto clean
 
+# `make demo` needs only the project's environment; `make test` builds
+# SGLang's too, for the suites that run SGLang (tests/sglang).
 setup: $(STAMP) $(SGLANG_STAMP)
+
+setup-sglang: $(SGLANG_STAMP)
 
 $(STAMP): pyproject.toml
 	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
@@ -45,7 +53,7 @@ $(SGLANG_STAMP): pyproject.toml
 	$(SGLANG_PY) -m pip install -q -c $(SGLANG_VENV)/constraints.txt -e .
 	@touch $(SGLANG_STAMP)
 
-demo: setup
+demo: $(STAMP)
 	$(VENV)/bin/cpcache demo --trace ../shared/traces/conversation_trace.jsonl --plot demo.png
 
 test: setup
@@ -58,7 +66,11 @@ test: setup
 compose-test: $(STAMP)
 	scripts/compose-test.sh
 
-bench: setup
+# Real SGLang servers (sglang.launch_server) over cpcache daemons; also part of `test`.
+test-sglang: setup
+	$(PY) -m pytest -m sglang tests/sglang
+
+bench: $(STAMP)
 	$(VENV)/bin/cpcache bench agreement --json
 
 proto: setup

@@ -71,6 +71,15 @@ class Topology:
         """CP splits the TP ranks of a stage; it does not multiply them."""
         return self.tp * self.pp
 
+    def scheduler_mismatch(self, rank: int, scheduler: Topology, scheduler_rank: int) -> str:
+        """What differs between this daemon's place in the deployment and the
+        one its scheduler declares ("" when they agree)."""
+        differs = [f"{name} {getattr(scheduler, name)} (daemon: {getattr(self, name)})"
+                   for name in ("tp", "cp", "dp", "pp") if getattr(scheduler, name) != getattr(self, name)]
+        if scheduler_rank != rank:
+            differs.append(f"rank {scheduler_rank} (daemon: {rank})")
+        return ", ".join(differs)
+
     def check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
             raise InvalidArgument(

@@ -26,6 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cpcache import errors
 from cpcache.client.pools import hand_over
+from cpcache.topology import Topology
 from cpcache.v1 import daemon_pb2 as pb
 from cpcache.v1 import daemon_pb2_grpc as pb_grpc
 from cpcache.values import MAX_MESSAGE_BYTES, Reduce
@@ -123,6 +124,8 @@ class StepResult:
     write_failures: tuple[int, ...] = ()  # nothing of these entered the host pool (a failed copy, a full pool)
     load_failures: tuple[int, ...] = ()  # the device pages of these hold no agreed data
     epoch: int = 0  # the domain's epoch: it moves when the domain re-forms after losing a rank
+    host_entered: tuple[bytes, ...] = ()  # pages that entered the host pool in `round`
+    host_left: tuple[bytes, ...] = ()  # pages evicted from it in `round`
 
 
 @dataclass(frozen=True)
@@ -182,14 +185,21 @@ def step_result(reply: pb.StepReply) -> StepResult:
         write_failures=tuple(reply.write_failures),
         load_failures=tuple(reply.load_failures),
         epoch=reply.epoch,
+        host_entered=tuple(reply.host_entered),
+        host_left=tuple(reply.host_left),
     )
 
 
 def attach_request(model_id: str, geometry: KVGeometry, device_pages: int, shm_ticket: str = "",
-                   cuda_ipc: dict[str, Any] | None = None) -> pb.AttachRequest:
+                   cuda_ipc: dict[str, Any] | None = None,
+                   placement: tuple[Topology, int] | None = None) -> pb.AttachRequest:
     request = pb.AttachRequest(model_id=model_id, device_pages=device_pages, geometry=pb.Geometry(
         layers=geometry.layers, kv_kind=geometry.kv_kind, heads=geometry.heads, head_dim=geometry.head_dim,
         dtype=geometry.dtype, page_size=geometry.page_size))
+    if placement is not None:
+        topology, rank = placement
+        request.topology.CopyFrom(pb.SchedulerTopology(tp=topology.tp, cp=topology.cp, dp=topology.dp,
+                                                       pp=topology.pp, rank=rank))
     if cuda_ipc is not None:
         request.cuda_ipc.CopyFrom(pb.CudaIpcHandle(**cuda_ipc))
     else:
@@ -214,8 +224,8 @@ def _step_call(step: int, votes: Iterable[tuple[int, Reduce, int]], ops: Ops | N
 
 
 def _attach_call(model_id: str, geometry: KVGeometry, device_pages: int, shm_ticket: str,
-                 cuda_ipc: dict[str, Any] | None) -> Call[pb.AttachReply]:
-    return Call("Attach", attach_request(model_id, geometry, device_pages, shm_ticket, cuda_ipc))
+                 cuda_ipc: dict[str, Any] | None, placement: tuple[Topology, int] | None) -> Call[pb.AttachReply]:
+    return Call("Attach", attach_request(model_id, geometry, device_pages, shm_ticket, cuda_ipc, placement))
 
 
 def _wait_loads_call(op_ids: Iterable[int], timeout_s: float) -> Call[None]:
@@ -289,12 +299,14 @@ class _Face:
         return self._send(_step_call, step, votes, ops)
 
     def attach(self, model_id: str, geometry: KVGeometry, device_pages: int, pool_fd: int = -1,
-               cuda_ipc: dict[str, Any] | None = None) -> Any:
+               cuda_ipc: dict[str, Any] | None = None, placement: tuple[Topology, int] | None = None) -> Any:
         """Hand the daemon this model's device pool: -> pb.AttachReply.
         `pool_fd`: a sealed memfd pool (`DevicePool.create_sealed`), handed
-        over by descriptor on the daemon's `<socket>.pools`; or `cuda_ipc`."""
+        over by descriptor on the daemon's `<socket>.pools`; or `cuda_ipc`.
+        `placement`: the scheduler's topology and global rank, which the
+        daemon checks against its own."""
         ticket = hand_over(self._address, pool_fd) if pool_fd >= 0 else ""
-        return self._send(_attach_call, model_id, geometry, device_pages, ticket, cuda_ipc)
+        return self._send(_attach_call, model_id, geometry, device_pages, ticket, cuda_ipc, placement)
 
     def wait_loads(self, op_ids: Iterable[int], timeout_s: float = 30.0) -> Any:
         """Wait until these loads reached the device pool: -> None. The call's
@@ -325,11 +337,11 @@ class AsyncClient(_Face):
     _grpc = grpc.aio
 
     async def attach(self, model_id: str, geometry: KVGeometry, device_pages: int, pool_fd: int = -1,
-                     cuda_ipc: dict[str, Any] | None = None) -> Any:
+                     cuda_ipc: dict[str, Any] | None = None, placement: tuple[Topology, int] | None = None) -> Any:
         """As `Client.attach`; the pool's handover (a blocking exchange on the
         daemon's `.pools` socket) runs on a thread, off the event loop."""
         ticket = await asyncio.to_thread(hand_over, self._address, pool_fd) if pool_fd >= 0 else ""
-        return await self._send(_attach_call, model_id, geometry, device_pages, ticket, cuda_ipc)
+        return await self._send(_attach_call, model_id, geometry, device_pages, ticket, cuda_ipc, placement)
 
     async def _send(self, build: Callable[..., Call[T]], *args: Any) -> T:
         call = build(*args)

@@ -106,6 +106,14 @@ class HiCacheSession:
         self._pending.writes.append((op_id, pages, device_pages, parent or b""))
         return op_id
 
+    def cancel_unsent_writes(self) -> list[int]:
+        """Drop the write-throughs no flush has sent yet (their device pages
+        are about to be freed): -> their op ids. Sent ones are decided by the
+        daemon and must be waited for."""
+        cancelled = [w[0] for w in self._pending.writes]
+        self._pending.writes = []
+        return cancelled
+
     def writing_check(self) -> list[int]:
         acked, self._acked = self._acked, []
         return acked

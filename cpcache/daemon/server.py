@@ -49,6 +49,7 @@ from cpcache.keys import namespace_seed
 from cpcache.rank.assembly import CacheRuntime, carry_over, check_host_budget, open_cache
 from cpcache.rank.stepper import Stepper
 from cpcache.state import carryover
+from cpcache.topology import Topology
 from cpcache.v1 import daemon_pb2 as pb
 from cpcache.values import MAX_MESSAGE_BYTES, split_host_port
 
@@ -302,6 +303,10 @@ class Daemon:
             counters["rejected_steps"] = coordinator.rejected_steps
             counters.update(phase_counters(coordinator, self._engine))
         return counters
+
+    def placement(self) -> tuple[Topology, int]:
+        """This daemon's deployment and its rank in it."""
+        return self._topology, self.config.rank
 
     def status(self) -> DaemonStatus:
         coordinator, engine = self._coordinator, self._engine

@@ -26,11 +26,12 @@ from cpcache.daemon.wire import (
     step_reply,
     votes_from_wire,
 )
-from cpcache.errors import CacheError, InvalidArgument, NotFound, PermissionDenied, Unavailable
+from cpcache.errors import CacheError, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, Unavailable
 from cpcache.geometry import KVGeometry
 from cpcache.rank.assembly import CacheRuntime
 from cpcache.rank.stepper import Stepper
 from cpcache.state.requests import StepOps
+from cpcache.topology import Topology
 from cpcache.v1 import daemon_pb2 as pb
 from cpcache.v1 import daemon_pb2_grpc as pb_grpc
 
@@ -56,6 +57,8 @@ class DaemonPort(Protocol):
     def stats(self) -> dict[str, int]: ...
 
     def status(self) -> DaemonStatus: ...
+
+    def placement(self) -> tuple[Topology, int]: ...
 
 
 async def bounded_storage_call(runtime: CacheRuntime, fn: Callable[[], T], what: str) -> T:
@@ -155,9 +158,23 @@ class CacheDaemonServicer(pb_grpc.CacheDaemonServicer):
             raise PermissionDenied("attach: the daemon opens no file a caller names; hand the pool over by "
                                    "descriptor (a sealed memfd) on its .pools socket and attach with the "
                                    "ticket (cpcache.client does it: attach(..., pool_fd=...))")
+        if request.HasField("topology"):
+            self._check_scheduler_topology(request.topology)
         attached = await self._daemon.attach(request.model_id, geometry, request.device_pages, which,
                                              getattr(request, which))
         return attach_reply(attached)
+
+    def _check_scheduler_topology(self, declared: pb.SchedulerTopology) -> None:
+        topology, rank = self._daemon.placement()
+        try:
+            scheduler = Topology(tp=declared.tp, cp=declared.cp, dp=declared.dp, pp=declared.pp)
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"attach: the scheduler's {exc}") from None
+        differs = topology.scheduler_mismatch(rank, scheduler, declared.rank)
+        if differs:
+            raise FailedPrecondition(
+                f"attach: the scheduler's topology is not this daemon's: {differs}; start the daemons with "
+                "the scheduler's sizes (cpcache launch --tp/--cp/--dp/--pp) and connect rank r to rank r's socket")
 
     @guarded
     async def WaitLoads(self, request: pb.WaitLoadsRequest, context: grpc.aio.ServicerContext) -> pb.WaitLoadsReply:

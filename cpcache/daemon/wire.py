@@ -67,6 +67,8 @@ def step_reply(outcome: StepOutcome) -> pb.StepReply:
     for op_id, pages in d.loads:
         reply.loads.add(op_id=op_id, pages=pages)
     reply.load_failures.extend(d.load_failures)
+    reply.host_entered.extend(d.host_entered)
+    reply.host_left.extend(d.host_left)
     return reply
 
 

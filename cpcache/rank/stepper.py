@@ -261,6 +261,7 @@ class Stepper:
             cache.io.forget(cache.state.closed)
             cache.state.closed.clear()
             decided.merge(decisions)
+            decided.host_entered, decided.host_left = cache.state.index.take_changes()
         self.decision_count += len(op_ids) + decided.count()
         return StepOutcome(0, result.number, op_ids, values, result.digest, decided)
 

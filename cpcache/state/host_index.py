@@ -30,6 +30,10 @@ class HostIndex:
     def __init__(self) -> None:
         self._entries: dict[bytes, Entry] = {}
         self._leaves: list[tuple[int, bytes]] = []  # lazy heap of (last_used, hash)
+        # page -> resident, for pages that entered or left since the last
+        # `take_changes`: what schedulers are told, so that they can answer
+        # host matches from agreed state without asking the daemon.
+        self._changes: dict[bytes, bool] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -57,6 +61,7 @@ class HostIndex:
             if parent is not None and parent in self._entries:
                 self._entries[parent].children += 1
             self._entries[page] = Entry(slot=slot, parent=parent, last_used=step)
+            self._changes[page] = True
             parent = page
         if pages:
             heapq.heappush(self._leaves, (step, pages[-1]))
@@ -113,9 +118,18 @@ class HostIndex:
         if not dry_run:
             for page, _ in evicted:
                 del self._entries[page]
+                self._changes[page] = False
             for item in kept:
                 heapq.heappush(self._leaves, item)
         return evicted
+
+    def take_changes(self) -> tuple[list[bytes], list[bytes]]:
+        """Pages that entered and pages that left the index since the last
+        call (net: a page that left and came back entered), in hash order."""
+        changes, self._changes = self._changes, {}
+        entered = sorted(p for p, resident in changes.items() if resident)
+        left = sorted(p for p, resident in changes.items() if not resident)
+        return entered, left
 
     def items(self) -> ItemsView[bytes, Entry]:
         return self._entries.items()

@@ -68,6 +68,8 @@ class Decisions:
     backups: list[tuple[int, bool]] = field(default_factory=list)  # (backup id, stored)
     loads: list[tuple[int, int]] = field(default_factory=list)  # (op, pages loaded)
     load_failures: list[int] = field(default_factory=list)  # copies that failed on some rank
+    host_entered: list[bytes] = field(default_factory=list)  # pages now resident in the host pool
+    host_left: list[bytes] = field(default_factory=list)  # pages no longer resident
 
     def merge(self, other: Decisions) -> Decisions:
         for name, values in vars(other).items():

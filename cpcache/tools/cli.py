@@ -33,6 +33,27 @@ def topology_of(args: argparse.Namespace) -> Topology:
     return Topology(tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp)
 
 
+def _daemon_settings(path: str | None) -> dict:
+    """Every rank's other settings, from a TOML file of cpcached's settings
+    (names as in `cpcached --help`); the launcher's own (rank, sizes,
+    rendezvous, socket) are not settable there."""
+    if not path:
+        return {}
+    import dataclasses
+    import tomllib
+
+    from cpcache.config import DaemonConfig
+
+    with open(path, "rb") as fh:
+        settings = tomllib.load(fh)
+    own = {"rank", "tp", "pp", "dp", "cp", "rendezvous", "deployment", "socket"}
+    known = {f.name for f in dataclasses.fields(DaemonConfig)} - own
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise SystemExit(f"cpcache launch: {path}: unknown or launcher-owned settings {', '.join(unknown)}")
+    return settings
+
+
 async def _launch(args: argparse.Namespace) -> int:
     from cpcache.tools.launcher import DomainSpec, LocalDomain
 
@@ -40,6 +61,7 @@ async def _launch(args: argparse.Namespace) -> int:
     spec = DomainSpec(
         topology_of(args), run_dir, mode=args.mode, agreement_lag=args.lag,
         agreement_timeout_s=args.agreement_timeout, fault_delay_ms=args.fault_delay_ms,
+        extra=_daemon_settings(args.config),
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -48,7 +70,7 @@ async def _launch(args: argparse.Namespace) -> int:
     async with LocalDomain(spec) as domain:
         print(f"cpcache: {domain.size} ranks serving ({spec.topology.describe()}, {args.mode} mode, lag {args.lag})")
         for rank, socket in enumerate(domain.sockets):
-            print(f"rank {rank}: unix:{socket}")
+            print(f"rank {rank}: unix:{socket} (pid {domain.procs[rank].pid})")
         print("cpcache: press Ctrl-C to stop", flush=True)
         # A supervisor per rank, as systemd's Restart=on-failure is: a rank
         # that exits is started again, however often, and its domain forms
@@ -157,7 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     launch = sub.add_parser("launch", help="run one daemon per rank on this machine until Ctrl-C")
-    add_topology_flags(launch)
+    add_topology_flags(launch, tp=4, cp=1)
+    launch.add_argument("--config", help="TOML file of cpcached settings for every rank (storage, host pool, "
+                        "policies; see `cpcached --help`)")
     launch.add_argument("--run-dir", help="where sockets and logs go (default: a new temp dir)")
     launch.add_argument("--agreement-timeout", type=float, default=10.0, help="seconds before a peer counts as lost")
     launch.add_argument("--fault-delay-ms", type=float, default=0.0, help="inject up to this delay into each round")

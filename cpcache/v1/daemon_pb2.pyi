@@ -53,20 +53,36 @@ class CudaIpcHandle(_message.Message):
     def __init__(self, device: _Optional[int] = ..., handle: _Optional[bytes] = ..., storage_size: _Optional[int] = ..., storage_offset: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
-    __slots__ = ("model_id", "geometry", "device_pages", "shm_path", "cuda_ipc", "shm_ticket")
+    __slots__ = ("model_id", "geometry", "device_pages", "shm_path", "cuda_ipc", "shm_ticket", "topology")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
     DEVICE_PAGES_FIELD_NUMBER: _ClassVar[int]
     SHM_PATH_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     SHM_TICKET_FIELD_NUMBER: _ClassVar[int]
+    TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     geometry: Geometry
     device_pages: int
     shm_path: str
     cuda_ipc: CudaIpcHandle
     shm_ticket: str
-    def __init__(self, model_id: _Optional[str] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., device_pages: _Optional[int] = ..., shm_path: _Optional[str] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., shm_ticket: _Optional[str] = ...) -> None: ...
+    topology: SchedulerTopology
+    def __init__(self, model_id: _Optional[str] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., device_pages: _Optional[int] = ..., shm_path: _Optional[str] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., shm_ticket: _Optional[str] = ..., topology: _Optional[_Union[SchedulerTopology, _Mapping]] = ...) -> None: ...
+
+class SchedulerTopology(_message.Message):
+    __slots__ = ("tp", "cp", "dp", "pp", "rank")
+    TP_FIELD_NUMBER: _ClassVar[int]
+    CP_FIELD_NUMBER: _ClassVar[int]
+    DP_FIELD_NUMBER: _ClassVar[int]
+    PP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    tp: int
+    cp: int
+    dp: int
+    pp: int
+    rank: int
+    def __init__(self, tp: _Optional[int] = ..., cp: _Optional[int] = ..., dp: _Optional[int] = ..., pp: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class AttachReply(_message.Message):
     __slots__ = ("page_bytes", "host_pages", "host_layout", "storage", "key_seed", "resumed_pages")
@@ -262,7 +278,7 @@ class LoadDecision(_message.Message):
     def __init__(self, op_id: _Optional[int] = ..., pages: _Optional[int] = ...) -> None: ...
 
 class StepReply(_message.Message):
-    __slots__ = ("step", "round", "decisions", "state_digest", "prefetches", "write_acks", "backups", "loads", "write_failures", "load_failures", "epoch")
+    __slots__ = ("step", "round", "decisions", "state_digest", "prefetches", "write_acks", "backups", "loads", "write_failures", "load_failures", "epoch", "host_entered", "host_left")
     STEP_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     DECISIONS_FIELD_NUMBER: _ClassVar[int]
@@ -274,6 +290,8 @@ class StepReply(_message.Message):
     WRITE_FAILURES_FIELD_NUMBER: _ClassVar[int]
     LOAD_FAILURES_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    HOST_ENTERED_FIELD_NUMBER: _ClassVar[int]
+    HOST_LEFT_FIELD_NUMBER: _ClassVar[int]
     step: int
     round: int
     decisions: Decisions
@@ -285,7 +303,9 @@ class StepReply(_message.Message):
     write_failures: _containers.RepeatedScalarFieldContainer[int]
     load_failures: _containers.RepeatedScalarFieldContainer[int]
     epoch: int
-    def __init__(self, step: _Optional[int] = ..., round: _Optional[int] = ..., decisions: _Optional[_Union[Decisions, _Mapping]] = ..., state_digest: _Optional[int] = ..., prefetches: _Optional[_Iterable[_Union[PrefetchDecision, _Mapping]]] = ..., write_acks: _Optional[_Iterable[int]] = ..., backups: _Optional[_Iterable[_Union[BackupDecision, _Mapping]]] = ..., loads: _Optional[_Iterable[_Union[LoadDecision, _Mapping]]] = ..., write_failures: _Optional[_Iterable[int]] = ..., load_failures: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ...) -> None: ...
+    host_entered: _containers.RepeatedScalarFieldContainer[bytes]
+    host_left: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, step: _Optional[int] = ..., round: _Optional[int] = ..., decisions: _Optional[_Union[Decisions, _Mapping]] = ..., state_digest: _Optional[int] = ..., prefetches: _Optional[_Iterable[_Union[PrefetchDecision, _Mapping]]] = ..., write_acks: _Optional[_Iterable[int]] = ..., backups: _Optional[_Iterable[_Union[BackupDecision, _Mapping]]] = ..., loads: _Optional[_Iterable[_Union[LoadDecision, _Mapping]]] = ..., write_failures: _Optional[_Iterable[int]] = ..., load_failures: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ..., host_entered: _Optional[_Iterable[bytes]] = ..., host_left: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

@@ -62,10 +62,11 @@ async def test_sglang_radix_cache_on_four_ranks_agrees_and_loads_every_byte(run_
         workers = []
         for rank, socket in enumerate(domain.sockets):
             config = run_dir / f"sglang-{rank}.json"
-            config.write_text(json.dumps({"socket": socket, "model_id": "trace-model"}))
+            config.write_text(json.dumps({"socket": socket, "model_id": "trace-model", "record_decisions": True}))
             coords = topology.coordinates(rank)
             workers.append(run_worker(run_dir / f"report-{rank}.json", "--backend", "cpcache",
                                       "--tp-rank", str(coords.atp), "--atp", str(topology.atp),
+                                      "--tp", str(topology.tp), "--cp", str(topology.cp), "--rank", str(rank),
                                       env={"CPCACHE_SGLANG_CONFIG": str(config)}))
         outcomes = await asyncio.gather(*workers, return_exceptions=True)  # every worker ends before any check
         for outcome in outcomes:

@@ -40,6 +40,7 @@ from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler  # noqa: E402
 
 import cpcache.integrations.sglang as cpcache_sglang  # noqa: E402
+from cpcache.integrations.sglang.server_flags import STORAGE_EXTRA_CONFIG  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM = 2, 2, 16  # per rank: attention TP splits the heads
 DTYPE = torch.bfloat16
@@ -77,7 +78,11 @@ class Rank:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         ps = args.page_size
-        server_args = ServerArgs(model_path="dummy", page_size=ps)
+        # As a server started with the flags the README gives (storage prefetch through the daemon).
+        server_args = ServerArgs(model_path="dummy", page_size=ps, tp_size=args.tp, attn_cp_size=args.cp,
+                                 enable_hierarchical_cache=True,
+                                 hicache_storage_backend="dynamic",
+                                 hicache_storage_backend_extra_config=json.dumps(STORAGE_EXTRA_CONFIG))
         set_global_server_args_for_scheduler(server_args)
         self.req_to_token_pool = ReqToTokenPool(size=args.max_reqs, max_context_len=args.max_context,
                                                 device="cpu", enable_memory_saver=False)
@@ -93,8 +98,8 @@ class Rank:
             cpcache_sglang.register()
             context = TreeCacheBuildContext(
                 server_args=server_args, params=params, is_hybrid_swa=False, is_hybrid_ssm=False,
-                enable_hierarchical_cache=False, disable_radix_cache=False, tp_worker=None, model_config=None,
-                tp_size=args.atp, tp_rank=args.tp_rank, tp_group=None)
+                enable_hierarchical_cache=True, disable_radix_cache=False, tp_worker=None, model_config=None,
+                tp_size=args.tp, tp_rank=args.rank, tp_group=None)
             self.cache = get_radix_cache_factory(cpcache_sglang.NAME)(context)
         else:
             self.cache = UnifiedRadixCache(params=params)
@@ -203,6 +208,9 @@ def main() -> None:
     parser.add_argument("--max-context", type=int, default=4096)
     parser.add_argument("--tp-rank", type=int, default=0)
     parser.add_argument("--atp", type=int, default=1)
+    parser.add_argument("--tp", type=int, default=1, help="the server's TP size (the daemons' too)")
+    parser.add_argument("--cp", type=int, default=1, help="the server's attention CP size")
+    parser.add_argument("--rank", type=int, default=0, help="this scheduler's global rank")
     parser.add_argument("--abort-every", type=int, default=9)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()

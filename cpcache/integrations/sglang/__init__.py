@@ -1,12 +1,10 @@
 """cpcache as an SGLang radix-cache backend: ``--radix-cache-backend cpcache``.
 
-SGLang finds backends in its registry; this package registers itself there
-when `register()` runs. Run it once in the server's process before SGLang
-builds its cache, for instance from a `sitecustomize` module or a launcher:
-
-    python -c "import cpcache.integrations.sglang as c; c.register(); \\
-               import runpy; runpy.run_module('sglang.launch_server', run_name='__main__')" \\
-        --model-path ... --page-size 16 --radix-cache-backend cpcache
+SGLang loads the general plugins of the entry-point group
+``sglang.srt.plugins`` in every process it starts, its spawned schedulers
+included; installing cpcache registers `register` there, so a plain
+``python -m sglang.launch_server ... --radix-cache-backend cpcache`` finds the
+backend. The flags it needs, and why, are in the README ("SGLang").
 
 The backend's settings come from the file named by ``CPCACHE_SGLANG_CONFIG``
 (see `settings.Settings`).

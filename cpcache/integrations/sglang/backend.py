@@ -1,6 +1,7 @@
-"""Building the `cpcache` radix cache from SGLang's build context: share the
-device pool, attach it to the rank's daemon (agreed by every rank), and hand
-the tree a connector."""
+"""Building the `cpcache` radix cache from SGLang's build context: check the
+server's flags, share the device pool, attach it to the rank's daemon
+(agreed by every rank, topology checked by the daemon), and hand the tree a
+connector."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import logging
 from typing import Any
 
 from cpcache.client.core import Client
+from cpcache.integrations.sglang import server_flags
 from cpcache.integrations.sglang.connector import Connector
 from cpcache.integrations.sglang.pool import share_device_pool
 from cpcache.integrations.sglang.settings import Settings
+from cpcache.topology import Topology
 
 log = logging.getLogger(__name__)
 
@@ -26,12 +29,32 @@ def _world_rank(tp_rank: int) -> int:
     return tp_rank
 
 
+def scheduler_topology(server_args: Any, tp_size: int) -> Topology:
+    """The deployment as SGLang lays it out: CP and attention DP split the TP
+    ranks of a pipeline stage, exactly as the daemons' topology does."""
+    attn_dp = getattr(server_args, "attn_dp_size", None)
+    if attn_dp is None:
+        attn_dp = server_args.dp_size if getattr(server_args, "enable_dp_attention", False) else 1
+    return Topology(tp=tp_size, cp=getattr(server_args, "attn_cp_size", 1) or 1, dp=attn_dp or 1,
+                    pp=getattr(server_args, "pp_size", 1) or 1)
+
+
+def tree_components() -> tuple[Any, ...]:
+    """What SGLang's own builder gives a full-attention model's tree."""
+    from sglang.srt.mem_cache.unified_cache.components import ComponentType
+
+    return (ComponentType.FULL,)
+
+
 def build_cache(context: Any, settings: Settings | None = None) -> Any:
     from cpcache.integrations.sglang.radix_cache import CpcacheRadixCache
 
+    server_flags.check(context)
     settings = settings or Settings.load()
     params = context.params
+    params.tree_components = tree_components()
     rank = _world_rank(context.tp_rank)
+    topology = scheduler_topology(context.server_args, context.tp_size)
     socket = settings.socket_for(rank, context.tp_rank)
     model_id = settings.model_id or getattr(context.server_args, "served_model_name", None) \
         or context.server_args.model_path
@@ -40,7 +63,7 @@ def build_cache(context: Any, settings: Settings | None = None) -> Any:
     client = Client(socket, token=settings.token(), timeout_s=settings.timeout_s)
     try:
         attached = client.attach(model_id, pool.geometry, pool.device_pages, pool_fd=pool.fd,
-                                 cuda_ipc=pool.cuda_ipc)
+                                 cuda_ipc=pool.cuda_ipc, placement=(topology, rank))
         first_step = client.status().last_step + 1
     except BaseException:
         client.close()
@@ -48,5 +71,17 @@ def build_cache(context: Any, settings: Settings | None = None) -> Any:
         raise
     log.info("cpcache: rank %d attached %r to %s (%d device pages, %d host pages, storage %s)",
              rank, model_id, socket, pool.device_pages, attached.host_pages, attached.storage)
-    connector = Connector(client, first_step=first_step, load_timeout_s=settings.timeout_s)
-    return CpcacheRadixCache(params, connector=connector, pool=pool)
+
+    def connect(step: int) -> Connector:
+        return Connector(client, first_step=step, load_timeout_s=settings.timeout_s,
+                         keep_decisions=settings.record_decisions)
+
+    def attach_again() -> Connector:
+        client.attach(model_id, pool.geometry, pool.device_pages, pool_fd=pool.fd, cuda_ipc=pool.cuda_ipc,
+                      placement=(topology, rank))
+        return connect(int(client.status().last_step) + 1)
+
+    return CpcacheRadixCache(params, connector=connect(first_step), pool=pool, attach_again=attach_again,
+                             reattach_after=settings.reattach_after_iterations,
+                             storage_prefetch=server_flags.storage_prefetch_enabled(context.server_args), rank=rank)
+

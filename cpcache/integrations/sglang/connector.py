@@ -2,7 +2,12 @@
 
 Everything here is deterministic given the agreed replies: every rank's
 scheduler makes the same calls in the same order, so every rank sends the
-same steps and reads the same decisions. Nothing here runs a collective.
+same steps and reads the same decisions. Nothing here runs a collective, and
+between two steps nothing here calls the daemon: host matches are answered
+from a mirror of the host pool's contents that the steps' replies keep up to
+date (agreed state), so a rank whose daemon died cannot answer a match
+differently from its peers; it learns of the death at the next step, where
+its peers learn of it too.
 """
 
 from __future__ import annotations
@@ -30,27 +35,49 @@ class Tally:
     writes: int = 0
     write_acks: int = 0
     write_failures: int = 0
+    writes_cancelled: int = 0
     prefetches: int = 0
     prefetched_pages: int = 0
     decisions: list[tuple] = field(default_factory=list)  # the agreed decisions, in order
 
 
+class HostMirror:
+    """The pages resident in the daemon's host pool, as of the last reply."""
+
+    def __init__(self) -> None:
+        self._pages: set[bytes] = set()
+
+    def follow(self, reply: StepResult) -> None:
+        self._pages.difference_update(reply.host_left)
+        self._pages.update(reply.host_entered)
+
+    def prefix(self, pages: list[bytes]) -> int:
+        for i, page in enumerate(pages):
+            if page not in self._pages:
+                return i
+        return len(pages)
+
+    def __len__(self) -> int:
+        return len(self._pages)
+
+
 class Connector:
-    def __init__(self, client: Client, first_step: int, load_timeout_s: float = 30.0) -> None:
+    def __init__(self, client: Client, first_step: int, load_timeout_s: float = 30.0,
+                 keep_decisions: bool = False) -> None:
         self.client = client
         self.session = HiCacheSession(client, first_step=first_step)
         self.load_timeout_s = load_timeout_s
         self.tally = Tally()
+        self.host = HostMirror()
+        self._keep_decisions = keep_decisions
         self._write_done: dict[int, Callable[[bool], None]] = {}  # write op -> called with stored?
 
     # -- asks ---------------------------------------------------------------------
 
     def match(self, pages: list[bytes]) -> int:
         """Pages of `pages`, from the first, resident in the host pool (the
-        agreed state, the same on every rank between two steps)."""
-        if not pages:
-            return 0
-        return self.client.match(pages, host_only=True).host_pages
+        agreed state as of the last step, the same on every rank)."""
+        return self.host.prefix(pages)
 
     def write(self, pages: list[bytes], device_pages: list[int], parent: bytes | None,
               done: Callable[[bool], None]) -> None:
@@ -84,16 +111,37 @@ class Connector:
             self.tally.load_failures += 1
         return ok
 
+    def cancel_unsent_writes(self) -> None:
+        """Forget the writes no step has carried yet (their device pages are
+        being freed): each is decided as not stored."""
+        for op in self.session.cancel_unsent_writes():
+            self.tally.writes_cancelled += 1
+            self._write_done.pop(op)(False)
+
+    def drain_writes(self) -> None:
+        """Step until every write a step carried is decided: only then may
+        their device pages be freed (the daemon may still be copying them)."""
+        deadline = time.monotonic() + self.load_timeout_s
+        while self._write_done:
+            if time.monotonic() > deadline:
+                raise Unavailable(f"{len(self._write_done)} writes not decided in {self.load_timeout_s} s")
+            self.flush()
+
     # -- the iteration boundary -------------------------------------------------------
 
     def busy(self) -> bool:
         """Whether a flush has anything to send or wait for."""
         return self.session.has_pending() or bool(self._write_done) or self.session.open_prefetches() > 0
 
+    def writes_in_flight(self) -> int:
+        return len(self._write_done)
+
     def flush(self) -> StepResult:
         reply = self.session.flush()
         self.tally.steps += 1
-        self.tally.decisions.append(_decisions(reply))
+        self.host.follow(reply)
+        if self._keep_decisions:
+            self.tally.decisions.append(_decisions(reply))
         for op in self.session.writing_check():
             self.tally.write_acks += 1
             self._write_done.pop(op)(True)

@@ -20,16 +20,21 @@ share comes from the daemon's agreed replies, never from a collective here:
 Evicting a device node needs no copy: its pages were written through, so a
 later match finds them in the host pool and loads them back.
 
-When the daemon cannot answer (it is down, or its domain lost a peer), the
-cache falls back to SGLang's device-only tree for the rest of the process's
-life: every rank's next step fails the same way (a lost peer is agreed), so
-every rank falls back at the same iteration. Locks held for writes in flight
-are released; the host and storage tiers are simply not used any more.
+Between two steps nothing here asks the daemon: host matches come from the
+connector's mirror of the host pool (agreed state). So a daemon that cannot
+answer (it died, or its domain lost a peer) is found at a step, and a step
+fails alike on every rank (a lost peer is agreed within
+`agreement_timeout_s`): every rank falls back to SGLang's device-only tree at
+the same iteration, releasing the locks of writes in flight. Every rank then
+tries to attach again at the same later iterations (counted, never timed);
+Attach is agreed, so every rank comes back at the same iteration, warm with
+the host pages the re-formed domain carried over and with storage.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,27 +65,64 @@ class _HostHit:
 
 
 class CpcacheRadixCache(UnifiedRadixCache):
-    def __init__(self, params: Any, *, connector: Connector, pool: SharedPool) -> None:
+    def __init__(self, params: Any, *, connector: Connector, pool: SharedPool,
+                 attach_again: Callable[[], Connector] | None = None, reattach_after: int = 64,
+                 storage_prefetch: bool = True, rank: int = 0) -> None:
         # The parent constructor calls reset() before the connector exists.
         self.connector: Connector | None = None
+        self._write_locks: dict[int, tuple[NodeId, Any]] = {}  # lock number -> (node, lock) while a write is open
         super().__init__(params)
         self.connector = connector
         self.shared_pool = pool
+        self.storage_prefetch = storage_prefetch
+        self.rank = rank
         self._host_hits: dict[str, _HostHit] = {}
         self._loading = False  # inserting pages loaded from the host: they are there already
-        self._write_locks: dict[int, tuple[NodeId, Any]] = {}  # lock number -> (node, lock) while a write is open
         self._locks = 0
         self.fallback_reason = ""
+        self.fallbacks = 0  # times the daemon was left
+        self.reattaches = 0  # times it was attached again
+        self._attach_again = attach_again
+        self._reattach_after = max(1, reattach_after)
+        self._iteration = 0  # scheduler iterations (check_hicache_events calls): alike on every rank
+        self._next_attach: int | None = None  # iteration of the next attach try while fallen back
+        self._attach_wait = self._reattach_after
 
-    def _fall_back(self, exc: CacheError) -> None:
-        """Go on device-only: the daemon cannot decide any more."""
-        log.error("cpcache: the daemon cannot answer (%s); serving from the device tree only", exc)
-        self.fallback_reason = str(exc)
-        self.connector = None
-        self._host_hits.clear()
+    def _release_write_locks(self) -> None:
         for node, lock in self._write_locks.values():
             self.dec_lock_ref(node, lock)
         self._write_locks.clear()
+
+    def _fall_back(self, exc: CacheError) -> None:
+        """Go on device-only: the daemon cannot decide any more."""
+        log.error("cpcache: rank %d fell back to the device tree at iteration %d: the daemon cannot answer (%s); "
+                  "attaching again from iteration %d", self.rank, self._iteration, exc,
+                  self._iteration + self._reattach_after)
+        self.fallback_reason = str(exc)
+        self.fallbacks += 1
+        self.connector = None
+        self._host_hits.clear()
+        self._release_write_locks()
+        self._attach_wait = self._reattach_after
+        self._next_attach = self._iteration + self._attach_wait if self._attach_again else None
+
+    def _try_attach_again(self) -> None:
+        """Every rank runs this at the same iteration; Attach is agreed, so
+        every rank is attached again, or none is."""
+        assert self._attach_again is not None
+        try:
+            self.connector = self._attach_again()
+        except CacheError as exc:
+            self._attach_wait = min(self._attach_wait * 2, 64 * self._reattach_after)
+            self._next_attach = self._iteration + self._attach_wait
+            log.warning("cpcache: rank %d could not attach again at iteration %d (%s); next try in %d iterations",
+                        self.rank, self._iteration, exc, self._attach_wait)
+            return
+        self._next_attach = None
+        self.reattaches += 1
+        self.fallback_reason = ""
+        log.warning("cpcache: rank %d attached again at iteration %d; host and storage tiers in use again",
+                    self.rank, self._iteration)
 
     # -- keys -------------------------------------------------------------------------
 
@@ -136,11 +178,7 @@ class CpcacheRadixCache(UnifiedRadixCache):
         self._host_hits.pop(req.rid, None)
         hashes = self.page_hashes(params.key)
         on_device = result.device_prefix_len // self.page_size
-        try:
-            host = self.connector.match(hashes[on_device:])
-        except CacheError as exc:
-            self._fall_back(exc)
-            return result
+        host = self.connector.match(hashes[on_device:])
         if host == 0:
             return result
         self._host_hits[req.rid] = _HostHit(params.key, on_device, hashes[on_device : on_device + host])
@@ -198,7 +236,7 @@ class CpcacheRadixCache(UnifiedRadixCache):
                               last_hash: str | None = None, prefix_keys: list[str] | None = None,
                               matched_prefix_tokens: list[int] | None = None, extra_key: str | None = None,
                               cache_salt: str | None = None, storage_hit_end: int | None = None) -> None:
-        if self.connector is None:
+        if self.connector is None or not self.storage_prefetch:
             return
         from sglang.srt.mem_cache.radix_cache import RadixKey
 
@@ -206,15 +244,18 @@ class CpcacheRadixCache(UnifiedRadixCache):
         key = RadixKey(list(known) + list(new_input_tokens), extra_key=extra_key, cache_salt=cache_salt)
         hashes = self.page_hashes(key)
         first = len(known) // self.page_size
-        try:
-            first += self.connector.match(hashes[first:])  # pages already in the host need no prefetch
-        except CacheError as exc:
-            self._fall_back(exc)
-            return
+        first += self.connector.match(hashes[first:])  # pages already in the host need no prefetch
         if first >= len(hashes):
             return
         self.connector.prefetch(request.rid, hashes[first:], (len(hashes) - first) * self.page_size,
                                 hashes[first - 1] if first else None)
+
+    def is_backuped(self, node_id: NodeId) -> bool:
+        # SGLang asks for a storage prefetch only past a node whose pages are
+        # backed up, because its storage keys chain from that node's hash.
+        # cpcache chains keys from the request's tokens and skips what the
+        # host pool holds, so every node is a valid anchor.
+        return self.connector is not None or super().is_backuped(node_id)
 
     def check_prefetch_progress(self, handle: Any) -> bool:
         if self.connector is None:
@@ -234,7 +275,13 @@ class CpcacheRadixCache(UnifiedRadixCache):
     # -- the iteration boundary ------------------------------------------------------------
 
     def check_hicache_events(self) -> None:
-        if self.connector is not None and self.connector.busy():
+        """Once per scheduler iteration, on every rank: the iteration's step."""
+        self._iteration += 1
+        if self.connector is None:
+            if self._next_attach is not None and self._iteration >= self._next_attach:
+                self._try_attach_again()
+            return
+        if self.connector.busy():
             try:
                 self.connector.flush()
             except CacheError as exc:
@@ -247,9 +294,16 @@ class CpcacheRadixCache(UnifiedRadixCache):
         return False
 
     def reset(self) -> None:
-        if getattr(self, "connector", None) is not None:
+        """SGLang's flush_cache: every device page is about to be free. Writes
+        no step carried yet are dropped; those a step carried may still be
+        copying from their device pages, so they are decided first."""
+        connector = getattr(self, "connector", None)
+        if connector is not None:
             self._host_hits.clear()
-            for node, lock in self._write_locks.values():
-                self.dec_lock_ref(node, lock)
-            self._write_locks.clear()
+            connector.cancel_unsent_writes()
+            try:
+                connector.drain_writes()
+            except CacheError as exc:
+                self._fall_back(exc)
+        self._release_write_locks()
         super().reset()

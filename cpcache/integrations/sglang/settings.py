@@ -1,7 +1,8 @@
 """The backend's settings: a JSON file named by ``CPCACHE_SGLANG_CONFIG``.
 
     {"socket": "/run/cpcache/rank-{rank}.sock", "model_id": "llama-3-8b",
-     "token_file": "", "timeout_s": 30}
+     "token_file": "", "timeout_s": 30, "record_decisions": false,
+     "reattach_after_iterations": 64}
 
 `socket` may name `{rank}` (the process's rank in torch.distributed's world,
 which is what `cpcache launch` and the systemd units number daemons by) and
@@ -25,6 +26,13 @@ class Settings:
     model_id: str = ""
     token_file: str = ""
     timeout_s: float = 30.0
+    # Keep every agreed decision for a report (tests compare ranks by it);
+    # grows with the server's life, so off in production.
+    record_decisions: bool = False
+    # Scheduler iterations after a fallback before the first attach again;
+    # each later try waits twice as long (counted in iterations, which every
+    # rank runs alike, so every rank tries at the same one).
+    reattach_after_iterations: int = 64
 
     @staticmethod
     def load(path: str | None = None) -> Settings:

@@ -1,0 +1,75 @@
+"""What the `cpcache` backend needs of SGLang's server arguments, checked
+when SGLang builds the cache: a configuration SGLang would not drive refuses
+to start with an error that names the flag, instead of serving and hanging.
+
+- ``--enable-hierarchical-cache``: SGLang's scheduler calls its cache's
+  per-iteration hook (`check_hicache_events`, where cpcache sends the
+  iteration's one Step) only then. Without it no write is ever decided, its
+  device pages stay locked, and once the pool fills no request is admitted.
+- ``--hicache-storage-backend dynamic`` with cpcache named in
+  ``--hicache-storage-backend-extra-config`` (`STORAGE_EXTRA_CONFIG`): the
+  scheduler asks the cache for storage prefetches only when a storage backend
+  is named. cpcache's daemon is the storage tier; SGLang's own storage code
+  is never built. Without it cpcache serves the host tier only.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+# The storage flag's extra config that names cpcache's daemon as the tier.
+STORAGE_EXTRA_CONFIG = {"backend_name": "cpcache", "module_path": "cpcache.integrations.sglang.storage",
+                        "class_name": "DaemonStorage"}
+
+
+class UnsupportedServer(ValueError):
+    """SGLang's server arguments ask for something the backend cannot do."""
+
+
+def _storage_named_cpcache(server_args: Any) -> bool:
+    raw = getattr(server_args, "hicache_storage_backend_extra_config", None)
+    if not raw:
+        return False
+    try:
+        extra = json.loads(raw) if isinstance(raw, str) else dict(raw)
+    except (ValueError, TypeError):
+        return False
+    return isinstance(extra, dict) and extra.get("backend_name") == "cpcache"
+
+
+def storage_prefetch_enabled(server_args: Any) -> bool:
+    """Whether SGLang's scheduler will ask for storage prefetches; refuses a
+    storage backend other than cpcache's (SGLang's would never be used)."""
+    backend = getattr(server_args, "hicache_storage_backend", None)
+    if backend is None:
+        return False
+    if backend != "dynamic" or not _storage_named_cpcache(server_args):
+        raise UnsupportedServer(
+            f"cpcache: --hicache-storage-backend {backend} is SGLang's own storage, which the cpcache backend "
+            "does not use (its daemon is the storage tier). Use --hicache-storage-backend dynamic "
+            f"--hicache-storage-backend-extra-config '{json.dumps(STORAGE_EXTRA_CONFIG)}', or leave both out "
+            "to serve the host tier only")
+    return True
+
+
+def check(context: Any) -> None:
+    """Refuse what the backend cannot serve, naming the flag."""
+    server_args = context.server_args
+    if context.disable_radix_cache:
+        raise UnsupportedServer("cpcache: --radix-cache-backend cpcache with --disable-radix-cache caches nothing; "
+                                "drop one of them")
+    if not context.enable_hierarchical_cache:
+        raise UnsupportedServer(
+            "cpcache: --radix-cache-backend cpcache needs --enable-hierarchical-cache: SGLang's scheduler calls "
+            "the cache once per iteration (check_hicache_events) only then, and cpcache decides every write, "
+            "load and prefetch in that call; without it writes are never decided, their pages stay locked "
+            "and the server stops admitting requests once the KV pool fills")
+    if context.is_hybrid_swa or context.is_hybrid_ssm or getattr(context, "is_dsa", False):
+        raise UnsupportedServer("cpcache: hybrid sliding-window, Mamba and DSA models are not supported "
+                                "(their extra cache components have no tier below the device)")
+    mode = getattr(server_args, "hicache_host_memory_mode", "cache")
+    if mode != "cache":
+        raise UnsupportedServer(f"cpcache: --hicache-host-memory-mode {mode} is not supported; the daemon's host "
+                                "pool is a cache tier (leave the flag at its default, cache)")
+    storage_prefetch_enabled(server_args)

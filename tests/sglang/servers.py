@@ -1,0 +1,249 @@
+"""Real SGLang servers on this CPU host, started the way the README says:
+`python -m sglang.launch_server` (its tokenizer manager, spawned schedulers
+and detokenizer, HTTP on a TCP port), with a tiny Llama of random weights
+made by transformers at test time, and `cpcache launch` daemons beneath.
+
+Every wait is on an event: a process's own readiness line on its output
+(SGLang prints one when it serves, `cpcache launch` when its ranks serve),
+or its exit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import urllib.request
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cpcache.integrations.sglang.server_flags import STORAGE_EXTRA_CONFIG
+
+ROOT = Path(__file__).resolve().parents[2]
+SGLANG_PYTHON = Path(os.environ.get("CPCACHE_SGLANG_PYTHON", ROOT / ".venv-sglang" / "bin" / "python"))
+CPCACHE = Path(sys.executable).parent / "cpcache"
+# On PYTHONPATH of every SGLang process here: stand-ins for two GPU-only packages.
+CPU_HOST = Path(__file__).resolve().parent / "cpu_host"
+
+# What every SGLang server here runs with: SGLang's CPU path for a tiny model.
+CPU_FLAGS = ["--device", "cpu", "--skip-tokenizer-init", "--attention-backend", "torch_native",
+             "--disable-cuda-graph", "--dtype", "float32"]
+# What the cpcache backend needs (README, "SGLang"): the backend; the
+# per-iteration hook; storage prefetch through the daemon.
+CPCACHE_FLAGS = ["--radix-cache-backend", "cpcache", "--enable-hierarchical-cache",
+                 "--hicache-storage-backend", "dynamic",
+                 "--hicache-storage-backend-extra-config", json.dumps(STORAGE_EXTRA_CONFIG)]
+PLAIN_FLAGS = ["--disable-radix-cache"]
+READY = "The server is fired up and ready to roll"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_tiny_model(path: Path) -> Path:
+    """A 2-layer Llama with random weights (no tokenizer: requests send ids)."""
+    script = (
+        "import sys, torch\n"
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        "torch.manual_seed(0)\n"
+        "cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,\n"
+        "                  num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=4096)\n"
+        "LlamaForCausalLM(cfg).save_pretrained(sys.argv[1])\n")
+    subprocess.run([str(SGLANG_PYTHON), "-c", script, str(path)], check=True, capture_output=True, timeout=300)
+    return path
+
+
+class Watched:
+    """A child process whose output goes to a log file, read line by line on
+    a thread that fires an event when a marker line appears."""
+
+    def __init__(self, argv: list[str], log: Path, markers: Iterable[str], env: dict[str, str] | None = None) -> None:
+        self.log = log
+        self.lines: list[str] = []
+        self.seen = {m: threading.Event() for m in markers}
+        self.new_line = threading.Condition()
+        self.exited = threading.Event()
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, **(env or {})}, start_new_session=True)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        with open(self.log, "a") as out:
+            for line in self.proc.stdout:
+                out.write(line)
+                out.flush()
+                with self.new_line:
+                    self.lines.append(line)
+                    self.new_line.notify_all()
+                for marker, event in self.seen.items():
+                    if marker in line:
+                        event.set()
+        self.proc.wait()
+        with self.new_line:
+            self.exited.set()
+            self.new_line.notify_all()
+        for event in self.seen.values():
+            event.set()  # wake every waiter: the process is gone
+
+    def wait_for(self, marker: str, timeout_s: float) -> None:
+        if not self.seen[marker].wait(timeout_s) or self.proc.poll() is not None and marker not in self.text():
+            raise RuntimeError(f"{self.proc.args[:4]}: no {marker!r} within {timeout_s:g} s "
+                               f"(exit {self.proc.poll()}); last output:\n{self.tail()}")
+
+    def wait_lines(self, marker: str, count: int, timeout_s: float) -> list[str]:
+        """Wait until `count` output lines hold `marker`: -> those lines."""
+        def matching() -> list[str]:
+            return [line for line in self.lines if marker in line]
+
+        with self.new_line:
+            if not self.new_line.wait_for(lambda: len(matching()) >= count or self.exited.is_set(), timeout_s) \
+                    or len(matching()) < count:
+                raise RuntimeError(f"{self.proc.args[:4]}: {len(matching())} of {count} {marker!r} lines within "
+                                   f"{timeout_s:g} s (exit {self.proc.poll()}); last output:\n{self.tail()}")
+            return matching()
+
+    def text(self) -> str:
+        return "".join(self.lines)
+
+    def tail(self, n: int = 60) -> str:
+        return "".join(self.lines[-n:])
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            if not self.exited.wait(timeout_s):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.exited.wait(timeout_s)
+
+
+@dataclass
+class Daemons:
+    """`cpcache launch`: one daemon per rank, restarted when one dies."""
+
+    run_dir: Path
+    tp: int
+    cp: int = 1
+    settings: dict = field(default_factory=dict)
+    process: Watched | None = None
+
+    def start(self, timeout_s: float = 120.0) -> Daemons:
+        config = self.run_dir.parent / f"{self.run_dir.name}.toml"
+        config.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in self.settings.items()))
+        self.process = Watched([str(CPCACHE), "launch", "--tp", str(self.tp), "--cp", str(self.cp),
+                                "--run-dir", str(self.run_dir), "--config", str(config),
+                                "--agreement-timeout", "10"],
+                               self.run_dir.parent / f"{self.run_dir.name}.log", ["press Ctrl-C"])
+        self.process.wait_for("press Ctrl-C", timeout_s)
+        return self
+
+    def socket(self, rank: int) -> str:
+        return str(self.run_dir / f"rank-{rank}.sock")
+
+    def daemon_pid(self, rank: int) -> int:
+        """The pid the launcher last reported for `rank`."""
+        assert self.process is not None
+        pid = None
+        for line in self.process.lines:
+            if line.startswith(f"rank {rank}: unix:") or line.startswith(f"cpcache: rank {rank} is back"):
+                pid = int(line.split("pid ")[1].split(")")[0].split(",")[0])
+        if pid is None:
+            raise RuntimeError(f"rank {rank}: the launcher reported no pid")
+        return pid
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.stop()
+
+
+@dataclass
+class Server:
+    """One `python -m sglang.launch_server`."""
+
+    name: str
+    model: Path
+    work: Path
+    flags: list[str]
+    tp: int = 1
+    page_size: int = 16
+    device_tokens: int = 1024
+    env: dict = field(default_factory=dict)
+    port: int = 0
+    process: Watched | None = None
+
+    def argv(self) -> list[str]:
+        return [str(SGLANG_PYTHON), "-m", "sglang.launch_server", "--model-path", str(self.model),
+                *CPU_FLAGS, "--tp", str(self.tp), "--page-size", str(self.page_size),
+                "--max-total-tokens", str(self.device_tokens), "--host", "127.0.0.1", "--port", str(self.port),
+                *self.flags]
+
+    def start(self) -> Server:
+        self.port = self.port or free_port()
+        env = {"PYTHONPATH": str(CPU_HOST), "SGLANG_USE_CPU_ENGINE": "1", **self.env}
+        if self.tp > 1:
+            env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1))
+                                                                  for i in range(self.tp)))
+        self.process = Watched(self.argv(), self.work / f"{self.name}.log", [READY, "cpcache:"], env=env)
+        return self
+
+    def wait_ready(self, timeout_s: float = 300.0) -> Server:
+        assert self.process is not None
+        self.process.wait_for(READY, timeout_s)
+        return self
+
+    def post(self, path: str, body: dict | None = None, timeout_s: float = 120.0) -> dict:
+        data = json.dumps(body or {}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data,
+                                         {"content-type": "application/json"})
+        with urllib.request.urlopen(request, timeout=timeout_s) as reply:
+            raw = reply.read()
+        return json.loads(raw) if raw.strip().startswith(b"{") else {"text": raw.decode()}
+
+    def generate(self, input_ids: list[int], max_new_tokens: int = 4, rid: str | None = None) -> Reply:
+        body: dict = {"input_ids": input_ids, "return_logprob": True,
+                      "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}}
+        if rid is not None:
+            body["rid"] = rid
+        out = self.post("/generate", body)
+        meta = out["meta_info"]
+        details = meta.get("cached_tokens_details") or {}
+        return Reply(tuple(out["output_ids"]), tuple(x[0] for x in meta["output_token_logprobs"]),
+                     meta["cached_tokens"], details.get("device", 0), details.get("host", 0),
+                     details.get("storage", 0), meta["finish_reason"]["type"])
+
+    def log_lines(self, marker: str) -> list[str]:
+        assert self.process is not None
+        return [line for line in self.process.lines if marker in line]
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.stop()
+
+
+@dataclass(frozen=True)
+class Reply:
+    output_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    cached: int
+    device: int
+    host: int
+    storage: int
+    finish: str
+
+
+def same_outputs(a: Reply, b: Reply, tolerance: float = 1e-4) -> bool:
+    """Greedy tokens equal and logprobs within float32 reduction noise."""
+    return a.output_ids == b.output_ids and len(a.logprobs) == len(b.logprobs) and all(
+        abs(x - y) <= tolerance for x, y in zip(a.logprobs, b.logprobs))
