@@ -5,6 +5,7 @@ ticket that comes back goes into the Attach."""
 from __future__ import annotations
 
 import socket
+import time
 
 from cpcache import errors
 
@@ -25,10 +26,11 @@ def hand_over(address: str, fd: int, timeout_s: float = 10.0) -> str:
     if path is None:
         raise errors.InvalidArgument("attach: a shared-memory pool is handed over on the daemon's unix socket; "
                                      f"{address} is not one (over TCP, attach a CUDA pool)")
+    deadline = time.monotonic() + timeout_s
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout_s)
         try:
-            sock.connect(path)
+            _connect(sock, path, deadline)
             socket.send_fds(sock, [b"pool"], [fd])
             answer = sock.recv(256)
         except OSError as exc:
@@ -36,3 +38,19 @@ def hand_over(address: str, fd: int, timeout_s: float = 10.0) -> str:
     if not answer or answer.startswith(b"ERR"):
         raise errors.InvalidArgument(f"attach: the daemon refused the pool: {answer.decode(errors='replace')}")
     return answer.decode()
+
+
+def _connect(sock: socket.socket, path: str, deadline: float) -> None:
+    """Connect, waiting out a full listen backlog (a unix socket with a
+    timeout answers EAGAIN at once then, where TCP would wait): the daemon
+    drains it, also while others flood it."""
+    pause = 0.001
+    while True:
+        try:
+            sock.connect(path)
+            return
+        except BlockingIOError:
+            if time.monotonic() + pause > deadline:
+                raise
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)

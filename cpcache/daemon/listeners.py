@@ -87,12 +87,38 @@ def check_listener_settings(config: DaemonConfig) -> None:
         if path and not os.access(path, os.R_OK):
             raise InvalidArgument(f"setting {name}: cannot read {path}")
     if config.socket_group:
-        try:
-            grp.getgrnam(config.socket_group)
-        except KeyError:
-            raise InvalidArgument(f"setting socket_group: no group named {config.socket_group!r}") from None
+        check_socket_group(config.socket_group)
     check_tcp_auth(config)
     check_socket_free(config.socket_path)
+
+
+def check_socket_group(name: str) -> None:
+    """The daemon gives its sockets `socket_group` with chown(2), which an
+    unprivileged process may do only for a group it belongs to; without
+    that (or CAP_CHOWN) the start would end in a traceback, after binding a
+    0660 socket of the wrong group, and systemd would restart it forever."""
+    try:
+        gid = grp.getgrnam(name).gr_gid
+    except KeyError:
+        raise InvalidArgument(f"setting socket_group: no group named {name!r}") from None
+    if gid == os.getegid() or gid in os.getgroups() or has_cap_chown():
+        return
+    raise InvalidArgument(
+        f"setting socket_group: this daemon (uid {os.geteuid()}) is not a member of group {name!r} and lacks "
+        f"CAP_CHOWN, so it cannot give its socket that group; add {name} to the unit's SupplementaryGroups= "
+        "(README, Under systemd, \"Sharing the socket with a group\")")
+
+
+def has_cap_chown() -> bool:
+    """Whether CAP_CHOWN (bit 0) is in this process's effective set."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) & 1)
+    except OSError:
+        pass
+    return False
 
 
 def check_socket_free(path: str) -> None:

@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 
+from cpcache.daemon.budget import raise_file_limit
 from cpcache.daemon.listeners import check_listener_settings
 from cpcache.daemon.server import Daemon, ExitCode
 from cpcache.daemon.settings import resolve
@@ -48,6 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(EscapingFormatter(f"%(asctime)s rank{config.rank} %(name)s %(levelname)s %(message)s"))
     logging.basicConfig(level=config.log_level.upper(), handlers=[handler])
+    files, need = raise_file_limit(2 if config.listen_tcp else 1)
+    if files < need:
+        logging.getLogger("cpcached").warning(
+            "descriptors: the limit is %d but the resource budget needs %d; raise LimitNOFILE= (README, "
+            "Security, \"Resource budget\")", files, need)
     # systemd's side of the environment, read here at the edge with the rest.
     notify_socket = os.environ.get("NOTIFY_SOCKET")
     watchdog_usec = int(os.environ.get("WATCHDOG_USEC", "0") or 0)

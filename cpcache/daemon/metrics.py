@@ -4,7 +4,7 @@ per dimension, and the rank labels SGLang puts on its own cache metrics
 (`tp_rank`, `pp_rank`, `dp_rank`, plus `cp_rank` and the global `rank`), so
 dashboards join the two.
 
-Scrapes run on prometheus_client's HTTP thread, but the values they read
+Scrapes are formatted on the endpoint's own thread (`metrics_http`), but the values they read
 belong to the daemon's event loop (shared state, open questions, RPC
 counts). A scrape therefore never reads them itself: it asks the loop for a
 snapshot (`call_soon_threadsafe`) and formats what comes back. Per-RPC
@@ -28,11 +28,12 @@ from typing import Any
 
 import grpc
 from google.protobuf import descriptor_pool
-from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector, start_http_server
+from prometheus_client import CollectorRegistry, GCCollector, PlatformCollector, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 import cpcache
 from cpcache.agreement.engine import ROUND_BOUNDS_S
+from cpcache.daemon.metrics_http import MetricsServer
 from cpcache.histogram import Histogram
 from cpcache.rank.phases import PHASE_BOUNDS_S
 from cpcache.topology import Topology
@@ -315,13 +316,14 @@ def registry_for(collector: DaemonCollector) -> CollectorRegistry:
     return registry
 
 
-def serve(collector: DaemonCollector, address: str) -> int:
-    """Serve /metrics on host:port (port 0: any free port); returns the port.
-    Called on the daemon's event loop, which then answers the snapshots."""
+async def serve(collector: DaemonCollector, address: str) -> MetricsServer:
+    """Serve /metrics on host:port (port 0: any free port), on the daemon's
+    event loop, which then answers the snapshots (`metrics_http`)."""
     host, port = split_host_port(address, "metrics_address")
     collector.bind(asyncio.get_running_loop())
-    server, _ = start_http_server(port, addr=host or "127.0.0.1", registry=registry_for(collector))
-    return int(server.server_address[1])
+    server = MetricsServer(registry_for(collector))
+    server.port = await server.start(host or "127.0.0.1", port)
+    return server
 
 
 def phase_counters(coordinator: Any, engine: Any) -> dict[str, int]:

@@ -33,7 +33,7 @@ from cpcache.agreement.engine import AgreementEngine, DivergenceExchange, FaultI
 from cpcache.agreement.epochs import Epochs
 from cpcache.agreement.liveness import Heartbeat, diagnose
 from cpcache.config import DaemonConfig
-from cpcache.daemon import metrics
+from cpcache.daemon import budget, metrics
 from cpcache.daemon.listeners import release_unix, start_listeners
 from cpcache.daemon.metrics import DaemonCollector, phase_counters
 from cpcache.daemon.pool_handover import SUFFIX as POOLS_SUFFIX
@@ -335,7 +335,7 @@ class Daemon:
             loop.add_signal_handler(sig, self._on_signal)
         await self._start_servers()
         if self.config.metrics_address:
-            self.metrics_port = metrics.serve(self.metrics, self.config.metrics_address)
+            self.metrics_port = (await metrics.serve(self.metrics, self.config.metrics_address)).port
             log.info("metrics on port %d", self.metrics_port)
         if self._watchdog_s:
             self._spawn(self._watchdog(), "watchdog")
@@ -599,7 +599,8 @@ class Daemon:
         # INVALID_ARGUMENT from the handler (`status.tolerant`) rather than
         # gRPC's own RESOURCE_EXHAUSTED, which also means "pool full" here.
         limits = [("grpc.max_receive_message_length", 2 * MAX_MESSAGE_BYTES),
-                  ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+                  ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                  *budget.grpc_options()]
         server = grpc.aio.server(interceptors=[self.metrics.rpc, *interceptors], options=[*limits, *options],
                                  maximum_concurrent_rpcs=self.config.max_concurrent_rpcs)
         server.add_generic_rpc_handlers((service_handler(CacheDaemonServicer(self)),))
