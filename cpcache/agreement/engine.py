@@ -6,6 +6,11 @@ with `submit`, getting a `concurrent.futures.Future` back. The thread reduces,
 settles and resolves the future. Any failure of a round (a lost peer, a crash
 of the thread itself) breaks the engine: every pending and later round fails
 with the same `Unavailable` error, in bounded time. Nothing is left waiting.
+
+Closing the engine ends its epoch: gloo cannot interrupt a collective that
+waits, so `close` lets the round in progress end (a peer completes it, or
+its timeout fails it), discards its result (no round is applied outside its
+epoch), joins the thread and only then destroys the groups.
 """
 
 from __future__ import annotations
@@ -70,10 +75,12 @@ class AgreementEngine:
         self._lock = threading.Lock()
         self._failure: CacheError | None = None
         self._closed = False
+        self._closed_why = "the agreement engine is closed: the daemon is shutting down"
         self.rounds_completed = 0
         self.divergences = 0
         self.round_latency = Histogram(ROUND_BOUNDS_S)
         self._capacity = MIN_CAPACITY  # touched only by the agreement thread
+        self._reducer_open = True
         self._thread = threading.Thread(target=self._run, name="agreement", daemon=True)
         self._thread.start()
 
@@ -87,23 +94,36 @@ class AgreementEngine:
             if self._failure is not None:
                 future.set_exception(self._failure)
             elif self._closed:
-                future.set_exception(Unavailable("the agreement engine is closed: the daemon is shutting down"))
+                future.set_exception(Unavailable(self._closed_why))
             else:
                 self._jobs.put((round_input, future))
         return future
 
-    def close(self, timeout_s: float = 5.0) -> None:
-        """Stop after the rounds already submitted; release the groups.
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self, timeout_s: float | None = None, why: str | None = None) -> bool:
+        """End the engine: rounds not yet started fail with `Unavailable`
+        (`why`), the one in its collective is discarded once that ends; the
+        thread is joined (untimed by default: a collective waits at most its
+        own timeout), then the groups are destroyed. True once they are.
         Safe to call twice."""
         with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            self._jobs.put(None)
+            if not self._closed:
+                self._closed = True
+                if why:
+                    self._closed_why = why
+                self._jobs.put(None)
+        self._fail_pending(Unavailable(self._closed_why))
         self._thread.join(timeout_s)
-        if not self._thread.is_alive():
+        if self._thread.is_alive():
+            return False
+        with self._lock:
+            reducer, self._reducer_open = self._reducer_open, False
+        if reducer:
             self._reducer.close()
-        self._fail_pending(Unavailable("the agreement engine is closed: the daemon is shutting down"))
+        return True
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
@@ -126,6 +146,9 @@ class AgreementEngine:
         if self._failure is not None:
             future.set_exception(self._failure)
             return
+        if self._closed:  # submitted before the close, not yet begun: never begun
+            future.set_exception(Unavailable(self._closed_why))
+            return
         if self._heartbeat is not None:
             self._heartbeat.entered(round_input.number)
         if self._faults.delay_ms:
@@ -145,6 +168,11 @@ class AgreementEngine:
             return
         self.rounds_completed += 1
         self.round_latency.observe(time.perf_counter() - started)
+        if self._closed:
+            # The epoch was left while this round was in its collective: a
+            # peer may have completed it, but nothing of it is applied here.
+            future.set_exception(Unavailable(f"{self._closed_why}: round {round_input.number} is not applied"))
+            return
         try:
             result = round_input.settle(vector)
         except Divergence:
@@ -190,7 +218,12 @@ class AgreementEngine:
                 job = self._jobs.get_nowait()
             except queue.Empty:
                 return
-            if job is not None and not job[1].done():
+            if job is None:
+                # The close sentinel stays last in the queue: the thread must
+                # still read it to end (and let the groups be destroyed).
+                self._jobs.put(None)
+                return
+            if not job[1].done():
                 job[1].set_exception(failure)
 
 

@@ -43,6 +43,7 @@ from cpcache.daemon.status import tolerant
 from cpcache.daemon.systemd import Notifier, extend_timeout_while
 from cpcache.daemon.wire import Attached, DaemonStatus
 from cpcache.dataplane.pools import DevicePool
+from cpcache.dataplane.sessions import Session
 from cpcache.errors import CacheError, FailedPrecondition, PeerLost, Unavailable
 from cpcache.geometry import KVGeometry
 from cpcache.keys import namespace_seed
@@ -130,6 +131,7 @@ class Daemon:
         self._coordinator: Stepper | None = None
         self._background: set[asyncio.Task] = set()
         self._attach_attempts = 0  # attaches that reached the agreement: tells a peer's stale one
+        self._sessions = 0  # data-plane sessions opened
         self._crashed = False  # a background task died: exit INTERNAL after the drain
 
     # -- what the servicer and the metrics see -----------------------------
@@ -238,14 +240,16 @@ class Daemon:
             if not differs:
                 # Withdrawn, so a peer's retry never matches this failed attempt.
                 await asyncio.to_thread(withdraw, store, self._rdzv.namespace, self.config.rank)
-            if runtime is not None and kept is not None:
-                runtime.io.transfers.tiers.device = None  # still kept, for the next attempt
-            elif runtime is not None:
+            if runtime is not None and kept is None:
                 runtime.io.transfers.close()
-            raise
+            raise  # a kept runtime stays kept, for the next attempt: no session was opened on it
         if kept is None and self._kept is not None:  # another model or geometry, agreed: start clean
             old, self._kept = self._kept[0], None
             await asyncio.to_thread(old.io.transfers.close)
+        # The session's jobs bind this pool when they are issued; the previous
+        # session of this runtime ended (and its device jobs with it) on detach.
+        self._sessions += 1
+        runtime.io.session = Session(self.epoch, self._sessions, device)
         stepper.cache = runtime
         self._kept, self._descriptor = None, descriptor
         resumed = len(runtime.state.index) if kept is not None else 0
@@ -273,7 +277,6 @@ class Daemon:
                     kept: CacheRuntime | None = None) -> CacheRuntime:
         check_host_budget(self.config, geometry)
         if kept is not None:  # the same model and geometry: the host pool and its pages go on
-            kept.io.transfers.tiers.device = device
             return kept
         return open_cache(self.config, geometry, device, model_id)
 
@@ -294,6 +297,8 @@ class Daemon:
                 counters["cache_digest"] = coordinator.cache.state.digest
                 counters["in_flight_slots"] = coordinator.cache.io.transfers.in_flight.count()
                 moved = coordinator.cache.io.transfers.counters()
+                # Jobs of an ended session the movers refused (DESIGN rule 10).
+                counters["refused_late_jobs"] = sum(moved["refused_jobs"].values())
                 for (src, dst), pages in moved["pages_moved"].items():
                     counters[f"pages_moved_{src}_to_{dst}"] = pages
                     counters[f"bytes_moved_{src}_to_{dst}"] = moved["bytes_moved"][(src, dst)]
@@ -448,8 +453,13 @@ class Daemon:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         engine, stepper = self._engine, self._coordinator
         self._engine = self._coordinator = None
+        if stepper is not None:
+            stepper.leave(f"rank {self.config.rank} left epoch {leaving} ({reason})")  # before any await
         if engine is not None:
-            await _bounded(engine.close, self.config.agreement_timeout_s + 5.0, "closing the old epoch's groups")
+            # Really joined: a round still in its collective ends within the
+            # collective's own timeout, and is then discarded, not applied.
+            await _on_daemon_thread(functools.partial(engine.close, None, f"epoch {leaving} was left"),
+                                    "close-epoch")
         offer = await self._detach_for_epoch(stepper)
         while not self._stop_requested.is_set():
             forming = _on_daemon_thread(functools.partial(self._rejoin, leaving, offer), "re-form")
@@ -483,9 +493,14 @@ class Daemon:
             runtime, descriptor = self._kept
         if runtime is None or descriptor is None:
             return b""
+        # The session ends: its jobs not yet started are refused from now on,
+        # and its pool is let go only once none of its jobs touches it
+        # (counted: only copies already running remain, and they end).
+        session = runtime.io.session
+        session.end()
+        await _on_daemon_thread(session.wait_device_quiet, "device-quiet")
         drain_s = 2 * self.config.storage_timeout_s + 5.0
         idle = await asyncio.to_thread(runtime.io.transfers.in_flight.wait_all_idle, drain_s)
-        runtime.io.transfers.tiers.device = None  # the scheduler's pool: its next attach brings one
         self._kept, self._descriptor = (runtime, descriptor), None
         if not idle:
             busy = runtime.io.transfers.in_flight.slots()

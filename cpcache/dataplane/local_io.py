@@ -17,6 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from cpcache.dataplane.movers import DEVICE, HOST, STORAGE, TransferResult, Transfers
+from cpcache.dataplane.sessions import Session
 from cpcache.state.intents import CopyToDevice, CopyToHost, Fetch, Intent, Lookup, Store
 from cpcache.state.questions import NOT_YET, BackupOutcome, Outcome
 
@@ -49,6 +50,9 @@ class LocalIO:
         counts as a miss (a lookup) or a timed-out write (a backup) here, so
         a hung store never holds an operation open."""
         self.transfers = transfers
+        # The session this I/O is issued in: none (every job refused) until
+        # the scheduler's attach opens one, and ended when it ends.
+        self.session = _ended_session()
         self._clock = clock
         self._storage_timeout_s = storage_timeout_s
         self._events: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -126,7 +130,8 @@ class LocalIO:
         self._fetches[intent.serial] = progress
         for index, first in enumerate(range(0, n, FETCH_CHUNK_PAGES)):
             span = slice(first, first + FETCH_CHUNK_PAGES)
-            job = self.transfers.submit((STORAGE, HOST), intent.keys[span], intent.slots[span])
+            job = self.transfers.submit((STORAGE, HOST), intent.keys[span], intent.slots[span],
+                                        session=self.session)
 
             def done(f: Future, i: int = index) -> None:
                 self._post(lambda: self._fetched(progress, i, _result(f)))
@@ -140,7 +145,7 @@ class LocalIO:
 
     def _copy_to_host(self, intent: CopyToHost) -> None:
         self._writes[intent.serial] = Outcome.PENDING
-        job = self.transfers.submit((DEVICE, HOST), intent.device_pages, intent.slots)
+        job = self.transfers.submit((DEVICE, HOST), intent.device_pages, intent.slots, session=self.session)
         job.add_done_callback(lambda f: self._post(lambda: self._ended(self._writes, intent.serial, _result(f))))
 
     def _store(self, intent: Store) -> None:
@@ -152,7 +157,7 @@ class LocalIO:
             self._backups[intent.serial] = (BackupOutcome.FAILED, self._clock())
             return
         self._backups[intent.serial] = (BackupOutcome.PENDING, self._clock())
-        job = self.transfers.submit((HOST, STORAGE), intent.slots, intent.keys)
+        job = self.transfers.submit((HOST, STORAGE), intent.slots, intent.keys, session=self.session)
 
         def stored(f: Future) -> None:
             outcome = BackupOutcome.STORED if _result(f).success else BackupOutcome.FAILED
@@ -166,7 +171,7 @@ class LocalIO:
 
     def _copy_to_device(self, intent: CopyToDevice) -> None:
         self._loads[intent.serial] = Outcome.PENDING
-        job = self.transfers.submit((HOST, DEVICE), intent.slots, intent.device_pages)
+        job = self.transfers.submit((HOST, DEVICE), intent.slots, intent.device_pages, session=self.session)
         self._load_jobs[intent.op_id] = job
         self._load_jobs.move_to_end(intent.op_id)
         while len(self._load_jobs) > LOAD_JOBS_KEPT:
@@ -227,6 +232,13 @@ class LocalIO:
         for serial in closed_serials:
             for table in (self._exists, self._fetches, self._writes, self._backups, self._loads):
                 table.pop(serial, None)
+
+
+def _ended_session() -> Session:
+    session = Session(-1, 0, None)
+    session.end()
+    return session
+
 
 
 def _result(job: Future) -> TransferResult:

@@ -4,6 +4,10 @@ a new tier adds entries without touching the dispatcher.
 A transfer is a job with an id; it runs on an I/O thread and ends with a
 `TransferResult` (success, and how many pages, from the first, are done).
 While a job runs, its host slots are counted in flight (DESIGN rule 5).
+
+A job belongs to the session it was issued in and carries the device pool
+bound then (DESIGN rule 10): a mover never looks up "the current pool" when
+the job runs, and refuses a job whose session ended before it started.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 from cpcache.dataplane.copy_faults import CopyFaultInjector, CopyFaults
 from cpcache.dataplane.inflight import InFlight
 from cpcache.dataplane.pools import DevicePool, HostPool, runs
+from cpcache.dataplane.sessions import Session
 from cpcache.dataplane.storage import PageBuffer, StorageBackend
 from cpcache.errors import InvalidArgument
 
@@ -37,6 +42,7 @@ class TransferJob:
     src: tuple
     dst: tuple
     job_id: int = 0
+    device: DevicePool | None = None  # the device pool, bound when the job was issued
 
 
 @dataclass(frozen=True)
@@ -52,7 +58,9 @@ def prefix_done(flags: list[bool]) -> int:
 
 @dataclass
 class Tiers:
-    """What the movers move between."""
+    """What the movers move between. `device` is only the pool that jobs
+    issued without a session bind (tools and tests driving the movers
+    alone); a daemon's jobs bind their session's pool."""
 
     host: HostPool
     device: DevicePool | None = None
@@ -70,9 +78,9 @@ T = TypeVar("T")
 PageView = Callable[[int, int], torch.Tensor]  # (first page, count) -> a view of those pages
 
 
-def _device(tiers: Tiers) -> DevicePool:
-    assert tiers.device is not None, "no device pool is attached"
-    return tiers.device
+def _device(job: TransferJob) -> DevicePool:
+    assert job.device is not None, "the job was issued without a device pool"
+    return job.device
 
 
 def _storage(tiers: Tiers) -> StorageBackend:
@@ -86,7 +94,7 @@ def _copy_pages(src_view: PageView, dst_view: PageView, src_pages: Iterable[int]
 
 
 def device_to_host(tiers: Tiers, job: TransferJob) -> TransferResult:
-    device = _device(tiers)
+    device = _device(job)
     try:
         _copy_pages(device.page_view, tiers.host.page_view, job.src, job.dst)
     finally:  # copies already queued must end before the slots count as idle
@@ -95,7 +103,7 @@ def device_to_host(tiers: Tiers, job: TransferJob) -> TransferResult:
 
 
 def host_to_device(tiers: Tiers, job: TransferJob) -> TransferResult:
-    device = _device(tiers)
+    device = _device(job)
     try:
         _copy_pages(tiers.host.page_view, device.page_view, job.src, job.dst)
     finally:  # copies already queued must end before the slots count as idle
@@ -155,6 +163,10 @@ MOVERS = {
 }
 
 
+def touches_device(route: tuple[str, str]) -> bool:
+    return DEVICE in route
+
+
 def host_slots(route: tuple[str, str], job: TransferJob) -> tuple[int, ...]:
     """The host slots a job reads or writes."""
     return job.dst if route[1] == HOST else job.src
@@ -178,26 +190,36 @@ class Transfers:
         self.pages_moved: dict[tuple[str, str], int] = {route: 0 for route in MOVERS}
         self.bytes_moved: dict[tuple[str, str], int] = {route: 0 for route in MOVERS}
         self.failed_jobs: dict[tuple[str, str], int] = {route: 0 for route in MOVERS}
+        # Jobs of an ended session refused before they touched anything.
+        self.refused_jobs: dict[tuple[str, str], int] = {route: 0 for route in MOVERS}
 
     def submit(self, route: tuple[str, str], src: Sequence[int | str], dst: Sequence[int | str],
-               job_id: int | None = None) -> Future:
-        """Start a job; its future resolves to a TransferResult (a failure
-        inside the mover is a failed result, not an exception)."""
+               job_id: int | None = None, session: Session | None = None) -> Future:
+        """Start a job of `session` (None: a job of no session, bound to
+        `tiers.device` now); its future resolves to a TransferResult (a
+        failure inside the mover, or a refusal, is a failed result, not an
+        exception)."""
         if route not in MOVERS:
             raise InvalidArgument(f"no mover from {route[0]} to {route[1]}")
         if len(src) != len(dst):
             raise InvalidArgument(f"a transfer needs as many sources as destinations, got {len(src)} and {len(dst)}")
-        job = TransferJob(tuple(src), tuple(dst), job_id if job_id is not None else next(self._ids))
+        device = (session.device if session is not None else self.tiers.device) if touches_device(route) else None
+        job = TransferJob(tuple(src), tuple(dst), job_id if job_id is not None else next(self._ids), device)
         slots = list(host_slots(route, job))
         self.in_flight.begin(slots)
+        if session is not None:
+            session.issue(touches_device(route))
         executor = self._storage if STORAGE in route else self._copies
         try:
-            return executor.submit(self._run, route, job, slots)
+            future = executor.submit(self._run, route, job, slots, session)
         except RuntimeError:  # shutting down: a failed transfer, not an exception on the loop
             self.in_flight.end(slots)
-            failed: Future = Future()
-            failed.set_result(TransferResult(job.job_id, False, 0))
-            return failed
+            future = Future()
+            future.set_result(TransferResult(job.job_id, False, 0))
+        if session is not None:
+            # Counted until it has run, been refused or been cancelled (at shutdown).
+            future.add_done_callback(lambda _: session.job_ended(touches_device(route)))
+        return future
 
     def run_storage_call(self, fn: Callable[[], T]) -> Future[T]:
         """Run a blocking storage call that is not a transfer (a lookup).
@@ -212,9 +234,19 @@ class Transfers:
     def counters(self) -> dict[str, dict[tuple[str, str], int]]:
         with self._counters_lock:
             return {"pages_moved": dict(self.pages_moved), "bytes_moved": dict(self.bytes_moved),
-                    "failed_jobs": dict(self.failed_jobs)}
+                    "failed_jobs": dict(self.failed_jobs), "refused_jobs": dict(self.refused_jobs)}
 
-    def _run(self, route: tuple[str, str], job: TransferJob, slots: list[int]) -> TransferResult:
+    def _run(self, route: tuple[str, str], job: TransferJob, slots: list[int],
+             session: Session | None = None) -> TransferResult:
+        if session is not None and not session.admit():
+            # Issued in a session that has ended (a late round, a queue that
+            # outlived a drain): it must not land in what comes after.
+            self.in_flight.end(slots)
+            log.warning("transfer %d (%s -> %s) of ended %r refused", job.job_id, *route, session)
+            with self._counters_lock:
+                self.refused_jobs[route] += 1
+                self.failed_jobs[route] += 1
+            return TransferResult(job.job_id, False, 0)
         try:
             if STORAGE not in route and self._copy_faults is not None and not self._copy_faults.before_copy():
                 result = TransferResult(job.job_id, False, 0)  # an injected copy failure: nothing copied

@@ -74,7 +74,8 @@ def open_cache(config: DaemonConfig, geometry: KVGeometry, device: DevicePool, m
     storage = open_storage(config, geometry, host)
     copy_faults = CopyFaults(config.fault_copy_delay_ms, config.fault_copy_fail_rate,
                              seed=config.fault_seed * 1000 + config.rank + 500)
-    transfers = Transfers(Tiers(host, device, storage), threads=config.io_threads, copy_faults=copy_faults)
+    # The device pool is not one of the tiers: each session's jobs bind theirs.
+    transfers = Transfers(Tiers(host, storage=storage), threads=config.io_threads, copy_faults=copy_faults)
     sharding = ShardingSpec(
         cp=config.kv_cp_sharding,
         tp_sharded_heads=geometry.kv_kind == "mha",

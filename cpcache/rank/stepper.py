@@ -13,6 +13,9 @@
   state.
 - `step` is idempotent by step number: a retry gets the same outcome while
   it is among the last `REPLIES_KEPT` steps.
+- A stepper decides in one epoch. Once it has left it (`leave`), no round is
+  applied, whatever its collective did: a round completed by a peer that had
+  not yet noticed the move changes nothing here and starts no I/O.
 
 Touched only from the event loop.
 """
@@ -29,7 +32,7 @@ import numpy as np
 from cpcache.agreement.engine import AgreementEngine
 from cpcache.agreement.kinds import VOTE
 from cpcache.agreement.rounds import Questions, RoundInput, RoundResult
-from cpcache.errors import CacheError, FailedPrecondition, InvalidArgument, RejectedByPeer, StepOrder
+from cpcache.errors import CacheError, FailedPrecondition, InvalidArgument, RejectedByPeer, StepOrder, Unavailable
 from cpcache.hashing import hash62
 from cpcache.rank.assembly import CacheRuntime
 from cpcache.rank.phases import StepPhases
@@ -76,11 +79,20 @@ class Stepper:
         self._tail: asyncio.Future | None = None  # the latest step's task: the next one starts after it
         self._applied_chain = 0  # hash chain of every agreed vote result applied here
         self.epoch = epoch  # the domain epoch this stepper decides in (one stepper per epoch)
+        self._left: str | None = None  # why this stepper's epoch was left
         self.cache: CacheRuntime | None = None
         self.last_step = 0
         self.decision_count = 0
         self.rejected_steps = 0
         self.phases = StepPhases()  # where this rank's steps spend their time
+
+    def leave(self, why: str) -> None:
+        """This stepper's epoch is over: nothing more is applied here."""
+        self._left = why
+
+    @property
+    def left(self) -> bool:
+        return self._left is not None
 
     @property
     def open_questions(self) -> int:
@@ -228,6 +240,8 @@ class Stepper:
             return exc
         finally:
             clock.lap("wait")
+        if self._left is not None:
+            return Unavailable(f"{self._left}: round {submitted.number} is not applied")
         if result.rejection is not None:
             if submitted.rejection is not None:
                 return submitted.rejection
