@@ -32,12 +32,31 @@ def hand_over(address: str, fd: int, timeout_s: float = 10.0) -> str:
         try:
             _connect(sock, path, deadline)
             socket.send_fds(sock, [b"pool"], [fd])
-            answer = sock.recv(256)
+            answer = sock.recv(4096)
         except OSError as exc:
             raise errors.Unavailable(f"attach: cannot hand the pool over on {path}: {exc}") from None
-    if not answer or answer.startswith(b"ERR"):
-        raise errors.InvalidArgument(f"attach: the daemon refused the pool: {answer.decode(errors='replace')}")
+    if not answer:
+        raise errors.Unavailable(f"attach: the daemon on {path} closed the handover without an answer")
+    if answer.startswith(b"ERR"):
+        raise refusal(answer.decode(errors="replace"))
     return answer.decode()
+
+
+_REFUSALS: dict[str, type[errors.CacheError]] = {
+    "INVALID_ARGUMENT": errors.InvalidArgument, "FAILED_PRECONDITION": errors.FailedPrecondition,
+    "RESOURCE_EXHAUSTED": errors.ResourceExhausted, "UNAVAILABLE": errors.Unavailable,
+}
+
+
+def refusal(answer: str) -> errors.CacheError:
+    """The typed error of a refusal, `ERR <STATUS> <message>` (a daemon
+    before statuses: `ERR <message>`, taken as INVALID_ARGUMENT)."""
+    rest = answer.removeprefix("ERR").strip()
+    status, _, message = rest.partition(" ")
+    kind = _REFUSALS.get(status)
+    if kind is None:
+        kind, message = errors.InvalidArgument, rest
+    return kind(f"attach: the daemon refused the pool: {message}")
 
 
 def _connect(sock: socket.socket, path: str, deadline: float) -> None:

@@ -208,7 +208,8 @@ class PoolHandover:
             self._warnings.warn("busy", "uid %d already has %d connections served; closing another", uid,
                                 budget.POOLS_SERVED_PER_UID)
             with contextlib.suppress(OSError):
-                conn.send(b"ERR busy: too many handovers from this uid at once; retry", socket.MSG_DONTWAIT)
+                conn.send(_refusal("UNAVAILABLE", "too many handovers from this uid at once; retry"),
+                          socket.MSG_DONTWAIT)
             self._closer.close(conn)
             self._slots.release()
             return
@@ -246,11 +247,11 @@ class PoolHandover:
         for fd in fds:
             _unlinger(fd)
         if len(fds) != 1:
-            return b"ERR send exactly one descriptor"
+            return _refusal("INVALID_ARGUMENT", "send exactly one descriptor, the pool's")
         try:
             check_kind(fds[0])
         except CacheError as exc:
-            return b"ERR " + str(exc).encode()
+            return _refusal(exc.status, str(exc))
         ticket = secrets.token_hex(16)
         with self._lock:
             full = self._full(uid)
@@ -259,7 +260,7 @@ class PoolHandover:
         if full:
             self._count("refused_tickets")
             self._warnings.warn("tickets", "uid %d: %s", uid, full)
-            return b"ERR " + full.encode()
+            return _refusal("RESOURCE_EXHAUSTED", full)
         received.remove(fds[0])
         return ticket.encode()
 
@@ -330,6 +331,11 @@ class PoolHandover:
             info = os.lstat(self.path)
             if (info.st_dev, info.st_ino) == self._identity:
                 os.unlink(self.path)
+
+
+def _refusal(status: str, message: str) -> bytes:
+    """`ERR <STATUS> <message>`: the client raises the error of that status."""
+    return f"ERR {status} {message}".encode()[:4000]
 
 
 def _unlinger(fd: int) -> None:
