@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import threading
+import urllib.error
 import urllib.request
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -88,6 +89,7 @@ class Watched:
                 for marker, event in self.seen.items():
                     if marker in line:
                         event.set()
+        self.proc.stdout.close()
         self.proc.wait()
         with self.new_line:
             self.exited.set()
@@ -111,6 +113,10 @@ class Watched:
                 raise RuntimeError(f"{self.proc.args[:4]}: {len(matching())} of {count} {marker!r} lines within "
                                    f"{timeout_s:g} s (exit {self.proc.poll()}); last output:\n{self.tail()}")
             return matching()
+
+    def lines_with(self, marker: str) -> list[str]:
+        with self.new_line:
+            return [line for line in self.lines if marker in line]
 
     def text(self) -> str:
         return "".join(self.lines)
@@ -210,6 +216,18 @@ class Server:
         with urllib.request.urlopen(request, timeout=timeout_s) as reply:
             raw = reply.read()
         return json.loads(raw) if raw.strip().startswith(b"{") else {"text": raw.decode()}
+
+    def flush_cache(self, attempts: int = 10_000) -> int:
+        """POST /flush_cache until SGLang takes it (it refuses while requests
+        are queued or running): -> the refusals before it did."""
+        for refused in range(attempts):
+            try:
+                self.post("/flush_cache")
+                return refused
+            except urllib.error.HTTPError as exc:
+                if exc.code != 400:
+                    raise
+        raise RuntimeError(f"flush_cache refused {attempts} times")
 
     def generate(self, input_ids: list[int], max_new_tokens: int = 4, rid: str | None = None) -> Reply:
         body: dict = {"input_ids": input_ids, "return_logprob": True,

@@ -2,7 +2,10 @@
 (spawned schedulers, HTTP /generate) at tp 2 on the CPU, a tiny random Llama
 made here, over `cpcache launch` daemons with file storage.
 
-A workload whose prefixes leave the device pool and come back (a shared
+Copies between the device and the host pools are slowed on every rank
+independently (fault injection), so steps overlap I/O and ranks end it at
+different times. A workload whose prefixes leave the device pool and come
+back (a shared
 system prompt, documents that overflow the device pool and, with a small
 host pool, the host pool too) is sent to a cpcache server and to a
 `--disable-radix-cache` server; every reply must match, token for token and
@@ -52,12 +55,13 @@ pytestmark = [
 TP = 2
 PAGE = 16
 DEVICE_TOKENS = 1024  # 64 pages: about three documents
-HOST_PAGES = 48  # about two and a half documents: older ones live in storage only
+HOST_PAGES = 128  # twice the device pool, as HiCache's default: about seven documents
 SYSTEM = 64
 DOC = 256
+DOCS = 10  # more than the host pool holds: the first ones live in storage only
 
 
-def workload(seed: int = 1, docs: int = 6) -> tuple[list[int], list[list[int]]]:
+def workload(seed: int = 1, docs: int = DOCS) -> tuple[list[int], list[list[int]]]:
     rng = random.Random(seed)
     system = [rng.randrange(1, 500) for _ in range(SYSTEM)]
     return system, [[rng.randrange(1, 500) for _ in range(DOC)] for _ in range(docs)]
@@ -73,7 +77,10 @@ class Stack:
         self.storage = work / "pages"
         self.daemons = Daemons(work / "run", tp=TP, settings=dict(
             storage="file", storage_root=str(self.storage), host_pool_pages=HOST_PAGES,
-            prefetch_threshold_tokens=0, prefetch_policy="wait_complete"))
+            prefetch_threshold_tokens=0, prefetch_policy="wait_complete",
+            # Every device <-> host copy takes uniform(0, 400) ms, on each rank
+            # independently: steps overlap I/O and ranks finish it apart.
+            fault_copy_delay_ms=400.0))
         config = work / "sglang-cpcache.json"
         config.write_text(json.dumps({"socket": str(work / "run" / "rank-{rank}.sock"), "model_id": "tiny",
                                       "reattach_after_iterations": 32}))
@@ -125,11 +132,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory):
 
 def test_outputs_equal_a_server_without_cache_and_hits_come_from_every_tier(stack: Stack):
     system, docs = workload()
-    replies = []
-    for turn in range(2):
-        for d, doc in enumerate(docs):
-            replies.append(stack.check(prompt(system, doc, turn, d)))
-    second = replies[len(docs):]
+    replies = [stack.check(prompt(system, doc, 0, d)) for d, doc in enumerate(docs)]
+    # Back in reverse: the latest documents are still on the device, the
+    # ones before them in the host pool, the first ones in storage only.
+    second = [stack.check(prompt(system, docs[d], 1, d)) for d in reversed(range(len(docs)))]
+    replies += second
     assert sum(r.device for r in replies) > 0, "no device hit"
     assert sum(r.host for r in second) > 0, f"no host hit: {second}"
     assert sum(r.storage for r in second) > 0, f"no storage hit: {second}"
@@ -143,14 +150,23 @@ def test_flush_cache_while_writes_are_queued_serves_no_wrong_bytes(stack: Stack)
     for d, doc in enumerate(docs):
         ids = prompt(system, doc, 0, d)
         answer: list[Reply] = []
+        server = stack.cpcache.process
+        assert server is not None
+        prefills = len(server.lines_with("Prefill batch"))
         worker = threading.Thread(target=lambda ids=ids, answer=answer: answer.append(stack.cpcache.generate(ids)))
         worker.start()
-        flushed = stack.cpcache.post("/flush_cache")  # while the request's write-through is queued or in flight
+        server.wait_lines("Prefill batch", prefills + 1, timeout_s=120)  # the request runs
+        # Taken at the first iteration the request is not running: its
+        # write-through was queued at its end, and is queued or in flight now.
+        stack.cpcache.flush_cache()
         worker.join(120)
         assert answer, "the request did not finish"
         assert same_outputs(answer[0], stack.reference(ids))
-        assert flushed is not None
-    # Every page those requests wrote comes back (host or storage) with the right bytes.
+    flushes = stack.cpcache.log_lines("flushed its cache")
+    assert len(flushes) == TP * len(docs), flushes
+    caught = [line for line in flushes if "0 queued writes cancelled, 0 in flight" not in line]
+    assert caught, f"no flush found a write queued or in flight: {flushes}"
+    # What those requests wrote and what is still in the host pool comes back with the right bytes.
     for d, doc in enumerate(docs):
         stack.check(prompt(system, doc, 1, d))
 
@@ -171,8 +187,10 @@ def plant_wrong_page(path: Path) -> None:
 
 
 def test_a_wrong_page_from_storage_breaks_the_match_negative_control(stack: Stack):
-    system, docs = workload()
-    target = docs[0]  # after the first test: evicted from the device and the host pool, kept in storage
+    system, docs = workload(seed=4)
+    for d, doc in enumerate(docs):
+        stack.check(prompt(system, doc, 0, d))
+    target = docs[0]  # evicted from the device and the host pool since, kept in storage
     files = stored_pages(stack, system + target)
     assert files, "the document's pages are not in storage"
     for path in files[len(files) // 2 :]:

@@ -111,12 +111,14 @@ class Connector:
             self.tally.load_failures += 1
         return ok
 
-    def cancel_unsent_writes(self) -> None:
+    def cancel_unsent_writes(self) -> int:
         """Forget the writes no step has carried yet (their device pages are
-        being freed): each is decided as not stored."""
-        for op in self.session.cancel_unsent_writes():
+        being freed): each is decided as not stored. -> how many."""
+        cancelled = self.session.cancel_unsent_writes()
+        for op in cancelled:
             self.tally.writes_cancelled += 1
             self._write_done.pop(op)(False)
+        return len(cancelled)
 
     def drain_writes(self) -> None:
         """Step until every write a step carried is decided: only then may

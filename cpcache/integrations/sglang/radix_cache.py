@@ -300,10 +300,13 @@ class CpcacheRadixCache(UnifiedRadixCache):
         connector = getattr(self, "connector", None)
         if connector is not None:
             self._host_hits.clear()
-            connector.cancel_unsent_writes()
+            cancelled = connector.cancel_unsent_writes()
+            in_flight = connector.writes_in_flight()
             try:
                 connector.drain_writes()
             except CacheError as exc:
                 self._fall_back(exc)
+            log.info("cpcache: rank %d flushed its cache: %d queued writes cancelled, %d in flight decided first",
+                     self.rank, cancelled, in_flight)
         self._release_write_locks()
         super().reset()
