@@ -66,6 +66,8 @@ def main() -> None:
     elif mode == "pools":  # ticket requests, then idle connections
         report.update(tickets(target, n // 2))
         held = connect_unix(target, n)
+    elif mode == "grpc-tcp":
+        held = connect_tcp(int(target), n, b"PRI * HTTP/2.0\r\n", every=4)
     elif mode == "metrics":  # idle connections, and every 4th sends half a request
         held = connect_tcp(int(target), n, b"GET /metrics HTTP/1.1\r\n", every=4)
     report["connected"] = len(held)

@@ -123,11 +123,18 @@ async def attach_and_step(socket_path: str) -> float:
 
 
 @needs_root
-@pytest.mark.parametrize("listener", ["grpc", "pools", "metrics"])
-async def test_a_flooded_listener_still_serves_within_budget(run_dir, shared_dir, listener):
+@pytest.mark.parametrize(("listener", "n"), [
+    ("grpc", FLOOD), ("grpc", budget.GRPC_CONNECTIONS + 1000), ("grpc-tcp", FLOOD), ("pools", FLOOD),
+    ("metrics", FLOOD)])
+async def test_a_flooded_listener_still_serves_within_budget(run_dir, shared_dir, listener, n):
+    """A flood within the gRPC connection limit delays no one; one beyond
+    it, until the handshake deadline has closed the idle connections."""
+    token = run_dir / "token"
+    token.write_text("s3cret-token-of-the-test\n")
+    token.chmod(0o600)
     spec = DomainSpec(Topology(tp=1), run_dir, extra=dict(
         socket=str(shared_dir / "rank-{rank}.sock"), socket_group=GROUP, metrics_address="127.0.0.1:0",
-        host_pool_pages=8))
+        listen_tcp=f"127.0.0.1:{free_port()}", token_file=str(token), host_pool_pages=8))
     async with LocalDomain(spec) as domain:
         sock = domain.sockets[0]
         usage = Usage(domain.procs[0].pid)
@@ -136,26 +143,54 @@ async def test_a_flooded_listener_still_serves_within_budget(run_dir, shared_dir
         usage.start()
         async with AsyncClient(sock) as client:
             metrics_port = (await client.status()).metrics_port
-        target = {"grpc": sock, "pools": sock + ".pools", "metrics": str(metrics_port)}[listener]
-        hostile = Hostile(listener, target, FLOOD)
+        target = {"grpc": sock, "grpc-tcp": spec.extra["listen_tcp"].rpartition(":")[2], "pools": sock + ".pools",
+                  "metrics": str(metrics_port)}[listener]
+        hostile = Hostile(listener, target, n)
         try:
             report = await hostile.report()
             flooded_at = time.monotonic()
+            await connect(sock, within_s=30)
             took = await asyncio.wait_for(attach_and_step(sock), 60)
             scraped = await asyncio.to_thread(scrape_time, metrics_port)
+            since_flood = time.monotonic() - flooded_at
+            rss_mib = rss_kib(domain.procs[0].pid) / 1024
         finally:
             hostile.close()
             fds, threads = usage.stop()
-        print(f"\n{listener}: {report}; attach+step {took:.2f}s, a scrape {scraped:.2f}s after the flood "
-              f"({time.monotonic() - flooded_at:.2f}s); daemon fds {idle_fds} idle, {fds} at most "
-              f"(budget {budget.files(1)}); threads {idle_threads} idle, {threads} at most (budget {budget.threads()})")
+        print(f"\n{listener} x{n}: {report}; attach+step {took:.2f}s, a scrape {scraped:.2f}s, "
+              f"{since_flood:.2f}s after the flood; daemon fds {idle_fds} idle, {fds} at most "
+              f"(budget {budget.files(2)}); threads {idle_threads} idle, {threads} at most "
+              f"(budget {budget.threads()}); RSS {rss_mib:.0f} MiB")
         assert report["uid"] == NOBODY
-        assert fds <= budget.files(1) and threads <= budget.threads()
+        assert fds <= budget.files(2) and threads <= budget.threads()
         assert took < 10.0 and scraped < 5.0
+        within = n <= budget.GRPC_CONNECTIONS or not listener.startswith("grpc")
+        assert since_flood < (10.0 if within else budget.GRPC_HANDSHAKE_S + 15.0)
         if listener == "pools":
             assert report["ticket"] <= budget.POOLS_TICKETS_PER_UID
         async with AsyncClient(sock) as client:
             assert (await client.status()).state == "serving"
+
+
+async def connect(sock: str, within_s: float) -> None:
+    """What a new scheduler does: open a channel and wait until it serves,
+    opening another if the daemon closed this one (past the connection
+    limit, a new connection is closed as it arrives)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            async with AsyncClient(sock) as client:
+                await client.wait_serving(max(0.5, deadline - time.monotonic()))
+            return
+        except errors.Unavailable:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.1)  # a retry's back-off, as gRPC's own reconnects have
+
+
+def rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
 
 
 def scrape_time(port: int) -> float:
