@@ -1,14 +1,25 @@
 """Agreeing on what every rank attaches (geometry, pool sizes, the settings
-that shape the shared state) before the cache is used.
+that shape the shared state) before the cache is used (DESIGN rule 11).
 
-Each rank publishes its latest attach descriptor in the rendezvous store and
-waits until every rank of the domain has published the same one; as soon as
-all have published and they differ, every rank fails naming what differs. A
-daemon attaches once, so the latest descriptor is all that matters. A rank
-that fails locally or times out withdraws its own, so no peer matches a dead
-attempt; a descriptor that differs stays, so every rank sees the same
-difference (a scheduler then attaches again on every rank). Knows nothing
-about caches: a descriptor is a flat JSON object.
+An Attach is decided once per *attempt*, and every rank of the domain follows
+that one decision, whatever its own timing:
+
+- Attempts are numbered within an epoch. A rank joins the first attempt not
+  yet decided (and never one it joined already), publishes its descriptor
+  there once (a compare-and-set: never replaced, never withdrawn), and waits
+  for the attempt's decision.
+- The decision is one record, written by compare-and-set, so the first
+  writer wins and everybody reads the same: "attached" once every rank has
+  published the same descriptor, "differ" (with every descriptor) once every
+  rank has published and they differ, "missing" (naming who) when a rank's
+  own deadline passes first. A rank whose deadline passes after a peer wrote
+  "attached" reads "attached": no split at any timeout.
+- A descriptor only ever counts in its own attempt: a refused attempt's
+  descriptor can never match a later one (no stale descriptors), and since
+  the next attach of every rank joins the next undecided attempt, attaching
+  again everywhere converges.
+
+Knows nothing about caches: a descriptor is a flat JSON object.
 """
 
 from __future__ import annotations
@@ -19,53 +30,93 @@ from typing import Any
 
 from cpcache.errors import FailedPrecondition, Unavailable
 
-POLL_S = 0.02  # how often a waiting rank looks at its peers' descriptors
+POLL_S = 0.02  # how often a waiting rank looks at the attempt (the store cannot notify changes)
+
+ATTACHED, DIFFER, MISSING = "attached", "differ", "missing"
 
 
-def _key(namespace: str, rank: int) -> str:
-    return f"{namespace}/attach/{rank}"
+def _prefix(namespace: str) -> str:
+    return f"{namespace}/attach"
 
 
-def withdraw(store: Any, namespace: str, rank: int) -> None:
-    """This rank's attach failed: peers must not match an older descriptor."""
-    store.delete_key(_key(namespace, rank))
+def _published(namespace: str, attempt: int, rank: int) -> str:
+    return f"{_prefix(namespace)}/{attempt}/rank{rank}"
+
+
+def _decision(namespace: str, attempt: int) -> str:
+    return f"{_prefix(namespace)}/{attempt}/decision"
+
+
+def _decided(namespace: str) -> str:
+    return f"{_prefix(namespace)}/decided"  # the highest attempt with a decision
+
+
+def next_attempt(store: Any, namespace: str, after: int) -> int:
+    """The attempt an attach of this rank joins: the first one not yet
+    decided, and later than `after` (the last one this rank joined)."""
+    return max(int(store.add(_decided(namespace), 0)), after) + 1
 
 
 def agree_on_attach(store: Any, namespace: str, rank: int, ranks: tuple[int, ...], descriptor: dict[str, Any],
-                    attempt: int, timeout_s: float) -> None:
-    """Publish `descriptor` as this rank's attach number `attempt` and wait
-    until every rank of `ranks` has published the same descriptor. A peer's
-    different descriptor fails the attach at once when it is at least as
-    recent (its attempt number is not below this one; an older one may still
-    be replaced by the peer's retry). After `timeout_s`: `FailedPrecondition`
-    naming the ranks whose descriptor differs (and how), or `Unavailable`
-    naming those that have not attached."""
+                    attempt: int, timeout_s: float, clock: Any = time.monotonic, pause: Any = time.sleep) -> None:
+    """Publish `descriptor` as this rank's in `attempt` and follow the
+    attempt's decision: return if attached; `FailedPrecondition` naming what
+    differs; `Unavailable` naming the ranks that did not attach in time."""
     mine = json.dumps(descriptor, sort_keys=True)
-    store.set(_key(namespace, rank), json.dumps({"attempt": attempt, "what": descriptor}, sort_keys=True))
-    deadline = time.monotonic() + timeout_s
-    while True:
-        theirs: dict[int, tuple[int, str] | None] = {}
-        for r in ranks:
-            key = _key(namespace, r)
-            if store.check([key]):
-                published = json.loads(store.get(key))
-                theirs[r] = (published["attempt"], json.dumps(published["what"], sort_keys=True))
+    store.compare_set(_published(namespace, attempt, rank), "", mine)
+    deadline = clock() + timeout_s
+    while (decision := _read_decision(store, namespace, attempt)) is None:
+        theirs = {r: _read(store, _published(namespace, attempt, r)) for r in ranks}
+        if all(t is not None for t in theirs.values()):
+            if len(set(theirs.values())) == 1:
+                _decide(store, namespace, attempt, {"outcome": ATTACHED})
             else:
-                theirs[r] = None
-        if all(t is not None and t[1] == mine for t in theirs.values()):
-            return
-        settled = all(t is not None and (t[1] == mine or t[0] >= attempt) for t in theirs.values())
-        if settled or time.monotonic() > deadline:
-            break  # every rank has said what it attaches now, and they differ: no point waiting
-        time.sleep(POLL_S)  # a worker thread, polling a store that cannot notify changes
-    differ = {r: json.loads(t[1]) for r, t in theirs.items() if t is not None and t[1] != mine}
-    if differ:
-        fields = sorted(k for k in descriptor if any(d.get(k) != descriptor[k] for d in differ.values()))
-        listing = "; ".join(f"ranks [{r}]: " + ", ".join(f"{k}={d.get(k)!r}" for k in fields)
-                            for r, d in sorted(differ.items()))
-        raise FailedPrecondition(
-            f"attach: the ranks differ in {', '.join(fields)} (ranks [{rank}]: "
-            + ", ".join(f"{k}={descriptor[k]!r}" for k in fields) + f"; {listing}); nothing was attached")
-    missing = sorted(r for r, t in theirs.items() if t is None)
-    raise Unavailable(f"attach: ranks {missing} did not attach within {timeout_s:.0f}s; every rank of the "
-                      f"domain must attach the same pool")
+                _decide(store, namespace, attempt, {"outcome": DIFFER, "descriptors": {
+                    str(r): json.loads(t) for r, t in theirs.items() if t is not None}})
+        elif clock() > deadline:
+            _decide(store, namespace, attempt, {
+                "outcome": MISSING, "ranks": sorted(r for r, t in theirs.items() if t is None)})
+        else:
+            pause(POLL_S)
+    _follow(decision, rank, descriptor, timeout_s)
+
+
+def _read(store: Any, key: str) -> str | None:
+    if not store.check([key]):
+        return None
+    return bytes(store.get(key)).decode()
+
+
+def _read_decision(store: Any, namespace: str, attempt: int) -> dict[str, Any] | None:
+    raw = _read(store, _decision(namespace, attempt))
+    return json.loads(raw) if raw else None
+
+
+def _decide(store: Any, namespace: str, attempt: int, decision: dict[str, Any]) -> None:
+    """Write the decision unless a peer wrote one first (then theirs holds),
+    and raise the decided mark so that later attaches join a later attempt."""
+    store.compare_set(_decision(namespace, attempt), "", json.dumps(decision, sort_keys=True))
+    key = _decided(namespace)
+    while (decided := int(store.add(key, 0))) < attempt:
+        store.compare_set(key, str(decided), str(attempt))
+
+
+def _follow(decision: dict[str, Any], rank: int, descriptor: dict[str, Any], timeout_s: float) -> None:
+    outcome = decision["outcome"]
+    if outcome == ATTACHED:
+        return
+    if outcome == MISSING:
+        missing = decision["ranks"]
+        if rank in missing:  # this rank published after a peer's deadline: the attempt is over for all
+            raise Unavailable(f"attach: ranks {missing} did not attach within {timeout_s:.0f}s of a peer "
+                              f"(this one among them); nothing was attached on any rank: attach again on every "
+                              f"rank")
+        raise Unavailable(f"attach: ranks {missing} did not attach within {timeout_s:.0f}s; nothing was attached "
+                          f"on any rank: every rank of the domain must attach the same pool")
+    differ = {int(r): d for r, d in decision["descriptors"].items() if d != descriptor}
+    fields = sorted(k for k in descriptor if any(d.get(k) != descriptor[k] for d in differ.values()))
+    listing = "; ".join(f"ranks [{r}]: " + ", ".join(f"{k}={d.get(k)!r}" for k in fields)
+                        for r, d in sorted(differ.items()))
+    raise FailedPrecondition(
+        f"attach: the ranks differ in {', '.join(fields)} (ranks [{rank}]: "
+        + ", ".join(f"{k}={descriptor[k]!r}" for k in fields) + f"; {listing}); nothing was attached")

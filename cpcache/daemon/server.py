@@ -27,7 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from torch.distributed import TCPStore
 
-from cpcache.agreement.attach import agree_on_attach, withdraw
+from cpcache.agreement.attach import agree_on_attach, next_attempt
 from cpcache.agreement.collective import Reducer, Rendezvous, build_reducer, host_store
 from cpcache.agreement.engine import AgreementEngine, DivergenceExchange, FaultInjection, peer_lost
 from cpcache.agreement.epochs import Epochs
@@ -130,7 +130,7 @@ class Daemon:
         self._engine: AgreementEngine | None = None
         self._coordinator: Stepper | None = None
         self._background: set[asyncio.Task] = set()
-        self._attach_attempts = 0  # attaches that reached the agreement: tells a peer's stale one
+        self._attach_joined = (-1, 0)  # (epoch, attempt) of the last attach agreement this rank joined
         self._sessions = 0  # data-plane sessions opened
         self._crashed = False  # a background task died: exit INTERNAL after the drain
 
@@ -216,7 +216,6 @@ class Daemon:
     async def _attach_agreed(self, stepper: Stepper, model_id: str, geometry: KVGeometry, device: DevicePool,
                              descriptor: dict[str, Any], kind: str) -> Attached:
         runtime: CacheRuntime | None = None
-        differs = False
         store = self._rdzv.connect()
         kept = self._kept if self._kept is not None and self._kept[1] == descriptor else None
         # What the attach resumes is part of what every rank must agree on.
@@ -226,20 +225,20 @@ class Daemon:
                                               kept[0] if kept else None)
             if kept is None:
                 runtime.state.carried_over([], self._epoch_busy)
-            try:
-                self._attach_attempts += 1
-                await asyncio.to_thread(agree_on_attach, store, self._rdzv.namespace, self.config.rank,
-                                        self._domain.ranks, {**descriptor, "resumes": resumes},
-                                        self._attach_attempts, self.config.agreement_timeout_s)
-            except FailedPrecondition:
-                differs = True  # the ranks attached different things: every rank must see it
-                raise
+            # From here the domain decides, once, for every rank alike: nothing
+            # local may refuse after this point (refusals come before, above).
+            epoch, joined = self._attach_joined
+            attempt = await asyncio.to_thread(next_attempt, store, self._rdzv.namespace,
+                                              joined if epoch == self.epoch else 0)
+            self._attach_joined = (self.epoch, attempt)
+            await asyncio.to_thread(agree_on_attach, store, self._rdzv.namespace, self.config.rank,
+                                    self._domain.ranks, {**descriptor, "resumes": resumes},
+                                    attempt, self.config.agreement_timeout_s)
             if self._coordinator is not stepper:
+                # The epoch ended while it was decided: it ended for every rank,
+                # and with it the session every rank attached in it.
                 raise Unavailable("the domain formed again while this Attach was agreed; attach again")
         except BaseException:
-            if not differs:
-                # Withdrawn, so a peer's retry never matches this failed attempt.
-                await asyncio.to_thread(withdraw, store, self._rdzv.namespace, self.config.rank)
             if runtime is not None and kept is None:
                 runtime.io.transfers.close()
             raise  # a kept runtime stays kept, for the next attempt: no session was opened on it

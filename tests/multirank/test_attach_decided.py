@@ -1,0 +1,70 @@
+"""Attach is decided once per attempt, with one outcome on every rank
+(DESIGN rule 11), on real daemons: a refused attempt's descriptor never
+matches a later one, a peer arriving at any moment around a rank's deadline
+ends the attempt alike everywhere, and attaching again everywhere converges."""
+
+import asyncio
+
+import pytest
+
+from cpcache import errors
+from cpcache.tools.launcher import LocalDomain
+
+from .attacks.common import GEOMETRY, OTHER_GEOMETRY, TIMEOUT_S, attach_all, close_all, make, spec, step_all
+
+pytestmark = [pytest.mark.multirank, pytest.mark.timeout(240)]
+
+
+def outcome(result):
+    return "attached" if not isinstance(result, BaseException) else type(result).__name__
+
+
+async def attached_everywhere(schedulers):
+    """Every daemon says attached, and the next step is decided alike."""
+    assert [(await s.client.status()).attached for s in schedulers] == [True] * len(schedulers)
+    step = max([(await s.client.stats()).get("last_step", 0) for s in schedulers]) + 1
+    replies = await step_all(schedulers, step)
+    assert len({r.wire for r in replies}) == 1
+
+
+async def test_a_refused_attempts_descriptor_never_matches_a_later_attach(run_dir):
+    async with LocalDomain(spec(run_dir)) as domain:
+        # Rank 0 attaches geometry A, rank 1 geometry B: refused on both.
+        first = make(domain, run_dir, 1, geometries={1: OTHER_GEOMETRY})
+        results = await attach_all(first, return_exceptions=True)
+        assert [outcome(r) for r in results] == ["FailedPrecondition"] * 2, results
+        # Rank 0 alone attaches B: rank 1's B of the refused attempt must not match it.
+        alone = make(domain, run_dir, 2, geometries={0: OTHER_GEOMETRY})[0]
+        with pytest.raises(errors.Unavailable, match=r"ranks \[1\] did not attach"):
+            await alone.client.attach("m", alone.geometry, 16, pool_fd=alone.pool.fd)
+        assert [(await s.client.status()).attached for s in first] == [False, False]
+        # Attaching again everywhere converges.
+        again = make(domain, run_dir, 3)
+        await attach_all(again)
+        await attached_everywhere(again)
+        await close_all([*first, alone, *again])
+
+
+async def test_a_peer_attaching_around_a_ranks_deadline_ends_the_attempt_alike_everywhere(run_dir):
+    """Rank 1 attaches later and later, until past rank 0's deadline: every
+    attempt ends with one outcome on both ranks, and when it failed,
+    attaching again everywhere converges."""
+    async with LocalDomain(spec(run_dir)) as domain:
+        seen = set()
+        for life, lateness in enumerate((0.5, 0.9, 0.97, 1.0, 1.03, 1.1, 1.5)):
+            schedulers = make(domain, run_dir, life)
+            early = asyncio.ensure_future(schedulers[0].client.attach(
+                "m", GEOMETRY, 16, pool_fd=schedulers[0].pool.fd))
+            # The stimulus itself is a time: a peer that arrives this late.
+            await asyncio.sleep(lateness * TIMEOUT_S)
+            late = schedulers[1].client.attach("m", GEOMETRY, 16, pool_fd=schedulers[1].pool.fd)
+            results = await asyncio.gather(early, late, return_exceptions=True)
+            outcomes = [outcome(r) for r in results]
+            seen.add(outcomes[0])
+            assert len(set(outcomes)) == 1, (lateness, results)
+            if outcomes[0] != "attached":
+                assert outcomes[0] == "Unavailable", results
+                await attach_all(schedulers)  # the README's remedy: attach again on every rank
+            await attached_everywhere(schedulers)
+            await close_all(schedulers)
+        assert seen == {"attached", "Unavailable"}, seen
