@@ -11,8 +11,9 @@ only what the caller itself could open, and the kernel names the caller
 Anyone who may connect can also try to wear the daemon down, so every
 resource here is bounded (`budget`): connections are served concurrently,
 a few per uid, each within a short deadline; tickets are capped per uid and
-in total and expire on a timer; only shmem regular files are kept (the only
-pools `memfd.check_pool` accepts). Closing a descriptor can block in the
+in total and expire on a timer; only shmem memfds are kept (the only pools
+`memfd.check_pool` accepts), told apart without a call into the file's file
+system. Closing a descriptor can block in the
 kernel (a TCP socket lingering, a FUSE file whose server never answers its
 flush), so no serving thread and no lock holder closes one: `_Closer`
 does, and accepting pauses while too many closes are pending. A failed
@@ -248,6 +249,9 @@ class PoolHandover:
             _unlinger(fd)
         if len(fds) != 1:
             return _refusal("INVALID_ARGUMENT", "send exactly one descriptor, the pool's")
+        if not _named_memfd(fds[0]):
+            return _refusal("FAILED_PRECONDITION", "attach: the pool must be a shmem memfd (memfd_create); "
+                                                   "DevicePool.create_sealed makes one")
         try:
             check_kind(fds[0])
         except CacheError as exc:
@@ -336,6 +340,19 @@ class PoolHandover:
 def _refusal(status: str, message: str) -> bytes:
     """`ERR <STATUS> <message>`: the client raises the error of that status."""
     return f"ERR {status} {message}".encode()[:4000]
+
+
+def _named_memfd(fd: int) -> bool:
+    """Whether the kernel names `fd` a memfd (`/memfd:<name> (deleted)`).
+    Asked of /proc, which answers from the kernel's own tables: fstat or
+    fstatfs of a FUSE file would wait for its server, which may never
+    answer. Without /proc, `check_kind` alone decides."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")
+    except FileNotFoundError:
+        return not os.path.isdir("/proc/self/fd")
+    except OSError:
+        return False
 
 
 def _unlinger(fd: int) -> None:
