@@ -10,6 +10,7 @@ import fcntl
 import grp
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -200,6 +201,26 @@ def scrape_time(port: int) -> float:
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
     assert b"cpcache_build_info" in body
     return time.monotonic() - started
+
+
+async def test_the_daemon_raises_its_descriptor_limit_to_the_budget(run_dir):
+    """Started with systemd's default soft limit (1,024), the daemon holds
+    the budget's descriptors anyway, as far as the hard limit allows."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < budget.files(1):
+        pytest.skip(f"the hard limit here ({hard}) is below the budget")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))  # inherited by the daemon
+    try:
+        domain = LocalDomain(DomainSpec(Topology(tp=1), run_dir))
+        await domain.start()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    try:
+        with open(f"/proc/{domain.procs[0].pid}/limits") as limits:
+            line = next(line for line in limits if line.startswith("Max open files"))
+        assert int(line.split()[3]) == budget.files(1)
+    finally:
+        await domain.stop()
 
 
 # -- 1, 8: pools the daemon must refuse, answered with a type ------------------------------------

@@ -1,0 +1,38 @@
+"""Issue 22, 9 and the budget's paper trail: what the README, the unit and
+the example config say agrees with `cpcache.daemon.budget`."""
+
+import re
+from pathlib import Path
+
+from cpcache.daemon import budget
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def section(text: str, title: str) -> str:
+    start = text.index(f"### {title}\n")
+    end = text.find("\n### ", start + 1)
+    return text[start:end]
+
+
+def test_the_units_file_limit_covers_the_budget():
+    unit = (REPO / "services" / "cpcached" / "cpcached@.service").read_text()
+    limit = int(re.search(r"^LimitNOFILE=(\d+)$", unit, re.M).group(1))
+    assert limit >= budget.files(grpc_listeners=2)
+
+
+def test_the_example_config_serves_metrics_on_loopback():
+    example = (REPO / "services" / "cpcached" / "rank.toml.example").read_text()
+    address = re.search(r'^metrics_address = "([^"]*)"', example, re.M).group(1)
+    assert address.startswith("127.0.0.1:")
+
+
+def test_the_readme_states_the_budget_and_what_is_not_authenticated():
+    readme = (REPO / "README.md").read_text()
+    stated = section(readme, "Resource budget")
+    for figure in (budget.GRPC_CONNECTIONS, budget.POOLS_SERVED, budget.POOLS_TICKETS, budget.METRICS_CONNECTIONS):
+        assert f"{figure:,}" in stated, figure
+    said = re.search(r"LimitNOFILE=(\d+)", stated).group(0)
+    assert said in (REPO / "services" / "cpcached" / "cpcached@.service").read_text()
+    assert "authenticate no one" in section(readme, "Mooncake")
+    assert "not an identity" in section(readme, "Tenants")
