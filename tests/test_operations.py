@@ -251,6 +251,7 @@ CPCACHE_FAMILIES = {
     "cpcache_moved_pages_total": "counter",
     "cpcache_moved_bytes_total": "counter",
     "cpcache_transfer_failures_total": "counter",
+    "cpcache_late_transfers_refused_total": "counter",
     "cpcache_host_pages": "gauge",
     "grpc_server_started_total": "counter",
     "grpc_server_handled_total": "counter",

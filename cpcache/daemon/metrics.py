@@ -277,15 +277,19 @@ class DaemonCollector:
         pages = CounterMetricFamily("cpcache_moved_pages", "Pages moved from one tier to another", labels=route)
         moved = CounterMetricFamily("cpcache_moved_bytes", "Bytes moved from one tier to another", labels=route)
         errors = CounterMetricFamily("cpcache_transfer_failures", "Transfers that failed", labels=route)
+        refused = CounterMetricFamily("cpcache_late_transfers_refused",
+                                      "Transfers of an ended session refused before they touched anything",
+                                      labels=route)
         counters = snap.cache["moved"]
         for (src, dst), n in sorted(counters["pages_moved"].items()):
             pages.add_metric(values + [src, dst], n)
             moved.add_metric(values + [src, dst], counters["bytes_moved"][(src, dst)])
             errors.add_metric(values + [src, dst], counters["failed_jobs"][(src, dst)])
+            refused.add_metric(values + [src, dst], counters["refused_jobs"][(src, dst)])
         occupancy = GaugeMetricFamily("cpcache_host_pages", "Host pool pages by state", labels=names + ["state"])
         for name in ("used", "free", "retiring"):
             occupancy.add_metric(values + [name], snap.cache["stats"][f"host_pages_{name}"])
-        yield from (hits, pages, moved, errors, occupancy)
+        yield from (hits, pages, moved, errors, refused, occupancy)
 
 
 def _rpc_families(started: dict[tuple[str, str, str], int], handled: dict[tuple[str, str, str, str], int],
