@@ -167,10 +167,13 @@ async def test_a_flooded_listener_still_serves_within_budget(run_dir, shared_dir
         assert took < 10.0 and scraped < 5.0
         within = n <= budget.GRPC_CONNECTIONS or not listener.startswith("grpc")
         assert since_flood < (10.0 if within else budget.GRPC_HANDSHAKE_S + 15.0)
-        if listener == "pools":
-            assert report["ticket"] <= budget.POOLS_TICKETS_PER_UID
         async with AsyncClient(sock) as client:
             assert (await client.status()).state == "serving"
+            if listener == "pools":
+                assert report["ticket"] <= budget.POOLS_TICKETS_PER_UID
+                counted = await client.stats()
+                assert 0 < counted["pool_handover_refused_tickets"] <= report["err"]
+                assert counted["pool_tickets_held"] <= budget.POOLS_TICKETS_PER_UID
 
 
 async def connect(sock: str, within_s: float) -> None:

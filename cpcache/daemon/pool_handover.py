@@ -320,6 +320,13 @@ class PoolHandover:
     def tickets(self) -> int:
         return len(self._tickets)
 
+    def stats(self) -> dict[str, int]:
+        """`pool_tickets_held` and the `pool_handover_*` counters, copied under the lock."""
+        with self._lock:
+            out = {f"pool_handover_{name}": n for name, n in self.counters.items()}
+            out["pool_tickets_held"] = len(self._tickets)
+        return out
+
     def close(self) -> None:
         self._stop.set()
         listener, self._listener = self._listener, None

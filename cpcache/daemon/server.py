@@ -287,6 +287,8 @@ class Daemon:
 
     def stats(self) -> dict[str, int]:
         counters = {"rounds_completed": self._engine.rounds_completed if self._engine else 0}
+        if self._pools is not None:  # what the handover refused (README, Security, "Resource budget")
+            counters.update(self._pools.stats())
         coordinator = self._coordinator
         if coordinator is not None:
             counters["last_step"] = coordinator.last_step
