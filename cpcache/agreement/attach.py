@@ -62,23 +62,47 @@ def agree_on_attach(store: Any, namespace: str, rank: int, ranks: tuple[int, ...
     """Publish `descriptor` as this rank's in `attempt` and follow the
     attempt's decision: return if attached; `FailedPrecondition` naming what
     differs; `Unavailable` naming the ranks that did not attach in time."""
-    mine = json.dumps(descriptor, sort_keys=True)
-    store.compare_set(_published(namespace, attempt, rank), "", mine)
+    joined = Attempt(store, namespace, rank, ranks, descriptor, attempt)
+    joined.publish()
     deadline = clock() + timeout_s
-    while (decision := _read_decision(store, namespace, attempt)) is None:
-        theirs = {r: _read(store, _published(namespace, attempt, r)) for r in ranks}
+    while (decision := joined.look(expired=clock() > deadline)) is None:
+        pause(POLL_S)
+    follow(decision, rank, descriptor, timeout_s)
+
+
+class Attempt:
+    """One rank's part in one attempt, one step at a time (the model
+    checker in the tests drives these same steps in every order)."""
+
+    def __init__(self, store: Any, namespace: str, rank: int, ranks: tuple[int, ...],
+                 descriptor: dict[str, Any], attempt: int) -> None:
+        self.store, self.namespace, self.rank, self.ranks = store, namespace, rank, ranks
+        self.descriptor, self.attempt = descriptor, attempt
+
+    def publish(self) -> None:
+        mine = json.dumps(self.descriptor, sort_keys=True)
+        self.store.compare_set(_published(self.namespace, self.attempt, self.rank), "", mine)
+
+    def look(self, expired: bool) -> dict[str, Any] | None:
+        """One look at the attempt: decide it if this rank can (every rank
+        published, or `expired`: this rank's deadline passed); the decision
+        once there is one."""
+        store, namespace, attempt = self.store, self.namespace, self.attempt
+        if (decision := _read_decision(store, namespace, attempt)) is not None:
+            return decision
+        theirs = {r: _read(store, _published(namespace, attempt, r)) for r in self.ranks}
         if all(t is not None for t in theirs.values()):
             if len(set(theirs.values())) == 1:
                 _decide(store, namespace, attempt, {"outcome": ATTACHED})
             else:
                 _decide(store, namespace, attempt, {"outcome": DIFFER, "descriptors": {
                     str(r): json.loads(t) for r, t in theirs.items() if t is not None}})
-        elif clock() > deadline:
+        elif expired:
             _decide(store, namespace, attempt, {
                 "outcome": MISSING, "ranks": sorted(r for r, t in theirs.items() if t is None)})
         else:
-            pause(POLL_S)
-    _follow(decision, rank, descriptor, timeout_s)
+            return None
+        return _read_decision(store, namespace, attempt)
 
 
 def _read(store: Any, key: str) -> str | None:
@@ -101,7 +125,7 @@ def _decide(store: Any, namespace: str, attempt: int, decision: dict[str, Any]) 
         store.compare_set(key, str(decided), str(attempt))
 
 
-def _follow(decision: dict[str, Any], rank: int, descriptor: dict[str, Any], timeout_s: float) -> None:
+def follow(decision: dict[str, Any], rank: int, descriptor: dict[str, Any], timeout_s: float) -> None:
     outcome = decision["outcome"]
     if outcome == ATTACHED:
         return

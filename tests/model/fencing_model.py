@@ -1,0 +1,146 @@
+"""A model of one rank leaving its epoch while a round is in its collective
+and its data-plane jobs are queued or running (DESIGN rule 10), checked in
+every order of: the peer entering the round late or never (timeout), the
+rank leaving, its engine thread returning, the stepper applying, the join,
+the detach (session end, device jobs counted), the next session attaching,
+and each job starting and ending.
+
+The model mirrors the code it stands for, step by step:
+`AgreementEngine._one_round` (a closed engine discards the round its
+collective returns), `AgreementEngine._fail_pending` (the close sentinel is
+put back) and `close` (joins, then destroys the groups), `Stepper._settle`
+(a stepper that left applies nothing), `Transfers.submit`/`_run` (a job binds
+its session's pool when issued; a job of an ended session is refused when it
+would start), `Daemon._detach_for_epoch` (the session ends, then the daemon
+waits until no job of it touches its pool: counted). The real-daemon tests in
+tests/multirank/test_fencing.py check the same behaviour on the code.
+
+Mutations reintroduce the defects of issue 21: `apply_after_leave` (the round
+is delivered and applied after the close; the join gives up after a time),
+`pool_at_run_time` (jobs read the current pool when they run, are not
+refused, and the drain gives up after a time), `sentinel_eaten` (a failed
+round drains the close sentinel).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+JOBS = ("load", "write")  # load: host -> device, queued before; write: device -> host, issued by the late round
+
+
+@dataclass(frozen=True)
+class S:
+    collective: str = "waiting"  # waiting | completed (peer entered) | timed_out
+    thread: str = "in_collective"  # in_collective | returned | stuck (no sentinel to read)
+    delivered: str = ""  # "" | result | discarded | failed
+    closed: bool = False  # engine closed (the rank left)
+    left: bool = False  # the stepper left
+    applied: str = ""  # "" | before_leave | after_leave
+    phase: str = "epoch"  # epoch | joining | detaching | detached | new
+    groups: str = "open"  # open | destroyed
+    session_ended: bool = False
+    # per job: none | queued | running | done | refused; and the pool it writes or reads
+    load: str = "queued"
+    load_pool: str = "P0"  # bound at issue time
+    write: str = "none"
+    write_pool: str = ""
+    violations: tuple[str, ...] = ()
+
+
+class FencingModel:
+    def __init__(self, mutations: frozenset[str] = frozenset()) -> None:
+        self.m = mutations
+
+    def initial(self) -> S:
+        return S()
+
+    def events(self, s: S) -> list[tuple[str, S]]:
+        out: list[tuple[str, S]] = []
+        m = self.m
+        if s.collective == "waiting":
+            out.append(("peer enters the round late", replace(s, collective="completed")))
+            out.append(("the round times out", replace(s, collective="timed_out")))
+        if not s.left and s.phase == "epoch":
+            out.append(("the rank leaves its epoch", replace(s, left=True, closed=True, phase="joining")))
+        if s.thread == "in_collective" and s.collective != "waiting":
+            if s.collective == "timed_out":
+                # The engine breaks; `_fail_pending` runs with the close sentinel queued (if closed).
+                eaten = "sentinel_eaten" in m and s.closed
+                out.append(("the engine breaks", replace(s, thread="stuck" if eaten else "returned",
+                                                         delivered="failed")))
+            else:
+                discard = s.closed and "apply_after_leave" not in m
+                out.append(("the engine returns", replace(s, thread="returned",
+                                                          delivered="discarded" if discard else "result")))
+        if s.delivered == "result" and not s.applied:
+            if s.left and "apply_after_leave" not in m:
+                out.append(("the stepper refuses the round (left)", replace(s, delivered="refused")))
+            else:
+                # Applied: the round's write-through is issued in the stepper's session.
+                issued = replace(s, applied="after_leave" if s.left else "before_leave", write="queued",
+                                 write_pool="P0")
+                if s.left:
+                    issued = replace(issued, violations=(*s.violations, "a round was applied after its rank left"))
+                out.append(("the stepper applies the round", issued))
+        if s.phase == "joining":
+            if s.thread == "returned":
+                out.append(("the join ends; groups destroyed", replace(s, phase="detaching", groups="destroyed")))
+            elif "apply_after_leave" in m or "sentinel_eaten" in m:
+                out.append(("the join gives up after its time", replace(s, phase="detaching")))
+        if s.phase == "detaching":
+            ended = replace(s, session_ended=True)
+            running = any(getattr(s, j) == "running" for j in JOBS)
+            if not running or "pool_at_run_time" in m:
+                out.append(("the session ends; its pool is let go", replace(ended, phase="detached")))
+        if s.phase == "detached":
+            out.append(("the next session attaches (pool P1, slot s reused)", replace(s, phase="new")))
+        for job in JOBS:
+            state = getattr(s, job)
+            if state == "queued":
+                if s.session_ended and "pool_at_run_time" not in m:
+                    out.append((f"the {job} is refused", replace(s, **{job: "refused"})))
+                else:
+                    pool = getattr(s, f"{job}_pool")
+                    if "pool_at_run_time" in m:
+                        pool = {"new": "P1", "detached": "none"}.get(s.phase, "P0")
+                    out.append((f"the {job} starts", replace(s, **{job: "running", f"{job}_pool": pool})))
+            if state == "running":
+                done = replace(s, **{job: "done"})
+                pool = getattr(s, f"{job}_pool")
+                harm = []
+                if pool == "P1":
+                    harm.append(f"an old session's {job} landed in the next session's pool")
+                if job == "write" and s.phase == "new":
+                    harm.append("an old epoch's copy overwrote a slot the next session holds")
+                out.append((f"the {job} ends", replace(done, violations=(*s.violations, *harm))))
+        return out
+
+    def check(self, s: S, trace: tuple[str, ...]) -> None:
+        assert not s.violations, f"{s.violations[0]}; trace: {list(trace)}"
+        if s.phase == "new":
+            running = [j for j in JOBS if getattr(s, j) == "running"]
+            assert not running or "pool_at_run_time" in self.m, f"next session opened while {running} ran"
+
+
+def check_fencing(mutations: frozenset[str] = frozenset(), collect: set[str] | None = None):
+    """Explore every order. With `collect`, violations are gathered there
+    (by kind) instead of failing at the first."""
+    from .explore import explore
+
+    model = FencingModel(mutations)
+
+    def check(s: S, trace: tuple[str, ...]) -> None:
+        try:
+            model.check(s, trace)
+            if not model.events(s):
+                # Every end: the epoch really left (thread joined, groups destroyed), the next session serving.
+                assert s.phase == "new" and s.groups == "destroyed", (
+                    f"the epoch was not really left: ended in phase {s.phase} with its groups {s.groups}; "
+                    f"trace: {list(trace)}")
+        except AssertionError as exc:
+            if collect is None:
+                raise
+            collect.add(str(exc).split(";")[0])
+
+    return explore(model.initial(), model.events, check)
