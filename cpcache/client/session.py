@@ -80,6 +80,10 @@ class HiCacheSession:
             self._pending.polls.append(op_id)
         return False
 
+    def prefetch_open(self, rid: str) -> bool:
+        """Whether a prefetch for `rid` is asked for or open, not yet ended."""
+        return rid in self._prefetch_of
+
     def prefetched_pages(self, rid: str) -> int:
         return self._ended.get(rid, 0)
 

@@ -71,6 +71,7 @@ class CacheState:
         self.step = 0  # the step whose operations opened last
         self.round = 0  # the round applied last
         self.hit_pages = {"host": 0, "storage": 0}  # pages loaded back / prefetched (agreed)
+        self.writes_refused = 0  # write-throughs refused for want of evictable host pages
 
     # -- bookkeeping -------------------------------------------------------------
 
@@ -238,6 +239,7 @@ class CacheState:
         if not self._make_room(len(new), keep):
             # A full pool is not a scheduler error: this write fails, alike on every rank.
             self._record("write refused", req.op_id)
+            self.writes_refused += 1
             decided.write_failures.append(req.op_id)
             return []
         write = Write(self._serial(), req, new, self.allocator.allocate(len(new)))
@@ -452,6 +454,7 @@ class CacheState:
             "open_loads": counts[Load],
             "host_hit_pages": self.hit_pages["host"],
             "storage_hit_pages": self.hit_pages["storage"],
+            "writes_refused_host_full": self.writes_refused,
         }
 
 

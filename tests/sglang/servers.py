@@ -237,9 +237,10 @@ class Server:
         out = self.post("/generate", body)
         meta = out["meta_info"]
         details = meta.get("cached_tokens_details") or {}
-        return Reply(tuple(out["output_ids"]), tuple(x[0] for x in meta["output_token_logprobs"]),
-                     meta["cached_tokens"], details.get("device", 0), details.get("host", 0),
-                     details.get("storage", 0), meta["finish_reason"]["type"])
+        finish = meta.get("finish_reason") or {}
+        return Reply(tuple(out.get("output_ids") or ()), tuple(x[0] for x in meta.get("output_token_logprobs") or ()),
+                     meta.get("cached_tokens", 0), details.get("device", 0), details.get("host", 0),
+                     details.get("storage", 0), finish.get("type", ""))
 
     def log_lines(self, marker: str) -> list[str]:
         assert self.process is not None

@@ -80,7 +80,10 @@ class Stack:
             prefetch_threshold_tokens=0, prefetch_policy="wait_complete",
             # Every device <-> host copy takes uniform(0, 400) ms, on each rank
             # independently: steps overlap I/O and ranks finish it apart.
-            fault_copy_delay_ms=400.0))
+            fault_copy_delay_ms=400.0,
+            # Every storage call takes uniform(0, 200) ms: prefetches are
+            # still open when their request is aborted.
+            fault_storage_delay_ms=200.0))
         config = work / "sglang-cpcache.json"
         config.write_text(json.dumps({"socket": str(work / "run" / "rank-{rank}.sock"), "model_id": "tiny",
                                       "reattach_after_iterations": 32}))
@@ -199,6 +202,31 @@ def test_a_wrong_page_from_storage_breaks_the_match_negative_control(stack: Stac
     got = stack.cpcache.generate(ids)
     assert got.storage > 0, f"the document did not come from storage: {got}"
     assert not same_outputs(got, stack.reference(ids)), "wrong KV served and the check did not see it"
+
+
+def test_requests_aborted_during_their_prefetch_are_revoked_on_every_rank(stack: Stack):
+    system, docs = workload(seed=5)
+    for d, doc in enumerate(docs):
+        stack.check(prompt(system, doc, 0, d))
+    server = stack.cpcache.process
+    assert server is not None
+    for d in (0, 1):  # in storage only by now: each request starts a prefetch
+        rid = f"aborted-{d}"
+        answer: list[Reply] = []
+        ids = prompt(system, docs[d], 1, d)
+        worker = threading.Thread(target=lambda ids=ids, rid=rid, answer=answer: answer.append(
+            stack.cpcache.generate(ids, rid=rid)))
+        worker.start()
+        for _ in range(10_000):  # until SGLang has the request: an abort of an unknown rid does nothing
+            stack.cpcache.post("/abort_request", {"rid": rid})
+            if server.lines_with(f"revoked the prefetch of aborted request {rid}") or not worker.is_alive():
+                break
+        worker.join(120)
+        assert answer and answer[0].finish == "abort", answer
+        server.wait_lines(f"revoked the prefetch of aborted request {rid}", TP, timeout_s=60)
+    # The revoked prefetches left nothing wrong behind: the same documents again.
+    for d in (0, 1, 2):
+        stack.check(prompt(system, docs[d], 2, d))
 
 
 def test_a_killed_daemon_falls_back_on_every_rank_at_one_iteration_and_comes_back(stack: Stack):

@@ -270,7 +270,11 @@ class CpcacheRadixCache(UnifiedRadixCache):
         self.prefetch_loaded_tokens_by_reqid.pop(handle, None)
         self._host_hits.pop(handle.rid, None)
         if self.connector is not None:
-            self.connector.session.release_aborted_request(handle.rid)
+            session = self.connector.session
+            was_open = session.prefetch_open(handle.rid)
+            session.release_aborted_request(handle.rid)
+            if was_open:
+                log.info("cpcache: rank %d revoked the prefetch of aborted request %s", self.rank, handle.rid)
 
     # -- the iteration boundary ------------------------------------------------------------
 
