@@ -3,6 +3,9 @@
 and detokenizer, HTTP on a TCP port), with a tiny Llama of random weights
 made by transformers at test time, and `cpcache launch` daemons beneath.
 
+SGLang's own HiCache (host memory tier, no storage) runs here too, for a
+side-by-side comparison: HICACHE_FLAGS with HICACHE_ENV (cpu_host/hicache_cpu.py).
+
 Every wait is on an event: a process's own readiness line on its output
 (SGLang prints one when it serves, `cpcache launch` when its ranks serve),
 or its exit.
@@ -40,6 +43,11 @@ CPCACHE_FLAGS = ["--radix-cache-backend", "cpcache", "--enable-hierarchical-cach
                  "--hicache-storage-backend", "dynamic",
                  "--hicache-storage-backend-extra-config", json.dumps(STORAGE_EXTRA_CONFIG)]
 PLAIN_FLAGS = ["--disable-radix-cache"]
+# SGLang's own HiCache, host tier only: plain-torch copies between the host
+# and device pools, which HICACHE_ENV turns on in every SGLang process.
+HICACHE_FLAGS = ["--enable-hierarchical-cache", "--hicache-io-backend", "direct",
+                 "--hicache-mem-layout", "layer_first", "--hicache-ratio", "2"]
+HICACHE_ENV = {"CPCACHE_TEST_HICACHE_CPU": "1"}
 READY = "The server is fired up and ready to roll"
 
 

@@ -55,3 +55,10 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 if not any(isinstance(f, _StubFinder) for f in sys.meta_path):
     sys.meta_path.insert(0, _StubFinder())
+
+# SGLang's own HiCache on this CPU host, for comparison runs: hicache_cpu.py
+# (beside this file, so on the same PYTHONPATH).
+if os.environ.get("CPCACHE_TEST_HICACHE_CPU") == "1":
+    import hicache_cpu
+
+    hicache_cpu.install()

@@ -1,0 +1,104 @@
+"""SGLang's own HiCache (host memory tier, no storage) on this CPU-only host,
+for a side-by-side comparison with cpcache. Imported by sitecustomize.py only
+when CPCACHE_TEST_HICACHE_CPU=1; test support only.
+
+Supported: `--hicache-io-backend direct --hicache-mem-layout layer_first`
+(servers.HICACHE_FLAGS). Here "device" memory is host memory too, so a
+transfer is a plain torch copy, done synchronously on the calling thread; the
+torch.cpu Stream and Event stand-ins SGLang already picks on CPU (record and
+wait do nothing, query is True) are then exact.
+
+The modules are patched as they are imported (SGLang imports them late, in
+its spawned scheduler processes): an import hook runs each patch right after
+its module's own code.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import sys
+from collections.abc import Callable
+from types import ModuleType
+
+import torch
+
+
+def _patch_host_pool_common(module: ModuleType) -> None:
+    # pool_host.common.alloc_with_host_register pins a host pool by calling
+    # _cuda_host_register (cudaHostRegister through torch.cuda.cudart()): on
+    # a torch without CUDA that raises "Torch not compiled with CUDA enabled".
+    # Nothing to pin on a CPU host: the pool stays ordinary memory.
+    def no_host_register(buffer: torch.Tensor, registration_granularity_bytes: int | None = None) -> None:
+        return None
+
+    module._cuda_host_register = no_host_register
+
+
+def transfer_kv_direct(src_layers: list[torch.Tensor], dst_layers: list[torch.Tensor],
+                       src_indices: torch.Tensor, dst_indices: torch.Tensor, page_size: int) -> None:
+    """sgl_kernel.kvcacheio.transfer_kv_direct in plain torch: for every layer
+    pair, dst[dst_indices[i]] = src[src_indices[i]] (token rows; the kernel
+    copies runs of `page_size` contiguous rows, same result)."""
+    assert len(src_layers) == len(dst_layers), (len(src_layers), len(dst_layers))
+    assert src_indices.numel() == dst_indices.numel(), (src_indices.numel(), dst_indices.numel())
+    src_indices = src_indices.to(torch.int64)
+    dst_indices = dst_indices.to(torch.int64)
+    for src, dst in zip(src_layers, dst_layers):
+        dst.index_copy_(0, dst_indices.to(dst.device), src.index_select(0, src_indices.to(src.device)).to(dst.device))
+
+
+def _patch_host_pool_mha(module: ModuleType) -> None:
+    # pool_host.mha imports its transfer ops from sgl_kernel.kvcacheio only
+    # when is_cuda() or is_hip(): on CPU `transfer_kv_direct` is not bound at
+    # all, and MHATokenToKVPoolHost.load_to_device_per_layer and
+    # backup_from_device_all_layer (io_backend "direct", layout
+    # "layer_first") would raise NameError. Bind the plain-torch copy.
+    module.transfer_kv_direct = transfer_kv_direct
+
+
+_PATCHES: dict[str, Callable[[ModuleType], None]] = {
+    "sglang.srt.mem_cache.pool_host.common": _patch_host_pool_common,
+    "sglang.srt.mem_cache.pool_host.mha": _patch_host_pool_mha,
+}
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    """The module's own loader, then its patch."""
+
+    def __init__(self, inner: importlib.abc.Loader, patch: Callable[[ModuleType], None]) -> None:
+        self.inner = inner
+        self.patch = patch
+
+    def create_module(self, spec):  # noqa: ANN001
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self.inner.exec_module(module)
+        self.patch(module)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+
+class _PatchFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):  # noqa: ANN001
+        patch = _PATCHES.get(name)
+        if patch is None:
+            return None
+        for finder in sys.meta_path:  # the finder that would have found it
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                if spec.loader is not None:
+                    spec.loader = _PatchingLoader(spec.loader, patch)
+                return spec
+        return None
+
+
+def install() -> None:
+    for name, patch in _PATCHES.items():
+        if name in sys.modules:  # imported before this hook: patch in place
+            patch(sys.modules[name])
+    if not any(isinstance(f, _PatchFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PatchFinder())
