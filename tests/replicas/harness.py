@@ -226,6 +226,7 @@ class Domain:
         self.number = 0
         self.history: list[tuple[int, StepOps, int | None]] = []  # (step, ops, injected rejecting rank)
         self.write_serials: dict[int, int] = {}  # write op id -> serial of its CopyToHost (latest)
+        self.mirror: set[bytes] = set()  # the host pool as the replies tell it (what the SGLang backend keeps)
 
     @property
     def lead(self) -> CacheState:
@@ -304,6 +305,8 @@ class Domain:
             new_intents.append(list(intents))
             more_decisions, more = rep.state.apply(result)
             decisions.merge(more_decisions)
+            # As the stepper does: the reply tells how the host pool changed.
+            decisions.host_entered, decisions.host_left = rep.state.index.take_changes()
             new_intents[-1] += more
             decided.append(decisions)
         if len(set(errors)) != 1:
@@ -320,6 +323,18 @@ class Domain:
             raise InvariantViolation(f"decisions differ: {reprs}")
         report.decisions = decided[0]
         self._check_acks(report.decisions)
+        self._check_mirror(report.decisions)
+
+    def _check_mirror(self, decisions: Decisions) -> None:
+        """A scheduler that follows the replies' host_entered / host_left
+        holds exactly the pages resident in the host pool."""
+        self.mirror.difference_update(decisions.host_left)
+        self.mirror.update(decisions.host_entered)
+        resident = {page for page, _ in self.lead.index.items()}
+        if self.mirror != resident:
+            raise InvariantViolation(f"after round {self.number}: the replies' host changes give "
+                                     f"{len(self.mirror)} pages, the host pool holds {len(resident)} "
+                                     f"({len(self.mirror ^ resident)} differ)")
 
     def _check_slots(self, rep: Replica, intents: list) -> None:
         """No slot is handed out to a new write or fetch while any replica

@@ -64,7 +64,12 @@ def build_cache(context: Any, settings: Settings | None = None) -> Any:
     try:
         attached = client.attach(model_id, pool.geometry, pool.device_pages, pool_fd=pool.fd,
                                  cuda_ipc=pool.cuda_ipc, placement=(topology, rank))
-        first_step = client.status().last_step + 1
+        status = client.status()
+        if status.agreement_lag != 0:
+            raise server_flags.UnsupportedServer(
+                f"cpcache: the daemon at {socket} runs with agreement_lag {status.agreement_lag}; the SGLang backend "
+                "needs 0 (its host matches follow the host pool step by step); start the daemons with --lag 0")
+        first_step = status.last_step + 1
     except BaseException:
         client.close()
         pool.close()

@@ -9,13 +9,16 @@ share comes from the daemon's agreed replies, never from a collective here:
                                      storage by the daemon's write policy); the node stays
                                      locked until the write is decided
     match_prefix                     device match, then the host pages that follow it
-                                     (agreed state) as a host hit
+                                     (the mirror of the agreed host pool) as a host hit
     init_load_back                   load of those pages into fresh device slots, returned
                                      once every rank has them (or none: a miss)
     prefetch_from_storage            a storage prefetch of the pages beyond the host hit
     check_prefetch_progress          whether it has ended, as agreed
+    is_backuped                      true: storage keys chain from the request's tokens,
+                                     so any node anchors SGLang's storage prefetch
     release_aborted_request          revoke
     check_hicache_events             one Step for everything the iteration asked
+    reset (flush_cache)              unsent writes cancelled, sent ones decided first
 
 Evicting a device node needs no copy: its pages were written through, so a
 later match finds them in the host pool and loads them back.
