@@ -24,7 +24,7 @@ def test_launch_prints_sockets_and_stops_on_sigint(run_dir):
     sockets = []
     for line in proc.stdout:  # blocks on the launcher's own output, line by line
         if line.startswith("rank "):
-            sockets.append(line.split("unix:", 1)[1].strip())
+            sockets.append(line.split("unix:", 1)[1].split()[0])
         if "press Ctrl-C" in line:
             break
     assert len(sockets) == 2
@@ -68,7 +68,7 @@ def test_launch_starts_a_killed_rank_again_and_its_domain_forms_again(run_dir):
     sockets = []
     for line in proc.stdout:
         if line.startswith("rank "):
-            sockets.append(line.split("unix:", 1)[1].strip())
+            sockets.append(line.split("unix:", 1)[1].split()[0])
         if "press Ctrl-C" in line:
             break
     os.kill(daemon_pid(run_dir, 1), signal.SIGKILL)
@@ -107,7 +107,7 @@ def test_every_rank_killed_again_and_again_is_seen_and_its_domain_serves_again(r
     sockets = []
     for line in proc.stdout:
         if line.startswith("rank "):
-            sockets.append(line.split("unix:", 1)[1].strip())
+            sockets.append(line.split("unix:", 1)[1].split()[0])
         if "press Ctrl-C" in line:
             break
     assert len(sockets) == 4

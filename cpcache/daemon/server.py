@@ -227,11 +227,12 @@ class Daemon:
                 runtime.state.carried_over([], self._epoch_busy)
             # From here the domain decides, once, for every rank alike: nothing
             # local may refuse after this point (refusals come before, above).
+            # Domains of one deployment (attention-DP replicas) attach apart.
+            namespace = f"{self._rdzv.namespace}/domain{'-'.join(map(str, self._domain.ranks))}"
             epoch, joined = self._attach_joined
-            attempt = await asyncio.to_thread(next_attempt, store, self._rdzv.namespace,
-                                              joined if epoch == self.epoch else 0)
+            attempt = await asyncio.to_thread(next_attempt, store, namespace, joined if epoch == self.epoch else 0)
             self._attach_joined = (self.epoch, attempt)
-            await asyncio.to_thread(agree_on_attach, store, self._rdzv.namespace, self.config.rank,
+            await asyncio.to_thread(agree_on_attach, store, namespace, self.config.rank,
                                     self._domain.ranks, {**descriptor, "resumes": resumes},
                                     attempt, self.config.agreement_timeout_s)
             if self._coordinator is not stepper:
