@@ -57,12 +57,24 @@ async def test_a_round_a_peer_completes_after_this_rank_left_its_epoch_is_not_ap
         replies = await asyncio.gather(
             attaching, new[1].client.attach("m", new[1].geometry, 16, pool_fd=new[1].pool.fd))
         assert [r.resumed_pages for r in replies] == [PAGES, PAGES]
-        # The new session decides alike on both ranks and its pages load back intact.
-        _, expected = await write_through(new, 1)
+        # The new session decides alike on both ranks and its pages load back
+        # intact: no copy of the old round ever touched their slots.
+        step, expected = await write_through(new, 1)
+        await load_back_intact(new, step + 1, expected)
         stats = [await s.client.stats() for s in new]
         assert [st["in_flight_slots"] for st in stats] == [0, 0]
         await close_all(old + new)
-        del expected
+
+
+async def load_back_intact(schedulers, step, expected):
+    replies = await step_all(schedulers, step, Ops(loads=((50, PAGE_HASHES, list(range(8, 8 + PAGES))),)))
+    while 50 not in replies[0].loads:
+        step += 1
+        replies = await step_all(schedulers, step)
+    await asyncio.gather(*(s.client.wait_loads([50]) for s in schedulers))
+    for rank, s in enumerate(schedulers):
+        for page in range(PAGES):
+            assert np.array_equal(s.read(8 + page), expected[rank][page]), (rank, page)
 
 
 async def test_a_load_queued_when_its_session_ends_is_refused_and_never_lands_in_the_next_pool(run_dir):
@@ -86,13 +98,5 @@ async def test_a_load_queued_when_its_session_ends_is_refused_and_never_lands_in
         after = [s.read(page) for s in new for page in range(16)]
         assert all(np.array_equal(b, a) for b, a in zip(before, after))
         # The new session loads its own pages into its own pool.
-        replies = await step_all(new, 1, Ops(loads=((1, PAGE_HASHES, list(range(8, 8 + PAGES))),)))
-        step = 1
-        while 1 not in replies[0].loads:
-            step += 1
-            replies = await step_all(new, step)
-        await asyncio.gather(*(s.client.wait_loads([1]) for s in new))
-        for rank, s in enumerate(new):
-            for page in range(PAGES):
-                assert np.array_equal(s.read(8 + page), expected[rank][page]), (rank, page)
+        await load_back_intact(new, 1, expected)
         await close_all(old + new)
