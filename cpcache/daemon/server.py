@@ -245,7 +245,9 @@ class Daemon:
             raise  # a kept runtime stays kept, for the next attempt: no session was opened on it
         if kept is None and self._kept is not None:  # another model or geometry, agreed: start clean
             old, self._kept = self._kept[0], None
-            await asyncio.to_thread(old.io.transfers.close)
+            # Decided: nothing may fail here any more (a storage that fails to
+            # close is logged, not answered), or ranks would end apart.
+            await _bounded(old.io.transfers.close, 5.0, "closing the previous cache's storage")
         # The session's jobs bind this pool when they are issued; the previous
         # session of this runtime ended (and its device jobs with it) on detach.
         self._sessions += 1
