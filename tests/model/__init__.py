@@ -1,0 +1,18 @@
+"""Exhaustive small-scope model checking of the epoch / Attach / fencing
+protocol (DESIGN section 11).
+
+- `attach_model`: Attach over its own code (`cpcache.agreement.attach`,
+  driven step by step over an in-memory store with TCPStore's semantics):
+  every program of 2 ranks x up to 2 attaches and 3 ranks x 1 attach, each
+  of descriptor A or B, in every order of publishing, looking and deadlines
+  passing, then the README's remedy (attach again everywhere) from every end
+  state. Mutations: descriptors that outlive their attempt (issue 21,
+  defect 3), a deadline decided locally (defect 4).
+- `fencing_model`: one rank leaving its epoch while a round is in its
+  collective and a load is queued, against a peer that enters late or never;
+  mirrors the engine, stepper, movers and detach. Mutations: a round applied
+  after the leave (defect 1), jobs reading the pool when they run and a
+  timed drain (defect 2), the close sentinel eaten (defect 1's other half).
+
+`pytest tests/model -s` prints the states explored and the run time.
+"""
