@@ -46,6 +46,14 @@ def request_namespace_seed(extra_key: str | None, cache_salt: str | None) -> str
     return digest.hexdigest()
 
 
+def generation_seed(seed: str | None, generation: int) -> str | None:
+    """A chain seed for the `generation`-th cache flush: chains from it share
+    no page with chains from `seed` (generation 0 is `seed` itself)."""
+    if generation == 0:
+        return seed
+    return hashlib.sha256(f"cpcache-flush:{seed or ''}:{generation}".encode()).hexdigest()
+
+
 def tenant_of(model_id: str, geometry_fingerprint: int) -> str:
     """The storage namespace of an attached model: its id and KV geometry."""
     return hashlib.sha256(f"cpcache-tenant:{model_id}:{geometry_fingerprint}".encode()).hexdigest()[:16]

@@ -65,3 +65,13 @@ def test_one_writer_per_replicated_page_and_balanced():
     assert min(per_rank) > 0.15 * len(pages)
     sharded = [ShardingSpec(cp="cp_sharded", cp_rank=r, cp_size=4) for r in range(4)]
     assert all(s.writes(pages[0]) for s in sharded)
+
+
+def test_a_flush_generation_seeds_chains_that_share_no_page():
+    from cpcache.keys import chain, generation_seed
+
+    tokens = list(range(64))
+    assert generation_seed(None, 0) is None and generation_seed("ab" * 32, 0) == "ab" * 32
+    first, flushed = chain(tokens, 16, None), chain(tokens, 16, generation_seed(None, 1))
+    assert not set(first) & set(flushed)
+    assert chain(tokens, 16, generation_seed(None, 2)) != flushed

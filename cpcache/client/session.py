@@ -110,6 +110,15 @@ class HiCacheSession:
         self._pending.writes.append((op_id, pages, device_pages, parent or b""))
         return op_id
 
+    def hold_writes(self) -> list:
+        """Take the write-throughs not sent yet out of the next flush (their
+        KV may still be being computed): -> what `release_writes` puts back."""
+        held, self._pending.writes = self._pending.writes, []
+        return held
+
+    def release_writes(self, held: list) -> None:
+        self._pending.writes = held + self._pending.writes
+
     def cancel_unsent_writes(self) -> list[int]:
         """Drop the write-throughs no flush has sent yet (their device pages
         are about to be freed): -> their op ids. Sent ones are decided by the

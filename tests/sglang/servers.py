@@ -38,8 +38,9 @@ CPU_HOST = Path(__file__).resolve().parent / "cpu_host"
 CPU_FLAGS = ["--device", "cpu", "--skip-tokenizer-init", "--attention-backend", "torch_native",
              "--disable-cuda-graph", "--dtype", "float32"]
 # What the cpcache backend needs (README, "SGLang"): the backend; the
-# per-iteration hook; storage prefetch through the daemon.
-CPCACHE_FLAGS = ["--radix-cache-backend", "cpcache", "--enable-hierarchical-cache",
+# per-iteration hook (with a fixed host ratio, so SGLang does not size a host
+# pool it never builds); storage prefetch through the daemon.
+CPCACHE_FLAGS = ["--radix-cache-backend", "cpcache", "--enable-hierarchical-cache", "--hicache-ratio", "1",
                  "--hicache-storage-backend", "dynamic",
                  "--hicache-storage-backend-extra-config", json.dumps(STORAGE_EXTRA_CONFIG)]
 PLAIN_FLAGS = ["--disable-radix-cache"]

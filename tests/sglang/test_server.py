@@ -27,13 +27,14 @@ import random
 import signal
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from cpcache.dataplane.storage import framing
-from cpcache.keys import chain
+from cpcache.keys import chain, generation_seed
 from tests.sglang.servers import (
     CPCACHE_FLAGS,
     PLAIN_FLAGS,
@@ -87,7 +88,9 @@ class Stack:
         config = work / "sglang-cpcache.json"
         config.write_text(json.dumps({"socket": str(work / "run" / "rank-{rank}.sock"), "model_id": "tiny",
                                       "reattach_after_iterations": 32}))
-        self.cpcache = Server("cpcache", model, work, CPCACHE_FLAGS, tp=TP, page_size=PAGE,
+        self.model = model
+        # --enable-metrics: SGLang's HiCache gauges read the backend's host pool.
+        self.cpcache = Server("cpcache", model, work, [*CPCACHE_FLAGS, "--enable-metrics"], tp=TP, page_size=PAGE,
                               device_tokens=DEVICE_TOKENS, env={"CPCACHE_SGLANG_CONFIG": str(config)})
         self.plain = Server("plain", model, work, PLAIN_FLAGS, tp=TP, page_size=PAGE, device_tokens=DEVICE_TOKENS)
         self.expected: dict[tuple[int, ...], Reply] = {}
@@ -143,6 +146,8 @@ def test_outputs_equal_a_server_without_cache_and_hits_come_from_every_tier(stac
     assert sum(r.device for r in replies) > 0, "no device hit"
     assert sum(r.host for r in second) > 0, f"no host hit: {second}"
     assert sum(r.storage for r in second) > 0, f"no storage hit: {second}"
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{stack.cpcache.port}/metrics", timeout=30).read().decode()
+    assert "hicache_host_total_tokens" in metrics, "SGLang's host-pool gauges are missing"
     hit = sum(r.cached for r in replies) / sum(len(prompt(system, d, 0, 0)) for d in docs * 2)
     print(f"hit rate {hit:.3f}; second pass device/host/storage tokens "
           f"{sum(r.device for r in second)}/{sum(r.host for r in second)}/{sum(r.storage for r in second)}")
@@ -169,13 +174,28 @@ def test_flush_cache_while_writes_are_queued_serves_no_wrong_bytes(stack: Stack)
     assert len(flushes) == TP * len(docs), flushes
     caught = [line for line in flushes if "0 queued writes cancelled, 0 in flight" not in line]
     assert caught, f"no flush found a write queued or in flight: {flushes}"
-    # What those requests wrote and what is still in the host pool comes back with the right bytes.
+    # A flush leaves nothing reachable below the device either (as SGLang's
+    # HiCache empties its host pool): the same documents are computed again.
     for d, doc in enumerate(docs):
-        stack.check(prompt(system, doc, 1, d))
+        again = stack.check(prompt(system, doc, 1, d))
+        assert again.host == 0 and again.storage == 0, again
+
+
+def test_a_weight_update_leaves_no_page_of_the_old_weights_reachable(stack: Stack):
+    system, docs = workload(seed=6, docs=2)
+    for d, doc in enumerate(docs):
+        stack.check(prompt(system, doc, 0, d))
+    updated = stack.cpcache.post("/update_weights_from_disk", {"model_path": str(stack.model)})
+    assert updated.get("success"), updated
+    for d, doc in enumerate(docs):
+        got = stack.check(prompt(system, doc, 1, d))
+        assert got.host == 0 and got.storage == 0, f"pages of the old weights were served: {got}"
 
 
 def stored_pages(stack: Stack, tokens: list[int]) -> list[Path]:
-    hashes = chain(tokens, PAGE, None)
+    # Every flush (a weight update's too) seeds the page chains anew.
+    generation = len(stack.cpcache.log_lines("cpcache: rank 0 flushed its cache"))
+    hashes = chain(tokens, PAGE, generation_seed(None, generation))
     return sorted(p for h in hashes for p in stack.storage.glob(f"*/*.{h}_*"))
 
 

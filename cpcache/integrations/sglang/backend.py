@@ -29,6 +29,14 @@ def _world_rank(tp_rank: int) -> int:
     return tp_rank
 
 
+def _default_model_id(server_args: Any) -> str:
+    """SGLang's served model name and weight version: pages computed by other
+    weights are another tenant's."""
+    name = getattr(server_args, "served_model_name", None) or server_args.model_path
+    version = getattr(server_args, "weight_version", None) or "default"
+    return f"{name}@{version}"
+
+
 def scheduler_topology(server_args: Any, tp_size: int) -> Topology:
     """The deployment as SGLang lays it out: CP and attention DP split the TP
     ranks of a pipeline stage, exactly as the daemons' topology does."""
@@ -56,20 +64,19 @@ def build_cache(context: Any, settings: Settings | None = None) -> Any:
     rank = _world_rank(context.tp_rank)
     topology = scheduler_topology(context.server_args, context.tp_size)
     socket = settings.socket_for(rank, context.tp_rank)
-    model_id = settings.model_id or getattr(context.server_args, "served_model_name", None) \
-        or context.server_args.model_path
+    model_id = settings.model_id or _default_model_id(context.server_args)
     kv_pool = params.token_to_kv_pool_allocator.get_kvcache()
     pool = share_device_pool(kv_pool, params.page_size)
     client = Client(socket, token=settings.token(), timeout_s=settings.timeout_s)
     try:
+        lag = client.status().agreement_lag
+        if lag != 0:
+            raise server_flags.UnsupportedServer(
+                f"cpcache: the daemon at {socket} runs with agreement_lag {lag}; the SGLang backend needs 0 (its "
+                "host matches follow the host pool step by step); start the daemons with --lag 0")
         attached = client.attach(model_id, pool.geometry, pool.device_pages, pool_fd=pool.fd,
                                  cuda_ipc=pool.cuda_ipc, placement=(topology, rank))
-        status = client.status()
-        if status.agreement_lag != 0:
-            raise server_flags.UnsupportedServer(
-                f"cpcache: the daemon at {socket} runs with agreement_lag {status.agreement_lag}; the SGLang backend "
-                "needs 0 (its host matches follow the host pool step by step); start the daemons with --lag 0")
-        first_step = status.last_step + 1
+        first_step = client.status().last_step + 1
     except BaseException:
         client.close()
         pool.close()
@@ -88,5 +95,6 @@ def build_cache(context: Any, settings: Settings | None = None) -> Any:
 
     return CpcacheRadixCache(params, connector=connect(first_step), pool=pool, attach_again=attach_again,
                              reattach_after=settings.reattach_after_iterations,
-                             storage_prefetch=server_flags.storage_prefetch_enabled(context.server_args), rank=rank)
+                             storage_prefetch=server_flags.storage_prefetch_enabled(context.server_args), rank=rank,
+                             host_pages=attached.host_pages)
 

@@ -98,12 +98,19 @@ class Connector:
         deadline = time.monotonic() + self.load_timeout_s
         loaded: set[int] = set()
         failed: set[int] = set()
-        while op not in loaded and op not in failed:
-            if time.monotonic() > deadline:
-                raise Unavailable(f"load of {len(pages)} pages not decided in {self.load_timeout_s} s")
-            self.flush()
-            loaded.update(self.session.loading_check())
-            failed.update(self.session.load_failures_check())
+        # Writes queued since this iteration's step wait for the next one: on
+        # an overlapping scheduler their KV (a chunk just launched) may not be
+        # computed yet, and their step is where the scheduler has synchronized.
+        held = self.session.hold_writes()
+        try:
+            while op not in loaded and op not in failed:
+                if time.monotonic() > deadline:
+                    raise Unavailable(f"load of {len(pages)} pages not decided in {self.load_timeout_s} s")
+                self.flush()
+                loaded.update(self.session.loading_check())
+                failed.update(self.session.load_failures_check())
+        finally:
+            self.session.release_writes(held)
         ok = op in loaded
         if ok:
             self.tally.loaded_pages += len(pages)

@@ -41,6 +41,10 @@ class SharedPool:
 
 def geometry_of(kv_pool: Any, page_size: int) -> KVGeometry:
     """The daemon's geometry for an SGLang MHA or MLA token-to-KV pool."""
+    if getattr(kv_pool, "is_quantized_kv_cache", False) or any(
+            getattr(kv_pool, name, None) is not None for name in ("k_scale_buffer", "v_scale_buffer",
+                                                                  "kv_scale_buffer")):
+        raise ValueError("cpcache: quantized KV pools (with scale buffers) are not supported")
     dtype = _DTYPE_NAMES.get(kv_pool.store_dtype)
     if dtype is None:
         raise ValueError(f"cpcache: SGLang KV dtype {kv_pool.store_dtype} is not supported "
@@ -95,6 +99,9 @@ def share_device_pool(kv_pool: Any, page_size: int) -> SharedPool:
         for layer in range(geometry.layers):
             tensor[layer, 0].copy_(kv_pool.kv_buffer[layer])
         kv_pool.kv_buffer = [tensor[layer, 0] for layer in range(geometry.layers)]
+        if hasattr(kv_pool, "data_ptrs"):  # MLA's pointer table names the new buffers too
+            kv_pool.data_ptrs = torch.tensor([b.data_ptr() for b in kv_pool.kv_buffer], dtype=torch.uint64,
+                                             device=device)
     else:
         for layer in range(geometry.layers):
             tensor[layer, 0].copy_(kv_pool.k_buffer[layer])

@@ -55,9 +55,20 @@ from sglang.srt.mem_cache.unified_radix_cache import NodeId, UnifiedRadixCache
 from cpcache.errors import CacheError
 from cpcache.integrations.sglang.connector import Connector
 from cpcache.integrations.sglang.pool import SharedPool
-from cpcache.keys import chain, request_namespace_seed
+from cpcache.keys import chain, generation_seed, request_namespace_seed
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HostPoolView:
+    """The daemon's host pool in tokens, as SGLang's HiCache metrics read a host pool."""
+
+    logical_size: int
+    used: int
+
+    def available_size(self) -> int:
+        return self.logical_size - self.used
 
 
 @dataclass
@@ -70,11 +81,12 @@ class _HostHit:
 class CpcacheRadixCache(UnifiedRadixCache):
     def __init__(self, params: Any, *, connector: Connector, pool: SharedPool,
                  attach_again: Callable[[], Connector] | None = None, reattach_after: int = 64,
-                 storage_prefetch: bool = True, rank: int = 0) -> None:
+                 storage_prefetch: bool = True, rank: int = 0, host_pages: int = 0) -> None:
         # The parent constructor calls reset() before the connector exists.
         self.connector: Connector | None = None
         self._write_locks: dict[int, tuple[NodeId, Any]] = {}  # lock number -> (node, lock) while a write is open
         super().__init__(params)
+        self._generation = 0  # flushes since start: seeds the page hashes
         self.connector = connector
         self.shared_pool = pool
         self.storage_prefetch = storage_prefetch
@@ -90,6 +102,11 @@ class CpcacheRadixCache(UnifiedRadixCache):
         self._iteration = 0  # scheduler iterations (check_hicache_events calls): alike on every rank
         self._next_attach: int | None = None  # iteration of the next attach try while fallen back
         self._attach_wait = self._reattach_after
+        # Device slots of a load that was never decided (its step failed): the
+        # daemon's copy may still land in them, so SGLang gets them back only
+        # once the daemon's session has ended (attached again), never before.
+        self._quarantined: list[torch.Tensor] = []
+        self.host_pages = host_pages
 
     def _release_write_locks(self) -> None:
         for node, lock in self._write_locks.values():
@@ -123,6 +140,9 @@ class CpcacheRadixCache(UnifiedRadixCache):
             return
         self._next_attach = None
         self.reattaches += 1
+        for slots in self._quarantined:  # the old session ended on the daemon: its copies too
+            self.token_to_kv_pool_allocator.free(slots)
+        self._quarantined.clear()
         self.fallback_reason = ""
         log.warning("cpcache: rank %d attached again at iteration %d; host and storage tiers in use again",
                     self.rank, self._iteration)
@@ -136,6 +156,9 @@ class CpcacheRadixCache(UnifiedRadixCache):
             return []  # EAGLE bigram keys are not cached below the device
         tokens = list(key.raw_token_ids()[: len(key)])
         seed = request_namespace_seed(getattr(key, "extra_key", None), getattr(key, "cache_salt", None))
+        # After a flush (a weight update's among them) pages chain from a new
+        # seed: the host pool's and storage's older pages are never matched.
+        seed = generation_seed(seed, self._generation)
         return [bytes.fromhex(h) for h in chain(tokens, self.page_size, seed)]
 
     # -- device -> host ---------------------------------------------------------------
@@ -179,6 +202,9 @@ class CpcacheRadixCache(UnifiedRadixCache):
         if req is None or self.connector is None or self.disable:
             return result
         self._host_hits.pop(req.rid, None)
+        session = getattr(req, "session", None)
+        if session is not None and getattr(session, "streaming", False):
+            return result  # a streaming session's KV is its slot's, not the tree's: nothing to extend
         hashes = self.page_hashes(params.key)
         on_device = result.device_prefix_len // self.page_size
         host = self.connector.match(hashes[on_device:])
@@ -212,9 +238,10 @@ class CpcacheRadixCache(UnifiedRadixCache):
             loaded = connector.load_now(hit.pages, (slots[::ps] // ps).tolist())
         except CacheError as exc:
             self._fall_back(exc)
-            loaded = False
+            self._quarantined.append(slots)  # undecided: the copy may still land there
+            return 0, fallback
         if not loaded:
-            self.token_to_kv_pool_allocator.free(slots)
+            self.token_to_kv_pool_allocator.free(slots)  # an agreed failure: every copy has ended
             return 0, fallback
         prefix_tokens = hit.device_pages * ps
         key = hit.key[: prefix_tokens + tokens]
@@ -300,11 +327,30 @@ class CpcacheRadixCache(UnifiedRadixCache):
     def supports_retraction_backup(self) -> bool:
         return False
 
+    def clear_storage_backend(self) -> bool:
+        """SGLang's /clear_hicache_storage: the pages stored so far are never
+        matched again (hashes chain from a new seed), alike on every rank."""
+        self._generation += 1
+        self._host_hits.clear()
+        log.info("cpcache: rank %d left its stored pages behind (cleared storage tier)", self.rank)
+        return True
+
+    @property
+    def token_to_kv_pool_host(self) -> HostPoolView:
+        """What SGLang's metrics read of a host tier (`--enable-metrics`)."""
+        resident = len(self.connector.host) if self.connector is not None else 0
+        return HostPoolView(self.host_pages * self.page_size, resident * self.page_size)
+
     def reset(self) -> None:
         """SGLang's flush_cache: every device page is about to be free. Writes
         no step carried yet are dropped; those a step carried may still be
         copying from their device pages, so they are decided first."""
         connector = getattr(self, "connector", None)
+        if hasattr(self, "_generation"):
+            # SGLang flushes after a weight update too ("the cache the old
+            # weights produced"): what the host pool and storage hold must not
+            # be matched any more, as SGLang's own HiCache clears its host pool.
+            self._generation += 1
         if connector is not None:
             self._host_hits.clear()
             cancelled = connector.cancel_unsent_writes()
