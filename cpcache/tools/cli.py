@@ -88,8 +88,9 @@ async def _launch(args: argparse.Namespace) -> int:
 
 
 async def _supervise(domain: LocalDomain, rank: int, restart: bool) -> None:
-    """Watch one rank for as long as the launcher runs; returns (ending the
-    launch) only when the rank may not or could not be started again."""
+    """Watch one rank for as long as the launcher runs, starting it again
+    however often it exits or fails to serve; returns (ending the launch)
+    only when it may not be started again (exit 2: its settings)."""
     from cpcache.errors import CacheError
 
     while True:
@@ -103,10 +104,16 @@ async def _supervise(domain: LocalDomain, rank: int, restart: bool) -> None:
         try:
             await domain.wait_serving(rank)
         except CacheError as exc:
-            if domain.exited(rank).done():
-                continue  # it died again while starting: that death is seen like any other
-            print(f"cpcache: rank {rank} did not come back: {exc}", file=sys.stderr, flush=True)
-            return
+            if not domain.exited(rank).done():
+                # Not serving, not gone (stopping on its own, or stuck): it is
+                # given its own exit, then killed; either way it starts again.
+                print(f"cpcache: rank {rank} is not serving ({exc}); starting it again once it exits",
+                      file=sys.stderr, flush=True)
+                try:
+                    await asyncio.wait_for(asyncio.shield(domain.exited(rank)), domain.start_timeout_s)
+                except TimeoutError:
+                    domain.signal(rank, signal.SIGKILL)
+            continue  # its exit is seen like any other death
         print(f"cpcache: rank {rank} is back (pid {domain.procs[rank].pid}, serving "
               f"{time.monotonic() - seen:.2f}s after its exit was seen)", flush=True)
 
