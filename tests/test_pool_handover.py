@@ -145,11 +145,13 @@ def test_idle_connections_do_not_starve_a_real_handover(handover):
     os.close(fd)
 
 
-def lingering_tcp_socket() -> tuple[socket.socket, socket.socket]:
-    """A connected TCP socket with unsent data, an hour's SO_LINGER and a
-    peer that never reads: closing its last descriptor blocks for an hour."""
+def lingering_tcp_socket(linger_s: int = 3600) -> tuple[socket.socket, socket.socket]:
+    """A connected TCP socket with unsent data, a long SO_LINGER and a
+    peer that never reads: closing its last descriptor blocks that long."""
     server = socket.create_server(("127.0.0.1", 0))
-    sock = socket.create_connection(server.getsockname())
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # little to fill: many such sockets are cheap
+    sock.connect(server.getsockname())
     peer, _ = server.accept()
     server.close()
     peer.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -160,8 +162,22 @@ def lingering_tcp_socket() -> tuple[socket.socket, socket.socket]:
     except BlockingIOError:
         pass
     sock.setblocking(True)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 3600))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, linger_s))
     return sock, peer
+
+
+def reset_by_peer(peer: socket.socket, timeout_s: float = 5.0) -> bool:
+    """Whether `peer`'s other end was reset (closed at once, un-lingered)
+    within `timeout_s`: a lingering close sends nothing for its linger."""
+    peer.settimeout(timeout_s)
+    try:
+        while peer.recv(65536):
+            pass
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+    return False
 
 
 def test_a_lingering_socket_handed_over_wedges_nothing(handover):
@@ -181,7 +197,56 @@ def test_a_lingering_socket_handed_over_wedges_nothing(handover):
     for _ in range(3):
         assert hand_over(address(handover), fd, timeout_s=5)
     assert time.monotonic() - started < 2.0
+    assert reset_by_peer(peer), "the daemon's close of the socket lingered (not un-lingered)"
+    assert handover._closer.pending == 0
     peer.close()
+    os.close(fd)
+
+
+def test_sockets_left_queued_unread_wedge_nothing(handover):
+    """Review of issue 22, 1: 16 plain bytes, then a lingering socket in a
+    second message the daemon never asked for. Closing the connection made
+    the kernel drop that socket, whose close then blocked a closer thread;
+    two such blocked both, 64 more filled the pending closes and accepting
+    paused for every uid for good."""
+    peers, attackers = [], []
+    for _ in range(70):
+        sock, peer = lingering_tcp_socket(0x7FFFFFFF)
+        attacker = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        attacker.settimeout(10)
+        attacker.connect(handover.path)
+        attacker.sendall(b"p" * 16)
+        socket.send_fds(attacker, [b"x"], [sock.fileno()])
+        os.close(sock.detach())  # the daemon's descriptor, once read (or dropped), is the last
+        peers.append(peer)
+        attackers.append(attacker)
+    fd = pool_fd()
+    started = time.monotonic()
+    assert hand_over(address(handover), fd, timeout_s=5)
+    elapsed = time.monotonic() - started
+    assert elapsed < 2.0, elapsed
+    for attacker in attackers:  # each was answered (refused) and closed
+        assert attacker.recv(256).startswith(b"ERR")
+        attacker.close()
+    assert all(reset_by_peer(peer) for peer in peers[-3:])  # every queued socket was read and un-lingered
+    until(lambda: handover._closer.pending == 0, what="no close pending")
+    print(f"a handover behind 70 such connections took {elapsed:.3f}s")
+    for peer in peers:
+        peer.close()
+    os.close(fd)
+
+
+def test_a_uid_over_its_share_of_pending_closes_is_refused_alone(handover, monkeypatch):
+    """Closes that block are counted per uid: only that uid is refused."""
+    me = os.getuid()
+    blocked = handover._closer
+    monkeypatch.setattr(blocked, "pending_for", lambda uid: budget.POOLS_PENDING_CLOSES_PER_UID if uid == me else 0)
+    fd = pool_fd()
+    with pytest.raises(errors.Unavailable, match="too many handovers"):
+        hand_over(address(handover), fd, timeout_s=5)
+    assert handover.stats()["pool_handover_refused_closes"] == 1
+    monkeypatch.setattr(blocked, "pending_for", lambda uid: 0 if uid == me else budget.POOLS_PENDING_CLOSES_PER_UID)
+    assert hand_over(address(handover), fd, timeout_s=5)  # another uid's blocked closes keep nobody else out
     os.close(fd)
 
 

@@ -18,11 +18,11 @@ POOLS_SERVED = 16  # connections served at once; more wait in the listen backlog
 POOLS_SERVED_PER_UID = 4  # of those, by one uid; more from it are closed unread
 POOLS_BACKLOG = 256  # connections waiting to be accepted (kernel memory, no descriptor)
 POOLS_DEADLINE_S = 2.0  # the whole exchange of one connection
-POOLS_FDS_PER_MESSAGE = 4  # read at most; a pool is one
+POOLS_FDS_PER_MESSAGE = 253  # read in full (SCM_MAX_FD), so the kernel drops, so closes, none; a pool is one
 POOLS_TICKETS_PER_UID = 8  # descriptors held for Attach, per uid
 POOLS_TICKETS = 64  # ... and in total
 POOLS_TICKET_TTL_S = 60.0  # an unused ticket's descriptor is closed after this long (on a timer)
-POOLS_PENDING_CLOSES = 64  # connections and descriptors waiting to be closed; above it, accepting pauses
+POOLS_PENDING_CLOSES_PER_UID = 8  # batches of a uid's descriptors waiting to be closed; above it, that uid is refused
 POOLS_CLOSERS = 2  # threads that close them (a close may block in the kernel)
 
 # Metrics (`metrics_address`).
@@ -38,8 +38,9 @@ BASE_FILES = 512
 
 def files(grpc_listeners: int) -> int:
     """Descriptors the daemon may hold with every listener at its limits."""
+    # Pending closes: one uid's share (a uid whose closes block), one message each.
     pools = (POOLS_SERVED * (1 + POOLS_FDS_PER_MESSAGE) + POOLS_TICKETS
-             + POOLS_PENDING_CLOSES * (1 + POOLS_FDS_PER_MESSAGE) + 2)
+             + POOLS_PENDING_CLOSES_PER_UID * POOLS_FDS_PER_MESSAGE + 2)
     return BASE_FILES + grpc_listeners * (GRPC_CONNECTIONS + 1) + pools + METRICS_CONNECTIONS + 1
 
 

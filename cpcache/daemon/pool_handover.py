@@ -15,9 +15,14 @@ in total and expire on a timer; only shmem memfds are kept (the only pools
 `memfd.check_pool` accepts), told apart without a call into the file's file
 system. Closing a descriptor can block in the
 kernel (a TCP socket lingering, a FUSE file whose server never answers its
-flush), so no serving thread and no lock holder closes one: `_Closer`
-does, and accepting pauses while too many closes are pending. A failed
-accept (EMFILE above all) is waited out, never taken for a shutdown.
+flush), and so can closing a connection with descriptors still queued on
+it (the kernel drops them, closing them in the closer's thread). So every
+connection is shut for reading and drained before it is closed, with room
+for the most descriptors one message can carry; received TCP sockets are
+un-lingered and memfds closed at once (neither can block); anything else
+goes to `_Closer`'s threads. Closes pending are counted per uid: a uid
+over its share is refused, nobody else. A failed accept (EMFILE above all)
+is waited out, never taken for a shutdown.
 """
 
 from __future__ import annotations
@@ -31,7 +36,6 @@ import os
 import queue
 import secrets
 import socket
-import stat
 import struct
 import threading
 import time
@@ -51,6 +55,10 @@ _LINGER_OFF = struct.pack("ii", 1, 0)  # close at once (RST), whatever linger th
 _TEMPORARY = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED, errno.EPROTO,
               errno.EPERM}
 _BACKOFF_S = (0.01, 1.0)
+_FD = struct.Struct("i")
+# Room for the most descriptors one message can carry (SCM_MAX_FD): with
+# less, the kernel drops the rest, and the receiving thread closes them.
+_CONTROL = socket.CMSG_SPACE(253 * _FD.size)
 
 
 @dataclass
@@ -62,30 +70,34 @@ class _Handed:
 
 
 class _Closer:
-    """Closes sockets and descriptors on its own threads, counting those
-    not closed yet."""
+    """Closes descriptors on its own threads, counting per uid those not
+    closed yet: a uid whose closes block is refused, not everyone."""
 
     def __init__(self, threads: int) -> None:
-        self._queue: queue.SimpleQueue[tuple[socket.socket | int, ...]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[int, tuple[socket.socket | int, ...]]] = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._pending = 0
+        self._pending: collections.Counter[int] = collections.Counter()
         for i in range(threads):
             threading.Thread(target=self._run, name=f"pool-closer-{i}", daemon=True).start()
 
     @property
     def pending(self) -> int:
-        return self._pending
+        with self._lock:  # the closer threads change it meanwhile
+            return sum(self._pending.values())
 
-    def close(self, *items: socket.socket | int) -> None:
+    def pending_for(self, uid: int) -> int:
+        return self._pending[uid]
+
+    def close(self, uid: int, *items: socket.socket | int) -> None:
         if not items:
             return
         with self._lock:
-            self._pending += 1
-        self._queue.put(items)
+            self._pending[uid] += 1
+        self._queue.put((uid, items))
 
     def _run(self) -> None:
         while True:
-            items = self._queue.get()
+            uid, items = self._queue.get()
             for item in items:
                 with contextlib.suppress(OSError):
                     if isinstance(item, socket.socket):
@@ -93,7 +105,9 @@ class _Closer:
                     else:
                         os.close(item)
             with self._lock:
-                self._pending -= 1
+                self._pending[uid] -= 1
+                if self._pending[uid] <= 0:
+                    del self._pending[uid]
 
 
 class _Sometimes:
@@ -161,13 +175,6 @@ class PoolHandover:
             while not self._stop.is_set():
                 if not self._slots.acquire(timeout=0.5):
                     continue  # every server is busy: connections wait in the backlog
-                if self._closer.pending >= budget.POOLS_PENDING_CLOSES:
-                    self._slots.release()
-                    self._count("paused_for_closes")
-                    self._warnings.warn("closes", "%d closes pending; not accepting until they finish",
-                                        self._closer.pending)
-                    self._stop.wait(0.1)
-                    continue
                 try:
                     conn, _ = listener.accept()
                 except TimeoutError:
@@ -192,26 +199,26 @@ class PoolHandover:
 
     def _dispatch(self, conn: socket.socket) -> None:
         """Hand `conn` to a server thread of its own, unless its uid already
-        has its share of them (then it is closed unread)."""
+        has its share of them or of pending closes (then it is refused)."""
         assert self._closer is not None
         try:
             pid, uid, _ = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
         except OSError:
-            self._closer.close(conn)
+            self._release(conn, -1)
             self._slots.release()
             return
         with self._lock:
-            busy = self._serving[uid] >= budget.POOLS_SERVED_PER_UID
-            if not busy:
+            why = self._busy(uid)
+            if not why:
                 self._serving[uid] += 1
-        if busy:
-            self._count("refused_busy")
-            self._warnings.warn("busy", "uid %d already has %d connections served; closing another", uid,
-                                budget.POOLS_SERVED_PER_UID)
+        if why:
+            self._count(f"refused_{why}")
+            self._warnings.warn(why, "uid %d already has its share of %s; refusing another", uid,
+                                "connections served" if why == "busy" else "closes pending")
             with contextlib.suppress(OSError):
                 conn.send(_refusal("UNAVAILABLE", "too many handovers from this uid at once; retry"),
                           socket.MSG_DONTWAIT)
-            self._closer.close(conn)
+            self._release(conn, uid)
             self._slots.release()
             return
         try:
@@ -219,13 +226,21 @@ class PoolHandover:
                              daemon=True).start()
         except RuntimeError:  # no thread to be had now: like EMFILE, it passes
             self._served(uid)
-            self._closer.close(conn)
+            self._release(conn, uid)
             self._stop.wait(0.1)
+
+    def _busy(self, uid: int) -> str:
+        """Why `uid` gets no server now ("" if it does). Under `_lock`."""
+        assert self._closer is not None
+        if self._serving[uid] >= budget.POOLS_SERVED_PER_UID:
+            return "busy"
+        if self._closer.pending_for(uid) >= budget.POOLS_PENDING_CLOSES_PER_UID:
+            return "closes"
+        return ""
 
     # -- serving one connection ----------------------------------------------------
 
     def _serve_one(self, conn: socket.socket, uid: int, pid: int) -> None:
-        assert self._closer is not None
         deadline = time.monotonic() + budget.POOLS_DEADLINE_S
         received: list[int] = []
         try:
@@ -237,16 +252,35 @@ class PoolHandover:
             self._count("failed")
             self._warnings.warn("failed", "an exchange with uid %d pid %d failed: %s", uid, pid, exc)
         finally:
-            self._closer.close(conn, *received)
+            self._release_fds(received, uid)
+            self._release(conn, uid)
             self._served(uid)
+
+    def _release(self, conn: socket.socket, uid: int) -> None:
+        """Close `conn` without closing anything queued on it: shut for
+        reading (its peer can queue no more), drained, then closed here
+        (nothing is left for the kernel to drop, so the close cannot block)."""
+        try:
+            conn.shutdown(socket.SHUT_RD)
+            conn.setblocking(False)
+            self._release_fds(_drain(conn), uid)
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def _release_fds(self, fds: list[int], uid: int) -> None:
+        """Close received descriptors: those whose close cannot block here,
+        the rest on the closer's threads, counted against `uid`."""
+        assert self._closer is not None
+        slow = [fd for fd in fds if not _close_now(fd)]
+        self._closer.close(uid, *slow)
 
     def _exchange(self, conn: socket.socket, uid: int, pid: int, received: list[int]) -> bytes:
         """The answer to one connection. Descriptors read land in `received`
         (closed by the caller); a kept one is taken out of it."""
-        _, fds, _, _ = socket.recv_fds(conn, 16, budget.POOLS_FDS_PER_MESSAGE)
+        _, fds = _receive(conn, 0)
         received.extend(fds)
-        for fd in fds:
-            _unlinger(fd)
         if len(fds) != 1:
             return _refusal("INVALID_ARGUMENT", "send exactly one descriptor, the pool's")
         if not _named_memfd(fds[0]):
@@ -300,7 +334,7 @@ class PoolHandover:
             expired = [self._tickets.pop(t) for t, h in list(self._tickets.items()) if now - h.at > TICKET_TTL_S]
             self.counters["expired"] += len(expired)
         if expired and self._closer is not None:
-            self._closer.close(*(h.fd for h in expired))
+            self._release_fds([h.fd for h in expired], -1)
 
     def take(self, ticket: str) -> tuple[int, int, int]:
         """The descriptor a ticket stands for (once), with the uid and pid
@@ -309,7 +343,7 @@ class PoolHandover:
             handed = self._tickets.pop(ticket, None)
         if handed is not None and time.monotonic() - handed.at > TICKET_TTL_S:
             if self._closer is not None:
-                self._closer.close(handed.fd)
+                self._release_fds([handed.fd], handed.uid)
             handed = None
         if handed is None:
             raise PermissionDenied("attach: unknown, used or expired pool ticket; hand the pool over again "
@@ -337,7 +371,7 @@ class PoolHandover:
             held = [h.fd for h in self._tickets.values()]
             self._tickets.clear()
         if held and self._closer is not None:
-            self._closer.close(*held)
+            self._release_fds(held, -1)
         with contextlib.suppress(FileNotFoundError):
             info = os.lstat(self.path)
             if (info.st_dev, info.st_ino) == self._identity:
@@ -362,15 +396,64 @@ def _named_memfd(fd: int) -> bool:
         return False
 
 
-def _unlinger(fd: int) -> None:
-    """A socket received is closed at once, not after the linger its sender set."""
-    with contextlib.suppress(OSError):
-        if stat.S_ISSOCK(os.fstat(fd).st_mode):
-            sock = socket.socket(fileno=fd)
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_OFF)
-            finally:
-                sock.detach()
+def _receive(conn: socket.socket, flags: int) -> tuple[bytes, list[int]]:
+    """One message and every descriptor it carries (room for the most a
+    message can carry: the kernel drops none)."""
+    data, ancillary, _, _ = conn.recvmsg(16, _CONTROL, flags | socket.MSG_CMSG_CLOEXEC)
+    fds: list[int] = []
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.extend(fd for (fd,) in _FD.iter_unpack(payload[: len(payload) - len(payload) % _FD.size]))
+    return data, fds
+
+
+def _drain(conn: socket.socket) -> list[int]:
+    """The descriptors still queued on `conn` (shut for reading: the queue
+    only shrinks), read until it is empty."""
+    fds: list[int] = []
+    while True:
+        try:
+            data, more = _receive(conn, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return fds
+        fds.extend(more)
+        if not data and not more:
+            return fds  # end of stream: nothing more is queued
+
+
+def _fd_kind(fd: int) -> str:
+    """What the kernel names `fd` in /proc ("" if it cannot be read): read
+    from its own tables, no call into the file's file system (fstat of a
+    FUSE file waits for its server, which may never answer)."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return ""
+
+
+def _close_now(fd: int) -> bool:
+    """Close `fd` here if that cannot block: a memfd, or a TCP socket once
+    un-lingered. False (`fd` still open) for anything else."""
+    kind = _fd_kind(fd)
+    if (kind.startswith("socket:[") and _unlinger(fd)) or kind.startswith("/memfd:"):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        return True
+    return False
+
+
+def _unlinger(fd: int) -> bool:
+    """Make a received socket close at once (RST), not after the linger its
+    sender set. True for an IP socket: its close cannot block then (a unix
+    socket may still hold descriptors queued on it)."""
+    sock = socket.socket(fileno=fd)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_OFF)
+        return sock.getsockopt(socket.SOL_SOCKET, socket.SO_DOMAIN) in (socket.AF_INET, socket.AF_INET6)
+    except OSError:
+        return False
+    finally:
+        sock.detach()
 
 
 def _stale(path: str) -> bool:
