@@ -455,6 +455,12 @@ class Daemon:
         log.warning("leaving epoch %d: %s", leaving, reason)
         self.notifier.status(f"re-forming out of epoch {leaving}: {reason}"[:400])
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        attaching = self._attach_task
+        if attaching is not None and not attaching.done():
+            # An Attach being decided is answered from its one decision on
+            # every rank (never refused here after its peers were told
+            # "attached"); the session it opens then ends with this epoch.
+            await asyncio.wait({attaching})
         engine, stepper = self._engine, self._coordinator
         self._engine = self._coordinator = None
         if stepper is not None:
