@@ -36,3 +36,13 @@ def test_the_readme_states_the_budget_and_what_is_not_authenticated():
     assert said in (REPO / "services" / "cpcached" / "cpcached@.service").read_text()
     assert "authenticate no one" in section(readme, "Mooncake")
     assert "not an identity" in section(readme, "Tenants")
+
+
+def test_the_readme_states_the_timeouts_the_code_sets():
+    """Review of issue 22, 2 and 3: the idle GOAWAY, how often a flooder
+    must renew handshaked connections, and the metrics deadline (one, in all)."""
+    stated = section((REPO / "README.md").read_text(), "Resource budget")
+    assert f"GOAWAY after {budget.GRPC_IDLE_S:.0f} s without a call" in stated
+    assert f"every {budget.GRPC_IDLE_S:.0f} s if it does" in stated
+    assert f"{budget.METRICS_READ_S:.0f} s in all to send the request" in stated
+    assert "SO_PASSRIGHTS" in stated  # the gRPC socket's known gap is stated

@@ -11,7 +11,7 @@ import resource
 # gRPC, per listener (the unix socket, and `listen_tcp` when set).
 GRPC_CONNECTIONS = 4096  # more are closed as they arrive (grpc.max_allowed_incoming_connections)
 GRPC_HANDSHAKE_S = 2.0  # a connection that sends no HTTP/2 preface (or TLS hello) in this long is closed
-GRPC_IDLE_S = 300.0  # a connection with no call for this long is sent GOAWAY (clients reconnect)
+GRPC_IDLE_S = 30.0  # a connection with no call for this long is sent GOAWAY (clients reconnect)
 
 # `<socket>.pools`: handover of device pools by descriptor.
 POOLS_SERVED = 16  # connections served at once; more wait in the listen backlog
