@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -295,6 +296,17 @@ def scrape(port: int) -> dict[str, float]:
     return parse(scrape_text(port))[0]
 
 
+def scrape_showing(port: int, shown, timeout_s: float = 10.0) -> str:
+    """The first scrape for which `shown(text)` holds: the endpoint answers
+    from a body formatted up to METRICS_CACHE_S ago, so the one right after
+    some work may predate it."""
+    deadline = time.monotonic() + timeout_s
+    while not shown(text := scrape_text(port)):
+        assert time.monotonic() < deadline, "the metrics never showed the work"
+        time.sleep(0.01)
+    return text
+
+
 def series(values: dict[str, float], name: str, **labels: str) -> float:
     """The one sample of `name` whose labels include `labels`."""
     want = {f'{k}="{v}"' for k, v in labels.items()}
@@ -347,7 +359,10 @@ async def test_metrics_move_while_the_cache_works(run_dir):
             finally:
                 scraper.stopped.set()
                 await asyncio.to_thread(scraper.join, 30)
-            text = scrape_text(port)
+            # Formatted after the last step (the failed one) was counted.
+            text = scrape_showing(port, lambda text: any(
+                key.startswith("grpc_server_handled_total{") and 'grpc_code="FAILED_PRECONDITION"' in key
+                and 'grpc_method="Step"' in key for key in parse(text)[0]))
     assert scraper.failures == [] and scraper.scrapes > 0
     after, types = parse(text)
     rank = dict(rank="0", tp_rank="0", pp_rank="0", dp_rank="0", cp_rank="0")

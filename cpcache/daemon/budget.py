@@ -30,6 +30,8 @@ METRICS_CONNECTIONS = 8  # at once; a new one closes the oldest idle one, or its
 METRICS_BACKLOG = 128
 METRICS_READ_S = 5.0  # a request head not read in full in this long: the connection is closed
 METRICS_REQUEST_BYTES = 8192  # a longer request head is refused
+METRICS_PER_SOURCE = 2  # connections from one address; a new one closes its oldest idle one, or itself
+METRICS_CACHE_S = 1.0  # a formatted exposition answers every scrape for this long
 
 # Descriptors the daemon needs beyond its listeners' (storage, gloo, the
 # event loop, logs, CUDA), counted generously.

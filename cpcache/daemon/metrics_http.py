@@ -8,9 +8,13 @@ daemon. Here: at most METRICS_CONNECTIONS at once (a new one closes the
 oldest that has not sent its request yet, or is closed itself), a request
 head read within METRICS_READ_S and METRICS_REQUEST_BYTES or the connection
 is closed, the answer written within the same time, one answer per
-connection. Exposition is formatted on one thread of its own, one
-scrape at a time, so scrapes never run on the loop; the values come from the
-loop as before (`DaemonCollector`).
+connection. At most METRICS_PER_SOURCE of the connections come from one
+address (a new one closes that address's oldest idle one, or itself), so
+one peer cannot hold every place. Exposition is formatted on one thread of
+its own and kept METRICS_CACHE_S: every scrape in that time is answered
+from it, and scrapes waiting on a formatting share it, so a scrape storm
+costs one formatting a second; the values come from the loop as before
+(`DaemonCollector`).
 
 It serves `GET /metrics` (and `/`): counters and gauges of this rank,
 per-RPC counts and latencies, and the process's own (descriptors, memory,
@@ -38,6 +42,9 @@ class MetricsServer:
         self._open: set[asyncio.WriteTransport] = set()
         # Connections still reading their request, oldest first.
         self._reading: collections.OrderedDict[asyncio.WriteTransport, None] = collections.OrderedDict()
+        self._source: dict[asyncio.WriteTransport, str] = {}  # each open connection's peer address
+        self._cached: tuple[float, bytes] | None = None  # (loop time formatted, body)
+        self._formatting: asyncio.Future[bytes] | None = None
         self._server: asyncio.AbstractServer | None = None
         self._formatter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="metrics")
         self.refused = 0  # connections closed unread: the limit was reached
@@ -56,19 +63,15 @@ class MetricsServer:
         self._formatter.shutdown(wait=False)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if len(self._open) >= budget.METRICS_CONNECTIONS:
-            if not self._reading:  # every place is answering a scrape: this one waits for none
-                self.refused += 1
-                writer.transport.abort()
-                return
-            # The oldest connection that has not sent its request yet makes
-            # room: idle ones cannot keep a real scraper out.
-            oldest = next(iter(self._reading))
-            del self._reading[oldest]
-            oldest.abort()
-            self.refused += 1
         transport = writer.transport
+        source = str((transport.get_extra_info("peername") or ("",))[0])
+        mine = [t for t in self._open if self._source.get(t) == source]
+        if len(mine) >= budget.METRICS_PER_SOURCE and not self._make_room(set(mine)):
+            return self._refuse(transport)
+        if len(self._open) >= budget.METRICS_CONNECTIONS and not self._make_room(self._open):
+            return self._refuse(transport)
         self._open.add(transport)
+        self._source[transport] = source
         self._reading[transport] = None
         try:
             await asyncio.wait_for(self._answer(reader, writer), budget.METRICS_READ_S)
@@ -79,8 +82,47 @@ class MetricsServer:
             log.warning("metrics: a scrape failed", exc_info=True)
         finally:
             self._open.discard(transport)
+            self._source.pop(transport, None)
             self._reading.pop(transport, None)
             transport.abort()
+
+    def _make_room(self, among: set[asyncio.WriteTransport]) -> bool:
+        """Close the oldest of `among` that has not sent its request yet
+        (idle ones cannot keep a real scraper out); False if each is
+        answering a scrape."""
+        oldest = next((t for t in self._reading if t in among), None)
+        if oldest is None:
+            return False
+        del self._reading[oldest]
+        self._open.discard(oldest)
+        self._source.pop(oldest, None)
+        oldest.abort()
+        self.refused += 1
+        return True
+
+    def _refuse(self, transport: asyncio.WriteTransport) -> None:
+        self.refused += 1
+        transport.abort()
+
+    async def _body(self) -> bytes:
+        """The exposition, formatted at most every METRICS_CACHE_S; scrapes
+        that come while it is formatted wait for that same one."""
+        loop = asyncio.get_running_loop()
+        if self._cached is not None and loop.time() - self._cached[0] < budget.METRICS_CACHE_S:
+            return self._cached[1]
+        if self._formatting is None:
+            self._formatting = asyncio.ensure_future(self._format())
+        # Shielded: a scrape that times out must not cancel the others' formatting.
+        return await asyncio.shield(self._formatting)
+
+    async def _format(self) -> bytes:
+        loop = asyncio.get_running_loop()
+        try:
+            body = await loop.run_in_executor(self._formatter, generate_latest, self._registry)
+            self._cached = (loop.time(), body)
+            return body
+        finally:
+            self._formatting = None
 
     async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         head = await reader.readuntil(b"\r\n\r\n")
@@ -92,8 +134,7 @@ class MetricsServer:
         elif path not in ("/metrics", "/"):
             status, body = "404 Not Found", b"GET /metrics\n"
         else:
-            loop = asyncio.get_running_loop()
-            status, body = "200 OK", await loop.run_in_executor(self._formatter, generate_latest, self._registry)
+            status, body = "200 OK", await self._body()
         content_type = CONTENT_TYPE_LATEST if status == "200 OK" else "text/plain; charset=utf-8"
         writer.write((f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
                       "Connection: close\r\n\r\n").encode("latin-1"))
