@@ -236,6 +236,27 @@ def test_sockets_left_queued_unread_wedge_nothing(handover):
     os.close(fd)
 
 
+def test_every_message_left_queued_is_drained(handover):
+    """Several messages queued unread, each with a lingering socket: every
+    one is read and un-lingered, none left for the kernel to drop."""
+    before = open_fds()
+    pairs = [lingering_tcp_socket(0x7FFFFFFF) for _ in range(3)]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as attacker:
+        attacker.settimeout(10)
+        attacker.connect(handover.path)
+        attacker.sendall(b"p" * 16)
+        for sock, _ in pairs:
+            socket.send_fds(attacker, [b"x"], [sock.fileno()])
+            os.close(sock.detach())
+        assert attacker.recv(256).startswith(b"ERR INVALID_ARGUMENT")
+        assert attacker.recv(256) == b""  # closed once drained
+    assert all(reset_by_peer(peer) for _, peer in pairs)
+    assert handover._closer.pending == 0
+    for _, peer in pairs:
+        peer.close()
+    until(lambda: open_fds() <= before, what="every received descriptor closed")
+
+
 def test_a_uid_over_its_share_of_pending_closes_is_refused_alone(handover, monkeypatch):
     """Closes that block are counted per uid: only that uid is refused."""
     me = os.getuid()

@@ -39,6 +39,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from cpcache.daemon import budget
@@ -263,7 +264,8 @@ class PoolHandover:
         try:
             conn.shutdown(socket.SHUT_RD)
             conn.setblocking(False)
-            self._release_fds(_drain(conn), uid)
+            for fds in _drain(conn):  # each message's at once: a long queue never piles up here
+                self._release_fds(fds, uid)
         except OSError:
             pass
         finally:
@@ -407,18 +409,17 @@ def _receive(conn: socket.socket, flags: int) -> tuple[bytes, list[int]]:
     return data, fds
 
 
-def _drain(conn: socket.socket) -> list[int]:
-    """The descriptors still queued on `conn` (shut for reading: the queue
-    only shrinks), read until it is empty."""
-    fds: list[int] = []
+def _drain(conn: socket.socket) -> Iterator[list[int]]:
+    """The descriptors still queued on `conn`, message by message, until it
+    is empty (shut for reading: the queue only shrinks)."""
     while True:
         try:
-            data, more = _receive(conn, socket.MSG_DONTWAIT)
+            data, fds = _receive(conn, socket.MSG_DONTWAIT)
         except (BlockingIOError, InterruptedError):
-            return fds
-        fds.extend(more)
-        if not data and not more:
-            return fds  # end of stream: nothing more is queued
+            return
+        yield fds
+        if not data and not fds:
+            return  # end of stream: nothing more is queued
 
 
 def _fd_kind(fd: int) -> str:
