@@ -203,6 +203,19 @@ def test_a_lingering_socket_handed_over_wedges_nothing(handover):
     os.close(fd)
 
 
+def attack(h: PoolHandover, send) -> socket.socket:
+    """A connection to `h` on which `send(attacker_end)` has queued all it
+    sends before the daemon reads any of it (through the listener, the
+    daemon may read and shut it between two sends): the daemon's end is
+    dispatched as the acceptor does, once everything is queued."""
+    attacker, daemons = socket.socketpair()
+    attacker.settimeout(10)
+    send(attacker)
+    assert h._slots.acquire(timeout=5)
+    h._dispatch(daemons)
+    return attacker
+
+
 def test_sockets_left_queued_unread_wedge_nothing(handover):
     """Review of issue 22, 1: 16 plain bytes, then a lingering socket in a
     second message the daemon never asked for. Closing the connection made
@@ -211,15 +224,7 @@ def test_sockets_left_queued_unread_wedge_nothing(handover):
     paused for every uid for good."""
     peers, attackers = [], []
     for _ in range(70):
-        sock, peer = lingering_tcp_socket(0x7FFFFFFF)
-        attacker = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        attacker.settimeout(10)
-        attacker.connect(handover.path)
-        attacker.sendall(b"p" * 16)
-        socket.send_fds(attacker, [b"x"], [sock.fileno()])
-        os.close(sock.detach())  # the daemon's descriptor, once read (or dropped), is the last
-        peers.append(peer)
-        attackers.append(attacker)
+        peers.append(queue_a_lingering_socket(handover, attackers))
     fd = pool_fd()
     started = time.monotonic()
     assert hand_over(address(handover), fd, timeout_s=5)
@@ -236,18 +241,33 @@ def test_sockets_left_queued_unread_wedge_nothing(handover):
     os.close(fd)
 
 
+def queue_a_lingering_socket(h: PoolHandover, attackers: list[socket.socket]) -> socket.socket:
+    """A connection (kept in `attackers`) with 16 plain bytes, then a second
+    message carrying a lingering socket; the socket's peer is returned."""
+    sock, peer = lingering_tcp_socket(0x7FFFFFFF)
+
+    def send(attacker: socket.socket) -> None:
+        attacker.sendall(b"p" * 16)
+        socket.send_fds(attacker, [b"x"], [sock.fileno()])
+        os.close(sock.detach())  # the daemon's descriptor, once read (or dropped), is the last
+
+    attackers.append(attack(h, send))
+    return peer
+
+
 def test_every_message_left_queued_is_drained(handover):
     """Several messages queued unread, each with a lingering socket: every
     one is read and un-lingered, none left for the kernel to drop."""
     before = open_fds()
     pairs = [lingering_tcp_socket(0x7FFFFFFF) for _ in range(3)]
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as attacker:
-        attacker.settimeout(10)
-        attacker.connect(handover.path)
+
+    def send(attacker: socket.socket) -> None:
         attacker.sendall(b"p" * 16)
         for sock, _ in pairs:
             socket.send_fds(attacker, [b"x"], [sock.fileno()])
             os.close(sock.detach())
+
+    with attack(handover, send) as attacker:
         assert attacker.recv(256).startswith(b"ERR INVALID_ARGUMENT")
         assert attacker.recv(256) == b""  # closed once drained
     assert all(reset_by_peer(peer) for _, peer in pairs)
