@@ -31,7 +31,10 @@ def hand_over(address: str, fd: int, timeout_s: float = 10.0) -> str:
         sock.settimeout(timeout_s)
         try:
             _connect(sock, path, deadline)
-            socket.send_fds(sock, [b"pool"], [fd])
+            try:
+                socket.send_fds(sock, [b"pool"], [fd])
+            except BrokenPipeError:
+                pass  # refused before anything was read (shut for reading): the answer says why
             answer = sock.recv(4096)
         except OSError as exc:
             raise errors.Unavailable(f"attach: cannot hand the pool over on {path}: {exc}") from None
