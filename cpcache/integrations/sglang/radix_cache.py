@@ -362,4 +362,7 @@ class CpcacheRadixCache(UnifiedRadixCache):
             log.info("cpcache: rank %d flushed its cache: %d queued writes cancelled, %d in flight decided first",
                      self.rank, cancelled, in_flight)
         self._release_write_locks()
+        # SGLang clears its KV allocator right after this, held slots included:
+        # they must not be freed a second time when the daemon is attached again.
+        self._quarantined.clear()
         super().reset()
