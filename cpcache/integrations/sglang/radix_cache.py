@@ -85,6 +85,10 @@ class CpcacheRadixCache(UnifiedRadixCache):
         # The parent constructor calls reset() before the connector exists.
         self.connector: Connector | None = None
         self._write_locks: dict[int, tuple[NodeId, Any]] = {}  # lock number -> (node, lock) while a write is open
+        # Device slots of a load that was never decided (its step failed): the
+        # daemon's copy may still land in them, so SGLang gets them back only
+        # once the daemon's session has ended (attached again), never before.
+        self._quarantined: list[torch.Tensor] = []
         super().__init__(params)
         self._generation = 0  # flushes since start: seeds the page hashes
         self.connector = connector
@@ -102,10 +106,6 @@ class CpcacheRadixCache(UnifiedRadixCache):
         self._iteration = 0  # scheduler iterations (check_hicache_events calls): alike on every rank
         self._next_attach: int | None = None  # iteration of the next attach try while fallen back
         self._attach_wait = self._reattach_after
-        # Device slots of a load that was never decided (its step failed): the
-        # daemon's copy may still land in them, so SGLang gets them back only
-        # once the daemon's session has ended (attached again), never before.
-        self._quarantined: list[torch.Tensor] = []
         self.host_pages = host_pages
 
     def _release_write_locks(self) -> None:
