@@ -64,39 +64,57 @@ class HostIndex:
             self._changes[page] = True
             parent = page
         if pages:
-            heapq.heappush(self._leaves, (step, pages[-1]))
+            self._push(step, pages[-1])
 
     def touch(self, pages: list[bytes], step: int, hit: bool = False) -> None:
         for page in pages:
             entry = self._entries[page]
             entry.last_used = step
             entry.hits += hit
-        if pages:
-            heapq.heappush(self._leaves, (step, pages[-1]))
+            if not entry.children:  # a leaf's heap item must carry its new stamp
+                self._push(step, page)
 
     def ref(self, pages: list[bytes], delta: int) -> None:
         for page in pages:
             self._entries[page].refs += delta
 
+    def _push(self, step: int, page: bytes) -> None:
+        heapq.heappush(self._leaves, (step, page))
+        if len(self._leaves) > 2 * len(self._entries) + 64:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Rebuild the heap from the current leaves: stale items (a page
+        touched again, evicted, or no longer a leaf) would otherwise pile up.
+        The order it yields is the same: items are compared by (stamp, hash)."""
+        self._leaves = [(e.last_used, p) for p, e in self._entries.items() if not e.children]
+        heapq.heapify(self._leaves)
+
     def evict(self, count: int, skip: Callable[[bytes, Entry], bool] = lambda page, entry: False,
-              dry_run: bool = False,
-              frees: Callable[[Entry], bool] = lambda entry: True) -> list[tuple[bytes, Entry]]:
+              frees: Callable[[Entry], bool] = lambda entry: True,
+              all_or_nothing: bool = False) -> list[tuple[bytes, Entry]]:
         """Remove up to `count` unreferenced leaves, least recently used first
         (a removed leaf may expose its parent as the next leaf). `skip` keeps
-        a page in place (e.g. not yet written back). With `dry_run`, say
-        exactly what would go and change nothing. Only pages for which
-        `frees` holds count toward `count` (the others leave no free slot)."""
+        a page in place (e.g. not yet written back). Only pages for which
+        `frees` holds count toward `count` (the others leave no free slot).
+        With `all_or_nothing`, remove nothing unless `count` can be reached.
+
+        Work is proportional to the leaves looked at, not to the index: the
+        choice is made on the heap itself, and undone if it falls short."""
         evicted: list[tuple[bytes, Entry]] = []
-        kept: list[tuple[int, bytes]] = []
-        heap = list(self._leaves) if dry_run else self._leaves
+        kept: list[tuple[int, bytes]] = []  # looked at and staying
+        exposed: list[tuple[int, bytes]] = []  # parents left without children by this call
+        lost_children: dict[bytes, int] = {}
         gone: set[bytes] = set()
-        lost_children: dict[bytes, int] = {}  # dry run: children removed so far
         freed = 0
-        while heap and freed < count:
-            stamp, page = heapq.heappop(heap)
+        while freed < count and (self._leaves or exposed):
+            if exposed and (not self._leaves or exposed[0] < self._leaves[0]):
+                stamp, page = heapq.heappop(exposed)
+            else:
+                stamp, page = heapq.heappop(self._leaves)
             entry = self._entries.get(page)
             if entry is None or page in gone or entry.last_used != stamp:
-                continue  # stale heap item
+                continue  # stale: dropped for good
             if entry.children - lost_children.get(page, 0) or entry.refs or skip(page, entry):
                 kept.append((stamp, page))
                 continue
@@ -104,23 +122,22 @@ class HostIndex:
             freed += bool(frees(entry))
             gone.add(page)
             parent_page = entry.parent
-            parent = self._entries.get(parent_page) if parent_page is not None else None
-            if parent_page is None or parent is None:
+            if parent_page is None or parent_page not in self._entries:
                 continue
-            if dry_run:
-                lost_children[parent_page] = lost_children.get(parent_page, 0) + 1
-                left = parent.children - lost_children[parent_page]
-            else:
-                parent.children -= 1
-                left = parent.children
-            if left == 0:
-                heapq.heappush(heap, (parent.last_used, parent_page))
-        if not dry_run:
-            for page, _ in evicted:
-                del self._entries[page]
-                self._changes[page] = False
-            for item in kept:
-                heapq.heappush(self._leaves, item)
+            lost_children[parent_page] = lost_children.get(parent_page, 0) + 1
+            parent = self._entries[parent_page]
+            if parent.children == lost_children[parent_page]:
+                heapq.heappush(exposed, (parent.last_used, parent_page))
+        if all_or_nothing and freed < count:  # undo: everything looked at stays
+            kept += [(entry.last_used, page) for page, entry in evicted]
+            evicted, exposed, lost_children = [], [], {}
+        for parent_page, lost in lost_children.items():
+            self._entries[parent_page].children -= lost
+        for page, _ in evicted:
+            del self._entries[page]
+            self._changes[page] = False
+        for item in (*kept, *exposed):
+            heapq.heappush(self._leaves, item)
         return evicted
 
     def take_changes(self) -> tuple[list[bytes], list[bytes]]:

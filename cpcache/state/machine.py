@@ -72,6 +72,7 @@ class CacheState:
         self.round = 0  # the round applied last
         self.hit_pages = {"host": 0, "storage": 0}  # pages loaded back / prefetched (agreed)
         self.writes_refused = 0  # write-throughs refused for want of evictable host pages
+        self._unstarted_backups: list[Backup] = []  # queued in the round being applied
 
     # -- bookkeeping -------------------------------------------------------------
 
@@ -115,28 +116,22 @@ class CacheState:
 
         return skip
 
-    def _can_make_room(self, count: int, keep: set[bytes] | frozenset[bytes]) -> bool:
-        short = count - self.allocator.free_count
-        if short <= 0:
-            return True
-        evicted = self.index.evict(short, self._eviction_skip(keep), dry_run=True, frees=_frees_slot)
-        return sum(_frees_slot(e) for _, e in evicted) >= short
-
     def _make_room(self, count: int, keep: set[bytes] | frozenset[bytes] = frozenset()) -> bool:
         """Free host slots by evicting least recently used pages. Evicts
         nothing when that would not make enough room."""
-        if not self._can_make_room(count, keep):
-            return False
         short = count - self.allocator.free_count
-        if short > 0:
-            evicted = self.index.evict(short, self._eviction_skip(keep), frees=_frees_slot)
-            # An unreferenced page has no I/O on any rank: loads, backups and
-            # writes hold their pages until every rank has finished with them.
-            # The exception is a backup that timed out somewhere: its write may
-            # still be reading, so those slots wait for an agreed reclaim.
-            self._record("evict", tuple(p for p, _ in evicted))
-            self.allocator.free([e.slot for _, e in evicted if not e.io_suspect])
-            self._retire([e.slot for _, e in evicted if e.io_suspect])
+        if short <= 0:
+            return True
+        evicted = self.index.evict(short, self._eviction_skip(keep), frees=_frees_slot, all_or_nothing=True)
+        if not evicted:
+            return False
+        # An unreferenced page has no I/O on any rank: loads, backups and
+        # writes hold their pages until every rank has finished with them.
+        # The exception is a backup that timed out somewhere: its write may
+        # still be reading, so those slots wait for an agreed reclaim.
+        self._record("evict", tuple(p for p, _ in evicted))
+        self.allocator.free([e.slot for _, e in evicted if not e.io_suspect])
+        self._retire([e.slot for _, e in evicted if e.io_suspect])
         return True
 
     # -- a scheduler step ----------------------------------------------------------
@@ -265,6 +260,7 @@ class CacheState:
             self.index.ref(pages, +1)
             backup = Backup(self._serial(), pages)
             self.ops[backup.serial] = backup
+            self._unstarted_backups.append(backup)
             self._record("backup", backup.serial, tuple(pages))
 
     # -- a round --------------------------------------------------------------------
@@ -426,10 +422,8 @@ class CacheState:
     def _start_backups(self) -> list[Intent]:
         """Backups not yet started (they start in the round they are queued)."""
         intents: list[Intent] = []
-        for backup in self._of_kind(Backup):
-            if backup.started:
-                continue
-            backup.started = True
+        backups, self._unstarted_backups = self._unstarted_backups, []
+        for backup in backups:
             slots = tuple(self.index[p].slot for p in backup.pages)
             writer = [self.sharding.writes(p.hex()) for p in backup.pages]
             keys = tuple(self.storage_key(p) for p, w in zip(backup.pages, writer) if w)

@@ -126,7 +126,6 @@ class Write(Operation):
 class Backup(Operation):
     serial: int
     pages: list[bytes]
-    started: bool = False
 
     def label(self) -> str:
         return f"backup {self.serial}"
