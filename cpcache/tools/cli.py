@@ -207,12 +207,17 @@ def main(argv: list[str] | None = None) -> int:
         query.add_argument("--timeout", type=float, default=5.0)
 
     bench = sub.add_parser("bench", help="run a benchmark and print its figures")
-    bench.add_argument("name", choices=["agreement", "movers", "soak"])
+    bench.add_argument("name", choices=["agreement", "movers", "ranks", "soak"])
     bench.add_argument("--json", action="store_true", help="print one JSON object")
-    bench.add_argument("--steps", type=int, default=40, help="agreement: measured steps per case and block")
+    bench.add_argument("--steps", type=int, default=40, help="agreement, ranks: measured steps per case and block")
     bench.add_argument("--repeat", type=int, default=5,
-                       help="agreement, movers: blocks, each measuring candidate and baseline one after the other; "
-                            "ratios are the median over the blocks")
+                       help="agreement, movers, ranks: blocks, each measuring candidate and baseline one after the "
+                            "other; ratios are the median over the blocks")
+    from cpcache.tools.bench.sizes import DEFAULT_RANKS, parse_ranks
+
+    bench.add_argument("--ranks", type=parse_ranks, default=DEFAULT_RANKS, metavar="N,N,...",
+                       help="ranks: domain sizes to measure, one after the other (default: 2,4,8,16)")
+    bench.add_argument("--plot", metavar="PNG", help="ranks: write a plot of round cost and bytes against ranks")
     bench.add_argument("--no-mooncake", action="store_true", help="movers: skip Mooncake Store")
     bench.add_argument("--decisions", type=int, default=1_000_000, help="soak: agreed decisions to reach")
     bench.add_argument("--seed", type=int, default=1, help="soak: seed of the injected faults")
@@ -246,6 +251,10 @@ def main(argv: list[str] | None = None) -> int:
             from cpcache.tools.bench import agreement
 
             return asyncio.run(agreement.main(args))
+        if args.command == "bench" and args.name == "ranks":
+            from cpcache.tools.bench import ranks
+
+            return asyncio.run(ranks.main(args))
         if args.command == "bench" and args.name == "soak":
             from cpcache.tools.bench import soak
 
