@@ -18,6 +18,15 @@ that one decision, whatever its own timing:
   descriptor can never match a later one (no stale descriptors), and since
   the next attach of every rank joins the next undecided attempt, attaching
   again everywhere converges.
+- The store is not trusted to keep the decision: a store that restarts
+  mid-attempt forgets it, and two ranks could read two decisions. So a rank
+  that read "attached" or "differ" (every rank published) confirms it in one
+  MIN round of the domain over (attempt, the decision's fingerprint) on a
+  group used for nothing else; it attaches only if every rank read the same.
+  A rank that read "missing" enters no round: its peers' round then times
+  out, and they refuse too (and re-form the domain, since a collective that
+  timed out leaves its group unusable). Store errors are retried until the
+  rank's deadline, then refused: UNAVAILABLE, never a split.
 
 Knows nothing about caches: a descriptor is a flat JSON object.
 """
@@ -25,10 +34,17 @@ Knows nothing about caches: a descriptor is a flat JSON object.
 from __future__ import annotations
 
 import json
+import logging
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import numpy as np
 
 from cpcache.errors import FailedPrecondition, Unavailable
+from cpcache.hashing import hash62
+
+log = logging.getLogger(__name__)
 
 POLL_S = 0.02  # how often a waiting rank looks at the attempt (the store cannot notify changes)
 
@@ -51,23 +67,78 @@ def _decided(namespace: str) -> str:
     return f"{_prefix(namespace)}/decided"  # the highest attempt with a decision
 
 
+class Reducer(Protocol):
+    def min_inplace(self, vector: np.ndarray) -> None: ...
+
+
+class Unconfirmed(Unavailable):
+    """The confirmation round did not complete: its group is unusable, and
+    the domain must form again before the next attach."""
+
+
 def next_attempt(store: Any, namespace: str, after: int) -> int:
     """The attempt an attach of this rank joins: the first one not yet
     decided, and later than `after` (the last one this rank joined)."""
     return max(int(store.add(_decided(namespace), 0)), after) + 1
 
 
-def agree_on_attach(store: Any, namespace: str, rank: int, ranks: tuple[int, ...], descriptor: dict[str, Any],
-                    attempt: int, timeout_s: float, clock: Any = time.monotonic, pause: Any = time.sleep) -> None:
-    """Publish `descriptor` as this rank's in `attempt` and follow the
-    attempt's decision: return if attached; `FailedPrecondition` naming what
-    differs; `Unavailable` naming the ranks that did not attach in time."""
-    joined = Attempt(store, namespace, rank, ranks, descriptor, attempt)
-    joined.publish()
+def agree_on_attach(connect: Callable[[], Any], namespace: str, rank: int, ranks: tuple[int, ...],
+                    descriptor: dict[str, Any], after: int, timeout_s: float, confirm_with: Reducer,
+                    clock: Any = time.monotonic, pause: Any = time.sleep,
+                    on_attempt: Callable[[int], None] = lambda attempt: None) -> None:
+    """Join the next attempt after `after` (told to `on_attempt`), publish
+    `descriptor` as this rank's there and follow the attempt's decision once
+    every rank confirmed it: return if attached; `FailedPrecondition` naming
+    what differs; `Unavailable` naming the ranks that did not attach in time,
+    or saying that the store failed; `Unconfirmed` when the confirmation
+    round did not complete."""
     deadline = clock() + timeout_s
-    while (decision := joined.look(expired=clock() > deadline)) is None:
+    joined: Attempt | None = None
+    published = False
+    while True:
+        try:
+            if joined is None:
+                store = connect()
+                joined = Attempt(store, namespace, rank, ranks, descriptor, next_attempt(store, namespace, after))
+                on_attempt(joined.attempt)
+            elif joined.store is None:
+                joined.store = connect()
+            if not published:  # once per connection: a restarted store forgot it
+                joined.publish()
+                published = True
+            decision = joined.look(expired=clock() > deadline)
+            if decision is not None:
+                break
+        except (RuntimeError, OSError, ValueError) as exc:  # the store failed or restarted
+            log.warning("attach: the rendezvous store failed (%s: %s); retrying until the deadline",
+                        type(exc).__name__, exc)
+            if joined is not None:
+                joined.store, published = None, False
+            if clock() > deadline:
+                raise Unavailable(f"attach: the rendezvous store failed ({type(exc).__name__}: {exc}); nothing "
+                                  f"was attached on this rank: attach again on every rank") from None
         pause(POLL_S)
+    assert joined is not None
+    if decision["outcome"] in (ATTACHED, DIFFER):
+        confirm(confirm_with, joined.attempt, decision)
     follow(decision, rank, descriptor, timeout_s)
+
+
+def confirm(reducer: Reducer, attempt: int, decision: dict[str, Any]) -> None:
+    """One MIN round of the domain over what this rank read: returns if
+    every rank read this same decision of this same attempt."""
+    fingerprint = hash62(json.dumps(decision, sort_keys=True).encode())
+    mine = np.array([attempt, -attempt, fingerprint, -fingerprint], dtype=np.int64)
+    vector = mine.copy()
+    try:
+        reducer.min_inplace(vector)
+    except RuntimeError as exc:  # a peer never entered (it read another outcome) or is gone
+        raise Unconfirmed(f"attach: attempt {attempt} was not confirmed by every rank ({exc}); nothing was "
+                          f"attached on any rank: the domain forms again, then attach again on every rank") from None
+    if not np.array_equal(vector, mine):
+        raise Unavailable(f"attach: the ranks read different decisions of attempt {attempt} (the rendezvous store "
+                          f"restarted while it was decided); nothing was attached on any rank: attach again on "
+                          f"every rank")
 
 
 class Attempt:

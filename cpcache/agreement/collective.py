@@ -136,6 +136,16 @@ class GroupReducer:
         self._groups = []
 
 
+def confirmation_reducer(store: TCPStore, rdzv: Rendezvous, domain: Group, rank: int, timeout_s: float,
+                         bind_host: str = "127.0.0.1") -> GroupReducer:
+    """A reducer over the whole domain on a group of its own, for rounds that
+    are not steps (an Attach's confirmation): they never interleave with the
+    steps' rounds, whatever each rank's timing."""
+    if domain.size <= 1:
+        return GroupReducer([])
+    return GroupReducer([gloo_group(store, rdzv, Group("confirm", domain.ranks), rank, timeout_s, bind_host)])
+
+
 def reducer_groups(topology: Topology, rank: int, mode: str) -> list[Group]:
     if mode == "domain":
         domain = topology.domain(rank)

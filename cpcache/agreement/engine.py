@@ -105,7 +105,8 @@ class AgreementEngine:
 
     def close(self, timeout_s: float | None = None, why: str | None = None) -> bool:
         """End the engine: rounds not yet started fail with `Unavailable`
-        (`why`), the one in its collective is discarded once that ends; the
+        (`why`), the one in its collective ends as it ends (delivered if it
+        completed, as it is on the peers that completed it); the
         thread is joined (untimed by default: a collective waits at most its
         own timeout), then the groups are destroyed. True once they are.
         Safe to call twice."""
@@ -168,11 +169,9 @@ class AgreementEngine:
             return
         self.rounds_completed += 1
         self.round_latency.observe(time.perf_counter() - started)
-        if self._closed:
-            # The epoch was left while this round was in its collective: a
-            # peer may have completed it, but nothing of it is applied here.
-            future.set_exception(Unavailable(f"{self._closed_why}: round {round_input.number} is not applied"))
-            return
+        # Closed while this round was in its collective: it completed, so it
+        # is agreed (a peer may already apply it) and is delivered all the
+        # same; whoever closed decides whether it still applies it.
         try:
             result = round_input.settle(vector)
         except Divergence:

@@ -332,7 +332,8 @@ async def serve(collector: DaemonCollector, address: str) -> MetricsServer:
 
 def phase_counters(coordinator: Any, engine: Any) -> dict[str, int]:
     """The step phases as Stats counters: `step_phase_<phase>_us` (total
-    microseconds) and `step_phase_<phase>_count`, with the collective itself
+    microseconds), `step_phase_<phase>_count` and, for the phases that never
+    await, `step_phase_<phase>_cpu_us` (the loop thread's CPU), with the collective itself
     as phase `reduce` (from the agreement engine) and `steps` (the calls the
     handler served), so a breakdown per step is each total over `steps`."""
     out: dict[str, int] = {}
@@ -342,5 +343,7 @@ def phase_counters(coordinator: Any, engine: Any) -> dict[str, int]:
     for name, h in histograms.items():
         out[f"step_phase_{name}_us"] = round(h.total_s * 1e6)
         out[f"step_phase_{name}_count"] = sum(h.counts)
+    for name, seconds in coordinator.phases.cpu_s.items():
+        out[f"step_phase_{name}_cpu_us"] = round(seconds * 1e6)
     out["step_phase_steps"] = out.get("step_phase_handler_count", 0)
     return out

@@ -18,7 +18,7 @@ import os
 import signal
 import threading
 from collections.abc import Callable, Coroutine, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import grpc
 from google.protobuf import message_factory
@@ -27,8 +27,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from torch.distributed import TCPStore
 
-from cpcache.agreement.attach import agree_on_attach, next_attempt
-from cpcache.agreement.collective import Reducer, Rendezvous, build_reducer, host_store
+from cpcache.agreement.attach import Unconfirmed, agree_on_attach
+from cpcache.agreement.collective import Reducer, Rendezvous, build_reducer, confirmation_reducer, host_store
 from cpcache.agreement.engine import AgreementEngine, DivergenceExchange, FaultInjection, peer_lost
 from cpcache.agreement.epochs import Epochs
 from cpcache.agreement.liveness import Heartbeat, diagnose
@@ -69,6 +69,15 @@ class State(enum.Enum):
     BROKEN = "broken"  # a peer was lost: decisions are refused
     DRAINING = "draining"
     STOPPED = "stopped"
+
+
+class _Formed(NamedTuple):
+    """An epoch just formed: its rounds' reducer, its Attach confirmations'
+    reducer, and what every rank offered to carry over."""
+
+    reducer: Reducer
+    confirmer: Reducer
+    offers: list[bytes]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +140,7 @@ class Daemon:
         self._coordinator: Stepper | None = None
         self._background: set[asyncio.Task] = set()
         self._attach_joined = (-1, 0)  # (epoch, attempt) of the last attach agreement this rank joined
+        self._confirmer: Reducer | None = None  # this epoch's group for Attach confirmations
         self._sessions = 0  # data-plane sessions opened
         self._crashed = False  # a background task died: exit INTERNAL after the drain
 
@@ -216,10 +226,10 @@ class Daemon:
     async def _attach_agreed(self, stepper: Stepper, model_id: str, geometry: KVGeometry, device: DevicePool,
                              descriptor: dict[str, Any], kind: str) -> Attached:
         runtime: CacheRuntime | None = None
-        store = self._rdzv.connect()
         kept = self._kept if self._kept is not None and self._kept[1] == descriptor else None
         # What the attach resumes is part of what every rank must agree on.
         resumes = carryover.digest(kept[0].state.index) if kept is not None and len(kept[0].state.index) else 0
+        confirmer = self._confirmer
         try:
             runtime = await asyncio.to_thread(self._open_cache, model_id, geometry, device,
                                               kept[0] if kept else None)
@@ -230,11 +240,22 @@ class Daemon:
             # Domains of one deployment (attention-DP replicas) attach apart.
             namespace = f"{self._rdzv.namespace}/domain{'-'.join(map(str, self._domain.ranks))}"
             epoch, joined = self._attach_joined
-            attempt = await asyncio.to_thread(next_attempt, store, namespace, joined if epoch == self.epoch else 0)
-            self._attach_joined = (self.epoch, attempt)
-            await asyncio.to_thread(agree_on_attach, store, namespace, self.config.rank,
-                                    self._domain.ranks, {**descriptor, "resumes": resumes},
-                                    attempt, self.config.agreement_timeout_s)
+            assert confirmer is not None
+            rdzv, this_epoch = self._rdzv, self.epoch
+            store_timeout_s = max(1.0, min(5.0, self.config.agreement_timeout_s / 4))
+
+            def joining(attempt: int) -> None:
+                self._attach_joined = (this_epoch, attempt)
+
+            try:
+                await asyncio.to_thread(agree_on_attach, lambda: rdzv.connect(timeout_s=store_timeout_s), namespace,
+                                        self.config.rank, self._domain.ranks, {**descriptor, "resumes": resumes},
+                                        joined if epoch == this_epoch else 0, self.config.agreement_timeout_s,
+                                        confirmer, on_attempt=joining)
+            except Unconfirmed:
+                # The confirmation's collective timed out: its group is unusable.
+                self._spawn(self.reform("an Attach was not confirmed by every rank"), "re-form")
+                raise
             if self._coordinator is not stepper:
                 # The epoch ended while it was decided: it ended for every rank,
                 # and with it the session every rank attached in it.
@@ -362,12 +383,12 @@ class Daemon:
             return ExitCode.STOPPED
         stop.cancel()
         try:
-            reducer, offers = joining.result()
+            formed = joining.result()
         except (RuntimeError, CacheError) as exc:
             log.error("rendezvous failed: %s", exc)
             await self._shutdown()
             return ExitCode.RENDEZVOUS_FAILED
-        await self._serve_epoch(reducer, offers)
+        await self._serve_epoch(formed)
         self.notifier.ready(f"serving rank {self.config.rank} of domain {list(self._domain.ranks)}")
         log.info("serving rank %d of domain %s in epoch %d (%s mode, lag %d)", self.config.rank,
                  list(self._domain.ranks), self.epoch, self.config.mode, self.config.agreement_lag)
@@ -379,7 +400,7 @@ class Daemon:
             return ExitCode.INTERNAL
         return ExitCode.PEER_LOST if broken else ExitCode.STOPPED
 
-    def _join(self) -> tuple[Reducer, list[bytes]]:
+    def _join(self) -> _Formed:
         """Blocking rendezvous, on a worker thread: the deployment's current
         epoch, or the next one when the current one formed without this rank
         (it restarted)."""
@@ -389,7 +410,7 @@ class Daemon:
         store = self._epochs.base.connect()
         return self._form(store, self._epochs.to_join(store, self.config.epoch), b"")
 
-    def _form(self, store: TCPStore, epoch: int, offer: bytes) -> tuple[Reducer, list[bytes]]:
+    def _form(self, store: TCPStore, epoch: int, offer: bytes) -> _Formed:
         """Join `epoch` with every rank of the domain, then trade what each
         carries over (blocking, on a worker thread)."""
         self._rdzv = self._epochs.rendezvous(epoch)
@@ -401,19 +422,26 @@ class Daemon:
             store, self._rdzv, self._topology, self.config.rank, self.config.mode,
             self.config.agreement_timeout_s, self.config.gloo_host,
         )
+        confirmer: Reducer | None = None
         try:
+            confirmer = confirmation_reducer(store, self._rdzv, self._domain, self.config.rank,
+                                             self.config.agreement_timeout_s, self.config.gloo_host)
             offers = self._epochs.exchange(store, epoch, self.config.rank, tuple(self._domain.ranks), offer,
                                            self.config.rendezvous_timeout_s)
         except BaseException:
             reducer.close()
+            if confirmer is not None:
+                confirmer.close()
             raise
         self._epochs.mark_formed(store, epoch)
-        return reducer, offers
+        return _Formed(reducer, confirmer, offers)
 
-    async def _serve_epoch(self, reducer: Reducer, offers: list[bytes]) -> None:
+    async def _serve_epoch(self, formed: _Formed) -> None:
         """Decide in the epoch just formed: a new engine and stepper, and the
         carried-over cache (the pages every rank offered alike), if any."""
         loop = asyncio.get_running_loop()
+        reducer, offers = formed.reducer, formed.offers
+        self._confirmer = formed.confirmer
         engine = AgreementEngine(
             reducer,
             DivergenceExchange(
@@ -462,14 +490,21 @@ class Daemon:
             # "attached"); the session it opens then ends with this epoch.
             await asyncio.wait({attaching})
         engine, stepper = self._engine, self._coordinator
-        self._engine = self._coordinator = None
-        if stepper is not None:
-            stepper.leave(f"rank {self.config.rank} left epoch {leaving} ({reason})")  # before any await
+        self._engine = self._coordinator = None  # no step reaches them from here
         if engine is not None:
             # Really joined: a round still in its collective ends within the
-            # collective's own timeout, and is then discarded, not applied.
+            # collective's own timeout; rounds not begun fail.
             await _on_daemon_thread(functools.partial(engine.close, None, f"epoch {leaving} was left"),
                                     "close-epoch")
+        if stepper is not None:
+            # A round that completed is agreed: a peer that completed it
+            # applies it, so this rank does too (and answers its step alike),
+            # before its I/O drains below; then nothing more applies.
+            await stepper.settle_in_flight()
+            stepper.leave(f"rank {self.config.rank} left epoch {leaving} ({reason})")
+        confirmer, self._confirmer = self._confirmer, None
+        if confirmer is not None:  # no Attach is being decided (awaited above)
+            await _on_daemon_thread(confirmer.close, "close-confirm")
         offer = await self._detach_for_epoch(stepper)
         while not self._stop_requested.is_set():
             forming = _on_daemon_thread(functools.partial(self._rejoin, leaving, offer), "re-form")
@@ -480,17 +515,17 @@ class Daemon:
                 forming.cancel()
                 return  # stopping: the shutdown follows
             try:
-                reducer, offers = forming.result()
+                formed = forming.result()
             except (RuntimeError, CacheError) as exc:
                 log.warning("epoch %d did not form (%s); trying the next", self.epoch, exc)
                 leaving = self.epoch
                 continue
-            await self._serve_epoch(reducer, offers)
+            await self._serve_epoch(formed)
             log.info("serving rank %d in epoch %d", self.config.rank, self.epoch)
             self.notifier.status(f"serving rank {self.config.rank} in epoch {self.epoch}")
             return
 
-    def _rejoin(self, leaving: int, offer: bytes) -> tuple[Reducer, list[bytes]]:
+    def _rejoin(self, leaving: int, offer: bytes) -> _Formed:
         store = self._epochs.base.connect()
         return self._form(store, self._epochs.advance(store, leaving), offer)
 
@@ -584,6 +619,8 @@ class Daemon:
             await server.stop(grace=1.0)
         if self._engine is not None:
             await asyncio.to_thread(self._engine.close)
+        if self._confirmer is not None:
+            await asyncio.to_thread(self._confirmer.close)
         if self._coordinator is not None and self._coordinator.cache is not None:
             await _bounded(self._coordinator.cache.io.transfers.close, 5.0, "closing the storage backend")
         if self._kept is not None:

@@ -17,6 +17,11 @@ The phases of a step, in order:
 - `handler`: the whole call in the daemon, from the request read to the
   reply built; what it does not cover is gRPC's and the transport's.
 
+The phases that never await (all but `wait` and `handler`) also count the
+loop thread's CPU time (`time.thread_time`): on a host whose cores are
+shared, their wall time includes waiting for a core, their CPU time is what
+the work itself costs.
+
 A phase may be observed more than once per step (`io` is, when a step both
 opens operations and applies answers): a breakdown per step divides each
 phase's total by the number of steps, not by its own count."""
@@ -28,6 +33,7 @@ import time
 from cpcache.histogram import Histogram
 
 PHASES = ("check", "pack", "submit", "wait", "open", "apply", "io", "reply", "handler")
+CPU_PHASES = ("check", "pack", "submit", "open", "apply", "io")  # no await inside: the thread's CPU is theirs
 
 
 # Finer at the low end than the round histogram: most phases take microseconds.
@@ -38,9 +44,12 @@ PHASE_BOUNDS_S = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 
 class StepPhases:
     def __init__(self) -> None:
         self.histograms = {phase: Histogram(PHASE_BOUNDS_S) for phase in PHASES}
+        self.cpu_s = dict.fromkeys(CPU_PHASES, 0.0)  # the loop thread's CPU seconds, in total
 
-    def observe(self, phase: str, seconds: float) -> None:
+    def observe(self, phase: str, seconds: float, cpu_s: float = 0.0) -> None:
         self.histograms[phase].observe(seconds)
+        if phase in self.cpu_s:
+            self.cpu_s[phase] += cpu_s
 
     def clock(self) -> PhaseClock:
         return PhaseClock(self)
@@ -49,13 +58,14 @@ class StepPhases:
 class PhaseClock:
     """Laps of one step: each `lap(phase)` observes the time since the last."""
 
-    __slots__ = ("_phases", "_last")
+    __slots__ = ("_phases", "_last", "_last_cpu")
 
     def __init__(self, phases: StepPhases) -> None:
         self._phases = phases
         self._last = time.perf_counter()
+        self._last_cpu = time.thread_time()
 
     def lap(self, phase: str) -> None:
-        now = time.perf_counter()
-        self._phases.observe(phase, now - self._last)
-        self._last = now
+        now, cpu = time.perf_counter(), time.thread_time()
+        self._phases.observe(phase, now - self._last, cpu - self._last_cpu)
+        self._last, self._last_cpu = now, cpu

@@ -13,9 +13,10 @@
   state.
 - `step` is idempotent by step number: a retry gets the same outcome while
   it is among the last `REPLIES_KEPT` steps.
-- A stepper decides in one epoch. Once it has left it (`leave`), no round is
-  applied, whatever its collective did: a round completed by a peer that had
-  not yet noticed the move changes nothing here and starts no I/O.
+- A stepper decides in one epoch. Leaving it closes its engine first and
+  applies the rounds that completed meanwhile (`settle_in_flight`), as the
+  peers that completed them do, so every rank answers such a step alike;
+  once left (`leave`), nothing more is applied and no I/O starts.
 
 Touched only from the event loop.
 """
@@ -89,6 +90,14 @@ class Stepper:
     def leave(self, why: str) -> None:
         """This stepper's epoch is over: nothing more is applied here."""
         self._left = why
+
+    async def settle_in_flight(self) -> None:
+        """Wait for the steps already taken to end, once their engine has
+        closed (so each round either completed or failed): a round that
+        completed is applied here as on every peer that completed it, and
+        its I/O starts before the epoch's data plane drains."""
+        if self._tail is not None and not self._tail.done():
+            await asyncio.wait({self._tail})
 
     @property
     def left(self) -> bool:

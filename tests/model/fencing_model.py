@@ -6,20 +6,23 @@ the detach (session end, device jobs counted), the next session attaching,
 and each job starting and ending.
 
 The model mirrors the code it stands for, step by step:
-`AgreementEngine._one_round` (a closed engine discards the round its
-collective returns), `AgreementEngine._fail_pending` (the close sentinel is
-put back) and `close` (joins, then destroys the groups), `Stepper._settle`
+`Daemon._reform` (close the engine, then `Stepper.settle_in_flight`, then
+`Stepper.leave`, then the detach), `AgreementEngine._one_round` (a round
+whose collective completed is delivered, closed or not: the peer that
+completed it applies it), `AgreementEngine._fail_pending` (the close sentinel
+is put back) and `close` (joins, then destroys the groups), `Stepper._settle`
 (a stepper that left applies nothing), `Transfers.submit`/`_run` (a job binds
 its session's pool when issued; a job of an ended session is refused when it
 would start), `Daemon._detach_for_epoch` (the session ends, then the daemon
 waits until no job of it touches its pool: counted). The real-daemon tests in
 tests/multirank/test_fencing.py check the same behaviour on the code.
 
-Mutations reintroduce the defects of issue 21: `apply_after_leave` (the round
-is delivered and applied after the close; the join gives up after a time),
-`pool_at_run_time` (jobs read the current pool when they run, are not
-refused, and the drain gives up after a time), `sentinel_eaten` (a failed
-round drains the close sentinel).
+Mutations reintroduce the defects of issue 21: `apply_after_leave` (the join
+gives up after a time and the round is applied after the detach),
+`leave_first` (the stepper leaves before the engine is closed, so a round its
+peer completed and applied is discarded here), `pool_at_run_time` (jobs read
+the current pool when they run, are not refused, and the drain gives up after
+a time), `sentinel_eaten` (a failed round drains the close sentinel).
 """
 
 from __future__ import annotations
@@ -33,11 +36,11 @@ JOBS = ("load", "write")  # load: host -> device, queued before; write: device -
 class S:
     collective: str = "waiting"  # waiting | completed (peer entered) | timed_out
     thread: str = "in_collective"  # in_collective | returned | stuck (no sentinel to read)
-    delivered: str = ""  # "" | result | discarded | failed
+    delivered: str = ""  # "" | result | refused | failed
     closed: bool = False  # engine closed (the rank left)
     left: bool = False  # the stepper left
     applied: str = ""  # "" | before_leave | after_leave
-    phase: str = "epoch"  # epoch | joining | detaching | detached | new
+    phase: str = "epoch"  # epoch | joining | settling | detaching | detached | new
     groups: str = "open"  # open | destroyed
     session_ended: bool = False
     # per job: none | queued | running | done | refused; and the pool it writes or reads
@@ -61,8 +64,9 @@ class FencingModel:
         if s.collective == "waiting":
             out.append(("peer enters the round late", replace(s, collective="completed")))
             out.append(("the round times out", replace(s, collective="timed_out")))
-        if not s.left and s.phase == "epoch":
-            out.append(("the rank leaves its epoch", replace(s, left=True, closed=True, phase="joining")))
+        if s.phase == "epoch":
+            out.append(("the rank starts leaving its epoch (engine closed)",
+                        replace(s, closed=True, phase="joining", left="leave_first" in m)))
         if s.thread == "in_collective" and s.collective != "waiting":
             if s.collective == "timed_out":
                 # The engine breaks; `_fail_pending` runs with the close sentinel queued (if closed).
@@ -70,9 +74,8 @@ class FencingModel:
                 out.append(("the engine breaks", replace(s, thread="stuck" if eaten else "returned",
                                                          delivered="failed")))
             else:
-                discard = s.closed and "apply_after_leave" not in m
-                out.append(("the engine returns", replace(s, thread="returned",
-                                                          delivered="discarded" if discard else "result")))
+                out.append(("the engine returns the completed round", replace(s, thread="returned",
+                                                                              delivered="result")))
         if s.delivered == "result" and not s.applied:
             if s.left and "apply_after_leave" not in m:
                 out.append(("the stepper refuses the round (left)", replace(s, delivered="refused")))
@@ -85,9 +88,12 @@ class FencingModel:
                 out.append(("the stepper applies the round", issued))
         if s.phase == "joining":
             if s.thread == "returned":
-                out.append(("the join ends; groups destroyed", replace(s, phase="detaching", groups="destroyed")))
+                out.append(("the join ends; groups destroyed", replace(s, phase="settling", groups="destroyed")))
             elif "apply_after_leave" in m or "sentinel_eaten" in m:
-                out.append(("the join gives up after its time", replace(s, phase="detaching")))
+                out.append(("the join gives up after its time", replace(s, phase="detaching", left=True)))
+        if s.phase == "settling" and not (s.delivered == "result" and not s.applied):
+            out.append(("the steps in flight have ended; the stepper leaves",
+                        replace(s, phase="detaching", left=True)))
         if s.phase == "detaching":
             ended = replace(s, session_ended=True)
             running = any(getattr(s, j) == "running" for j in JOBS)
@@ -118,6 +124,9 @@ class FencingModel:
 
     def check(self, s: S, trace: tuple[str, ...]) -> None:
         assert not s.violations, f"{s.violations[0]}; trace: {list(trace)}"
+        if s.phase == "new" and s.collective == "completed" and s.thread == "returned":
+            # The peer completed the round and applied it (it had not left).
+            assert s.applied, f"the peer applied a round this rank did not; trace: {list(trace)}"
         if s.phase == "new":
             running = [j for j in JOBS if getattr(s, j) == "running"]
             assert not running or "pool_at_run_time" in self.m, f"next session opened while {running} ran"

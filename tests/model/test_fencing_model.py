@@ -1,6 +1,7 @@
 """The exhaustive check of leaving an epoch under a round in its collective
 and jobs in flight (DESIGN rule 10), and the defects it finds when
-reintroduced (issue 21, defects 1 and 2)."""
+reintroduced (issue 21, defects 1 and 2, and a round its peer applied
+discarded by the leaving rank)."""
 
 import time
 
@@ -32,6 +33,11 @@ def test_it_finds_a_round_applied_after_its_rank_left():
     # defects 1 and 2 together) the copy overwrites the next session's slot.
     both = found("apply_after_leave", "pool_at_run_time")
     assert "an old epoch's copy overwrote a slot the next session holds" in both, both
+
+
+def test_it_finds_a_round_its_peer_applied_discarded_when_the_stepper_leaves_first():
+    violations = found("leave_first")
+    assert "the peer applied a round this rank did not" in violations, violations
 
 
 def test_it_finds_a_load_landing_in_the_next_sessions_pool():
