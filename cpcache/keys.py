@@ -17,6 +17,7 @@ suffix from the declared sharding of the KV, never from rank numbers by habit.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -105,10 +106,23 @@ class ShardingSpec:
             parts.append(f"tp{self.tp_rank}_{self.tp_size}")
         return "_".join(parts)
 
-    def storage_key(self, page: str) -> str:
+    @functools.cached_property
+    def _key_parts(self) -> tuple[str, str]:
+        # Every page of a backup needs its key: formatted once, not per page.
         suffix = self.suffix()
-        key = f"{page}_{suffix}" if suffix else page
-        return f"{self.tenant}.{key}" if self.tenant else key
+        return (f"{self.tenant}." if self.tenant else ""), (f"_{suffix}" if suffix else "")
+
+    @functools.cached_property
+    def _writer(self) -> tuple[int, int]:
+        """(replicas, this rank's place among them) for `writes`."""
+        cp_replicas = 1 if self.cp == "cp_sharded" else self.cp_size
+        tp_replicas = 1 if self.tp_sharded_heads else self.tp_size
+        me = (self.cp_rank if cp_replicas > 1 else 0) * tp_replicas + (self.tp_rank if tp_replicas > 1 else 0)
+        return cp_replicas * tp_replicas, me
+
+    def storage_key(self, page: str) -> str:
+        prefix, suffix = self._key_parts
+        return f"{prefix}{page}{suffix}"
 
     def writes(self, page: str) -> bool:
         """Whether this rank writes `page` to storage. Ranks that hold the same
@@ -117,11 +131,7 @@ class ShardingSpec:
         as with MLA); each group elects one writer per page, balanced by
         hash(page) mod size. The others skip the write and still take part in
         the ack round."""
-        cp_replicas = 1 if self.cp == "cp_sharded" else self.cp_size
-        tp_replicas = 1 if self.tp_sharded_heads else self.tp_size
-        replicas = cp_replicas * tp_replicas
+        replicas, me = self._writer
         if replicas == 1:
             return True
-        me = (self.cp_rank if cp_replicas > 1 else 0) * tp_replicas + (self.tp_rank if tp_replicas > 1 else 0)
         return int(page[:16], 16) % replicas == me
-

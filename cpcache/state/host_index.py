@@ -107,27 +107,26 @@ class HostIndex:
         lost_children: dict[bytes, int] = {}
         gone: set[bytes] = set()
         freed = 0
-        while freed < count and (self._leaves or exposed):
-            if exposed and (not self._leaves or exposed[0] < self._leaves[0]):
-                stamp, page = heapq.heappop(exposed)
-            else:
-                stamp, page = heapq.heappop(self._leaves)
-            entry = self._entries.get(page)
-            if entry is None or page in gone or entry.last_used != stamp:
+        leaves, entries, pop, push = self._leaves, self._entries, heapq.heappop, heapq.heappush
+        while freed < count and (leaves or exposed):
+            stamp, page = pop(exposed) if exposed and (not leaves or exposed[0] < leaves[0]) else pop(leaves)
+            entry = entries.get(page)
+            if entry is None or entry.last_used != stamp or page in gone:
                 continue  # stale: dropped for good
-            if entry.children - lost_children.get(page, 0) or entry.refs or skip(page, entry):
+            if entry.children and entry.children - lost_children.get(page, 0):
+                continue  # not a leaf: dropped too (pushed again once its last child goes)
+            if entry.refs or skip(page, entry):
                 kept.append((stamp, page))
                 continue
             evicted.append((page, entry))
             freed += bool(frees(entry))
             gone.add(page)
             parent_page = entry.parent
-            if parent_page is None or parent_page not in self._entries:
+            if parent_page is None or (parent := entries.get(parent_page)) is None:
                 continue
-            lost_children[parent_page] = lost_children.get(parent_page, 0) + 1
-            parent = self._entries[parent_page]
-            if parent.children == lost_children[parent_page]:
-                heapq.heappush(exposed, (parent.last_used, parent_page))
+            lost = lost_children[parent_page] = lost_children.get(parent_page, 0) + 1
+            if parent.children == lost:
+                push(exposed, (parent.last_used, parent_page))
         if all_or_nothing and freed < count:  # undo: everything looked at stays
             kept += [(entry.last_used, page) for page, entry in evicted]
             evicted, exposed, lost_children = [], [], {}

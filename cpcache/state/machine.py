@@ -77,7 +77,15 @@ class CacheState:
     # -- bookkeeping -------------------------------------------------------------
 
     def _record(self, *fields: object) -> None:
-        self.digest = hash62(repr((self.digest, fields)).encode())
+        """Fold one mutation into the digest. Page lists are hashed as their
+        bytes (a repr of each would cost more than the change itself)."""
+        parts = [self.digest.to_bytes(8, "little")]
+        for f in fields:
+            if isinstance(f, tuple | list) and f and isinstance(f[0], bytes):
+                parts.append(b"".join(f))
+            else:
+                parts.append(repr(f).encode())
+        self.digest = hash62(b"\x1f".join(parts))
 
     def _serial(self) -> int:
         serial = self._next_serial
@@ -354,17 +362,30 @@ class CacheState:
         """Every rank's copy ended well: the pages enter the host index."""
         self._close(w, w.request.op_id)
         slot_of = dict(zip(w.new, w.slots))
-        inserted, duplicate = [], []
-        for i, page in enumerate(w.request.pages):
+        pages = w.request.pages
+        inserted: list[bytes] = []
+        duplicate: list[int] = []
+        run: list[int] = []  # indices of a run of consecutive pages entering together (one chain)
+        entering: set[bytes] = set()  # the run's pages (a page twice in one write enters once)
+
+        def insert_run() -> None:
+            if run:
+                parent = pages[run[0] - 1] if run[0] else w.request.parent
+                self.index.insert([pages[i] for i in run], [slot_of[i] for i in run], parent, self.step)
+                inserted.extend(pages[i] for i in run)
+                run.clear()
+                entering.clear()
+
+        for i, page in enumerate(pages):
             slot = slot_of.get(i)
-            if slot is None:
-                continue  # was resident when the write opened
-            if page in self.index:
-                duplicate.append(slot)  # another operation brought it meanwhile
-                continue
-            parent = w.request.pages[i - 1] if i else w.request.parent
-            self.index.insert([page], [slot], parent, self.step)
-            inserted.append(page)
+            if slot is None or page in self.index or page in entering:
+                insert_run()
+                if slot is not None:
+                    duplicate.append(slot)  # another operation brought it meanwhile
+                continue  # (else: it was resident when the write opened)
+            run.append(i)
+            entering.add(page)
+        insert_run()
         self.allocator.free(duplicate)  # every rank's copy into it has ended
         self.index.touch([p for p in w.request.pages if p in self.index], self.step)
         self._record("ack", w.serial, tuple(duplicate))
@@ -424,10 +445,10 @@ class CacheState:
         intents: list[Intent] = []
         backups, self._unstarted_backups = self._unstarted_backups, []
         for backup in backups:
-            slots = tuple(self.index[p].slot for p in backup.pages)
-            writer = [self.sharding.writes(p.hex()) for p in backup.pages]
-            keys = tuple(self.storage_key(p) for p, w in zip(backup.pages, writer) if w)
-            mine = tuple(s for s, w in zip(slots, writer) if w)
+            sharding, entries = self.sharding, self.index
+            mine_hex = [(h, p) for p in backup.pages if sharding.writes(h := p.hex())]
+            keys = tuple(sharding.storage_key(h) for h, _ in mine_hex)
+            mine = tuple(entries[p].slot for _, p in mine_hex)
             intents.append(Store(backup.serial, keys, mine, bool(backup.pages)))
         return intents
 
