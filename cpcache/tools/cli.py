@@ -217,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
 
     bench.add_argument("--ranks", type=parse_ranks, default=DEFAULT_RANKS, metavar="N,N,...",
                        help="ranks: domain sizes to measure, one after the other (default: 2,4,8,16)")
-    bench.add_argument("--plot", metavar="PNG", help="ranks: write a plot of round cost and bytes against ranks")
+    bench.add_argument("--plot", metavar="FILE", help="ranks: write a plot of round cost and bytes against ranks "
+                       "(PNG or SVG, by the file's extension)")
     bench.add_argument("--no-mooncake", action="store_true", help="movers: skip Mooncake Store")
     bench.add_argument("--decisions", type=int, default=1_000_000, help="soak: agreed decisions to reach")
     bench.add_argument("--seed", type=int, default=1, help="soak: seed of the injected faults")
