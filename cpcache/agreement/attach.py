@@ -127,8 +127,7 @@ def agree_on_attach(connect: Callable[[], Any], namespace: str, rank: int, ranks
 def confirm(reducer: Reducer, attempt: int, decision: dict[str, Any]) -> None:
     """One MIN round of the domain over what this rank read: returns if
     every rank read this same decision of this same attempt."""
-    fingerprint = hash62(json.dumps(decision, sort_keys=True).encode())
-    mine = np.array([attempt, -attempt, fingerprint, -fingerprint], dtype=np.int64)
+    mine = confirmation_vector(attempt, decision)
     vector = mine.copy()
     try:
         reducer.min_inplace(vector)
@@ -139,6 +138,13 @@ def confirm(reducer: Reducer, attempt: int, decision: dict[str, Any]) -> None:
         raise Unavailable(f"attach: the ranks read different decisions of attempt {attempt} (the rendezvous store "
                           f"restarted while it was decided); nothing was attached on any rank: attach again on "
                           f"every rank")
+
+
+def confirmation_vector(attempt: int, decision: dict[str, Any]) -> np.ndarray:
+    """What a rank brings to the confirmation round: its MIN over the domain
+    equals it on every rank only if every rank brought the same."""
+    fingerprint = hash62(json.dumps(decision, sort_keys=True).encode())
+    return np.array([attempt, -attempt, fingerprint, -fingerprint], dtype=np.int64)
 
 
 class Attempt:
