@@ -4,6 +4,7 @@ client, a rendezvous store reachable from other hosts, a second daemon on a
 live socket, a hung store, too many calls, a model id that forges log lines."""
 
 import asyncio
+import fcntl
 import os
 import socket
 import stat
@@ -18,6 +19,7 @@ from grpc_health.v1 import health_pb2
 from cpcache import errors
 from cpcache.client import AsyncClient, Ops
 from cpcache.daemon.server import ExitCode
+from cpcache.dataplane import memfd
 from cpcache.dataplane.pools import DevicePool
 from cpcache.errors import InvalidArgument
 from cpcache.geometry import KVGeometry
@@ -337,6 +339,29 @@ async def test_a_pool_that_could_shrink_is_refused_and_a_sealed_one_cannot(run_d
                 step += 1
                 reply = await client.step(step)
             assert (await client.status()).state == "serving"
+
+
+async def test_a_pool_truncated_then_sealed_is_a_typed_refusal_and_the_daemon_serves_on(run_dir):
+    """Issue 21, 6, on a real daemon: the pool as a creator leaves it after
+    truncating it below its pages and then sealing it. The seals are read
+    before the size, so the size the daemon checks is the size for good:
+    INVALID_ARGUMENT naming both sizes, never INTERNAL, and a good pool
+    attaches afterwards (the race itself is driven in test_pool_kinds)."""
+    fd = os.memfd_create("shrunk", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, GEOMETRY.page_bytes * 8)
+        os.ftruncate(fd, GEOMETRY.page_bytes)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, memfd.REQUIRED_SEALS)
+        async with LocalDomain(DomainSpec(Topology(tp=1), run_dir)) as domain:
+            async with AsyncClient(domain.sockets[0]) as client:
+                with pytest.raises(InvalidArgument, match="need .* bytes, but the pool holds"):
+                    await client.attach("m", GEOMETRY, 8, pool_fd=fd)
+                assert (await client.status()).state == "serving"
+                pool = DevicePool.create_sealed(GEOMETRY, 8)
+                await client.attach("m", GEOMETRY, 8, pool_fd=pool.fd)
+                assert (await client.status()).attached
+    finally:
+        os.close(fd)
 
 
 async def test_a_pool_ticket_is_good_once_and_only_on_its_daemon(run_dir):
