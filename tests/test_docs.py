@@ -26,7 +26,7 @@ def _command(readme: str, program: str) -> list[str]:
 
 
 def test_the_readmes_sglang_command_is_the_one_the_suite_runs():
-    from tests.sglang.servers import CPCACHE_FLAGS
+    from cpcache.tools.sglang_cpu.servers import CPCACHE_FLAGS
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     argv = _command(readme, "python -m sglang.launch_server")

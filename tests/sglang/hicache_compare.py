@@ -17,7 +17,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tests.sglang.servers import HICACHE_ENV, HICACHE_FLAGS, PLAIN_FLAGS, Reply, Server, make_tiny_model, same_outputs
+from cpcache.tools.sglang_cpu.servers import (
+    HICACHE_ENV,
+    HICACHE_FLAGS,
+    PLAIN_FLAGS,
+    Reply,
+    Server,
+    make_tiny_model,
+    same_outputs,
+)
 
 
 def prompts(seed: int = 1234) -> list[tuple[int, int, list[int]]]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.sglang.servers import (
+from cpcache.tools.sglang_cpu.servers import (
     CPCACHE_FLAGS,
     CPU_HOST,
     PLAIN_FLAGS,
@@ -65,7 +65,7 @@ def test_cpcache_hits_at_least_what_sglangs_own_caches_hit(tmp_path: Path):
         "cpcache": Server("cpcache", flags=CPCACHE_FLAGS, env={"CPCACHE_SGLANG_CONFIG": str(config)}, **common),
     }
     if HICACHE:
-        from tests.sglang.servers import HICACHE_ENV, HICACHE_FLAGS
+        from cpcache.tools.sglang_cpu.servers import HICACHE_ENV, HICACHE_FLAGS
 
         servers["hicache"] = Server("hicache", flags=HICACHE_FLAGS, env=HICACHE_ENV, **common)
     try:

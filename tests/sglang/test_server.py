@@ -35,7 +35,7 @@ import pytest
 
 from cpcache.dataplane.storage import framing
 from cpcache.keys import chain, generation_seed
-from tests.sglang.servers import (
+from cpcache.tools.sglang_cpu.servers import (
     CPCACHE_FLAGS,
     PLAIN_FLAGS,
     SGLANG_PYTHON,

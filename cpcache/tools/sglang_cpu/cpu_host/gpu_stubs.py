@@ -7,6 +7,7 @@ import importlib.abc
 import importlib.machinery
 import sys
 import types
+from collections.abc import Sequence
 
 _STUBBED = ("sgl_kernel", "torchvision")
 
@@ -26,17 +27,18 @@ class _Stub(types.ModuleType):
 
 
 class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def find_spec(self, name, path=None, target=None):  # noqa: ANN001
+    def find_spec(self, name: str, path: Sequence[str] | None = None,
+                  target: types.ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
         if name.split(".")[0] in _STUBBED:
             return importlib.machinery.ModuleSpec(name, self, is_package=True)
         return None
 
-    def create_module(self, spec):  # noqa: ANN001
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
         return _Stub(spec.name)
 
-    def exec_module(self, module):  # noqa: ANN001
+    def exec_module(self, module: types.ModuleType) -> None:
         module.__path__ = []
-        module.__version__ = "0.0"  # older than anything that checks a version
+        setattr(module, "__version__", "0.0")  # noqa: B010  (older than anything that checks a version)
         module.__file__ = __file__
 
 

@@ -8,7 +8,8 @@ SGLang 0.5.23 imports two GPU-only packages that have no CPU build here.
 - `torchvision`: PyPI's build does not load beside the local CPU torch;
   transformers only probes it.
 
-Test support only: a real deployment has both packages.
+For hosts without CUDA only (the SGLang suite, `cpcache bench sglang`): a real
+deployment has both packages.
 """
 
 from __future__ import annotations

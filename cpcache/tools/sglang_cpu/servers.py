@@ -1,4 +1,4 @@
-"""Real SGLang servers on this CPU host, started the way the README says:
+"""Real SGLang servers on a host without CUDA, started the way the README says:
 `python -m sglang.launch_server` (its tokenizer manager, spawned schedulers
 and detokenizer, HTTP on a TCP port), with a tiny Llama of random weights
 made by transformers at test time, and `cpcache launch` daemons beneath.
@@ -9,6 +9,10 @@ side-by-side comparison: HICACHE_FLAGS with HICACHE_ENV (cpu_host/hicache_cpu.py
 Every wait is on an event: a process's own readiness line on its output
 (SGLang prints one when it serves, `cpcache launch` when its ranks serve),
 or its exit.
+
+Used by the SGLang suite (tests/sglang) and `cpcache bench sglang`; both need
+a checkout with SGLang's environment built (`make setup`: .venv-sglang, or
+the interpreter named by CPCACHE_SGLANG_PYTHON).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from pathlib import Path
 
 from cpcache.integrations.sglang.server_flags import STORAGE_EXTRA_CONFIG
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SGLANG_PYTHON = Path(os.environ.get("CPCACHE_SGLANG_PYTHON", ROOT / ".venv-sglang" / "bin" / "python"))
 CPCACHE = Path(sys.executable).parent / "cpcache"
 # On PYTHONPATH of every SGLang process here: stand-ins for two GPU-only packages.
@@ -81,6 +85,7 @@ class Watched:
         self.seen = {m: threading.Event() for m in markers}
         self.new_line = threading.Condition()
         self.exited = threading.Event()
+        self.argv = argv
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env={**os.environ, **(env or {})}, start_new_session=True)
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -108,7 +113,7 @@ class Watched:
 
     def wait_for(self, marker: str, timeout_s: float) -> None:
         if not self.seen[marker].wait(timeout_s) or self.proc.poll() is not None and marker not in self.text():
-            raise RuntimeError(f"{self.proc.args[:4]}: no {marker!r} within {timeout_s:g} s "
+            raise RuntimeError(f"{self.argv[:4]}: no {marker!r} within {timeout_s:g} s "
                                f"(exit {self.proc.poll()}); last output:\n{self.tail()}")
 
     def wait_lines(self, marker: str, count: int, timeout_s: float) -> list[str]:
@@ -119,7 +124,7 @@ class Watched:
         with self.new_line:
             if not self.new_line.wait_for(lambda: len(matching()) >= count or self.exited.is_set(), timeout_s) \
                     or len(matching()) < count:
-                raise RuntimeError(f"{self.proc.args[:4]}: {len(matching())} of {count} {marker!r} lines within "
+                raise RuntimeError(f"{self.argv[:4]}: {len(matching())} of {count} {marker!r} lines within "
                                    f"{timeout_s:g} s (exit {self.proc.poll()}); last output:\n{self.tail()}")
             return matching()
 

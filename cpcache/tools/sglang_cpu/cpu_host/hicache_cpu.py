@@ -1,6 +1,7 @@
 """SGLang's own HiCache (host memory tier, no storage) on this CPU-only host,
 for a side-by-side comparison with cpcache. Imported by sitecustomize.py only
-when CPCACHE_TEST_HICACHE_CPU=1; test support only.
+when CPCACHE_TEST_HICACHE_CPU=1; for comparisons on such hosts only (the SGLang
+suite, `cpcache bench sglang`).
 
 Supported: `--hicache-io-backend direct --hicache-mem-layout layer_first`
 (servers.HICACHE_FLAGS). Here "device" memory is host memory too, so a
@@ -16,8 +17,9 @@ its module's own code.
 from __future__ import annotations
 
 import importlib.abc
+import importlib.machinery
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import ModuleType
 
 import torch
@@ -31,7 +33,7 @@ def _patch_host_pool_common(module: ModuleType) -> None:
     def no_host_register(buffer: torch.Tensor, registration_granularity_bytes: int | None = None) -> None:
         return None
 
-    module._cuda_host_register = no_host_register
+    setattr(module, "_cuda_host_register", no_host_register)  # noqa: B010
 
 
 def transfer_kv_direct(src_layers: list[torch.Tensor], dst_layers: list[torch.Tensor],
@@ -53,7 +55,7 @@ def _patch_host_pool_mha(module: ModuleType) -> None:
     # all, and MHATokenToKVPoolHost.load_to_device_per_layer and
     # backup_from_device_all_layer (io_backend "direct", layout
     # "layer_first") would raise NameError. Bind the plain-torch copy.
-    module.transfer_kv_direct = transfer_kv_direct
+    setattr(module, "transfer_kv_direct", transfer_kv_direct)  # noqa: B010
 
 
 _PATCHES: dict[str, Callable[[ModuleType], None]] = {
@@ -69,7 +71,7 @@ class _PatchingLoader(importlib.abc.Loader):
         self.inner = inner
         self.patch = patch
 
-    def create_module(self, spec):  # noqa: ANN001
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
         return self.inner.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
@@ -81,7 +83,8 @@ class _PatchingLoader(importlib.abc.Loader):
 
 
 class _PatchFinder(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):  # noqa: ANN001
+    def find_spec(self, name: str, path: Sequence[str] | None = None,
+                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
         patch = _PATCHES.get(name)
         if patch is None:
             return None
