@@ -9,8 +9,9 @@ with the same `Unavailable` error, in bounded time. Nothing is left waiting.
 
 Closing the engine ends its epoch: gloo cannot interrupt a collective that
 waits, so `close` lets the round in progress end (a peer completes it, or
-its timeout fails it), discards its result (no round is applied outside its
-epoch), joins the thread and only then destroys the groups.
+its timeout fails it), delivers it as it ended (a completed round is agreed:
+the peers that completed it apply it, and the daemon applies it too before
+it leaves the epoch), joins the thread and only then destroys the groups.
 """
 
 from __future__ import annotations
