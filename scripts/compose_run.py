@@ -9,7 +9,10 @@ it runs with the system's python3 beside podman-compose.
    container's own healthcheck once the driver saw every rank serving).
 2. Follows the driver's JSON lines (cpcache/tools/compose_driver.py):
    `serving`, `replay` (0 divergences, identical decision logs, 0 corrupt
-   loads), `ready-for-kill`.
+   loads, some hits from storage: pages one container wrote, another
+   found), `ready-for-kill`. With Mooncake storage (the default), the
+   master's log must show one segment per daemon, each mounted at its own
+   container's name; it also says whether the store ran full.
 3. Kills one daemon container (SIGKILL), writes `RANK KILLED_AT` into the
    driver's FIFO (through the volume's mount point, else `podman exec`),
    and takes the driver's `kill` line: every survivor answered UNAVAILABLE
@@ -27,6 +30,7 @@ import argparse
 import json
 import os
 import queue
+import re
 import subprocess
 import sys
 import threading
@@ -80,6 +84,19 @@ def reform(stack: Stack, victim: str, deadline: float) -> dict:
     passed = bool(states) and all(state == "serving" and epoch >= 1 for state, epoch in states.values())
     return {"states": {str(r): list(v) for r, v in states.items()}, "after_start_s": round(time.time() - started, 2),
             "passed": passed}
+
+
+def mooncake_master_report(log_text: str) -> dict:
+    """What the Mooncake master's log says about the run: the segments the
+    daemons mounted (each must be named by its own container, the address
+    the others reach it at), and whether the store ran full (evictions, puts
+    refused for space): a store smaller than what the slice writes loses the
+    pages the host pool evicted, and storage hits with them."""
+    segments = sorted(set(re.findall(r"action=mount_segment, segment_name=(\S+)", log_text)))
+    return {"segments": segments,
+            "evictions": len(re.findall(r"\[EVICT-RESULT\]", log_text)),
+            "puts_refused_for_space": len(re.findall(r"BatchPutStart failed for \d+ keys due to insufficient space",
+                                                      log_text))}
 
 
 def profile_services(profile: str) -> list[str]:
@@ -223,11 +240,23 @@ def main() -> int:
         replay = lines.record("replay", deadline)
         summary["replay"] = {k: replay[k] for k in (
             "ranks", "topology", "storage", "requests", "steps", "decisions", "divergences", "identical_decision_logs",
-            "corrupt_loads", "loaded_pages", "hit_rate", "hit_rate_ceiling", "round_latency_us", "wall_s", "passed")
+            "corrupt_loads", "loaded_pages", "hit_rate", "hit_rate_ceiling", "pages_moved_rank0", "round_latency_us",
+            "wall_s", "passed")
             if k in replay}
         log(f"replay: {json.dumps(summary['replay'])}")
         if not replay["passed"]:
             raise RuntimeError("the replay failed its checks")
+        # Pages one rank wrote are found by the others, across containers:
+        # some of the slice's hits must come from storage.
+        summary["storage_hits"] = replay["hit_rate"]["storage"] > 0
+        if replay["storage"] == "mooncake":
+            report = mooncake_master_report(stack.tail("cpu-master", lines=100000))
+            # Each daemon mounted one segment, at its own container's name.
+            report["segment_per_daemon"] = sorted(name.rsplit(":", 1)[0] for name in report["segments"]) == [
+                f"cpu-rank-{rank}" for rank in range(replay["ranks"])]
+            summary["mooncake"] = report
+            log(f"mooncake: {json.dumps(report)}")
+            summary["storage_hits"] = summary["storage_hits"] and report["segment_per_daemon"]
         ready = lines.record("ready-for-kill", deadline)
         how, path = stack.fifo_writer(ready["fifo"])
         victim = stack.container(f"cpu-rank-{args.kill_rank}")
@@ -250,7 +279,8 @@ def main() -> int:
         summary["killed_container"] = victim_state.strip()
         summary["reform"] = reform(stack, victim, deadline)
         log(f"re-form: {json.dumps(summary['reform'])}")
-        summary["passed"] = bool(replay["passed"] and kill["passed"] and summary["driver_exit"] == 0
+        summary["passed"] = bool(replay["passed"] and summary["storage_hits"] and kill["passed"]
+                                 and summary["driver_exit"] == 0
                                  and summary["reform"]["passed"]
                                  and all(v == "healthy" for v in summary["healthchecks"].values()))
     except (RuntimeError, TimeoutError, subprocess.TimeoutExpired, OSError, ValueError) as exc:
