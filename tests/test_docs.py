@@ -26,7 +26,11 @@ def _command(readme: str, program: str) -> list[str]:
 
 
 def test_the_readmes_sglang_command_is_the_one_the_suite_runs():
+    from cpcache.integrations.sglang import server_flags
+    from cpcache.tools.sglang_cpu import servers
     from cpcache.tools.sglang_cpu.servers import CPCACHE_FLAGS
+
+    assert servers.STORAGE_EXTRA_CONFIG == server_flags.STORAGE_EXTRA_CONFIG
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     argv = _command(readme, "python -m sglang.launch_server")

@@ -207,12 +207,12 @@ def main(argv: list[str] | None = None) -> int:
         query.add_argument("--timeout", type=float, default=5.0)
 
     bench = sub.add_parser("bench", help="run a benchmark and print its figures")
-    bench.add_argument("name", choices=["agreement", "movers", "ranks", "soak"])
+    bench.add_argument("name", choices=["agreement", "movers", "ranks", "sglang", "soak"])
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.add_argument("--steps", type=int, default=40, help="agreement, ranks: measured steps per case and block")
     bench.add_argument("--repeat", type=int, default=5,
-                       help="agreement, movers, ranks: blocks, each measuring candidate and baseline one after the "
-                            "other; ratios are the median over the blocks")
+                       help="agreement, movers, ranks, sglang: blocks, each measuring candidate and baseline one "
+                            "after the other; ratios are the median over the blocks")
     from cpcache.tools.bench.sizes import DEFAULT_RANKS, parse_ranks
 
     bench.add_argument("--ranks", type=parse_ranks, default=DEFAULT_RANKS, metavar="N,N,...",
@@ -222,6 +222,11 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--no-mooncake", action="store_true", help="movers: skip Mooncake Store")
     bench.add_argument("--decisions", type=int, default=1_000_000, help="soak: agreed decisions to reach")
     bench.add_argument("--seed", type=int, default=1, help="soak: seed of the injected faults")
+    bench.add_argument("--requests", type=int, default=4, help="sglang: concurrent requests per wave")
+    bench.add_argument("--waves", type=int, default=2, help="sglang: waves of requests per server and block")
+    bench.add_argument("--new-tokens", type=int, default=32, help="sglang: tokens each request generates")
+    bench.add_argument("--work-dir", help="sglang: where the model, logs and daemons go (kept; default: a temp dir, "
+                       "removed after a run that succeeded)")
 
     fuzz = sub.add_parser("fuzz", help="send hostile requests to live daemons and check they stay sound")
     fuzz.add_argument("--per-rpc", type=int, default=10_000, help="hostile requests per RPC")
@@ -264,6 +269,10 @@ def main(argv: list[str] | None = None) -> int:
             from cpcache.tools import fuzz as fuzz_module
 
             return asyncio.run(fuzz_module.main(args))
+        if args.command == "bench" and args.name == "sglang":
+            from cpcache.tools.bench import sglang
+
+            return sglang.main(args)
         if args.command == "bench" and args.name == "movers":
             from cpcache.tools.bench import movers
 

@@ -38,7 +38,29 @@ class Tally:
     writes_cancelled: int = 0
     prefetches: int = 0
     prefetched_pages: int = 0
+    step_seconds: float = 0.0  # in flush(), whoever called it (perf_counter)
     decisions: list[tuple] = field(default_factory=list)  # the agreed decisions, in order
+
+
+@dataclass
+class SchedulerTime:
+    """The backend's own time on the scheduler thread since start (two
+    perf_counter reads per call SGLang makes), logged at each flush_cache:
+    what cpcache adds to a scheduler iteration. SGLang's scheduler calls
+    check_hicache_events once per loop, idle loops included."""
+
+    iterations: int = 0  # check_hicache_events calls
+    hook_s: float = 0.0  # in check_hicache_events, its step included
+    calls_s: float = 0.0  # cpcache's part of the other calls: match_prefix, insert, init_load_back, prefetches
+    steps: int = 0  # of the connectors so far, whoever sent them (the hook, a load, a flush's drain)
+    step_s: float = 0.0
+
+    def line(self, rank: int) -> str:
+        total = self.hook_s + self.calls_s
+        mean_us = total / self.iterations * 1e6 if self.iterations else 0.0
+        return (f"cpcache: rank {rank} backend: {self.iterations} iterations, mean {mean_us:.3f} us per iteration "
+                f"on the scheduler thread (hook {self.hook_s:.6f} s, other calls {self.calls_s:.6f} s), "
+                f"{self.steps} steps, {self.step_s:.6f} s in steps")
 
 
 class HostMirror:
@@ -146,6 +168,13 @@ class Connector:
         return len(self._write_done)
 
     def flush(self) -> StepResult:
+        started = time.perf_counter()
+        try:
+            return self._flush()
+        finally:
+            self.tally.step_seconds += time.perf_counter() - started
+
+    def _flush(self) -> StepResult:
         reply = self.session.flush()
         self.tally.steps += 1
         self.host.follow(reply)

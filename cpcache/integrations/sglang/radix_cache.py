@@ -37,6 +37,7 @@ the host pages the re-formed domain carried over and with storage.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -53,7 +54,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from sglang.srt.mem_cache.unified_radix_cache import NodeId, UnifiedRadixCache
 
 from cpcache.errors import CacheError
-from cpcache.integrations.sglang.connector import Connector
+from cpcache.integrations.sglang.connector import Connector, SchedulerTime
 from cpcache.integrations.sglang.pool import SharedPool
 from cpcache.keys import chain, generation_seed, request_namespace_seed
 
@@ -89,6 +90,8 @@ class CpcacheRadixCache(UnifiedRadixCache):
         # daemon's copy may still land in them, so SGLang gets them back only
         # once the daemon's session has ended (attached again), never before.
         self._quarantined: list[torch.Tensor] = []
+        self.clock = SchedulerTime()
+        self._steps_before = (0, 0.0)  # steps and their seconds of the connectors left behind
         super().__init__(params)
         self._generation = 0  # flushes since start: seeds the page hashes
         self.connector = connector
@@ -120,6 +123,9 @@ class CpcacheRadixCache(UnifiedRadixCache):
                   self._iteration + self._reattach_after)
         self.fallback_reason = str(exc)
         self.fallbacks += 1
+        if self.connector is not None:
+            tally = self.connector.tally
+            self._steps_before = (self._steps_before[0] + tally.steps, self._steps_before[1] + tally.step_seconds)
         self.connector = None
         self._host_hits.clear()
         self._release_write_locks()
@@ -166,7 +172,9 @@ class CpcacheRadixCache(UnifiedRadixCache):
     def insert(self, params: InsertParams) -> InsertResult:
         result = super().insert(params)
         if self.connector is not None and not self._loading and not self.disable:
+            started = time.perf_counter()
             self._write_through(params.key, result.prefix_len)
+            self.clock.calls_s += time.perf_counter() - started
         return result
 
     def _write_through(self, key: Any, known_tokens: int) -> None:
@@ -198,6 +206,14 @@ class CpcacheRadixCache(UnifiedRadixCache):
 
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         result = super().match_prefix(params)
+        started = time.perf_counter()
+        try:
+            return self._match_host(params, result)
+        finally:
+            self.clock.calls_s += time.perf_counter() - started
+
+    def _match_host(self, params: MatchPrefixParams, result: MatchResult) -> MatchResult:
+        """The host pages that follow SGLang's device match."""
         req = params.req
         if req is None or self.connector is None or self.disable:
             return result
@@ -220,6 +236,13 @@ class CpcacheRadixCache(UnifiedRadixCache):
         )
 
     def init_load_back(self, params: InitLoadBackParams) -> tuple[int, NodeId]:
+        started = time.perf_counter()
+        try:
+            return self._load_back(params)
+        finally:
+            self.clock.calls_s += time.perf_counter() - started
+
+    def _load_back(self, params: InitLoadBackParams) -> tuple[int, NodeId]:
         req = params.req
         connector = self.connector
         hit = self._host_hits.pop(req.rid, None) if req is not None and connector is not None else None
@@ -268,6 +291,15 @@ class CpcacheRadixCache(UnifiedRadixCache):
                               cache_salt: str | None = None, storage_hit_end: int | None = None) -> None:
         if self.connector is None or not self.storage_prefetch:
             return
+        started = time.perf_counter()
+        try:
+            self._prefetch(request, new_input_tokens, matched_prefix_tokens, extra_key, cache_salt)
+        finally:
+            self.clock.calls_s += time.perf_counter() - started
+
+    def _prefetch(self, request: Any, new_input_tokens: list[int], matched_prefix_tokens: list[int] | None,
+                  extra_key: str | None, cache_salt: str | None) -> None:
+        assert self.connector is not None
         from sglang.srt.mem_cache.radix_cache import RadixKey
 
         known = list(matched_prefix_tokens or [])
@@ -290,6 +322,14 @@ class CpcacheRadixCache(UnifiedRadixCache):
     def check_prefetch_progress(self, handle: Any) -> bool:
         if self.connector is None:
             return True
+        started = time.perf_counter()
+        try:
+            return self._prefetch_ended(handle)
+        finally:
+            self.clock.calls_s += time.perf_counter() - started
+
+    def _prefetch_ended(self, handle: Any) -> bool:
+        assert self.connector is not None
         ended = self.connector.session.check_prefetch_progress(handle.rid)
         if ended:
             pages = self.connector.session.take_prefetched(handle.rid)
@@ -310,6 +350,14 @@ class CpcacheRadixCache(UnifiedRadixCache):
 
     def check_hicache_events(self) -> None:
         """Once per scheduler iteration, on every rank: the iteration's step."""
+        started = time.perf_counter()
+        try:
+            self._iterate()
+        finally:
+            self.clock.iterations += 1
+            self.clock.hook_s += time.perf_counter() - started
+
+    def _iterate(self) -> None:
         self._iteration += 1
         if self.connector is None:
             if self._next_attach is not None and self._iteration >= self._next_attach:
@@ -320,6 +368,18 @@ class CpcacheRadixCache(UnifiedRadixCache):
                 self.connector.flush()
             except CacheError as exc:
                 self._fall_back(exc)
+
+    def scheduler_time(self) -> SchedulerTime:
+        """The clock, with the steps of every connector so far."""
+        steps, seconds = self._steps_before
+        if self.connector is not None:
+            steps += self.connector.tally.steps
+            seconds += self.connector.tally.step_seconds
+        self.clock.steps, self.clock.step_s = steps, seconds
+        return self.clock
+
+    def log_scheduler_time(self) -> None:
+        log.info("%s", self.scheduler_time().line(self.rank))
 
     def has_pending_cache_operations(self) -> bool:
         return self.connector is not None and self.connector.busy()
@@ -361,6 +421,8 @@ class CpcacheRadixCache(UnifiedRadixCache):
                 self._fall_back(exc)
             log.info("cpcache: rank %d flushed its cache: %d queued writes cancelled, %d in flight decided first",
                      self.rank, cancelled, in_flight)
+        if hasattr(self, "rank"):  # not the parent constructor's reset()
+            self.log_scheduler_time()
         self._release_write_locks()
         # SGLang clears its KV allocator right after this, held slots included:
         # they must not be freed a second time when the daemon is attached again.

@@ -30,8 +30,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cpcache.integrations.sglang.server_flags import STORAGE_EXTRA_CONFIG
-
 ROOT = Path(__file__).resolve().parents[3]
 SGLANG_PYTHON = Path(os.environ.get("CPCACHE_SGLANG_PYTHON", ROOT / ".venv-sglang" / "bin" / "python"))
 CPCACHE = Path(sys.executable).parent / "cpcache"
@@ -43,9 +41,14 @@ CPU_FLAGS = ["--device", "cpu", "--skip-tokenizer-init", "--attention-backend", 
              "--disable-cuda-graph", "--dtype", "float32"]
 # What the cpcache backend needs (README, "SGLang"): the backend; the
 # per-iteration hook (with a fixed host ratio, so SGLang does not size a host
-# pool it never builds); storage prefetch through the daemon.
-CPCACHE_FLAGS = ["--radix-cache-backend", "cpcache", "--enable-hierarchical-cache", "--hicache-ratio", "1",
-                 "--hicache-storage-backend", "dynamic",
+# pool it never builds); storage prefetch through the daemon
+# (CPCACHE_HOST_FLAGS: the host tier only).
+# cpcache.integrations.sglang.server_flags.STORAGE_EXTRA_CONFIG (tools do not
+# import the integrations: tests/test_docs.py checks they are the same).
+STORAGE_EXTRA_CONFIG = {"backend_name": "cpcache", "module_path": "cpcache.integrations.sglang.storage",
+                        "class_name": "DaemonStorage"}
+CPCACHE_HOST_FLAGS = ["--radix-cache-backend", "cpcache", "--enable-hierarchical-cache", "--hicache-ratio", "1"]
+CPCACHE_FLAGS = [*CPCACHE_HOST_FLAGS, "--hicache-storage-backend", "dynamic",
                  "--hicache-storage-backend-extra-config", json.dumps(STORAGE_EXTRA_CONFIG)]
 PLAIN_FLAGS = ["--disable-radix-cache"]
 # SGLang's own HiCache, host tier only: plain-torch copies between the host
@@ -138,8 +141,22 @@ class Watched:
     def tail(self, n: int = 60) -> str:
         return "".join(self.lines[-n:])
 
+    def pause(self) -> None:
+        """SIGSTOP the process and its children (its process group): an idle
+        SGLang server's loops spin, and would take CPU from a measured one."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGCONT)
+
     def stop(self, timeout_s: float = 60.0) -> None:
         if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGCONT)  # a paused process cannot act on SIGTERM
+            except ProcessLookupError:
+                pass
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)
             except ProcessLookupError:

@@ -1,0 +1,405 @@
+"""`cpcache bench sglang`: what each cache costs a decoding SGLang server.
+
+Real SGLang servers on this machine (`python -m sglang.launch_server`, the
+SGLang suite's tiny random Llama, tp 2, SGLang's CPU path; see
+cpcache/tools/sglang_cpu), all started at once and kept up for the whole run:
+
+- `radix`: SGLang's plain radix cache;
+- `hicache`: SGLang's own HiCache, host memory tier (twice the device pool);
+- `cpcache`: the cpcache backend over `cpcache launch` daemons (one per
+  rank), host tier only (a host pool of the same pages, no storage), as
+  `--radix-cache-backend cpcache` with the README's flags.
+
+An idle SGLang server's scheduler loops spin (a whole core per tp-2 server
+here), so the servers not being measured are paused (SIGSTOP of their
+process group) and each block measures one server alone on the machine; the
+cpcache daemons stay up. A block is, for each server in turn (radix,
+hicache, cpcache): `/flush_cache`, then `--waves` waves of `--requests`
+concurrent streamed requests, each a shared prefix and a suffix of its own,
+`--new-tokens` tokens out (ignore_eos). Every server gets the same requests
+within a block; each block has new suffixes. The blocks are interleaved
+(radix, hicache, cpcache, radix, ...) after one warm-up block.
+
+Per block and server: TPOT (inter-token time from the streamed chunks: the
+time from a request's first token to its last over the tokens between, the
+median over the block's requests), output throughput (tokens out over the
+block's wall time), TTFT. Ratios are taken per block (cpcache/radix,
+cpcache/hicache) and reported as the median over the blocks with their
+spread. The cpcache backend's own time on the scheduler thread comes from
+the line each rank logs at `/flush_cache` (`SchedulerTime`, cumulative):
+the difference of the lines around a block.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cpcache.tools.bench.stats import block_summary
+
+SERVERS = ("radix", "hicache", "cpcache")
+TP = 2
+PAGE = 16
+DEVICE_TOKENS = 2048  # 128 pages: a block's requests never evict
+HOST_PAGES = 2 * DEVICE_TOKENS // PAGE  # HiCache's ratio 2; cpcache's host pool holds as many pages
+PREFIX = 256  # tokens shared by every request of a block
+SUFFIX = 32  # tokens of each request's own
+VOCAB = 500  # the tiny model's vocabulary is 512
+TARGETS = {"tpot_cpcache_over_hicache": 1.0, "tpot_cpcache_over_radix": 1.10}
+MODE = ("all servers up at once; during each block only the measured server runs, the others paused "
+        "(SIGSTOP), since an idle SGLang server's loops spin")
+BACKEND_LINE = re.compile(
+    r"cpcache: rank (?P<rank>\d+) backend: (?P<iterations>\d+) iterations, mean [\d.]+ us per iteration on the "
+    r"scheduler thread \(hook (?P<hook_s>[\d.]+) s, other calls (?P<calls_s>[\d.]+) s\), (?P<steps>\d+) steps, "
+    r"(?P<step_s>[\d.]+) s in steps")
+
+
+# -- pure parts: streamed chunks, the backend's lines, ratios ---------------------------------------------------
+
+
+def sse_events(lines: Iterable[bytes | str]) -> Iterator[dict]:
+    """The JSON objects of a server-sent event stream (`data: {...}` lines,
+    up to `data: [DONE]`)."""
+    for raw in lines:
+        line = raw.decode() if isinstance(raw, bytes) else raw
+        line = line.strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[len("data:"):].strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
+
+
+@dataclass
+class Stream:
+    """One streamed request: when each chunk arrived and the tokens out so far."""
+
+    sent: float
+    arrivals: list[tuple[float, int]] = field(default_factory=list)  # (perf_counter, completion tokens so far)
+    output_ids: list[int] = field(default_factory=list)
+
+    def add(self, at: float, chunk: dict) -> None:
+        meta = chunk.get("meta_info") or {}
+        ids = list(chunk.get("output_ids") or [])
+        tokens = int(meta.get("completion_tokens", len(self.output_ids) + len(ids)))
+        # SGLang streams either every token so far or only the new ones: keep the ids whole.
+        if len(ids) == tokens:
+            self.output_ids = ids
+        else:
+            self.output_ids.extend(ids)
+        if not self.arrivals or tokens > self.arrivals[-1][1]:
+            self.arrivals.append((at, tokens))
+
+    @property
+    def tokens(self) -> int:
+        return self.arrivals[-1][1] if self.arrivals else 0
+
+    def ttft(self) -> float:
+        return self.arrivals[0][0] - self.sent
+
+    def tpot(self) -> float | None:
+        """Seconds per output token after the first: (last - first arrival)
+        / (tokens between them); None with fewer than two tokens."""
+        if len(self.arrivals) < 2:
+            return None
+        (t0, n0), (t1, n1) = self.arrivals[0], self.arrivals[-1]
+        return (t1 - t0) / (n1 - n0)
+
+
+def backend_lines(lines: Iterable[str]) -> dict[int, dict]:
+    """The last backend line of every rank among `lines`: rank -> figures."""
+    out: dict[int, dict] = {}
+    for line in lines:
+        m = BACKEND_LINE.search(line)
+        if m:
+            out[int(m["rank"])] = {"iterations": int(m["iterations"]), "hook_s": float(m["hook_s"]),
+                                   "calls_s": float(m["calls_s"]), "steps": int(m["steps"]),
+                                   "step_s": float(m["step_s"])}
+    return out
+
+
+def backend_delta(before: dict, after: dict) -> dict:
+    """One rank's backend figures between two of its lines."""
+    d = {k: after[k] - before[k] for k in ("iterations", "hook_s", "calls_s", "steps", "step_s")}
+    d["total_s"] = d["hook_s"] + d["calls_s"]
+    d["us_per_iteration"] = d["total_s"] / d["iterations"] * 1e6 if d["iterations"] else 0.0
+    return d
+
+
+def block_ratios(blocks: list[dict[str, dict]], figure: str, num: str, den: str) -> dict:
+    """`figure` of server `num` over server `den`, per block: median and spread."""
+    return block_summary([b[num][figure] / b[den][figure] for b in blocks if b[den][figure]])
+
+
+def target_rows(ratios: dict[str, dict]) -> dict[str, dict]:
+    return {name: {"median": ratios[name]["median"], "target": f"<= {limit:g}",
+                   "met": ratios[name]["median"] <= limit} for name, limit in TARGETS.items()}
+
+
+# -- the servers ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Workload:
+    requests: int
+    waves: int
+    new_tokens: int
+
+    def prompts(self, block: int) -> list[list[list[int]]]:
+        """Per wave, the requests' prompts: block `block`'s shared prefix and a suffix each."""
+        rng = random.Random(block)
+        prefix = [rng.randrange(1, VOCAB) for _ in range(PREFIX)]
+        return [[prefix + [rng.randrange(1, VOCAB) for _ in range(SUFFIX)] for _ in range(self.requests)]
+                for _ in range(self.waves)]
+
+
+def stream_generate(port: int, input_ids: list[int], new_tokens: int, timeout_s: float = 600.0) -> Stream:
+    body = {"input_ids": input_ids, "stream": True,
+            "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}}
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/generate", json.dumps(body).encode(),
+                                     {"content-type": "application/json"})
+    stream = Stream(sent=time.perf_counter())
+    with urllib.request.urlopen(request, timeout=timeout_s) as reply:
+        for chunk in sse_events(reply):
+            stream.add(time.perf_counter(), chunk)
+    return stream
+
+
+def run_wave(port: int, prompts: list[list[int]], new_tokens: int) -> list[Stream]:
+    """The prompts sent at once, one thread each: -> their streams, in order."""
+    results: list[Stream | BaseException | None] = [None] * len(prompts)
+
+    def one(i: int) -> None:
+        try:
+            results[i] = stream_generate(port, prompts[i], new_tokens)
+        except BaseException as exc:  # noqa: BLE001  (re-raised below, on the caller's thread)
+            results[i] = exc
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return [r for r in results if isinstance(r, Stream)]
+
+
+def measure(streams: list[Stream], seconds: float) -> dict:
+    tpots = [t for t in (s.tpot() for s in streams) if t is not None]
+    tokens = sum(s.tokens for s in streams)
+    return {"tpot_ms": statistics.median(tpots) * 1e3 if tpots else float("nan"),
+            "throughput_tok_s": tokens / seconds if seconds > 0 else float("nan"),
+            "ttft_ms": statistics.median(s.ttft() for s in streams) * 1e3 if streams else float("nan"),
+            "tokens": tokens, "seconds": seconds}
+
+
+class Bench:
+    def __init__(self, work: Path, workload: Workload) -> None:
+        from cpcache.tools.sglang_cpu.servers import (
+            CPCACHE_HOST_FLAGS,
+            HICACHE_ENV,
+            HICACHE_FLAGS,
+            Daemons,
+            Server,
+        )
+
+        self.work = work
+        self.workload = workload
+        self.model = work / "tiny-llama"
+        self.daemons = Daemons(work / "run", tp=TP, settings=dict(host_pool_pages=HOST_PAGES))
+        config = work / "sglang-cpcache.json"
+        config.write_text(json.dumps({"socket": str(work / "run" / "rank-{rank}.sock"), "model_id": "tiny"}))
+        def server(name: str, flags: list[str], env: dict[str, str]) -> Server:
+            return Server(name, self.model, work, flags, tp=TP, page_size=PAGE, device_tokens=DEVICE_TOKENS, env=env)
+
+        self.servers = {
+            "radix": server("radix", [], {}),
+            "hicache": server("hicache", HICACHE_FLAGS, HICACHE_ENV),
+            "cpcache": server("cpcache", CPCACHE_HOST_FLAGS, {"CPCACHE_SGLANG_CONFIG": str(config)}),
+        }
+
+    def start(self) -> float:
+        from cpcache.tools.sglang_cpu.servers import make_tiny_model
+
+        started = time.monotonic()
+        make_tiny_model(self.model)
+        self.daemons.start()
+        for server in self.servers.values():
+            server.start()
+        for server in self.servers.values():
+            server.wait_ready(timeout_s=900)
+            assert server.process is not None
+            server.process.pause()
+        return time.monotonic() - started
+
+    def stop(self) -> None:
+        for server in self.servers.values():
+            server.stop()
+        self.daemons.stop()
+
+    def backend_now(self) -> dict[int, dict]:
+        """Flush the cpcache server's cache and read the line each rank logs."""
+        server = self.servers["cpcache"]
+        assert server.process is not None
+        count = len(server.log_lines(" backend: "))
+        server.flush_cache()
+        lines = server.process.wait_lines(" backend: ", count + TP, timeout_s=120)
+        return backend_lines(lines)
+
+    def block(self, name: str, prompts: list[list[list[int]]]) -> tuple[dict, list[list[int]]]:
+        """One server's part of a block: -> its figures and every output."""
+        server = self.servers[name]
+        assert server.process is not None
+        server.process.resume()
+        try:
+            before = self.backend_now() if name == "cpcache" else None
+            if name != "cpcache":
+                server.flush_cache()
+            streams: list[Stream] = []
+            started = time.perf_counter()
+            for wave in prompts:
+                streams += run_wave(server.port, wave, self.workload.new_tokens)
+            seconds = time.perf_counter() - started
+            figures = measure(streams, seconds)
+            if before is not None:
+                after = self.backend_now()
+                figures["backend"] = {rank: backend_delta(before[rank], after[rank]) for rank in sorted(after)}
+        finally:
+            server.process.pause()
+        return figures, [s.output_ids for s in streams]
+
+
+def summarize(blocks: list[dict[str, dict]], mismatches: int, workload: Workload, start_s: float,
+              load: dict, wall_s: float) -> dict:
+    servers = {name: {figure: block_summary([b[name][figure] for b in blocks], digits=2)
+                      for figure in ("tpot_ms", "throughput_tok_s", "ttft_ms")} for name in SERVERS}
+    ratios = {
+        "tpot_cpcache_over_radix": block_ratios(blocks, "tpot_ms", "cpcache", "radix"),
+        "tpot_cpcache_over_hicache": block_ratios(blocks, "tpot_ms", "cpcache", "hicache"),
+        "tpot_hicache_over_radix": block_ratios(blocks, "tpot_ms", "hicache", "radix"),
+        "throughput_cpcache_over_radix": block_ratios(blocks, "throughput_tok_s", "cpcache", "radix"),
+        "throughput_cpcache_over_hicache": block_ratios(blocks, "throughput_tok_s", "cpcache", "hicache"),
+    }
+    decode_iterations = workload.waves * (workload.new_tokens - 1)
+    backend: dict = {}
+    for rank in sorted(blocks[0]["cpcache"].get("backend", {})):
+        per = [b["cpcache"]["backend"][rank] for b in blocks]
+        backend[f"rank_{rank}"] = {
+            "us_per_iteration": block_summary([p["us_per_iteration"] for p in per], digits=2),
+            "iterations": block_summary([p["iterations"] for p in per], digits=0),
+            "ms_per_block": block_summary([p["total_s"] * 1e3 for p in per], digits=3),
+            "us_per_decode_iteration": block_summary([p["total_s"] / decode_iterations * 1e6 for p in per],
+                                                     digits=2),
+            "share_of_block": block_summary([p["total_s"] / b["cpcache"]["seconds"] for p, b in zip(per, blocks)],
+                                            digits=5),
+            "steps": block_summary([p["steps"] for p in per], digits=0),
+            "ms_in_steps_per_block": block_summary([p["step_s"] * 1e3 for p in per], digits=3),
+        }
+    return {
+        "bench": "sglang", "mode": MODE, "servers_measured": list(SERVERS),
+        "setup": {"tp": TP, "model": "tiny random Llama (2 layers, hidden 64, vocab 512), float32, SGLang's CPU path",
+                  "page_size": PAGE, "device_tokens": DEVICE_TOKENS, "host_pages": HOST_PAGES,
+                  "hicache": "host memory tier, ratio 2, io direct, layer_first",
+                  "cpcache": "host tier only (no storage), agreement_lag 0"},
+        "workload": {"requests_per_wave": workload.requests, "waves_per_block": workload.waves,
+                     "prefix_tokens": PREFIX, "suffix_tokens": SUFFIX, "new_tokens": workload.new_tokens,
+                     "blocks": len(blocks)},
+        "servers": servers, "ratios": ratios, "targets": target_rows(ratios),
+        "backend": backend,
+        "backend_note": ("the cpcache backend's own time on each rank's scheduler thread between /flush_cache calls "
+                         "around a block: us_per_iteration over every scheduler loop (idle ones included), "
+                         f"us_per_decode_iteration over the block's {decode_iterations} decode iterations "
+                         "(waves x (new tokens - 1)), share_of_block of the block's wall time"),
+        "output_mismatches": mismatches,
+        "blocks": blocks, "start_s": round(start_s, 1), "wall_s": round(wall_s, 1), "load_average": load,
+    }
+
+
+def table(report: dict) -> list[str]:
+    out = [f"cpcache bench sglang: {report['workload']['blocks']} blocks; {report['mode']}",
+           f"{'server':<10} {'TPOT ms':>24} {'tok/s':>24} {'TTFT ms':>24}"]
+
+    def cell(s: dict) -> str:
+        return f"{s['median']:.2f} ({s['spread']['min']:.2f}-{s['spread']['max']:.2f})"
+
+    for name, figures in report["servers"].items():
+        out.append(f"{name:<10} {cell(figures['tpot_ms']):>24} {cell(figures['throughput_tok_s']):>24} "
+                   f"{cell(figures['ttft_ms']):>24}")
+    out.append("ratio (median over blocks, min-max)")
+    for name, r in report["ratios"].items():
+        out.append(f"  {name:<34} {r['median']:.3f} ({r['spread']['min']:.3f}-{r['spread']['max']:.3f})")
+    for name, t in report["targets"].items():
+        out.append(f"  target {name} {t['target']}: {t['median']:.3f} {'met' if t['met'] else 'NOT met'}")
+    for rank, b in report["backend"].items():
+        out.append(f"backend {rank}: {b['us_per_iteration']['median']:.2f} us per scheduler iteration "
+                   f"({b['iterations']['median']:.0f} iterations per block), "
+                   f"{b['us_per_decode_iteration']['median']:.1f} us per decode iteration, "
+                   f"{b['ms_per_block']['median']:.2f} ms per block ({100 * b['share_of_block']['median']:.3f}% "
+                   f"of it), {b['steps']['median']:.0f} steps")
+    out.append(f"outputs unlike radix's: {report['output_mismatches']}; load average {report['load_average']}")
+    return out
+
+
+def run(workload: Workload, repeat: int, keep: Path | None = None) -> dict:
+    work = keep or Path(tempfile.mkdtemp(prefix="cpcache-bench-sglang-"))
+    work.mkdir(parents=True, exist_ok=True)
+    bench = Bench(work, workload)
+    started = time.monotonic()
+    load_start = os.getloadavg()
+    ok = False
+    try:
+        start_s = bench.start()
+        for name in SERVERS:  # warm-up, not counted
+            bench.block(name, workload.prompts(-1))
+        blocks: list[dict[str, dict]] = []
+        mismatches = 0
+        for i in range(repeat):
+            prompts = workload.prompts(i)
+            block: dict[str, dict] = {}
+            outputs: dict[str, list[list[int]]] = {}
+            for name in SERVERS:
+                block[name], outputs[name] = bench.block(name, prompts)
+            mismatches += sum(a != b for name in SERVERS[1:] for a, b in zip(outputs[name], outputs["radix"]))
+            blocks.append(block)
+        ok = True
+    finally:
+        bench.stop()
+        if ok and keep is None:
+            shutil.rmtree(work, ignore_errors=True)
+        elif not ok:
+            print(f"cpcache bench sglang: logs kept in {work}")
+    load = {"start": [round(x, 2) for x in load_start], "end": [round(x, 2) for x in os.getloadavg()]}
+    return summarize(blocks, mismatches, workload, start_s, load, time.monotonic() - started)
+
+
+def main(args: argparse.Namespace) -> int:
+    from cpcache.tools.sglang_cpu.servers import SGLANG_PYTHON
+
+    if not SGLANG_PYTHON.exists():
+        print(f"cpcache bench sglang: SGLang's environment is not built ({SGLANG_PYTHON} is missing). It runs in a "
+              "checkout of cpcache: `make setup` builds .venv-sglang there (or set CPCACHE_SGLANG_PYTHON to an "
+              "interpreter with SGLang 0.5.23 and cpcache installed).", file=sys.stderr)
+        return 1
+    workload = Workload(requests=args.requests, waves=args.waves, new_tokens=args.new_tokens)
+    report = run(workload, args.repeat, Path(args.work_dir) if args.work_dir else None)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print("\n".join(table(report)))
+    return 0
