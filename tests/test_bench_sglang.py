@@ -78,8 +78,9 @@ def fake_blocks() -> list[dict[str, dict]]:
     blocks = []
     for radix, hicache, cpcache in [(80.0, 200.0, 84.0), (90.0, 180.0, 90.0), (100.0, 300.0, 130.0)]:
         block = {name: {"tpot_ms": t, "throughput_tok_s": 1000.0 / t, "ttft_ms": 2 * t, "tokens": 256,
-                        "seconds": 256 * t / 1000.0 / 4}
+                        "seconds": 256 * t / 1000.0 / 4, "cpu_ms_per_token": t / 10, "daemon_cpu_ms_per_token": 0.0}
                  for name, t in zip(SERVERS, (radix, hicache, cpcache))}
+        block["cpcache"]["daemon_cpu_ms_per_token"] = 0.5
         block["cpcache"]["backend"] = {
             r: backend_delta({"iterations": 0, "hook_s": 0.0, "calls_s": 0.0, "steps": 0, "step_s": 0.0},
                              {"iterations": 70, "hook_s": 0.1, "calls_s": 0.01, "steps": 9, "step_s": 0.1})
@@ -100,9 +101,11 @@ def test_the_report_has_every_server_ratio_target_and_the_backends_time():
     json.dumps(report)  # serializable as --json prints it
     assert set(report["servers"]) == set(SERVERS)
     for figures in report["servers"].values():
-        assert set(figures) == {"tpot_ms", "throughput_tok_s", "ttft_ms"}
+        assert {"tpot_ms", "throughput_tok_s", "ttft_ms", "cpu_ms_per_token"} <= set(figures)
         assert {"median", "spread", "blocks"} <= set(figures["tpot_ms"])
     assert report["ratios"]["tpot_cpcache_over_radix"]["median"] == 1.05
+    assert report["ratios"]["cpu_per_token_cpcache_over_radix"]["median"] == 1.05
+    assert report["servers"]["cpcache"]["daemon_cpu_ms_per_token"]["median"] == 0.5
     assert report["targets"]["tpot_cpcache_over_radix"] == {"median": 1.05, "target": "<= 1.1", "met": True}
     assert report["targets"]["tpot_cpcache_over_hicache"]["met"] is True
     assert set(report["backend"]) == {"rank_0", "rank_1"}
@@ -111,6 +114,26 @@ def test_the_report_has_every_server_ratio_target_and_the_backends_time():
     assert rank0["us_per_decode_iteration"]["median"] == pytest.approx(0.11 / 62 * 1e6, abs=0.01)
     assert report["workload"]["blocks"] == 3 and "paused" in report["mode"]
     assert any("NOT met" not in line and "tpot_cpcache_over_radix" in line for line in table(report))
+
+
+def test_the_servers_order_rotates_every_block():
+    orders = [sglang.order_of(i) for i in range(4)]
+    assert orders[0] == SERVERS and orders[3] == SERVERS
+    assert [o[0] for o in orders[:3]] == list(SERVERS) and all(sorted(o) == sorted(SERVERS) for o in orders)
+
+
+def test_cpu_seconds_sum_a_process_group_and_named_pids(monkeypatch):
+    monkeypatch.setattr(sglang.os, "sysconf", lambda name: 100)
+
+    def stat(pid: int, comm: str, pgrp: int, utime: int, stime: int) -> str:
+        return f"{pid} ({comm}) S 1 {pgrp} {pgrp} 0 -1 4194560 0 0 0 0 {utime} {stime} 0 0 20 0 1 0 1 0 0"
+
+    stats = [stat(10, "sglang::scheduler_TP0", 7, 150, 50), stat(11, "python x) y", 7, 10, 0),
+             stat(12, "cpcache.daemon", 12, 30, 20), stat(13, "other", 9, 999, 999)]
+    assert sglang.cpu_seconds(stats, {7}, set()) == pytest.approx(2.1)
+    assert sglang.cpu_seconds(stats, set(), {12}) == pytest.approx(0.5)
+    assert sglang.cpu_seconds(stats, {7}, {12}) == pytest.approx(2.6)
+    assert sglang.cpu_seconds(sglang.proc_stats(), set(), {sglang.os.getpid()}) > 0
 
 
 def test_prompts_share_a_prefix_within_a_block_and_differ_between_blocks():

@@ -18,12 +18,15 @@ hicache, cpcache): `/flush_cache`, then `--waves` waves of `--requests`
 concurrent streamed requests, each a shared prefix and a suffix of its own,
 `--new-tokens` tokens out (ignore_eos). Every server gets the same requests
 within a block; each block has new suffixes. The blocks are interleaved
-(radix, hicache, cpcache, radix, ...) after one warm-up block.
+after one warm-up block, the servers' order rotating every block (radix,
+hicache, cpcache; hicache, cpcache, radix; cpcache, radix, hicache; ...).
 
 Per block and server: TPOT (inter-token time from the streamed chunks: the
 time from a request's first token to its last over the tokens between, the
 median over the block's requests), output throughput (tokens out over the
-block's wall time), TTFT. Ratios are taken per block (cpcache/radix,
+block's wall time), TTFT, and the CPU time the server's processes (for
+cpcache, its daemons too) spent per output token, from /proc: work done,
+which the machine's load moves much less than wall time. Ratios are taken per block (cpcache/radix,
 cpcache/hicache) and reported as the median over the blocks with their
 spread. The cpcache backend's own time on the scheduler thread comes from
 the line each rank logs at `/flush_cache` (`SchedulerTime`, cumulative):
@@ -60,7 +63,7 @@ SUFFIX = 32  # tokens of each request's own
 VOCAB = 500  # the tiny model's vocabulary is 512
 TARGETS = {"tpot_cpcache_over_hicache": 1.0, "tpot_cpcache_over_radix": 1.10}
 MODE = ("all servers up at once; during each block only the measured server runs, the others paused "
-        "(SIGSTOP), since an idle SGLang server's loops spin")
+        "(SIGSTOP), since an idle SGLang server's loops spin; the servers' order rotates every block")
 BACKEND_LINE = re.compile(
     r"cpcache: rank (?P<rank>\d+) backend: (?P<iterations>\d+) iterations, mean [\d.]+ us per iteration on the "
     r"scheduler thread \(hook (?P<hook_s>[\d.]+) s, other calls (?P<calls_s>[\d.]+) s\), (?P<steps>\d+) steps, "
@@ -145,6 +148,37 @@ def block_ratios(blocks: list[dict[str, dict]], figure: str, num: str, den: str)
     return block_summary([b[num][figure] / b[den][figure] for b in blocks if b[den][figure]])
 
 
+def order_of(block: int) -> tuple[str, ...]:
+    """The servers' order in block `block`: rotated every block, so no server
+    always runs first after the others' pause, or last."""
+    k = block % len(SERVERS)
+    return SERVERS[k:] + SERVERS[:k]
+
+
+def cpu_seconds(stats: Iterable[str], groups: set[int], pids: set[int]) -> float:
+    """User + system CPU seconds of the processes whose /proc/<pid>/stat
+    text is in `stats` and whose process group is in `groups` or pid in `pids`."""
+    ticks = 0
+    for text in stats:
+        pid = int(text.split(" ", 1)[0])
+        fields = text.rsplit(")", 1)[1].split()  # from the state on: the command may hold spaces
+        if int(fields[2]) in groups or pid in pids:
+            ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def proc_stats() -> list[str]:
+    out = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/stat") as fh:
+                    out.append(fh.read())
+            except OSError:
+                pass  # gone meanwhile
+    return out
+
+
 def target_rows(ratios: dict[str, dict]) -> dict[str, dict]:
     return {name: {"median": ratios[name]["median"], "target": f"<= {limit:g}",
                    "met": ratios[name]["median"] <= limit} for name, limit in TARGETS.items()}
@@ -203,10 +237,9 @@ def run_wave(port: int, prompts: list[list[int]], new_tokens: int) -> list[Strea
 def measure(streams: list[Stream], seconds: float) -> dict:
     tpots = [t for t in (s.tpot() for s in streams) if t is not None]
     tokens = sum(s.tokens for s in streams)
-    return {"tpot_ms": statistics.median(tpots) * 1e3 if tpots else float("nan"),
+    return {"tokens": tokens, "seconds": seconds, "tpot_ms": statistics.median(tpots) * 1e3 if tpots else float("nan"),
             "throughput_tok_s": tokens / seconds if seconds > 0 else float("nan"),
-            "ttft_ms": statistics.median(s.ttft() for s in streams) * 1e3 if streams else float("nan"),
-            "tokens": tokens, "seconds": seconds}
+            "ttft_ms": statistics.median(s.ttft() for s in streams) * 1e3 if streams else float("nan")}
 
 
 class Bench:
@@ -267,16 +300,26 @@ class Bench:
         server = self.servers[name]
         assert server.process is not None
         server.process.resume()
+        groups = {server.process.proc.pid}
+        daemons = {self.daemons.daemon_pid(r) for r in range(TP)} if name == "cpcache" else set()
         try:
             before = self.backend_now() if name == "cpcache" else None
             if name != "cpcache":
                 server.flush_cache()
             streams: list[Stream] = []
+            cpu_before = proc_stats()
             started = time.perf_counter()
             for wave in prompts:
                 streams += run_wave(server.port, wave, self.workload.new_tokens)
             seconds = time.perf_counter() - started
+            cpu_after = proc_stats()
             figures = measure(streams, seconds)
+            # CPU the server's processes (and cpcache's daemons) spent: work done, less sensitive to the
+            # machine's load than wall time.
+            server_cpu = cpu_seconds(cpu_after, groups, set()) - cpu_seconds(cpu_before, groups, set())
+            daemon_cpu = cpu_seconds(cpu_after, set(), daemons) - cpu_seconds(cpu_before, set(), daemons)
+            figures["cpu_ms_per_token"] = (server_cpu + daemon_cpu) / figures["tokens"] * 1e3
+            figures["daemon_cpu_ms_per_token"] = daemon_cpu / figures["tokens"] * 1e3
             if before is not None:
                 after = self.backend_now()
                 figures["backend"] = {rank: backend_delta(before[rank], after[rank]) for rank in sorted(after)}
@@ -288,13 +331,18 @@ class Bench:
 def summarize(blocks: list[dict[str, dict]], mismatches: int, workload: Workload, start_s: float,
               load: dict, wall_s: float) -> dict:
     servers = {name: {figure: block_summary([b[name][figure] for b in blocks], digits=2)
-                      for figure in ("tpot_ms", "throughput_tok_s", "ttft_ms")} for name in SERVERS}
+                      for figure in ("tpot_ms", "throughput_tok_s", "ttft_ms", "cpu_ms_per_token")}
+               for name in SERVERS}
+    servers["cpcache"]["daemon_cpu_ms_per_token"] = block_summary(
+        [b["cpcache"]["daemon_cpu_ms_per_token"] for b in blocks], digits=3)
     ratios = {
         "tpot_cpcache_over_radix": block_ratios(blocks, "tpot_ms", "cpcache", "radix"),
         "tpot_cpcache_over_hicache": block_ratios(blocks, "tpot_ms", "cpcache", "hicache"),
         "tpot_hicache_over_radix": block_ratios(blocks, "tpot_ms", "hicache", "radix"),
         "throughput_cpcache_over_radix": block_ratios(blocks, "throughput_tok_s", "cpcache", "radix"),
         "throughput_cpcache_over_hicache": block_ratios(blocks, "throughput_tok_s", "cpcache", "hicache"),
+        "cpu_per_token_cpcache_over_radix": block_ratios(blocks, "cpu_ms_per_token", "cpcache", "radix"),
+        "cpu_per_token_cpcache_over_hicache": block_ratios(blocks, "cpu_ms_per_token", "cpcache", "hicache"),
     }
     decode_iterations = workload.waves * (workload.new_tokens - 1)
     backend: dict = {}
@@ -333,14 +381,14 @@ def summarize(blocks: list[dict[str, dict]], mismatches: int, workload: Workload
 
 def table(report: dict) -> list[str]:
     out = [f"cpcache bench sglang: {report['workload']['blocks']} blocks; {report['mode']}",
-           f"{'server':<10} {'TPOT ms':>24} {'tok/s':>24} {'TTFT ms':>24}"]
+           f"{'server':<10} {'TPOT ms':>24} {'tok/s':>24} {'TTFT ms':>24} {'CPU ms/token':>24}"]
 
     def cell(s: dict) -> str:
         return f"{s['median']:.2f} ({s['spread']['min']:.2f}-{s['spread']['max']:.2f})"
 
     for name, figures in report["servers"].items():
         out.append(f"{name:<10} {cell(figures['tpot_ms']):>24} {cell(figures['throughput_tok_s']):>24} "
-                   f"{cell(figures['ttft_ms']):>24}")
+                   f"{cell(figures['ttft_ms']):>24} {cell(figures['cpu_ms_per_token']):>24}")
     out.append("ratio (median over blocks, min-max)")
     for name, r in report["ratios"].items():
         out.append(f"  {name:<34} {r['median']:.3f} ({r['spread']['min']:.3f}-{r['spread']['max']:.3f})")
@@ -373,7 +421,7 @@ def run(workload: Workload, repeat: int, keep: Path | None = None) -> dict:
             prompts = workload.prompts(i)
             block: dict[str, dict] = {}
             outputs: dict[str, list[list[int]]] = {}
-            for name in SERVERS:
+            for name in order_of(i):
                 block[name], outputs[name] = bench.block(name, prompts)
             mismatches += sum(a != b for name in SERVERS[1:] for a, b in zip(outputs[name], outputs["radix"]))
             blocks.append(block)
