@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from cpcache.agreement.collective import Rendezvous
 
@@ -64,16 +65,23 @@ CONNECT_S = 2.0
 
 
 def diagnose(
-    rdzv: Rendezvous, peers: tuple[int, ...], failed_round: int, window_s: float
+    rdzv: Rendezvous, peers: tuple[int, ...], failed_round: int, window_s: float, store: Any = None
 ) -> Diagnosis:
     """Watch `peers`' heartbeats for `window_s` and name those that are
-    stopped, dead, or never reached `failed_round`. Bounded by the window
-    plus CONNECT_S even when the store itself is unreachable (a loaded host
-    may take longer than the window to accept a connection)."""
+    stopped, dead, or never reached `failed_round`. `store`: a connection
+    opened before the failure (a loaded host, just when a peer dies, may take
+    longer than CONNECT_S to accept a new one); a new one is opened only if
+    it fails. Bounded by the window plus twice CONNECT_S even when the store
+    itself is unreachable."""
+    keys = [_key(rdzv, r) for r in peers]
     try:
-        store = rdzv.connect(timeout_s=max(CONNECT_S, window_s))
-        keys = [_key(rdzv, r) for r in peers]
-        first = store.multi_get(keys)
+        try:
+            if store is None:
+                raise RuntimeError("no connection opened before")
+            first = store.multi_get(keys)
+        except RuntimeError:
+            store = rdzv.connect(timeout_s=max(CONNECT_S, window_s))
+            first = store.multi_get(keys)
         time.sleep(window_s)  # the observation window itself, not a wait for an event
         second = store.multi_get(keys)
     except RuntimeError as exc:

@@ -78,6 +78,7 @@ class _Formed(NamedTuple):
     reducer: Reducer
     confirmer: Reducer
     offers: list[bytes]
+    diagnosis_store: TCPStore | None  # opened now: a diagnosis must not need a new connection
 
 
 @dataclasses.dataclass(frozen=True)
@@ -434,7 +435,10 @@ class Daemon:
                 confirmer.close()
             raise
         self._epochs.mark_formed(store, epoch)
-        return _Formed(reducer, confirmer, offers)
+        diagnosis_store = None
+        with contextlib.suppress(RuntimeError):  # without it, a diagnosis connects when it needs to
+            diagnosis_store = self._rdzv.connect()
+        return _Formed(reducer, confirmer, offers, diagnosis_store)
 
     async def _serve_epoch(self, formed: _Formed) -> None:
         """Decide in the epoch just formed: a new engine and stepper, and the
@@ -448,7 +452,7 @@ class Daemon:
                 self._rdzv.connect(), self._rdzv.namespace, self.config.rank, self._domain.ranks,
                 self.config.agreement_timeout_s,
             ),
-            self._diagnose,
+            functools.partial(self._diagnose, formed.diagnosis_store),
             heartbeat=self._heartbeat,
             faults=FaultInjection(self.config.fault_delay_ms, self.config.fault_seed + self.config.rank),
             on_failure=lambda failure: loop.call_soon_threadsafe(self._on_broken, failure, engine),
@@ -581,10 +585,10 @@ class Daemon:
         if self.state is State.SERVING and current > self.epoch:
             self._spawn(self.reform(f"the deployment moved to epoch {current}"), "re-form")
 
-    def _diagnose(self, round_number: int, exc: BaseException) -> PeerLost:
+    def _diagnose(self, store: TCPStore | None, round_number: int, exc: BaseException) -> PeerLost:
         peers = tuple(r for r in self._domain.ranks if r != self.config.rank)
         window = max(0.3, 3 * self.config.heartbeat_interval_s)
-        return peer_lost(round_number, exc, diagnose(self._rdzv, peers, round_number, window))
+        return peer_lost(round_number, exc, diagnose(self._rdzv, peers, round_number, window, store))
 
     def _on_broken(self, failure: CacheError, engine: AgreementEngine | None = None) -> None:
         if engine is not None and engine is not self._engine:
