@@ -207,9 +207,10 @@ def main(argv: list[str] | None = None) -> int:
         query.add_argument("--timeout", type=float, default=5.0)
 
     bench = sub.add_parser("bench", help="run a benchmark and print its figures")
-    bench.add_argument("name", choices=["agreement", "movers", "ranks", "sglang", "soak"])
+    bench.add_argument("name", choices=["agreement", "movers", "ranks", "sglang", "soak", "state"])
     bench.add_argument("--json", action="store_true", help="print one JSON object")
-    bench.add_argument("--steps", type=int, default=40, help="agreement, ranks: measured steps per case and block")
+    bench.add_argument("--steps", type=int, default=40,
+                       help="agreement, ranks, state: measured steps per case and block")
     bench.add_argument("--repeat", type=int, default=5,
                        help="agreement, movers, ranks, sglang: blocks, each measuring candidate and baseline one "
                             "after the other; ratios are the median over the blocks")
@@ -277,6 +278,10 @@ def main(argv: list[str] | None = None) -> int:
             from cpcache.tools.bench import movers
 
             return movers.main(args)
+        if args.command == "bench" and args.name == "state":
+            from cpcache.tools.bench import state
+
+            return state.main(args)
     except CacheError as exc:
         print(f"cpcache: {exc}", file=sys.stderr)
         return 1
