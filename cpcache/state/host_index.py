@@ -10,7 +10,7 @@ in local time, and ties break by hash.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, ItemsView
+from collections.abc import Callable, Container, ItemsView
 from dataclasses import dataclass
 
 
@@ -40,6 +40,11 @@ class HostIndex:
 
     def __contains__(self, page: bytes) -> bool:
         return page in self._entries
+
+    def resident(self) -> Container[bytes]:
+        """The resident pages, for membership tests in loops over many pages
+        (read-only: changes go through the methods)."""
+        return self._entries.keys()
 
     def get(self, page: bytes) -> Entry | None:
         return self._entries.get(page)

@@ -238,7 +238,8 @@ class CacheState:
 
     def _open_write(self, req: WriteRequest, keep: set[bytes], decided: Decisions) -> list[Intent]:
         # Each write gets its own slots (two writes of one page both copy it).
-        new = [i for i, p in enumerate(req.pages) if p not in self.index]
+        resident = self.index.resident()
+        new = [i for i, p in enumerate(req.pages) if p not in resident]
         if not self._make_room(len(new), keep):
             # A full pool is not a scheduler error: this write fails, alike on every rank.
             self._record("write refused", req.op_id)
@@ -365,6 +366,7 @@ class CacheState:
         pages = w.request.pages
         inserted: list[bytes] = []
         duplicate: list[int] = []
+        resident = self.index.resident()
         run: list[int] = []  # indices of a run of consecutive pages entering together (one chain)
         entering: set[bytes] = set()  # the run's pages (a page twice in one write enters once)
 
@@ -378,7 +380,7 @@ class CacheState:
 
         for i, page in enumerate(pages):
             slot = slot_of.get(i)
-            if slot is None or page in self.index or page in entering:
+            if slot is None or page in resident or page in entering:
                 insert_run()
                 if slot is not None:
                     duplicate.append(slot)  # another operation brought it meanwhile
@@ -387,7 +389,7 @@ class CacheState:
             entering.add(page)
         insert_run()
         self.allocator.free(duplicate)  # every rank's copy into it has ended
-        self.index.touch([p for p in w.request.pages if p in self.index], self.step)
+        self.index.touch([p for p in pages if p in resident], self.step)
         self._record("ack", w.serial, tuple(duplicate))
         decisions.write_acks.append(w.request.op_id)
         if self.write_policy.backup_after_ack:
