@@ -457,6 +457,22 @@ class Client(_Face):
             raise error_from(exc) from None
         return call.read(reply)
 
+    def step_later(self, step: int, votes: Iterable[tuple[int, Reduce, int]] = (),
+                   ops: Ops | None = None) -> Callable[[], StepResult]:
+        """Send step `step` now and return at once: -> what waits for its
+        reply (raising as `step` would). The round runs meanwhile."""
+        call = _step_call(step, votes, ops)
+        method, kwargs = self._prepare(call)
+        future = method.future(call.request, **kwargs)  # type: ignore[attr-defined]  # a grpc multi-callable
+
+        def reply() -> StepResult:
+            try:
+                return call.read(future.result())
+            except grpc.RpcError as exc:
+                raise error_from(exc) from None
+
+        return reply
+
     def __enter__(self) -> Client:
         return self
 

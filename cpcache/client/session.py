@@ -25,6 +25,7 @@ construction, and no call issues a collective of its own.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cpcache.client.core import Client, Ops, StepResult
@@ -172,9 +173,17 @@ class HiCacheSession:
 
     def flush(self) -> StepResult:
         """Send everything this iteration asked for as one step."""
+        return self.send()()
+
+    def send(self) -> Callable[[], StepResult]:
+        """`flush` in two halves: send the step now, -> what waits for its
+        reply and takes its decisions (called before anything else is sent)."""
         self._step += 1
         ops, self._pending = self._pending.ops(), _Pending()
-        reply = self._client.step(self._step, ops=ops)
+        waiting = self._client.step_later(self._step, ops=ops)
+        return lambda: self._take(waiting())
+
+    def _take(self, reply: StepResult) -> StepResult:
         by_op = {op: rid for rid, op in self._prefetch_of.items()}
         for op_id, pages in reply.prefetch_done.items():
             if op_id in by_op:

@@ -8,6 +8,12 @@ from a mirror of the host pool's contents that the steps' replies keep up to
 date (agreed state), so a rank whose daemon died cannot answer a match
 differently from its peers; it learns of the death at the next step, where
 its peers learn of it too.
+
+The scheduler never waits for a round in a common iteration: the
+per-iteration hook takes the reply of the step it sent at the last iteration
+(its round ran during the forward pass) and sends the next one (`iterate`).
+Only a load (whose pages must be on the device before the batch runs), a
+flush and a drain wait for their own steps.
 """
 
 from __future__ import annotations
@@ -93,6 +99,7 @@ class Connector:
         self.host = HostMirror()
         self._keep_decisions = keep_decisions
         self._write_done: dict[int, Callable[[bool], None]] = {}  # write op -> called with stored?
+        self._in_flight: Callable[[], StepResult] | None = None  # the step sent by `iterate`, not yet taken
 
     # -- asks ---------------------------------------------------------------------
 
@@ -115,6 +122,13 @@ class Connector:
     def load_now(self, pages: list[bytes], device_pages: list[int]) -> bool:
         """Load host pages into device pages and return once every rank has
         them (True) or the load failed on some rank (False), as agreed."""
+        self.settle()
+        if self.host.prefix(pages) < len(pages):
+            # The step that was in flight when the pages were matched evicted
+            # some of them: known alike on every rank, so a failure like any.
+            self.tally.loads += 1
+            self.tally.load_failures += 1
+            return False
         op = self.session.load_back(pages, device_pages)
         self.tally.loads += 1
         deadline = time.monotonic() + self.load_timeout_s
@@ -152,6 +166,7 @@ class Connector:
     def drain_writes(self) -> None:
         """Step until every write a step carried is decided: only then may
         their device pages be freed (the daemon may still be copying them)."""
+        self.settle()
         deadline = time.monotonic() + self.load_timeout_s
         while self._write_done:
             if time.monotonic() > deadline:
@@ -161,21 +176,54 @@ class Connector:
     # -- the iteration boundary -------------------------------------------------------
 
     def busy(self) -> bool:
-        """Whether a flush has anything to send or wait for."""
-        return self.session.has_pending() or bool(self._write_done) or self.session.open_prefetches() > 0
+        """Whether a step is in flight, or the next one has anything to send or wait for."""
+        return (self._in_flight is not None or self.session.has_pending() or bool(self._write_done)
+                or self.session.open_prefetches() > 0)
 
     def writes_in_flight(self) -> int:
         return len(self._write_done)
 
-    def flush(self) -> StepResult:
+    def iterate(self) -> None:
+        """Once per scheduler iteration, on every rank: take the reply of the
+        step sent at the last iteration, then send this iteration's step if
+        anything waits for one, without waiting for its round: the round runs
+        while the scheduler goes on, and its decisions are taken at the next
+        iteration (or before anything else that needs them), alike on every
+        rank. What the reply changes was built on, at the earliest, after it
+        was taken: every step is checked by the daemon against the state the
+        scheduler last read."""
+        self.settle()
+        if self.busy():
+            started = time.perf_counter()
+            try:
+                self._in_flight = self.session.send()
+            finally:
+                self.tally.step_seconds += time.perf_counter() - started
+
+    def in_flight(self) -> bool:
+        return self._in_flight is not None
+
+    def settle(self) -> StepResult | None:
+        """Take the reply of the step in flight, if any (waiting for it)."""
+        if self._in_flight is None:
+            return None
+        receive, self._in_flight = self._in_flight, None
         started = time.perf_counter()
         try:
-            return self._flush()
+            return self._took(receive())
         finally:
             self.tally.step_seconds += time.perf_counter() - started
 
-    def _flush(self) -> StepResult:
-        reply = self.session.flush()
+    def flush(self) -> StepResult:
+        """One step, waited for (after the one in flight)."""
+        self.settle()
+        started = time.perf_counter()
+        try:
+            return self._took(self.session.flush())
+        finally:
+            self.tally.step_seconds += time.perf_counter() - started
+
+    def _took(self, reply: StepResult) -> StepResult:
         self.tally.steps += 1
         self.host.follow(reply)
         if self._keep_decisions:

@@ -224,6 +224,15 @@ class CpcacheRadixCache(UnifiedRadixCache):
         hashes = self.page_hashes(params.key)
         on_device = result.device_prefix_len // self.page_size
         host = self.connector.match(hashes[on_device:])
+        if host and self.connector.in_flight():
+            # A hit is loaded in this iteration: take the step in flight first,
+            # so that no round lands between the match and the load.
+            try:
+                self.connector.settle()
+            except CacheError as exc:
+                self._fall_back(exc)
+                return result
+            host = self.connector.match(hashes[on_device:])
         if host == 0:
             return result
         self._host_hits[req.rid] = _HostHit(params.key, on_device, hashes[on_device : on_device + host])
@@ -363,11 +372,10 @@ class CpcacheRadixCache(UnifiedRadixCache):
             if self._next_attach is not None and self._iteration >= self._next_attach:
                 self._try_attach_again()
             return
-        if self.connector.busy():
-            try:
-                self.connector.flush()
-            except CacheError as exc:
-                self._fall_back(exc)
+        try:
+            self.connector.iterate()
+        except CacheError as exc:
+            self._fall_back(exc)
 
     def scheduler_time(self) -> SchedulerTime:
         """The clock, with the steps of every connector so far."""
