@@ -189,7 +189,7 @@ class Stepper:
             self.cache.io.drain()
             asked, labels = self.cache.state.questions(self.cache.io)
             questions = votes.concat(asked)
-        return RoundInput.pack(step, questions, self.digest, hash62(repr(ops).encode()), labels, describe(ops))
+        return RoundInput.pack(step, questions, self.digest, ops.fingerprint(), labels, describe(ops))
 
     def _pending(self) -> tuple[set[int], set[int]]:
         """Prefetches and all op ids that steps still in the pipeline open."""

@@ -7,9 +7,11 @@ state machine.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
 from cpcache.errors import InvalidArgument
+from cpcache.hashing import hash62
 from cpcache.values import check_id
 
 MAX_PAGES_PER_OP = 1 << 18  # a 256k-token prompt at page size 1
@@ -57,6 +59,23 @@ class StepOps:
 
     def opened(self) -> tuple[PrefetchRequest | WriteRequest | LoadRequest, ...]:
         return (*self.prefetches, *self.writes, *self.loads)
+
+    def fingerprint(self) -> int:
+        """A digest of everything the step carries, equal on ranks that took
+        the same step (a round's header compares it): page hashes enter as
+        their bytes, which costs far less than formatting them."""
+        parts = [array("q", (len(self.prefetches), len(self.writes), len(self.loads), *self.prefetch_polls,
+                             -1, *self.revokes)).tobytes()]
+        for req in self.prefetches:
+            parts += [array("q", (req.op_id, req.tokens, len(req.pages))).tobytes(), req.parent or b"-"]
+            parts.append(b"".join(req.pages))
+        for wreq in self.writes:
+            parts += [array("q", (wreq.op_id, len(wreq.pages), *wreq.device_pages)).tobytes(), wreq.parent or b"-"]
+            parts.append(b"".join(wreq.pages))
+        for lreq in self.loads:
+            parts.append(array("q", (lreq.op_id, len(lreq.pages), *lreq.device_pages)).tobytes())
+            parts.append(b"".join(lreq.pages))
+        return hash62(b"\x1f".join(parts))
 
 
 def check_shape(ops: StepOps, device_pages: int) -> None:
