@@ -33,6 +33,7 @@ Knows nothing about caches: a descriptor is a flat JSON object.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -41,12 +42,14 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from cpcache.agreement.bounded import bounded
 from cpcache.errors import FailedPrecondition, Unavailable
 from cpcache.hashing import hash62
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.02  # how often a waiting rank looks at the attempt (the store cannot notify changes)
+STORE_CALL_S = 5.0  # the longest one look at the store may take before it is abandoned
 
 ATTACHED, DIFFER, MISSING = "attached", "differ", "missing"
 
@@ -95,25 +98,35 @@ def agree_on_attach(connect: Callable[[], Any], namespace: str, rank: int, ranks
     deadline = clock() + timeout_s
     joined: Attempt | None = None
     published = False
+
+    def one_look(joined: Attempt | None, published: bool, expired: bool) -> tuple[Attempt, dict[str, Any] | None]:
+        # Builds new objects rather than changing the caller's: an abandoned
+        # call (the store stopped answering) must not touch what goes on.
+        if joined is None:
+            store = connect()
+            joined = Attempt(store, namespace, rank, ranks, descriptor, next_attempt(store, namespace, after))
+        elif joined.store is None:
+            joined = Attempt(connect(), namespace, rank, ranks, descriptor, joined.attempt)
+        if not published:  # once per connection: a restarted store forgot it
+            joined.publish()
+        return joined, joined.look(expired=expired)
+
     while True:
         try:
-            if joined is None:
-                store = connect()
-                joined = Attempt(store, namespace, rank, ranks, descriptor, next_attempt(store, namespace, after))
-                on_attempt(joined.attempt)
-            elif joined.store is None:
-                joined.store = connect()
-            if not published:  # once per connection: a restarted store forgot it
-                joined.publish()
-                published = True
-            decision = joined.look(expired=clock() > deadline)
+            limit = max(0.5, min(STORE_CALL_S, deadline - clock() + 0.5))
+            looked, decision = bounded(functools.partial(one_look, joined, published, clock() > deadline), limit,
+                                       "the attach's store calls")
+            if joined is None or looked.attempt != joined.attempt:
+                on_attempt(looked.attempt)
+            joined, published = looked, True
             if decision is not None:
                 break
-        except (RuntimeError, OSError, ValueError) as exc:  # the store failed or restarted
+        except (RuntimeError, OSError, ValueError) as exc:  # the store failed, restarted or stopped answering
             log.warning("attach: the rendezvous store failed (%s: %s); retrying until the deadline",
                         type(exc).__name__, exc)
             if joined is not None:
-                joined.store, published = None, False
+                joined = Attempt(None, namespace, rank, ranks, descriptor, joined.attempt)  # connect again
+            published = False
             if clock() > deadline:
                 raise Unavailable(f"attach: the rendezvous store failed ({type(exc).__name__}: {exc}); nothing "
                                   f"was attached on this rank: attach again on every rank") from None

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from cpcache.agreement.bounded import bounded
 from cpcache.agreement.collective import Rendezvous
 
 
@@ -71,19 +72,27 @@ def diagnose(
     stopped, dead, or never reached `failed_round`. `store`: a connection
     opened before the failure (a loaded host, just when a peer dies, may take
     longer than CONNECT_S to accept a new one); a new one is opened only if
-    it fails. Bounded by the window plus twice CONNECT_S even when the store
-    itself is unreachable."""
+    it fails. Bounded by the window plus three times max(CONNECT_S, window)
+    even when the store is unreachable or stopped (`bounded`)."""
     keys = [_key(rdzv, r) for r in peers]
+    limit = max(CONNECT_S, window_s)
+
+    def fresh() -> list[bytes]:
+        nonlocal store
+        store = rdzv.connect(timeout_s=limit)
+        return store.multi_get(keys)
+
     try:
         try:
             if store is None:
                 raise RuntimeError("no connection opened before")
-            first = store.multi_get(keys)
+            opened = store
+            first = bounded(lambda: opened.multi_get(keys), limit, "reading the heartbeats")
         except RuntimeError:
-            store = rdzv.connect(timeout_s=max(CONNECT_S, window_s))
-            first = store.multi_get(keys)
+            first = bounded(fresh, limit, "connecting to read the heartbeats")
         time.sleep(window_s)  # the observation window itself, not a wait for an event
-        second = store.multi_get(keys)
+        current = store
+        second = bounded(lambda: current.multi_get(keys), limit, "reading the heartbeats")
     except RuntimeError as exc:
         return Diagnosis((), f"the rendezvous store at {rdzv.host}:{rdzv.port} is unreachable ({exc})")
     stalled, behind = [], []
