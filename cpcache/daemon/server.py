@@ -429,12 +429,12 @@ class Daemon:
                                              self.config.agreement_timeout_s, self.config.gloo_host)
             offers = self._epochs.exchange(store, epoch, self.config.rank, tuple(self._domain.ranks), offer,
                                            self.config.rendezvous_timeout_s)
+            self._epochs.mark_formed(store, epoch)
         except BaseException:
             reducer.close()
             if confirmer is not None:
                 confirmer.close()
             raise
-        self._epochs.mark_formed(store, epoch)
         diagnosis_store = None
         with contextlib.suppress(RuntimeError):  # without it, a diagnosis connects when it needs to
             diagnosis_store = self._rdzv.connect()
