@@ -13,10 +13,12 @@
   state.
 - `step` is idempotent by step number: a retry gets the same outcome while
   it is among the last `REPLIES_KEPT` steps.
-- A stepper decides in one epoch. Leaving it closes its engine first and
-  applies the rounds that completed meanwhile (`settle_in_flight`), as the
-  peers that completed them do, so every rank answers such a step alike;
-  once left (`leave`), nothing more is applied and no I/O starts.
+- A stepper decides in one epoch. Leaving it closes its engine first, then
+  lets the steps already taken end (`settle_in_flight`): a round the step
+  carries that completed is applied, as on the peers that completed it, so
+  at lag 0 every rank answers such a step alike (at lag >= 1 a completed
+  round still waiting in the pipeline for its carrying step is not); once
+  left (`leave`), nothing more is applied and no I/O starts.
 
 Touched only from the event loop.
 """
