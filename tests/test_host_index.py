@@ -3,6 +3,9 @@ nothing when asked, and work bounded by what it looks at."""
 
 from __future__ import annotations
 
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from cpcache.state.host_index import HostIndex
 
 
@@ -54,3 +57,69 @@ def test_touching_again_and_again_keeps_the_heap_bounded_by_the_index():
         index.touch(made[step % 8], step)
     assert len(index._leaves) <= 2 * len(index) + 64
     assert len(index.evict(32)) == 32
+
+
+class ReferenceIndex:
+    """The eviction rule stated plainly: repeatedly take, among the current
+    unreferenced leaves that may go, the least recently used (ties by hash)."""
+
+    def __init__(self) -> None:
+        self.parent: dict[bytes, bytes | None] = {}
+        self.last_used: dict[bytes, int] = {}
+        self.refs: dict[bytes, int] = {}
+
+    def insert(self, pages: list[bytes], parent: bytes | None, step: int) -> None:
+        for p in pages:
+            self.parent[p], self.last_used[p], self.refs[p] = parent, step, 0
+            parent = p
+
+    def evict(self, count: int, keep: set[bytes], all_or_nothing: bool) -> list[bytes]:
+        gone: list[bytes] = []
+        while len(gone) < count:
+            parents = {self.parent[p] for p in self.parent if p not in gone}
+            leaves = [(self.last_used[p], p) for p in self.parent
+                      if p not in gone and p not in parents and not self.refs[p] and p not in keep]
+            if not leaves:
+                break
+            gone.append(min(leaves)[1])
+        if all_or_nothing and len(gone) < count:
+            return []
+        for p in gone:
+            del self.parent[p], self.last_used[p], self.refs[p]
+        return gone
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_eviction_agrees_with_the_rule_stated_plainly(data):
+    index, reference = HostIndex(), ReferenceIndex()
+    next_page, step = 0, 0
+    for _ in range(data.draw(st.integers(5, 40))):
+        step += 1
+        pages = sorted(reference.parent)
+        action = data.draw(st.sampled_from(["insert", "insert", "touch", "ref", "evict"]))
+        if action == "insert":
+            length = data.draw(st.integers(1, 6))
+            # Hashes out of order, so that ties by hash do not follow insertion.
+            chain = [page((next_page + i) * 7919 % 10007) for i in range(length)]
+            next_page += length
+            parent = data.draw(st.sampled_from([None, *pages])) if pages else None
+            index.insert(chain, list(range(len(chain))), parent, step)
+            reference.insert(chain, parent, step)
+        elif action == "touch" and pages:
+            touched = data.draw(st.lists(st.sampled_from(pages), max_size=4, unique=True))
+            index.touch(touched, step)
+            for p in touched:
+                reference.last_used[p] = step
+        elif action == "ref" and pages:
+            p, delta = data.draw(st.sampled_from(pages)), data.draw(st.sampled_from([1, -1]))
+            if reference.refs[p] + delta >= 0:
+                index.ref([p], delta)
+                reference.refs[p] += delta
+        elif action == "evict":
+            count = data.draw(st.integers(1, 12))
+            keep = set(data.draw(st.lists(st.sampled_from(pages), max_size=3))) if pages else set()
+            all_or_nothing = data.draw(st.booleans())
+            evicted = index.evict(count, lambda p, e, keep=keep: p in keep, all_or_nothing=all_or_nothing)
+            assert [p for p, _ in evicted] == reference.evict(count, keep, all_or_nothing)
+        assert sorted(p for p, _ in index.items()) == sorted(reference.parent)

@@ -14,7 +14,7 @@ from collections.abc import Callable, Container, ItemsView
 from dataclasses import dataclass
 
 
-@dataclass
+@dataclass(slots=True)
 class Entry:
     slot: int
     parent: bytes | None
@@ -62,11 +62,12 @@ class HostIndex:
 
     def insert(self, pages: list[bytes], slots: list[int], parent: bytes | None, step: int) -> None:
         """Insert a chain `pages` whose first page follows `parent`."""
+        entries, changes = self._entries, self._changes
         for page, slot in zip(pages, slots):
-            if parent is not None and parent in self._entries:
-                self._entries[parent].children += 1
-            self._entries[page] = Entry(slot=slot, parent=parent, last_used=step)
-            self._changes[page] = True
+            if parent is not None and (parent_entry := entries.get(parent)) is not None:
+                parent_entry.children += 1
+            entries[page] = Entry(slot, parent, 0, 0, step)
+            changes[page] = True
             parent = page
         if pages:
             self._push(step, pages[-1])
@@ -113,8 +114,19 @@ class HostIndex:
         gone: set[bytes] = set()
         freed = 0
         leaves, entries, pop, push = self._leaves, self._entries, heapq.heappop, heapq.heappush
-        while freed < count and (leaves or exposed):
-            stamp, page = pop(exposed) if exposed and (not leaves or exposed[0] < leaves[0]) else pop(leaves)
+        # A parent exposed by this call that comes before every heap item is
+        # taken next without a trip through the heap: a chain's pages leave
+        # one after another.
+        following: tuple[int, bytes] | None = None
+        while freed < count:
+            if following is not None:
+                (stamp, page), following = following, None
+            elif exposed and (not leaves or exposed[0] < leaves[0]):
+                stamp, page = pop(exposed)
+            elif leaves:
+                stamp, page = pop(leaves)
+            else:
+                break
             entry = entries.get(page)
             if entry is None or entry.last_used != stamp or page in gone:
                 continue  # stale: dropped for good
@@ -131,7 +143,13 @@ class HostIndex:
                 continue
             lost = lost_children[parent_page] = lost_children.get(parent_page, 0) + 1
             if parent.children == lost:
-                push(exposed, (parent.last_used, parent_page))
+                item = (parent.last_used, parent_page)
+                if (not leaves or item < leaves[0]) and (not exposed or item < exposed[0]):
+                    following = item
+                else:
+                    push(exposed, item)
+        if following is not None:
+            exposed.append(following)  # not looked at: back to the heap with the others
         if all_or_nothing and freed < count:  # undo: everything looked at stays
             kept += [(entry.last_used, page) for page, entry in evicted]
             evicted, exposed, lost_children = [], [], {}

@@ -404,11 +404,13 @@ class CacheState:
 
     def end_backup(self, backup: Backup, outcome: BackupOutcome, decisions: Decisions) -> None:
         self._close(backup)
-        self.index.ref(backup.pages, -1)
+        stored, suspect = outcome == BackupOutcome.STORED, outcome == BackupOutcome.TIMED_OUT
+        index = self.index
         for page in backup.pages:
-            entry = self.index[page]
-            entry.backed_up = outcome == BackupOutcome.STORED
-            entry.io_suspect = entry.io_suspect or outcome == BackupOutcome.TIMED_OUT
+            entry = index[page]
+            entry.refs -= 1
+            entry.backed_up = stored
+            entry.io_suspect = entry.io_suspect or suspect
         self._record("backed up", backup.serial, int(outcome))
         decisions.backups.append((backup.serial, outcome == BackupOutcome.STORED))
 
