@@ -1,5 +1,6 @@
 """The host index's eviction: least recently used leaves first, all or
-nothing when asked, and work bounded by what it looks at."""
+nothing when asked, and work bounded by what it looks at; and the pages a
+write-back policy backs up first, least recently used first."""
 
 from __future__ import annotations
 
@@ -67,10 +68,11 @@ class ReferenceIndex:
         self.parent: dict[bytes, bytes | None] = {}
         self.last_used: dict[bytes, int] = {}
         self.refs: dict[bytes, int] = {}
+        self.backed_up: dict[bytes, bool] = {}
 
     def insert(self, pages: list[bytes], parent: bytes | None, step: int) -> None:
         for p in pages:
-            self.parent[p], self.last_used[p], self.refs[p] = parent, step, 0
+            self.parent[p], self.last_used[p], self.refs[p], self.backed_up[p] = parent, step, 0, False
             parent = p
 
     def evict(self, count: int, keep: set[bytes], all_or_nothing: bool) -> list[bytes]:
@@ -85,19 +87,23 @@ class ReferenceIndex:
         if all_or_nothing and len(gone) < count:
             return []
         for p in gone:
-            del self.parent[p], self.last_used[p], self.refs[p]
+            del self.parent[p], self.last_used[p], self.refs[p], self.backed_up[p]
         return gone
+
+    def least_recent_unbacked(self, count: int) -> list[bytes]:
+        return [p for _, p in sorted((self.last_used[p], p) for p in self.parent
+                                     if not self.backed_up[p] and not self.refs[p])][:count]
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
-def test_eviction_agrees_with_the_rule_stated_plainly(data):
-    index, reference = HostIndex(), ReferenceIndex()
+def test_eviction_and_backup_candidates_agree_with_the_rules_stated_plainly(data):
+    index, reference = HostIndex(track_unbacked=True), ReferenceIndex()
     next_page, step = 0, 0
     for _ in range(data.draw(st.integers(5, 40))):
         step += 1
         pages = sorted(reference.parent)
-        action = data.draw(st.sampled_from(["insert", "insert", "touch", "ref", "evict"]))
+        action = data.draw(st.sampled_from(["insert", "insert", "touch", "ref", "evict", "mark", "unbacked"]))
         if action == "insert":
             length = data.draw(st.integers(1, 6))
             # Hashes out of order, so that ties by hash do not follow insertion.
@@ -122,4 +128,12 @@ def test_eviction_agrees_with_the_rule_stated_plainly(data):
             all_or_nothing = data.draw(st.booleans())
             evicted = index.evict(count, lambda p, e, keep=keep: p in keep, all_or_nothing=all_or_nothing)
             assert [p for p, _ in evicted] == reference.evict(count, keep, all_or_nothing)
+        elif action == "mark" and pages:
+            marked, backed_up = data.draw(st.lists(st.sampled_from(pages), max_size=4)), data.draw(st.booleans())
+            for p in marked:
+                index.mark_backed_up(p, backed_up)
+                reference.backed_up[p] = backed_up
+        elif action == "unbacked":
+            count = data.draw(st.integers(1, 12))
+            assert index.least_recent_unbacked(count) == reference.least_recent_unbacked(count)
         assert sorted(p for p, _ in index.items()) == sorted(reference.parent)

@@ -27,9 +27,15 @@ class Entry:
 
 
 class HostIndex:
-    def __init__(self) -> None:
+    def __init__(self, track_unbacked: bool = False) -> None:
+        """`track_unbacked`: keep the pages not backed up in recency order
+        too (`least_recent_unbacked`), for a policy that backs pages up
+        before it may evict them."""
         self._entries: dict[bytes, Entry] = {}
         self._leaves: list[tuple[int, bytes]] = []  # lazy heap of (last_used, hash)
+        # Lazy heap of (last_used, hash) holding every page not backed up
+        # (None: not tracked); stale items are dropped as they surface.
+        self._unbacked: list[tuple[int, bytes]] | None = [] if track_unbacked else None
         # page -> resident, for pages that entered or left since the last
         # `take_changes`: what schedulers are told, so that they can answer
         # host matches from agreed state without asking the daemon.
@@ -71,6 +77,9 @@ class HostIndex:
             parent = page
         if pages:
             self._push(step, pages[-1])
+        if self._unbacked is not None:
+            for page in pages:
+                self._push_unbacked(step, page)
 
     def touch(self, pages: list[bytes], step: int, hit: bool = False) -> None:
         for page in pages:
@@ -79,6 +88,41 @@ class HostIndex:
             entry.hits += hit
             if not entry.children:  # a leaf's heap item must carry its new stamp
                 self._push(step, page)
+            if self._unbacked is not None and not entry.backed_up:
+                self._push_unbacked(step, page)
+
+    def mark_backed_up(self, page: bytes, backed_up: bool) -> None:
+        entry = self._entries[page]
+        if self._unbacked is not None and entry.backed_up and not backed_up:
+            self._push_unbacked(entry.last_used, page)
+        entry.backed_up = backed_up
+
+    def _push_unbacked(self, step: int, page: bytes) -> None:
+        assert self._unbacked is not None
+        heapq.heappush(self._unbacked, (step, page))
+        if len(self._unbacked) > 2 * len(self._entries) + 64:
+            self._unbacked = [(e.last_used, p) for p, e in self._entries.items() if not e.backed_up]
+            heapq.heapify(self._unbacked)
+
+    def least_recent_unbacked(self, count: int) -> list[bytes]:
+        """Up to `count` unreferenced pages not backed up, least recently
+        used first (ties by hash), leaves or not. Work is proportional to
+        the pages looked at, not to the index."""
+        assert self._unbacked is not None, "the index does not track pages not backed up"
+        heap, entries = self._unbacked, self._entries
+        found: list[bytes] = []
+        looked: dict[bytes, int] = {}  # page -> stamp, each page once
+        while len(found) < count and heap:
+            stamp, page = heapq.heappop(heap)
+            entry = entries.get(page)
+            if entry is None or entry.last_used != stamp or entry.backed_up or page in looked:
+                continue  # stale: a fresher item, or none, stands for it
+            looked[page] = stamp
+            if not entry.refs:
+                found.append(page)
+        for page, stamp in looked.items():  # still not backed up: they stay
+            heapq.heappush(heap, (stamp, page))
+        return found
 
     def ref(self, pages: list[bytes], delta: int) -> None:
         for page in pages:

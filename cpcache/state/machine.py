@@ -58,7 +58,7 @@ class CacheState:
         self.sharding = sharding
         self.page_size = page_size
         self.device_pages = device_pages
-        self.index = HostIndex()
+        self.index = HostIndex(track_unbacked=self.write_policy.backup_before_evict)
         self.ops: dict[int, Operation] = {}  # by serial; insertion order is serial order
         self.by_op_id: dict[int, int] = {}  # the scheduler's op id -> serial, for open prefetches, writes, loads
         # Prefetches that ended lately: a poll or revoke of one is a race the
@@ -409,6 +409,8 @@ class CacheState:
         for page in backup.pages:
             entry = index[page]
             entry.refs -= 1
+            if entry.backed_up and not stored:
+                index.mark_backed_up(page, False)
             entry.backed_up = stored
             entry.io_suspect = entry.io_suspect or suspect
         self._record("backed up", backup.serial, int(outcome))
@@ -437,12 +439,8 @@ class CacheState:
         short = low_water - self.allocator.free_count
         if short <= 0:
             return
-        queued = {p for b in self._of_kind(Backup) for p in b.pages}
-        candidates = sorted(
-            (e.last_used, page) for page, e in self.index.items()
-            if not e.backed_up and not e.refs and page not in queued
-        )[:short]
-        self._queue_backup([page for _, page in candidates])
+        # A page queued for a backup already holds a reference: not taken twice.
+        self._queue_backup(self.index.least_recent_unbacked(short))
 
     def _start_backups(self) -> list[Intent]:
         """Backups not yet started (they start in the round they are queued)."""

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import cpcache
+from cpcache.config import WRITE_POLICIES
 from cpcache.topology import MODES, Topology
 
 if TYPE_CHECKING:
@@ -223,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--no-mooncake", action="store_true", help="movers: skip Mooncake Store")
     bench.add_argument("--decisions", type=int, default=1_000_000, help="soak: agreed decisions to reach")
     bench.add_argument("--seed", type=int, default=1, help="soak: seed of the injected faults")
+    bench.add_argument("--write-policy", choices=WRITE_POLICIES, default="write_through",
+                       help="state: the write policy the state machine runs")
     bench.add_argument("--requests", type=int, default=4, help="sglang: concurrent requests per wave")
     bench.add_argument("--waves", type=int, default=2, help="sglang: waves of requests per server and block")
     bench.add_argument("--new-tokens", type=int, default=32, help="sglang: tokens each request generates")

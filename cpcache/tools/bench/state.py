@@ -64,8 +64,9 @@ def _page(n: int) -> bytes:
 
 
 class Driver:
-    def __init__(self) -> None:
-        self.state = CacheState(CacheConfig(), PageAllocator(HOST_PAGES), ShardingSpec(), 16, DEVICE_PAGES)
+    def __init__(self, write_policy: str = "write_through", host_pages: int = HOST_PAGES) -> None:
+        self.state = CacheState(CacheConfig(write_policy=write_policy), PageAllocator(host_pages), ShardingSpec(), 16,
+                                DEVICE_PAGES)
         self.io = _AllDone()
         self.capacity = MIN_CAPACITY
         self.op = 0
@@ -108,8 +109,8 @@ class Driver:
         return opened - started, time.thread_time() - opened
 
 
-def run(steps: int, repeat: int) -> dict:
-    driver = Driver()
+def run(steps: int, repeat: int, write_policy: str = "write_through", host_pages: int = HOST_PAGES) -> dict:
+    driver = Driver(write_policy, host_pages)
     while driver.state.allocator.free_count > 0 or driver.number < 60:  # fill the host pool first
         driver.step()
     blocks = []
@@ -121,7 +122,8 @@ def run(steps: int, repeat: int) -> dict:
     pages = WRITES_PER_STEP * PAGES_PER_WRITE
     return {
         "steps_per_block": steps, "blocks": repeat, "pages_written_per_step": pages,
-        "host_pages": HOST_PAGES, "open_us": round(open_us, 1), "apply_us": round(apply_us, 1),
+        "host_pages": host_pages, "write_policy": write_policy,
+        "open_us": round(open_us, 1), "apply_us": round(apply_us, 1),
         "open_apply_us": round(open_us + apply_us, 1),
         "open_apply_us_per_page": round((open_us + apply_us) / pages, 2),
         "spread_open_apply_us": [round(min(sum(b) for b in blocks) * 1e6, 1),
@@ -130,11 +132,11 @@ def run(steps: int, repeat: int) -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
-    figures = run(args.steps, args.repeat)
+    figures = run(args.steps, args.repeat, args.write_policy)
     if args.json:
         print(json.dumps(figures))
     else:
-        print(f"cpcache bench state: one CacheState, host pool of {HOST_PAGES} pages full, "
+        print(f"cpcache bench state: one CacheState ({args.write_policy}), host pool of {HOST_PAGES} pages full, "
               f"{figures['pages_written_per_step']} pages written per step, thread CPU, median of "
               f"{args.repeat} blocks of {args.steps} steps")
         print(f"  open {figures['open_us']:.1f} us  apply {figures['apply_us']:.1f} us  "
