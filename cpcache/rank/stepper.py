@@ -126,14 +126,16 @@ class Stepper:
         if step <= self.last_step:
             return await self._retry(step, request_digest)
         self.last_step = step
-        task = asyncio.ensure_future(self._take(step, votes, ops, invalid, self._tail))
+        answer: asyncio.Future[StepOutcome] = asyncio.get_running_loop().create_future()
+        answer.add_done_callback(_observe)
+        task = asyncio.ensure_future(self._take(step, votes, ops, invalid, self._tail, answer))
         task.add_done_callback(_observe)
         self._tail = task
-        self._replies[step] = (request_digest, task)
+        self._replies[step] = (request_digest, answer)
         while len(self._replies) > REPLIES_KEPT:
             self._replies.popitem(last=False)
         # Shielded: the outcome belongs to the daemon, not to this call.
-        return await asyncio.shield(task)
+        return await asyncio.shield(answer)
 
     async def _retry(self, step: int, request_digest: int) -> StepOutcome:
         kept = self._replies.get(step)
@@ -149,21 +151,33 @@ class Stepper:
         return await asyncio.shield(task)
 
     async def _take(self, step: int, votes: Questions, ops: StepOps, invalid: CacheError | None,
-                    previous: asyncio.Future | None) -> StepOutcome:
-        if previous is not None:
-            await asyncio.wait([previous])  # rounds are packed in step order
-        carried: StepOutcome | CacheError | None = None
-        if self._lag and len(self._pipeline) >= self._lag:
-            carried = await self._settle_guarded(self._pipeline.popleft())
-        self._submit(step, votes, ops, invalid)  # never skipped: peers wait in this round
-        if not self._lag:
-            carried = await self._settle_guarded(self._pipeline.popleft())
-        if carried is None:  # the pipeline is filling
-            empty = np.empty(0, dtype=np.int64)
-            return StepOutcome(step, 0, empty, empty, self.digest)
-        if isinstance(carried, CacheError):
-            raise carried
-        return StepOutcome(step, carried.round, carried.op_ids, carried.values, carried.digest, carried.cache)
+                    previous: asyncio.Future | None, answer: asyncio.Future[StepOutcome]) -> None:
+        """Take the step: its round is submitted, whatever happens (peers
+        wait in it), and `answer` gets what the step answers."""
+        submitted = False
+        try:
+            if previous is not None:
+                await asyncio.wait([previous])  # rounds are packed in step order
+            if self._lag:
+                carried = None
+                if len(self._pipeline) >= self._lag:
+                    carried = await self._settle_guarded(self._pipeline.popleft())
+                _answer(answer, step, carried, self.digest)
+                # The answer carries an earlier round: it leaves before this
+                # step's round is packed and the agreement thread wakes up.
+                await asyncio.sleep(0)
+                submitted = True
+                self._submit(step, votes, ops, invalid)
+            else:
+                submitted = True
+                self._submit(step, votes, ops, invalid)
+                _answer(answer, step, await self._settle_guarded(self._pipeline.popleft()), self.digest)
+        except BaseException as exc:  # the loop is shutting down (cancelled), or a bug
+            if not submitted:
+                log.error("step %d ended before its round was submitted: %r", step, exc)
+            if not answer.done():
+                answer.set_exception(Unavailable(f"step {step} did not complete: {type(exc).__name__}"))
+            raise
 
     def _submit(self, step: int, votes: Questions, ops: StepOps, invalid: CacheError | None) -> None:
         clock = self.phases.clock()
@@ -289,6 +303,22 @@ class Stepper:
             decided.host_entered, decided.host_left = cache.state.index.take_changes()
         self.decision_count += len(op_ids) + decided.count()
         return StepOutcome(0, result.number, op_ids, values, result.digest, decided)
+
+
+def _answer(answer: asyncio.Future[StepOutcome], step: int, carried: StepOutcome | CacheError | None,
+            digest: int) -> None:
+    """What step `step` answers, from the round it carries (None while the
+    pipeline fills)."""
+    if answer.done():  # its caller's loop is going away
+        return
+    if carried is None:
+        empty = np.empty(0, dtype=np.int64)
+        answer.set_result(StepOutcome(step, 0, empty, empty, digest))
+    elif isinstance(carried, CacheError):
+        answer.set_exception(carried)
+    else:
+        answer.set_result(StepOutcome(step, carried.round, carried.op_ids, carried.values, carried.digest,
+                                      carried.cache))
 
 
 def _never(exc: BaseException) -> None:
