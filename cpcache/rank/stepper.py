@@ -39,7 +39,7 @@ from cpcache.errors import CacheError, FailedPrecondition, InvalidArgument, Reje
 from cpcache.hashing import hash62
 from cpcache.rank.assembly import CacheRuntime
 from cpcache.rank.phases import StepPhases
-from cpcache.state.intents import Decisions, Intent
+from cpcache.state.intents import CopyToDevice, Decisions, Intent
 from cpcache.state.operations import Operation
 from cpcache.state.requests import StepOps
 from cpcache.values import ID_LIMIT
@@ -159,19 +159,24 @@ class Stepper:
             if previous is not None:
                 await asyncio.wait([previous])  # rounds are packed in step order
             if self._lag:
-                carried = None
+                carried: StepOutcome | CacheError | None = None
+                later: list[Intent] = []
                 if len(self._pipeline) >= self._lag:
-                    carried = await self._settle_guarded(self._pipeline.popleft())
+                    carried, later = await self._settle_guarded(self._pipeline.popleft())
                 _answer(answer, step, carried, self.digest)
                 # The answer carries an earlier round: it leaves before this
                 # step's round is packed and the agreement thread wakes up.
                 await asyncio.sleep(0)
+                self._start_later(later)
                 submitted = True
                 self._submit(step, votes, ops, invalid)
             else:
                 submitted = True
                 self._submit(step, votes, ops, invalid)
-                _answer(answer, step, await self._settle_guarded(self._pipeline.popleft()), self.digest)
+                carried, later = await self._settle_guarded(self._pipeline.popleft())
+                _answer(answer, step, carried, self.digest)
+                await asyncio.sleep(0)
+                self._start_later(later)
         except BaseException as exc:  # the loop is shutting down (cancelled), or a bug
             if not submitted:
                 log.error("step %d ended before its round was submitted: %r", step, exc)
@@ -247,34 +252,47 @@ class Stepper:
         except Exception as exc:
             _never(exc)
 
-    async def _settle_guarded(self, submitted: _Submitted) -> StepOutcome | CacheError:
+    def _start_later(self, intents: list[Intent]) -> None:
+        """The I/O a round asked for that its step's answer need not wait
+        for, started once the answer has left: the I/O threads it wakes
+        would otherwise take the interpreter from the loop while it applies
+        and replies. Always before the next round is packed."""
+        if intents:
+            clock = self.phases.clock()
+            self._start(intents)
+            clock.lap("io")
+
+    async def _settle_guarded(self, submitted: _Submitted) -> tuple[StepOutcome | CacheError, list[Intent]]:
         try:
             return await self._settle(submitted)
         except Exception as exc:  # a bug applying a round: loud, and the next round still runs
             log.exception("applying round %d failed", submitted.number)
-            return CacheError(f"internal error applying round {submitted.number}: {type(exc).__name__}: {exc}")
+            return CacheError(f"internal error applying round {submitted.number}: {type(exc).__name__}: {exc}"), []
 
-    async def _settle(self, submitted: _Submitted) -> StepOutcome | CacheError:
+    async def _settle(self, submitted: _Submitted) -> tuple[StepOutcome | CacheError, list[Intent]]:
         """Apply one round, in round order: open its step's operations if
         every rank took it, then apply its answers. Returns what the step
-        that carries it answers."""
+        that carries it answers, and the I/O to start once it has answered
+        (loads start at once: a scheduler may wait for one as soon as it is
+        told that it opened)."""
         clock = self.phases.clock()
         try:
             result: RoundResult = await submitted.round
         except CacheError as exc:  # a divergence or a lost peer: nothing applied
-            return exc
+            return exc, []
         finally:
             clock.lap("wait")
         if self._left is not None:
-            return Unavailable(f"{self._left}: round {submitted.number} is not applied")
+            return Unavailable(f"{self._left}: round {submitted.number} is not applied"), []
         if result.rejection is not None:
             if submitted.rejection is not None:
-                return submitted.rejection
+                return submitted.rejection, []
             r = result.rejection
             return RejectedByPeer(f"step {submitted.number} was rejected by rank {r.rank} ({r.status}): "
                                   f"{r.message}; nothing of it was opened on any rank",
-                                  r.rank, submitted.number, r.status, r.message)
+                                  r.rank, submitted.number, r.status, r.message), []
         decided = Decisions()
+        later: list[Intent] = []
         cache = self.cache
         if cache is not None and submitted.ops is not None and not submitted.ops.empty():
             try:
@@ -287,22 +305,22 @@ class Stepper:
                             submitted.number, exc)
                 intents, decided = cache.state.open_each(submitted.number, submitted.ops)
             clock.lap("open")
-            self._start(intents)
+            self._start([i for i in intents if isinstance(i, CopyToDevice)])
+            later += [i for i in intents if not isinstance(i, CopyToDevice)]
             clock.lap("io")
         op_ids, values = result.of_kind(VOTE.code)
         chain = np.array([self._applied_chain, result.number], dtype=np.int64)
         self._applied_chain = hash62(chain.tobytes() + op_ids.tobytes() + values.tobytes())
         if cache is not None:
             decisions, intents = cache.state.apply(result)
+            later += intents  # loads open only with their step's operations, above
             clock.lap("apply")
-            self._start(intents)
-            clock.lap("io")
             cache.io.forget(cache.state.closed)
             cache.state.closed.clear()
             decided.merge(decisions)
             decided.host_entered, decided.host_left = cache.state.index.take_changes()
         self.decision_count += len(op_ids) + decided.count()
-        return StepOutcome(0, result.number, op_ids, values, result.digest, decided)
+        return StepOutcome(0, result.number, op_ids, values, result.digest, decided), later
 
 
 def _answer(answer: asyncio.Future[StepOutcome], step: int, carried: StepOutcome | CacheError | None,
