@@ -14,6 +14,7 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -194,19 +195,31 @@ class LocalDomain:
         """Until `rank`'s current process serves; `Unavailable` if it exits first."""
         timeout_s = timeout_s or self.start_timeout_s
         exited = self.exited(rank)
-        async with AsyncClient(self.sockets[rank]) as client:
-            serving = asyncio.ensure_future(client.wait_serving(timeout_s))
-            either: set[asyncio.Future[Any]] = {exited, serving}
-            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
-            if serving.done() and serving.exception() is None:
-                return
-            serving.cancel()
-            with contextlib.suppress(asyncio.CancelledError, CacheError):
-                await serving
+        deadline = time.monotonic() + timeout_s
+        backoff_s = 0.05
+        last_error: BaseException | None = None
+        # A watch can fail before the new process listens (a socket file
+        # left by the one it replaces): watched again, until the deadline.
+        while not exited.done() and (left := deadline - time.monotonic()) > 0:
+            async with AsyncClient(self.sockets[rank]) as client:
+                serving = asyncio.ensure_future(client.wait_serving(left))
+                either: set[asyncio.Future[Any]] = {exited, serving}
+                await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+                if serving.done() and serving.exception() is None:
+                    return
+                serving.cancel()
+                try:
+                    await serving
+                except (asyncio.CancelledError, CacheError) as exc:
+                    last_error = exc
+            # Waiting on the process's exit, not sleeping: it ends the wait if it dies.
+            await asyncio.wait({exited}, timeout=min(backoff_s, max(0.0, deadline - time.monotonic())))
+            backoff_s = min(2 * backoff_s, 1.0)
         tail = self.log_tail(rank)
         if exited.done():
             raise Unavailable(f"rank {rank} exited with code {exited.result()} while starting:\n{tail}")
-        raise Unavailable(f"rank {rank} did not serve within {timeout_s}s:\n{tail}")
+        why = f" (last: {last_error})" if last_error is not None and str(last_error) else ""
+        raise Unavailable(f"rank {rank} did not serve within {timeout_s}s{why}:\n{tail}")
 
     def restart_store(self) -> None:
         """Stop the rendezvous store and serve a new, empty one on the same

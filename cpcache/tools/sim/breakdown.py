@@ -35,8 +35,9 @@ def step_breakdown(stats: list[dict[str, int]]) -> dict:
         "reduce_ms_fastest_rank": round(min(reduce), 3),
         "reduce_ms_slowest_rank": round(max(reduce), 3),
         # The step's time in the daemon but outside the collective: hand-offs
-        # to and from the agreement thread, and the engine's queue.
-        "handoffs_ms": round(mean["wait"] - mean["reduce"], 3),
+        # to and from the agreement thread, and the engine's queue. At lag >= 1
+        # the collective runs between steps, mostly outside `wait`: None.
+        "handoffs_ms": round(mean["wait"] - mean["reduce"], 3) if mean["wait"] >= mean["reduce"] else None,
         "steps": min(c.get("step_phase_steps", 0) for c in stats),
     }
 
@@ -53,7 +54,9 @@ def breakdown_lines(r: dict) -> list[str]:
         "  where a Step goes     ms per step, mean over ranks, from the daemons' histograms:",
         f"    check {m['check']:.3f}  pack {m['pack']:.3f}  submit {m['submit']:.3f}  "
         f"wait {m['wait']:.3f} (collective {m['reduce']:.3f}: fastest rank {b['reduce_ms_fastest_rank']:.3f}, "
-        f"slowest {b['reduce_ms_slowest_rank']:.3f}; hand-offs {b['handoffs_ms']:.3f})",
+        f"slowest {b['reduce_ms_slowest_rank']:.3f}; " + (
+            f"hand-offs {b['handoffs_ms']:.3f})" if b["handoffs_ms"] is not None
+            else "hand-offs not separable: at lag >= 1 the collective runs between steps)"),
         f"    open {m['open']:.3f}  apply {m['apply']:.3f}  io {m['io']:.3f}  reply {m['reply']:.3f}  "
         f"= in the daemon {m['handler']:.3f}",
         *([f"    CPU of the loop thread: open {c['open']:.3f}  apply {c['apply']:.3f}  io {c['io']:.3f}  "

@@ -117,7 +117,7 @@ async def replay(cfg: ReplayConfig, progress: Callable[[dict], None] | None = No
         if cfg.storage == "mooncake":
             master = stack.enter_context(MooncakeMaster(run_dir / "mooncake-master.log"))
             extra.update(storage_master=master.master, storage_metadata_server=master.metadata_server,
-                         storage_segment_bytes=64 << 20)
+                         storage_segment_bytes=256 << 20)
         spec = DomainSpec(cfg.topology, run_dir, mode=cfg.mode, agreement_lag=cfg.lag,
                           agreement_timeout_s=cfg.agreement_timeout_s, fault_delay_ms=cfg.fault_delay_ms,
                           seed=cfg.seed, extra=extra)
@@ -257,8 +257,10 @@ async def _drive(cfg: ReplayConfig, domain: LocalDomain, requests: list[Request]
             "requests": tally.requests,
             "decisions": stats[d.ranks[0]].get("decisions", 0),
             "divergences": d.divergences,
-            "identical_decision_logs": all(s.log == d.schedulers[0].log for s in d.schedulers)
-            and all(s.log == life[0].log for life in d.past for s in life),
+            "identical_decision_logs": all(agreeing_logs([s.log for s in life], cfg.lag)[0]
+                                           for life in (*d.past, d.schedulers)),
+            "replies_lost_with_a_daemon": sum(agreeing_logs([s.log for s in life], cfg.lag)[1]
+                                              for life in (*d.past, d.schedulers)),
             "corrupt_loads": sum(s.tally.corrupt_loads for s in d.every_scheduler),
             "loaded_pages": sum(s.tally.loaded_pages for s in d.every_scheduler),
             "hit_rate": {k: round(v, 4) for k, v in tally.hit_rates().items()},
@@ -282,6 +284,7 @@ async def _drive(cfg: ReplayConfig, domain: LocalDomain, requests: list[Request]
         "decisions": sum(d["decisions"] for d in per_domain),
         "divergences": sum(d["divergences"] for d in per_domain),
         "identical_decision_logs": all(d["identical_decision_logs"] for d in per_domain),
+        "replies_lost_with_a_daemon": sum(d["replies_lost_with_a_daemon"] for d in per_domain),
         "corrupt_loads": sum(d["corrupt_loads"] for d in per_domain),
         "loaded_pages": sum(d["loaded_pages"] for d in per_domain),
         "hit_rate": {k: round(v, 4) for k, v in tally.hit_rates().items()},
@@ -357,6 +360,19 @@ async def _daemon_outage(cfg: ReplayConfig, domain: LocalDomain, one_step: Calla
     lost = await restart_schedulers(2)
     restart.update(rank=rank, outage_s=round(time.monotonic() - started, 2), outage_steps=failed_steps)
     return lost + batch
+
+
+def agreeing_logs(logs: list[list[bytes]], lag: int) -> tuple[bool, int]:
+    """Whether the decision logs of one domain's schedulers (one life of
+    them) agree, and how many replies the shorter ones lack. At lag >= 1 a
+    step answers with a round completed a step earlier: a daemon that dies
+    between two steps takes up to `lag` such replies with it, which its
+    peers' schedulers did get. So the logs agree when each is a prefix of
+    the longest, short of it by at most `lag` replies (none at lag 0)."""
+    longest = max(logs, key=len, default=[])
+    lost = [len(longest) - len(log) for log in logs]
+    agree = all(log == longest[: len(log)] for log in logs) and max(lost, default=0) <= lag
+    return agree, sum(lost)
 
 
 def _mean_ms(seconds: list[float]) -> float:
