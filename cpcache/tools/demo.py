@@ -122,7 +122,7 @@ def restart_lines(r: dict) -> list[str]:
                          "(UNAVAILABLE), then every scheduler attached again")
         if r.get("replies_lost_with_a_daemon"):
             lines.append(f"  replies lost          {r['replies_lost_with_a_daemon']} (lag {r['lag']}: a step's reply "
-                         "carries an earlier round; the daemon that died held it, its peers delivered it)")
+                         "carries an earlier round, held by the daemon that died or by a peer still exchanging it)")
         lines.append(f"  host pages resumed    {restart.get('resumed_pages', 0)}")
     for name in ("first", "second"):
         if name in halves:

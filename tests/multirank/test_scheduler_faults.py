@@ -292,3 +292,36 @@ async def test_a_host_pool_past_the_budget_is_refused_before_it_is_allocated(run
         assert (await clients[0].stats()).get("host_pages_free") is None  # nothing attached
         for c in clients:
             await c.close()
+
+
+async def test_at_lag_1_a_load_of_pages_evicted_since_the_scheduler_saw_them_fails_alone(run_dir):
+    """At lag >= 1 the host pool moves between what a scheduler was told and
+    its step's round: a load of pages evicted meanwhile is an agreed load
+    failure when its step opens, not a step refused."""
+    async with LocalDomain(spec(run_dir, lag=1)) as domain:  # 16 host pages
+        clients = await attach(domain, run_dir, device_pages=(32, 32))
+        old = [bytes([1, i]) + bytes(30) for i in range(16)]
+        new = [bytes([2, i]) + bytes(30) for i in range(16)]
+        replies = await both(clients, 1, [(VOTE, Ops(writes=((1, old, list(range(16))),)))] * 2)
+        step, acked, backed_up = 1, False, False
+        while not (acked and backed_up):  # then no operation holds `old`: it may be evicted
+            step += 1
+            assert step < 100, replies
+            replies = await both(clients, step, [(VOTE,)] * 2)
+            acked = acked or 1 in replies[0].write_acks
+            backed_up = backed_up or bool(replies[0].backups)
+        assert (await clients[0].match(old)).host_pages == 16  # what the scheduler was told
+        # The write of `new` opens when the next step is taken, evicting `old`; that step loads `old`.
+        await both(clients, step + 1, [(VOTE, Ops(writes=((2, new, list(range(16))),)))] * 2)
+        loading = await both(clients, step + 2, [(VOTE, Ops(loads=((3, old, list(range(16, 32))),)))] * 2)
+        carried = await both(clients, step + 3, [(VOTE,)] * 2)
+        for r in (*loading, *carried):
+            assert not isinstance(r, Exception), r
+        assert carried[0].wire == carried[1].wire
+
+        assert carried[0].load_failures == (3,) and 3 not in carried[0].loads
+        assert set(old) <= set(carried[0].host_left + loading[0].host_left)
+        later = await both(clients, step + 4, [(VOTE,)] * 2)
+        assert not any(isinstance(r, Exception) for r in later) and later[0].wire == later[1].wire
+        for c in clients:
+            await c.close()

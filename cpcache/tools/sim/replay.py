@@ -367,8 +367,10 @@ def agreeing_logs(logs: list[list[bytes]], lag: int) -> tuple[bool, int]:
     them) agree, and how many replies the shorter ones lack. At lag >= 1 a
     step answers with a round completed a step earlier: a daemon that dies
     between two steps takes up to `lag` such replies with it, which its
-    peers' schedulers did get. So the logs agree when each is a prefix of
-    the longest, short of it by at most `lag` replies (none at lag 0)."""
+    peers' schedulers did get (and a peer still exchanging the latest round
+    with it fails that round that others completed). So the logs agree when
+    each is a prefix of the longest, short of it by at most `lag` replies
+    (none at lag 0)."""
     longest = max(logs, key=len, default=[])
     lost = [len(longest) - len(log) for log in logs]
     agree = all(log == longest[: len(log)] for log in logs) and max(lost, default=0) <= lag
