@@ -12,7 +12,11 @@ The phases of a step, in order:
   from the engine), and the hand-offs back to the loop;
 - `open`: opening the step's operations in the shared state;
 - `apply`: applying the round's answers to the shared state;
-- `io`: starting this rank's I/O for what was opened and decided;
+- `io`: starting this rank's I/O the reply waits for (loads: a scheduler
+  may wait for one as soon as it is told it opened);
+- `io_after_reply`: starting the rest of that I/O (writes, backups,
+  lookups, fetches), once the reply has left and before the next round is
+  packed: off the reply's path;
 - `reply`: building the reply message (the daemon's wire layer);
 - `handler`: the whole call in the daemon, from the request read to the
   reply built; what it does not cover is gRPC's and the transport's.
@@ -32,8 +36,9 @@ import time
 
 from cpcache.histogram import Histogram
 
-PHASES = ("check", "pack", "submit", "wait", "open", "apply", "io", "reply", "handler")
-CPU_PHASES = ("check", "pack", "submit", "open", "apply", "io")  # no await inside: the thread's CPU is theirs
+PHASES = ("check", "pack", "submit", "wait", "open", "apply", "io", "io_after_reply", "reply", "handler")
+# No await inside these: the thread's CPU is theirs.
+CPU_PHASES = ("check", "pack", "submit", "open", "apply", "io", "io_after_reply")
 
 
 # Finer at the low end than the round histogram: most phases take microseconds.

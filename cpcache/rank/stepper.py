@@ -263,7 +263,7 @@ class Stepper:
         if intents:
             clock = self.phases.clock()
             self._start(intents)
-            clock.lap("io")
+            clock.lap("io_after_reply")
 
     async def _settle_guarded(self, submitted: _Submitted) -> tuple[StepOutcome | CacheError, list[Intent]]:
         try:

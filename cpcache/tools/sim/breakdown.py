@@ -8,8 +8,8 @@ is waiting for it)."""
 from __future__ import annotations
 
 # In the order a step goes through them; `reduce` is inside `wait`.
-PHASES = ("check", "pack", "submit", "wait", "reduce", "open", "apply", "io", "reply", "handler")
-CPU_PHASES = ("check", "pack", "submit", "open", "apply", "io")
+PHASES = ("check", "pack", "submit", "wait", "reduce", "open", "apply", "io", "reply", "handler", "io_after_reply")
+CPU_PHASES = ("check", "pack", "submit", "open", "apply", "io", "io_after_reply")
 
 
 def step_breakdown(stats: list[dict[str, int]]) -> dict:
@@ -58,10 +58,11 @@ def breakdown_lines(r: dict) -> list[str]:
             f"hand-offs {b['handoffs_ms']:.3f})" if b["handoffs_ms"] is not None
             else "hand-offs not separable: at lag >= 1 the collective runs between steps)"),
         f"    open {m['open']:.3f}  apply {m['apply']:.3f}  io {m['io']:.3f}  reply {m['reply']:.3f}  "
-        f"= in the daemon {m['handler']:.3f}",
+        f"= in the daemon {m['handler']:.3f}; after the reply: io {m['io_after_reply']:.3f}",
         *([f"    CPU of the loop thread: open {c['open']:.3f}  apply {c['apply']:.3f}  io {c['io']:.3f}  "
            f"(open + apply + io {c['open'] + c['apply'] + c['io']:.3f}; check {c['check']:.3f}  pack {c['pack']:.3f}"
-           f"  submit {c['submit']:.3f})"] if (c := b.get("cpu_ms")) else []),
+           f"  submit {c['submit']:.3f}; after the reply: io {c['io_after_reply']:.3f})"]
+          if (c := b.get("cpu_ms")) else []),
         f"    the call as a scheduler sees it: mean {mean_call:.3f}, p50 {call['p50'] / 1000:.3f}"
         if mean_call is not None else f"    the call as a scheduler sees it: p50 {call['p50'] / 1000:.3f}",
     ]
