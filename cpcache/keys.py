@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from cpcache.errors import InvalidArgument
@@ -123,6 +123,18 @@ class ShardingSpec:
     def storage_key(self, page: str) -> str:
         prefix, suffix = self._key_parts
         return f"{prefix}{page}{suffix}"
+
+    def storage_keys(self, pages: Iterable[bytes]) -> tuple[str, ...]:
+        prefix, suffix = self._key_parts
+        return tuple(f"{prefix}{page.hex()}{suffix}" for page in pages)
+
+    def share(self, pages: Iterable[bytes], slots: Iterable[int]) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        """The keys and slots of the pages this rank writes (`writes`)."""
+        prefix, suffix = self._key_parts
+        replicas, me = self._writer
+        mine = [(f"{prefix}{h}{suffix}", slot) for page, slot in zip(pages, slots)
+                for h in (page.hex(),) if replicas == 1 or int(h[:16], 16) % replicas == me]
+        return tuple(k for k, _ in mine), tuple(s for _, s in mine)
 
     def writes(self, page: str) -> bool:
         """Whether this rank writes `page` to storage. Ranks that hold the same

@@ -75,3 +75,14 @@ def test_a_flush_generation_seeds_chains_that_share_no_page():
     first, flushed = chain(tokens, 16, None), chain(tokens, 16, generation_seed(None, 1))
     assert not set(first) & set(flushed)
     assert chain(tokens, 16, generation_seed(None, 2)) != flushed
+
+
+def test_a_backups_share_is_the_pages_this_rank_writes_under_their_keys():
+    pages = [bytes.fromhex(page_hash([i], None)) for i in range(40)]
+    slots = list(range(100, 140))
+    for spec in (ShardingSpec(), ShardingSpec(cp_rank=1, cp_size=2, tp_rank=1, tp_size=2, tenant="t"),
+                 ShardingSpec(cp="cp_replicated", tp_sharded_heads=False, cp_rank=1, cp_size=2, tp_rank=0, tp_size=2)):
+        keys, mine = spec.share(pages, slots)
+        expected = [(spec.storage_key(p.hex()), s) for p, s in zip(pages, slots) if spec.writes(p.hex())]
+        assert list(zip(keys, mine)) == expected
+        assert spec.storage_keys(pages) == tuple(spec.storage_key(p.hex()) for p in pages)

@@ -4,15 +4,26 @@ serial (unique for the life of the state, never reused)."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
+
+from cpcache.keys import ShardingSpec
+
+# Storage keys are formatted when the I/O starts, not when the state decides
+# it: a round's I/O mostly starts after its step has answered.
 
 
 @dataclass(frozen=True)
 class Lookup:
-    """How many of `keys`, from the first, are in storage."""
+    """How many of `pages`' keys, from the first, are in storage."""
 
     serial: int
-    keys: tuple[str, ...]
+    pages: tuple[bytes, ...]
+    sharding: ShardingSpec
+
+    @functools.cached_property
+    def keys(self) -> tuple[str, ...]:
+        return self.sharding.storage_keys(self.pages)
 
 
 @dataclass(frozen=True)
@@ -20,8 +31,13 @@ class Fetch:
     """Storage -> host, into `slots`."""
 
     serial: int
-    keys: tuple[str, ...]
+    pages: tuple[bytes, ...]
     slots: tuple[int, ...]
+    sharding: ShardingSpec
+
+    @functools.cached_property
+    def keys(self) -> tuple[str, ...]:
+        return self.sharding.storage_keys(self.pages)
 
 
 @dataclass(frozen=True)
@@ -35,12 +51,29 @@ class CopyToHost:
 
 @dataclass(frozen=True)
 class Store:
-    """Host -> storage (a backup); `keys` and `slots` are this rank's share."""
+    """Host -> storage (a backup) of `pages`, in `page_slots`; `keys` and
+    `slots` are this rank's share (`ShardingSpec.writes`)."""
 
     serial: int
-    keys: tuple[str, ...]
-    slots: tuple[int, ...]
-    has_pages: bool  # whether the backup has pages at all (some rank writes them)
+    pages: tuple[bytes, ...]
+    page_slots: tuple[int, ...]
+    sharding: ShardingSpec
+
+    @property
+    def has_pages(self) -> bool:  # whether the backup has pages at all (some rank writes them)
+        return bool(self.pages)
+
+    @functools.cached_property
+    def _share(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        return self.sharding.share(self.pages, self.page_slots)
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return self._share[0]
+
+    @property
+    def slots(self) -> tuple[int, ...]:
+        return self._share[1]
 
 
 @dataclass(frozen=True)

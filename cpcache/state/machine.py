@@ -187,7 +187,7 @@ class CacheState:
             prefetch = Prefetch(self._serial(), req)
             self._add(prefetch, req.op_id)
             self._record("prefetch", prefetch.serial, req.op_id, req.pages)
-            intents.append(Lookup(prefetch.serial, tuple(self.storage_key(p) for p in req.pages)))
+            intents.append(Lookup(prefetch.serial, tuple(req.pages), self.sharding))
         for op_id in ops.prefetch_polls:
             if (pf := self._open_prefetch(op_id)) is not None:
                 pf.polled_at = step
@@ -338,8 +338,7 @@ class CacheState:
             return []
         pf.slots = self.allocator.allocate(hit)
         self._record("fetch", pf.serial, tuple(pf.slots))
-        keys = tuple(self.storage_key(p) for p in pf.request.pages[:hit])
-        return [Fetch(pf.serial, keys, tuple(pf.slots))]
+        return [Fetch(pf.serial, tuple(pf.request.pages[:hit]), tuple(pf.slots), self.sharding)]
 
     def _revoke(self, pf: Prefetch, why: str, decisions: Decisions) -> None:
         self._close(pf, pf.request.op_id)
@@ -450,12 +449,10 @@ class CacheState:
         """Backups not yet started (they start in the round they are queued)."""
         intents: list[Intent] = []
         backups, self._unstarted_backups = self._unstarted_backups, []
+        entries = self.index
         for backup in backups:
-            sharding, entries = self.sharding, self.index
-            mine_hex = [(h, p) for p in backup.pages if sharding.writes(h := p.hex())]
-            keys = tuple(sharding.storage_key(h) for h, _ in mine_hex)
-            mine = tuple(entries[p].slot for _, p in mine_hex)
-            intents.append(Store(backup.serial, keys, mine, bool(backup.pages)))
+            slots = tuple(entries[p].slot for p in backup.pages)
+            intents.append(Store(backup.serial, tuple(backup.pages), slots, self.sharding))
         return intents
 
     # -- reads --------------------------------------------------------------------------
