@@ -11,6 +11,12 @@
 - Round n is applied right before round n + lag is packed (with lag 0: right
   after it completes), so every rank packs every round against the same
   state.
+- What a step answers leaves before the work its answer does not need:
+  at lag >= 1 the answer (an earlier round's) is given before the step's
+  own round is packed and handed to the agreement thread; at any lag the
+  round's I/O other than loads starts after the answer (and always before
+  the next round is packed), so the I/O threads it wakes do not compete
+  with the loop while it applies and replies.
 - `step` is idempotent by step number: a retry gets the same outcome while
   it is among the last `REPLIES_KEPT` steps.
 - A stepper decides in one epoch. Leaving it closes its engine first, then
