@@ -174,11 +174,11 @@ class Stepper:
                 # step's round is packed and the agreement thread wakes up.
                 await asyncio.sleep(0)
                 self._start_later(later)
-                submitted = True
                 self._submit(step, votes, ops, invalid)
+                submitted = True
             else:
-                submitted = True
                 self._submit(step, votes, ops, invalid)
+                submitted = True
                 carried, later = await self._settle_guarded(self._pipeline.popleft())
                 _answer(answer, step, carried, self.digest)
                 await asyncio.sleep(0)
@@ -310,8 +310,8 @@ class Stepper:
                 # The state moved since the step was checked (lag >= 1): the same
                 # on every rank, so each operation opens or fails on its own,
                 # answered by op id, and the round's answers still apply.
-                log.warning("step %d no longer opens as a whole (%s); opening its operations one by one",
-                            submitted.number, exc)
+                log.info("step %d no longer opens as a whole (%s); opening its operations one by one",
+                         submitted.number, exc)
                 intents, decided = cache.state.open_each(submitted.number, submitted.ops)
             clock.lap("open")
             self._start([i for i in intents if isinstance(i, CopyToDevice)])
@@ -321,7 +321,12 @@ class Stepper:
         chain = np.array([self._applied_chain, result.number], dtype=np.int64)
         self._applied_chain = hash62(chain.tobytes() + op_ids.tobytes() + values.tobytes())
         if cache is not None:
-            decisions, intents = cache.state.apply(result)
+            try:
+                decisions, intents = cache.state.apply(result)
+            except Exception:
+                # What opened is in the state on every rank: its I/O starts all the same.
+                self._start(later)
+                raise
             later += intents  # loads open only with their step's operations, above
             clock.lap("apply")
             cache.io.forget(cache.state.closed)

@@ -170,12 +170,13 @@ class CacheState:
         reqs: tuple[WriteRequest | LoadRequest, ...] = (*ops.writes, *ops.loads)
         return {p for req in reqs for p in req.pages}
 
-    def open(self, step: int, ops: StepOps) -> tuple[list[Intent], Decisions]:
+    def open(self, step: int, ops: StepOps, keep: set[bytes] | None = None) -> tuple[list[Intent], Decisions]:
         """Open a step's operations, all or none. Returns this rank's I/O to
-        start and what the step decided by itself (scheduler revokes)."""
+        start and what the step decided by itself (scheduler revokes).
+        `keep`: pages no eviction may take (default: the step's own)."""
         self.check(ops)
         self.step = step
-        keep = self._keep(ops)
+        keep = self._keep(ops) if keep is None else keep
         intents: list[Intent] = []
         decided = Decisions()
         for load in ops.loads:
@@ -199,16 +200,18 @@ class CacheState:
     def open_each(self, step: int, ops: StepOps) -> tuple[list[Intent], Decisions]:
         """Open a step's operations one at a time, in `open`'s order; one that
         cannot open fails on its own, by op id (a load in load_failures, a
-        write in write_failures, a prefetch revoked with the reason)."""
+        write in write_failures, a prefetch revoked with the reason). The
+        whole step's pages stay, as when it opens as a whole."""
         intents: list[Intent] = []
         decided = Decisions()
+        keep = self._keep(ops)
         singles = ([StepOps(loads=(r,)) for r in ops.loads] + [StepOps(revokes=(i,)) for i in ops.revokes]
                    + [StepOps(prefetches=(r,)) for r in ops.prefetches]
                    + [StepOps(prefetch_polls=(i,)) for i in ops.prefetch_polls]
                    + [StepOps(writes=(r,)) for r in ops.writes])
         for single in singles:
             try:
-                opened, decisions = self.open(step, single)
+                opened, decisions = self.open(step, single, keep)
             except CacheError as exc:
                 for load in single.loads:
                     decided.load_failures.append(load.op_id)

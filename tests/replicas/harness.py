@@ -238,7 +238,8 @@ class Domain:
         inputs = []
         for rep in self.replicas:
             try:
-                rep.state.check(ops)
+                # As the stepper checks: at lag >= 1 a load of pages gone since is not refused.
+                rep.state.check(ops, loads_resident=not self.lag)
                 refusal = None
             except CacheError as exc:
                 refusal = exc

@@ -137,6 +137,11 @@ class _Domain:
     requests: list[Request] = field(default_factory=list)
     divergences: int = 0
     past: list[list[SimScheduler]] = field(default_factory=list)  # the schedulers of earlier lives
+    outage_lives: set[int] = field(default_factory=set)  # indexes into `past`: lives that ended in a lost daemon
+
+    def lives(self) -> list[tuple[list[SimScheduler], bool]]:
+        """Each life's schedulers, and whether it ended in a lost daemon."""
+        return [*((life, i in self.outage_lives) for i, life in enumerate(self.past)), (self.schedulers, False)]
 
     @property
     def tally(self) -> Tally:
@@ -229,6 +234,8 @@ async def _drive(cfg: ReplayConfig, domain: LocalDomain, requests: list[Request]
                 batch = await restart_schedulers(2) + batch
             elif cfg.restart in ("daemon-kill", "daemon-stop"):
                 batch = await _daemon_outage(cfg, domain, one_step, batch, restart_schedulers, restart)
+                for d in domains:
+                    d.outage_lives.add(len(d.past) - 1)
         await one_step(batch)
         if progress and (i % max(1, len(batches) // 20) == 0 or i == len(batches) - 1):
             progress(summary())
@@ -257,10 +264,11 @@ async def _drive(cfg: ReplayConfig, domain: LocalDomain, requests: list[Request]
             "requests": tally.requests,
             "decisions": stats[d.ranks[0]].get("decisions", 0),
             "divergences": d.divergences,
-            "identical_decision_logs": all(agreeing_logs([s.log for s in life], cfg.lag)[0]
-                                           for life in (*d.past, d.schedulers)),
+            # Only a life that ended in a lost daemon may lack replies (see `agreeing_logs`).
+            "identical_decision_logs": all(agreeing_logs([s.log for s in life], cfg.lag if outage else 0)[0]
+                                           for life, outage in d.lives()),
             "replies_lost_with_a_daemon": sum(agreeing_logs([s.log for s in life], cfg.lag)[1]
-                                              for life in (*d.past, d.schedulers)),
+                                              for life, outage in d.lives() if outage),
             "corrupt_loads": sum(s.tally.corrupt_loads for s in d.every_scheduler),
             "loaded_pages": sum(s.tally.loaded_pages for s in d.every_scheduler),
             "hit_rate": {k: round(v, 4) for k, v in tally.hit_rates().items()},
