@@ -84,7 +84,9 @@ def text_report(r: dict) -> str:
         "",
         f"cpcache demo: {r['ranks']} ranks ({r['topology']}), {r['mode']} mode, lag {r['lag']}, "
         f"{r['storage']} storage",
-        f"  requests              {r['requests']}",
+        f"  requests              {r['requests']}" + (
+            f" ({again} of them run again: in flight when their schedulers restarted)"
+            if (again := (r.get("restart") or {}).get("requests_run_again")) else ""),
         f"  steps                 {r['steps']}",
         f"  agreed decisions      {r['decisions']}",
         f"  divergences           {r['divergences']}",

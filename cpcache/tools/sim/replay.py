@@ -187,6 +187,7 @@ async def _drive(cfg: ReplayConfig, domain: LocalDomain, requests: list[Request]
         had in flight are lost with them; the server runs them again."""
         nonlocal schedulers
         lost = [a.request for d in domains for a in d.schedulers[0].active]
+        restart["requests_run_again"] = restart.get("requests_run_again", 0) + len(lost)
         for s in schedulers:
             await s.client.close()
         fresh = await _start_schedulers(cfg, domain, run_dir, life)
