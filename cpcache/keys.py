@@ -130,11 +130,8 @@ class ShardingSpec:
 
     def share(self, pages: Iterable[bytes], slots: Iterable[int]) -> tuple[tuple[str, ...], tuple[int, ...]]:
         """The keys and slots of the pages this rank writes (`writes`)."""
-        prefix, suffix = self._key_parts
-        replicas, me = self._writer
-        mine = [(f"{prefix}{h}{suffix}", slot) for page, slot in zip(pages, slots)
-                for h in (page.hex(),) if replicas == 1 or int(h[:16], 16) % replicas == me]
-        return tuple(k for k, _ in mine), tuple(s for _, s in mine)
+        mine = [(h, slot) for page, slot in zip(pages, slots) if self.writes(h := page.hex())]
+        return tuple(self.storage_key(h) for h, _ in mine), tuple(slot for _, slot in mine)
 
     def writes(self, page: str) -> bool:
         """Whether this rank writes `page` to storage. Ranks that hold the same

@@ -208,7 +208,7 @@ class CacheDaemonServicer(pb_grpc.CacheDaemonServicer):
         storage = 0
         backend = runtime.io.transfers.tiers.storage
         if backend is not None and pages and not request.host_only:
-            keys = [runtime.state.storage_key(p) for p in pages]
+            keys = list(runtime.state.sharding.storage_keys(pages))
             storage = await bounded_storage_call(runtime, lambda: backend.exists_prefix(keys), "match")
         return pb.MatchReply(host_pages=host, storage_pages=storage)
 

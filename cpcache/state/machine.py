@@ -101,9 +101,6 @@ class CacheState:
             self.allocator.take(list(busy))
             self._retire(list(busy))
 
-    def storage_key(self, page: bytes) -> str:
-        return self.sharding.storage_key(page.hex())
-
     def _retire(self, slots: list[int]) -> None:
         if slots:
             self.allocator.retire(slots)
