@@ -230,8 +230,8 @@ def main() -> None:
             if drained > 1000:
                 raise RuntimeError("pending cache operations never drained")
         tally = cache.connector.tally
-        report["tally"] = {k: v for k, v in vars(tally).items() if k != "decisions"}
-        report["decisions"] = tally.decisions
+        report["tally"] = dict(vars(tally))
+        report["decisions"] = cache.connector.decisions.entries
         report["stats"] = cache.connector.client.stats()
     report["seconds"] = time.monotonic() - started
     Path(args.out).write_text(json.dumps(report, default=list))

@@ -10,7 +10,8 @@ from typing import Any
 
 from cpcache.client.core import Client
 from cpcache.integrations.sglang import server_flags
-from cpcache.integrations.sglang.connector import Connector
+from cpcache.integrations.sglang.connector import Connector, DecisionLog
+from cpcache.integrations.sglang.daemon_process import DaemonProcess
 from cpcache.integrations.sglang.pool import share_device_pool
 from cpcache.integrations.sglang.settings import Settings
 from cpcache.topology import Topology
@@ -84,9 +85,11 @@ def build_cache(context: Any, settings: Settings | None = None) -> Any:
     log.info("cpcache: rank %d attached %r to %s (%d device pages, %d host pages, storage %s)",
              rank, model_id, socket, pool.device_pages, attached.host_pages, attached.storage)
 
+    decisions = DecisionLog() if settings.record_decisions else None  # one log across attaches
+
     def connect(step: int) -> Connector:
-        return Connector(client, first_step=step, load_timeout_s=settings.timeout_s,
-                         keep_decisions=settings.record_decisions)
+        return Connector(client, first_step=step, load_timeout_s=settings.timeout_s, decisions=decisions,
+                         daemon=DaemonProcess.serving(socket))
 
     def attach_again() -> Connector:
         client.attach(model_id, pool.geometry, pool.device_pages, pool_fd=pool.fd, cuda_ipc=pool.cuda_ipc,
@@ -96,5 +99,5 @@ def build_cache(context: Any, settings: Settings | None = None) -> Any:
     return CpcacheRadixCache(params, connector=connect(first_step), pool=pool, attach_again=attach_again,
                              reattach_after=settings.reattach_after_iterations,
                              storage_prefetch=server_flags.storage_prefetch_enabled(context.server_args), rank=rank,
-                             host_pages=attached.host_pages)
+                             host_pages=attached.host_pages, decisions=decisions)
 

@@ -18,14 +18,17 @@ flush and a drain wait for their own steps.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from cpcache.client.core import Client, StepResult
 from cpcache.client.session import HiCacheSession
 from cpcache.errors import Unavailable
+from cpcache.integrations.sglang.daemon_process import DaemonProcess
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +48,23 @@ class Tally:
     prefetches: int = 0
     prefetched_pages: int = 0
     step_seconds: float = 0.0  # in flush(), whoever called it (perf_counter)
-    decisions: list[tuple] = field(default_factory=list)  # the agreed decisions, in order
+
+
+@dataclass
+class DecisionLog:
+    """Every agreed decision this rank's scheduler took, in order, across
+    attaches: ranks are compared by it (equal on every rank at every
+    iteration, or the model's collectives would have parted)."""
+
+    entries: list[tuple] = field(default_factory=list)
+    _digest: Any = field(default_factory=hashlib.sha256)
+
+    def add(self, decisions: tuple) -> None:
+        self.entries.append(decisions)
+        self._digest.update(repr(decisions).encode())
+
+    def digest(self) -> str:
+        return self._digest.hexdigest()[:16]
 
 
 @dataclass
@@ -91,13 +110,14 @@ class HostMirror:
 
 class Connector:
     def __init__(self, client: Client, first_step: int, load_timeout_s: float = 30.0,
-                 keep_decisions: bool = False) -> None:
+                 decisions: DecisionLog | None = None, daemon: DaemonProcess | None = None) -> None:
         self.client = client
+        self.daemon = daemon  # the process that answered the attach, when it can be watched
         self.session = HiCacheSession(client, first_step=first_step)
         self.load_timeout_s = load_timeout_s
         self.tally = Tally()
         self.host = HostMirror()
-        self._keep_decisions = keep_decisions
+        self.decisions = decisions  # kept when asked (settings.record_decisions)
         self._write_done: dict[int, Callable[[bool], None]] = {}  # write op -> called with stored?
         self._in_flight: Callable[[], StepResult] | None = None  # the step sent by `iterate`, not yet taken
 
@@ -226,8 +246,8 @@ class Connector:
     def _took(self, reply: StepResult) -> StepResult:
         self.tally.steps += 1
         self.host.follow(reply)
-        if self._keep_decisions:
-            self.tally.decisions.append(_decisions(reply))
+        if self.decisions is not None:
+            self.decisions.add(_decisions(reply))
         for op in self.session.writing_check():
             self.tally.write_acks += 1
             self._write_done.pop(op)(True)

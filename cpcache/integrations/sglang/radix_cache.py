@@ -54,8 +54,9 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from sglang.srt.mem_cache.unified_radix_cache import NodeId, UnifiedRadixCache
 
 from cpcache.errors import CacheError
-from cpcache.integrations.sglang.connector import Connector, SchedulerTime
+from cpcache.integrations.sglang.connector import Connector, DecisionLog, SchedulerTime
 from cpcache.integrations.sglang.pool import SharedPool
+from cpcache.integrations.sglang.quarantine import Quarantine
 from cpcache.keys import chain, generation_seed, request_namespace_seed
 
 log = logging.getLogger(__name__)
@@ -82,14 +83,13 @@ class _HostHit:
 class CpcacheRadixCache(UnifiedRadixCache):
     def __init__(self, params: Any, *, connector: Connector, pool: SharedPool,
                  attach_again: Callable[[], Connector] | None = None, reattach_after: int = 64,
-                 storage_prefetch: bool = True, rank: int = 0, host_pages: int = 0) -> None:
+                 storage_prefetch: bool = True, rank: int = 0, host_pages: int = 0,
+                 decisions: DecisionLog | None = None) -> None:
         # The parent constructor calls reset() before the connector exists.
         self.connector: Connector | None = None
         self._write_locks: dict[int, tuple[NodeId, Any]] = {}  # lock number -> (node, lock) while a write is open
-        # Device slots of a load that was never decided (its step failed): the
-        # daemon's copy may still land in them, so SGLang gets them back only
-        # once the daemon's session has ended (attached again), never before.
-        self._quarantined: list[torch.Tensor] = []
+        # Device slots of loads never decided (their step failed): quarantine.py.
+        self._quarantined = Quarantine()
         self.clock = SchedulerTime()
         self._steps_before = (0, 0.0)  # steps and their seconds of the connectors left behind
         super().__init__(params)
@@ -110,6 +110,7 @@ class CpcacheRadixCache(UnifiedRadixCache):
         self._next_attach: int | None = None  # iteration of the next attach try while fallen back
         self._attach_wait = self._reattach_after
         self.host_pages = host_pages
+        self.decisions = decisions
 
     def _release_write_locks(self) -> None:
         for node, lock in self._write_locks.values():
@@ -146,9 +147,8 @@ class CpcacheRadixCache(UnifiedRadixCache):
             return
         self._next_attach = None
         self.reattaches += 1
-        for slots in self._quarantined:  # the old session ended on the daemon: its copies too
-            self.token_to_kv_pool_allocator.free(slots)
-        self._quarantined.clear()
+        # The old session ended on the daemon (its copies too) before the new one began.
+        self._give_back(self._quarantined.release_all(self.token_to_kv_pool_allocator.free), "attached again")
         self.fallback_reason = ""
         log.warning("cpcache: rank %d attached again at iteration %d; host and storage tiers in use again",
                     self.rank, self._iteration)
@@ -269,8 +269,8 @@ class CpcacheRadixCache(UnifiedRadixCache):
         try:
             loaded = connector.load_now(hit.pages, (slots[::ps] // ps).tolist())
         except CacheError as exc:
+            self._quarantined.hold(slots, connector.daemon)  # undecided: the copy may still land there
             self._fall_back(exc)
-            self._quarantined.append(slots)  # undecided: the copy may still land there
             return 0, fallback
         if not loaded:
             self.token_to_kv_pool_allocator.free(slots)  # an agreed failure: every copy has ended
@@ -369,6 +369,9 @@ class CpcacheRadixCache(UnifiedRadixCache):
     def _iterate(self) -> None:
         self._iteration += 1
         if self.connector is None:
+            # Local, and changes nothing ranks decide: which slots SGLang may reuse.
+            self._give_back(self._quarantined.release_exited(self.token_to_kv_pool_allocator.free),
+                            "its daemon exited")
             if self._next_attach is not None and self._iteration >= self._next_attach:
                 self._try_attach_again()
             return
@@ -388,6 +391,19 @@ class CpcacheRadixCache(UnifiedRadixCache):
 
     def log_scheduler_time(self) -> None:
         log.info("%s", self.scheduler_time().line(self.rank))
+        if self.decisions is not None:
+            log.info("cpcache: rank %d decision log: %d steps, digest %s", self.rank, len(self.decisions.entries),
+                     self.decisions.digest())
+
+    def _give_back(self, tokens: int, why: str) -> None:
+        if tokens:
+            log.warning("cpcache: rank %d gave back %d device slots of loads left undecided (%s)",
+                        self.rank, tokens, why)
+
+    def protected_size(self) -> int:
+        """SGLang's protected tokens, with the quarantined slots: held by the
+        cache, neither free nor evictable (SGLang's idle leak check)."""
+        return super().protected_size() + self._quarantined.tokens()
 
     def has_pending_cache_operations(self) -> bool:
         return self.connector is not None and self.connector.busy()
@@ -434,5 +450,5 @@ class CpcacheRadixCache(UnifiedRadixCache):
         self._release_write_locks()
         # SGLang clears its KV allocator right after this, held slots included:
         # they must not be freed a second time when the daemon is attached again.
-        self._quarantined.clear()
+        self._quarantined.forget()
         super().reset()
