@@ -11,7 +11,6 @@ from typing import Any
 from cpcache.client.core import Client
 from cpcache.integrations.sglang import server_flags
 from cpcache.integrations.sglang.connector import Connector, DecisionLog
-from cpcache.integrations.sglang.daemon_process import DaemonProcess
 from cpcache.integrations.sglang.pool import share_device_pool
 from cpcache.integrations.sglang.settings import Settings
 from cpcache.topology import Topology
@@ -88,8 +87,7 @@ def build_cache(context: Any, settings: Settings | None = None) -> Any:
     decisions = DecisionLog() if settings.record_decisions else None  # one log across attaches
 
     def connect(step: int) -> Connector:
-        return Connector(client, first_step=step, load_timeout_s=settings.timeout_s, decisions=decisions,
-                         daemon=DaemonProcess.serving(socket))
+        return Connector(client, first_step=step, load_timeout_s=settings.timeout_s, decisions=decisions)
 
     def attach_again() -> Connector:
         client.attach(model_id, pool.geometry, pool.device_pages, pool_fd=pool.fd, cuda_ipc=pool.cuda_ipc,

@@ -28,7 +28,6 @@ from typing import Any
 from cpcache.client.core import Client, StepResult
 from cpcache.client.session import HiCacheSession
 from cpcache.errors import Unavailable
-from cpcache.integrations.sglang.daemon_process import DaemonProcess
 
 log = logging.getLogger(__name__)
 
@@ -110,9 +109,8 @@ class HostMirror:
 
 class Connector:
     def __init__(self, client: Client, first_step: int, load_timeout_s: float = 30.0,
-                 decisions: DecisionLog | None = None, daemon: DaemonProcess | None = None) -> None:
+                 decisions: DecisionLog | None = None) -> None:
         self.client = client
-        self.daemon = daemon  # the process that answered the attach, when it can be watched
         self.session = HiCacheSession(client, first_step=first_step)
         self.load_timeout_s = load_timeout_s
         self.tally = Tally()

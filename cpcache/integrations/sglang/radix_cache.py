@@ -148,7 +148,7 @@ class CpcacheRadixCache(UnifiedRadixCache):
         self._next_attach = None
         self.reattaches += 1
         # The old session ended on the daemon (its copies too) before the new one began.
-        self._give_back(self._quarantined.release_all(self.token_to_kv_pool_allocator.free), "attached again")
+        self._give_back(self._quarantined.release(self.token_to_kv_pool_allocator.free))
         self.fallback_reason = ""
         log.warning("cpcache: rank %d attached again at iteration %d; host and storage tiers in use again",
                     self.rank, self._iteration)
@@ -269,7 +269,7 @@ class CpcacheRadixCache(UnifiedRadixCache):
         try:
             loaded = connector.load_now(hit.pages, (slots[::ps] // ps).tolist())
         except CacheError as exc:
-            self._quarantined.hold(slots, connector.daemon)  # undecided: the copy may still land there
+            self._quarantined.hold(slots)  # undecided: the copy may still land there
             self._fall_back(exc)
             return 0, fallback
         if not loaded:
@@ -369,9 +369,6 @@ class CpcacheRadixCache(UnifiedRadixCache):
     def _iterate(self) -> None:
         self._iteration += 1
         if self.connector is None:
-            # Local, and changes nothing ranks decide: which slots SGLang may reuse.
-            self._give_back(self._quarantined.release_exited(self.token_to_kv_pool_allocator.free),
-                            "its daemon exited")
             if self._next_attach is not None and self._iteration >= self._next_attach:
                 self._try_attach_again()
             return
@@ -395,10 +392,10 @@ class CpcacheRadixCache(UnifiedRadixCache):
             log.info("cpcache: rank %d decision log: %d steps, digest %s", self.rank, len(self.decisions.entries),
                      self.decisions.digest())
 
-    def _give_back(self, tokens: int, why: str) -> None:
+    def _give_back(self, tokens: int) -> None:
         if tokens:
-            log.warning("cpcache: rank %d gave back %d device slots of loads left undecided (%s)",
-                        self.rank, tokens, why)
+            log.warning("cpcache: rank %d gave back %d device slots of loads its last session left undecided",
+                        self.rank, tokens)
 
     def protected_size(self) -> int:
         """SGLang's protected tokens, with the quarantined slots: held by the
