@@ -141,3 +141,19 @@ def test_every_rank_killed_again_and_again_is_seen_and_its_domain_serves_again(r
     with capsys.disabled():
         print(f"\n{len(times)} kills, time from SIGKILL to the whole domain serving: "
               f"median {statistics.median(times):.2f}s, max {max(times):.2f}s, min {min(times):.2f}s")
+
+
+def test_launch_config_sets_single_ranks_in_rank_tables_and_refuses_unknown_ones(tmp_path):
+    from cpcache.tools.cli import _daemon_settings
+
+    config = tmp_path / "daemons.toml"
+    config.write_text('storage = "file"\nfault_copy_delay_ms = 10.0\n[rank.1]\nfault_copy_delay_ms = 400.0\n')
+    every_rank, per_rank = _daemon_settings(str(config))
+    assert every_rank == {"storage": "file", "fault_copy_delay_ms": 10.0}
+    assert per_rank == {1: {"fault_copy_delay_ms": 400.0}}
+    config.write_text('[rank.1]\nsocket = "/tmp/x.sock"\n')
+    with pytest.raises(SystemExit, match=r"\[rank.1\] unknown or launcher-owned settings socket"):
+        _daemon_settings(str(config))
+    config.write_text('[rank.one]\nfault_seed = 1\n')
+    with pytest.raises(SystemExit, match="need a rank number"):
+        _daemon_settings(str(config))

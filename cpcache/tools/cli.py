@@ -34,12 +34,13 @@ def topology_of(args: argparse.Namespace) -> Topology:
     return Topology(tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp)
 
 
-def _daemon_settings(path: str | None) -> dict:
-    """Every rank's other settings, from a TOML file of cpcached's settings
-    (names as in `cpcached --help`); the launcher's own (rank, sizes,
-    rendezvous, socket) are not settable there."""
+def _daemon_settings(path: str | None) -> tuple[dict, dict[int, dict]]:
+    """Every rank's other settings, and settings for single ranks (`[rank.N]`
+    tables, e.g. to slow one rank's copies), from a TOML file of cpcached's
+    settings (names as in `cpcached --help`); the launcher's own (rank,
+    sizes, rendezvous, socket) are not settable there."""
     if not path:
-        return {}
+        return {}, {}
     import dataclasses
     import tomllib
 
@@ -47,22 +48,27 @@ def _daemon_settings(path: str | None) -> dict:
 
     with open(path, "rb") as fh:
         settings = tomllib.load(fh)
+    per_rank = settings.pop("rank") if isinstance(settings.get("rank"), dict) else {}
     own = {"rank", "tp", "pp", "dp", "cp", "rendezvous", "deployment", "socket"}
     known = {f.name for f in dataclasses.fields(DaemonConfig)} - own
-    unknown = sorted(set(settings) - known)
-    if unknown:
-        raise SystemExit(f"cpcache launch: {path}: unknown or launcher-owned settings {', '.join(unknown)}")
-    return settings
+    for where, table in [("", settings), *((f"[rank.{r}] ", t) for r, t in per_rank.items())]:
+        unknown = sorted(set(table) - known) if isinstance(table, dict) else ["(not a table)"]
+        if unknown:
+            raise SystemExit(f"cpcache launch: {path}: {where}unknown or launcher-owned settings {', '.join(unknown)}")
+    if not all(r.isdigit() for r in per_rank):
+        raise SystemExit(f"cpcache launch: {path}: [rank.N] tables need a rank number, got {sorted(per_rank)}")
+    return settings, {int(r): t for r, t in per_rank.items()}
 
 
 async def _launch(args: argparse.Namespace) -> int:
     from cpcache.tools.launcher import DomainSpec, LocalDomain
 
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="cpcache-"))
+    every_rank, per_rank = _daemon_settings(args.config)
     spec = DomainSpec(
         topology_of(args), run_dir, mode=args.mode, agreement_lag=args.lag,
         agreement_timeout_s=args.agreement_timeout, fault_delay_ms=args.fault_delay_ms,
-        extra=_daemon_settings(args.config),
+        extra=every_rank, per_rank=per_rank,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -189,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     launch = sub.add_parser("launch", help="run one daemon per rank on this machine until Ctrl-C")
     add_topology_flags(launch, tp=4, cp=1)
     launch.add_argument("--config", help="TOML file of cpcached settings for every rank (storage, host pool, "
-                        "policies; see `cpcached --help`)")
+                        "policies; see `cpcached --help`), and for single ranks in [rank.N] tables")
     launch.add_argument("--run-dir", help="where sockets and logs go (default: a new temp dir)")
     launch.add_argument("--agreement-timeout", type=float, default=10.0, help="seconds before a peer counts as lost")
     launch.add_argument("--fault-delay-ms", type=float, default=0.0, help="inject up to this delay into each round")
@@ -208,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         query.add_argument("--timeout", type=float, default=5.0)
 
     bench = sub.add_parser("bench", help="run a benchmark and print its figures")
-    bench.add_argument("name", choices=["agreement", "movers", "ranks", "sglang", "soak", "state"])
+    bench.add_argument("name", choices=["agreement", "movers", "ranks", "sglang", "sglang-soak", "soak", "state"])
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.add_argument("--steps", type=int, default=40,
                        help="agreement, ranks, state: measured steps per case and block")
@@ -229,8 +235,11 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--requests", type=int, default=4, help="sglang: concurrent requests per wave")
     bench.add_argument("--waves", type=int, default=2, help="sglang: waves of requests per server and block")
     bench.add_argument("--new-tokens", type=int, default=32, help="sglang: tokens each request generates")
-    bench.add_argument("--work-dir", help="sglang: where the model, logs and daemons go (kept; default: a temp dir, "
-                       "removed after a run that succeeded)")
+    bench.add_argument("--work-dir", help="sglang, sglang-soak: where the model, logs and daemons go (kept; "
+                       "default: a temp dir, removed after a run that succeeded)")
+    from cpcache.tools.bench.sglang_soak import add_flags as add_soak_flags
+
+    add_soak_flags(bench)
 
     fuzz = sub.add_parser("fuzz", help="send hostile requests to live daemons and check they stay sound")
     fuzz.add_argument("--per-rpc", type=int, default=10_000, help="hostile requests per RPC")
@@ -277,6 +286,10 @@ def main(argv: list[str] | None = None) -> int:
             from cpcache.tools.bench import sglang
 
             return sglang.main(args)
+        if args.command == "bench" and args.name == "sglang-soak":
+            from cpcache.tools.bench import sglang_soak
+
+            return sglang_soak.main(args)
         if args.command == "bench" and args.name == "movers":
             from cpcache.tools.bench import movers
 

@@ -56,6 +56,18 @@ PLAIN_FLAGS = ["--disable-radix-cache"]
 HICACHE_FLAGS = ["--enable-hierarchical-cache", "--hicache-io-backend", "direct",
                  "--hicache-mem-layout", "layer_first", "--hicache-ratio", "2"]
 HICACHE_ENV = {"CPCACHE_TEST_HICACHE_CPU": "1"}
+
+
+def hicache_file_storage_flags(root: Path) -> list[str]:
+    """SGLang's own storage tier below its HiCache: its `file` backend (one
+    file per page and rank under `root`; under attention CP, one per CP rank
+    too: its keys always carry the CP rank)."""
+    return ["--hicache-storage-backend", "file", "--hicache-storage-backend-extra-config",
+            json.dumps({"file_storage_path": str(root)})]
+# Prefill context parallelism (the zigzag split of a prefill's tokens over the
+# CP ranks), which torch_native runs only with cpu_host/cp_torch_native.py.
+ZIGZAG_FLAGS = ["--enable-prefill-cp", "--cp-strategy", "zigzag"]
+ZIGZAG_ENV = {"CPCACHE_TEST_CP_TORCH_NATIVE": "1"}
 READY = "The server is fired up and ready to roll"
 
 
@@ -65,15 +77,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_tiny_model(path: Path) -> Path:
-    """A 2-layer Llama with random weights (no tokenizer: requests send ids)."""
+# Tiny random models per family (no tokenizer: requests send ids). Llama
+# serves at attention TP > 1 only: under attention CP its KV pool is sized
+# for attention TP 1 while its layers compute K for TP 2 (4 KV heads crash,
+# 1 KV head gives outputs other than tp 1's). Qwen3 and Qwen3-MoE serve under
+# attention CP with outputs equal to tp 1's.
+TINY_MODELS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", "num_key_value_heads=4"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", "num_key_value_heads=4, head_dim=16"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  "num_key_value_heads=4, head_dim=16, num_experts=4, num_experts_per_tok=2, "
+                  "moe_intermediate_size=64, decoder_sparse_step=1"),
+}
+
+
+def make_tiny_model(path: Path, family: str = "llama") -> Path:
+    """A 2-layer model of `family` (TINY_MODELS) with random weights."""
+    config, model, extra = TINY_MODELS[family]
     script = (
         "import sys, torch\n"
-        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        f"from transformers import {config}, {model}\n"
         "torch.manual_seed(0)\n"
-        "cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,\n"
-        "                  num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=4096)\n"
-        "LlamaForCausalLM(cfg).save_pretrained(sys.argv[1])\n")
+        f"cfg = {config}(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,\n"
+        f"               num_attention_heads=4, max_position_embeddings=4096, {extra})\n"
+        f"{model}(cfg).save_pretrained(sys.argv[1])\n")
     subprocess.run([str(SGLANG_PYTHON), "-c", script, str(path)], check=True, capture_output=True, timeout=300)
     return path
 
@@ -174,11 +201,16 @@ class Daemons:
     tp: int
     cp: int = 1
     settings: dict = field(default_factory=dict)
+    per_rank: dict[int, dict] = field(default_factory=dict)  # rank -> settings of that rank only
     process: Watched | None = None
 
     def start(self, timeout_s: float = 120.0) -> Daemons:
         config = self.run_dir.parent / f"{self.run_dir.name}.toml"
-        config.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in self.settings.items()))
+
+        def table(settings: dict) -> str:
+            return "".join(f"{k} = {json.dumps(v)}\n" for k, v in settings.items())
+
+        config.write_text(table(self.settings) + "".join(f"[rank.{r}]\n{table(s)}" for r, s in self.per_rank.items()))
         self.process = Watched([str(CPCACHE), "launch", "--tp", str(self.tp), "--cp", str(self.cp),
                                 "--run-dir", str(self.run_dir), "--config", str(config),
                                 "--agreement-timeout", "10"],
@@ -214,6 +246,7 @@ class Server:
     work: Path
     flags: list[str]
     tp: int = 1
+    cp: int = 1  # attention context parallelism: splits the TP ranks (--attn-cp-size)
     page_size: int = 16
     device_tokens: int = 1024
     env: dict = field(default_factory=dict)
@@ -224,7 +257,7 @@ class Server:
         return [str(SGLANG_PYTHON), "-m", "sglang.launch_server", "--model-path", str(self.model),
                 *CPU_FLAGS, "--tp", str(self.tp), "--page-size", str(self.page_size),
                 "--max-total-tokens", str(self.device_tokens), "--host", "127.0.0.1", "--port", str(self.port),
-                *self.flags]
+                *(["--attn-cp-size", str(self.cp)] if self.cp > 1 else []), *self.flags]
 
     def start(self) -> Server:
         self.port = self.port or free_port()
@@ -260,18 +293,19 @@ class Server:
                     raise
         raise RuntimeError(f"flush_cache refused {attempts} times")
 
-    def generate(self, input_ids: list[int], max_new_tokens: int = 4, rid: str | None = None) -> Reply:
+    def generate(self, input_ids: list[int], max_new_tokens: int = 4, rid: str | None = None,
+                 timeout_s: float = 120.0) -> Reply:
         body: dict = {"input_ids": input_ids, "return_logprob": True,
                       "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}}
         if rid is not None:
             body["rid"] = rid
-        out = self.post("/generate", body)
+        out = self.post("/generate", body, timeout_s=timeout_s)
         meta = out["meta_info"]
         details = meta.get("cached_tokens_details") or {}
         finish = meta.get("finish_reason") or {}
         return Reply(tuple(out.get("output_ids") or ()), tuple(x[0] for x in meta.get("output_token_logprobs") or ()),
                      meta.get("cached_tokens", 0), details.get("device", 0), details.get("host", 0),
-                     details.get("storage", 0), finish.get("type", ""))
+                     details.get("storage", 0), finish.get("type", ""), float(meta.get("e2e_latency") or 0.0))
 
     def log_lines(self, marker: str) -> list[str]:
         assert self.process is not None
@@ -291,6 +325,7 @@ class Reply:
     host: int
     storage: int
     finish: str
+    latency_s: float = 0.0  # SGLang's own e2e latency of the request (meta_info)
 
 
 def same_outputs(a: Reply, b: Reply, tolerance: float = 1e-4) -> bool:

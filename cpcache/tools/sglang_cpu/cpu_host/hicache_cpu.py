@@ -9,17 +9,12 @@ transfer is a plain torch copy, done synchronously on the calling thread; the
 torch.cpu Stream and Event stand-ins SGLang already picks on CPU (record and
 wait do nothing, query is True) are then exact.
 
-The modules are patched as they are imported (SGLang imports them late, in
-its spawned scheduler processes): an import hook runs each patch right after
-its module's own code.
+The modules are patched as they are imported (import_patches.py).
 """
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
-import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -58,50 +53,7 @@ def _patch_host_pool_mha(module: ModuleType) -> None:
     setattr(module, "transfer_kv_direct", transfer_kv_direct)  # noqa: B010
 
 
-_PATCHES: dict[str, Callable[[ModuleType], None]] = {
+PATCHES: dict[str, Callable[[ModuleType], None]] = {
     "sglang.srt.mem_cache.pool_host.common": _patch_host_pool_common,
     "sglang.srt.mem_cache.pool_host.mha": _patch_host_pool_mha,
 }
-
-
-class _PatchingLoader(importlib.abc.Loader):
-    """The module's own loader, then its patch."""
-
-    def __init__(self, inner: importlib.abc.Loader, patch: Callable[[ModuleType], None]) -> None:
-        self.inner = inner
-        self.patch = patch
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return self.inner.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        self.inner.exec_module(module)
-        self.patch(module)
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self.inner, name)
-
-
-class _PatchFinder(importlib.abc.MetaPathFinder):
-    def find_spec(self, name: str, path: Sequence[str] | None = None,
-                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
-        patch = _PATCHES.get(name)
-        if patch is None:
-            return None
-        for finder in sys.meta_path:  # the finder that would have found it
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None:
-                if spec.loader is not None:
-                    spec.loader = _PatchingLoader(spec.loader, patch)
-                return spec
-        return None
-
-
-def install() -> None:
-    for name, patch in _PATCHES.items():
-        if name in sys.modules:  # imported before this hook: patch in place
-            patch(sys.modules[name])
-    if not any(isinstance(f, _PatchFinder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _PatchFinder())

@@ -21,9 +21,15 @@ import gpu_stubs
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 gpu_stubs.install()
 
-# SGLang's own HiCache on this CPU host, for comparison runs: hicache_cpu.py
-# (beside this file, so on the same PYTHONPATH).
-if os.environ.get("CPCACHE_TEST_HICACHE_CPU") == "1":
-    import hicache_cpu
+# Opt-in patches of SGLang modules (beside this file, so on the same
+# PYTHONPATH): SGLang's own HiCache on this CPU host, for comparison runs
+# (hicache_cpu.py), and prefill context parallelism in the torch_native
+# attention backend (cp_torch_native.py).
+_OPT_IN = {"CPCACHE_TEST_HICACHE_CPU": "hicache_cpu", "CPCACHE_TEST_CP_TORCH_NATIVE": "cp_torch_native"}
+for variable, module_name in _OPT_IN.items():
+    if os.environ.get(variable) == "1":
+        import importlib
 
-    hicache_cpu.install()
+        import import_patches
+
+        import_patches.install(importlib.import_module(module_name).PATCHES)

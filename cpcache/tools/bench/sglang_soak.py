@@ -1,0 +1,174 @@
+"""`cpcache bench sglang-soak`: a context-parallel SGLang server over cpcache
+daemons under cache-heavy traffic for a given time (default 30 minutes: the
+reference system's CP servers stopped answering after 30-40).
+
+The server is a real `sglang.launch_server` at `--tp 2 --attn-cp-size 2`
+(tiny random Qwen3, SGLang's CPU path; see cpcache/tools/sglang_cpu) over
+`cpcache launch --tp 2 --cp 2` daemons with file storage (or Mooncake Store).
+I/O is perturbed per rank: every copy and storage call is slowed on every
+rank independently, one rank twice as much, and a share of that rank's
+storage reads fail (agreed misses). Traffic: `--clients` concurrent clients
+send multi-turn requests (a shared system prompt, documents that overflow
+the device and host pools, asked again in random order), so hits come from
+every tier. Every reply is checked against a tp 1 server without cache.
+
+Reported: requests served, replies checked and wrong, hangs (a request with
+no answer within `--hang-s`), hits per tier, divergences (every rank's
+decision log compared at the end, and steps that failed as divergent),
+the daemons' rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+from pathlib import Path
+
+from cpcache.client import Client
+from cpcache.tools.sglang_cpu.servers import make_tiny_model, same_outputs
+from cpcache.tools.sglang_cpu.stacks import DOCS, SLOW_RANK, Shape, Stack, prompt, started, workload
+
+TURNS = 4  # distinct turns per document: the reference answers each prompt once
+
+
+class Tally:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.requests = self.checked = self.wrong = self.hangs = self.errors = 0
+        self.tokens = {"prompt": 0, "device": 0, "host": 0, "storage": 0}
+        self.first_wrong: list[str] = []
+
+    def as_dict(self) -> dict:
+        with self.lock:
+            return {"requests": self.requests, "checked": self.checked, "wrong": self.wrong, "hangs": self.hangs,
+                    "errors": self.errors, "hit_tokens": dict(self.tokens), "first_wrong": self.first_wrong[:3]}
+
+
+def client_loop(stack: Stack, tally: Tally, seed: int, deadline: float, hang_s: float,
+                system: list[int], docs: list[list[int]]) -> None:
+    rng = random.Random(seed)
+    while time.monotonic() < deadline:
+        d, turn = rng.randrange(len(docs)), rng.randrange(TURNS)
+        ids = prompt(system, docs[d], turn, d)
+        try:
+            want = stack.reference(ids)
+            got = stack.cpcache.generate(ids, timeout_s=hang_s)
+        except TimeoutError:
+            with tally.lock:
+                tally.hangs += 1
+            continue
+        except (urllib.error.URLError, ConnectionError, OSError) as exc:
+            if isinstance(getattr(exc, "reason", None), TimeoutError):
+                with tally.lock:
+                    tally.hangs += 1
+                continue
+            with tally.lock:
+                tally.errors += 1
+            if stack.cpcache.process is not None and stack.cpcache.process.proc.poll() is not None:
+                return  # the server is gone: reported as errors, nothing more to send
+            continue
+        with tally.lock:
+            tally.requests += 1
+            tally.checked += 1
+            tally.tokens["prompt"] += len(ids)
+            tally.tokens["device"] += got.device
+            tally.tokens["host"] += got.host
+            tally.tokens["storage"] += got.storage
+            if not same_outputs(got, want):
+                tally.wrong += 1
+                tally.first_wrong.append(f"doc {d} turn {turn}: {got} != {want}")
+
+
+def daemon_counters(stack: Stack) -> list[dict[str, int]]:
+    counters = []
+    for rank in range(stack.ranks):
+        try:
+            with Client(stack.daemons.socket(rank), timeout_s=10) as daemon:
+                counters.append(dict(daemon.stats()))
+        except Exception as exc:  # a daemon restarted by the launcher just now
+            counters.append({"error": str(exc)})
+    return counters
+
+
+def run(args: argparse.Namespace, work: Path) -> dict:
+    shape = Shape(args.family, tp=2, cp=2, zigzag=args.zigzag, storage=args.storage)
+    model = make_tiny_model(work / shape.family, shape.family)
+    perturbed = {SLOW_RANK: dict(fault_copy_delay_ms=args.copy_delay_ms * 2,
+                                 fault_storage_delay_ms=args.storage_delay_ms * 2,
+                                 fault_storage_fail_rate=args.storage_fail_rate, fault_seed=args.seed)}
+    began = time.monotonic()
+    with started(work, model, shape, copy_delay_ms=args.copy_delay_ms, storage_delay_ms=args.storage_delay_ms,
+                 per_rank=perturbed) as stack:
+        ready_s = time.monotonic() - began
+        system, docs = workload(seed=args.seed, docs=DOCS)
+        tally = Tally()
+        deadline = time.monotonic() + args.minutes * 60
+        clients = [threading.Thread(target=client_loop, args=(stack, tally, args.seed * 100 + c, deadline, args.hang_s,
+                                                              system, docs), daemon=True)
+                   for c in range(args.clients)]
+        for c in clients:
+            c.start()
+        for c in clients:
+            c.join()
+        served_s = time.monotonic() - began - ready_s
+        stack.cpcache.flush_cache()
+        assert stack.cpcache.process is not None
+        stack.cpcache.process.wait_lines("decision log:", stack.ranks, timeout_s=120)
+        logs = stack.decision_logs()
+        counters = daemon_counters(stack)
+        fell_back = stack.cpcache.log_lines("fell back to the device tree")
+    report = {
+        "shape": shape.name, "minutes": args.minutes, "clients": args.clients, "ready_s": round(ready_s, 1),
+        "served_s": round(served_s, 1), **tally.as_dict(),
+        "decision_logs": logs, "decision_logs_agree": len(logs) == shape.tp and len(set(logs.values())) == 1,
+        # A step that diverged fails on every rank, and the backend leaves the daemon.
+        "diverged_steps": sum("diverge" in line.lower() for line in fell_back),
+        "daemon_rounds": [c.get("rounds_completed", 0) for c in counters],
+        "fallbacks": len(fell_back),
+        "perturbation": {"copy_delay_ms": args.copy_delay_ms, "storage_delay_ms": args.storage_delay_ms,
+                         "slow_rank": SLOW_RANK, "slow_rank_storage_fail_rate": args.storage_fail_rate},
+    }
+    report["divergences"] = report["diverged_steps"] + (0 if report["decision_logs_agree"] else 1)
+    report["ok"] = (report["wrong"] == 0 and report["hangs"] == 0 and report["errors"] == 0
+                    and report["divergences"] == 0 and report["requests"] > 0)
+    return report
+
+
+def add_flags(bench: argparse.ArgumentParser) -> None:
+    soak = bench.add_argument_group("sglang-soak")
+    soak.add_argument("--minutes", type=float, default=30.0, help="sglang-soak: how long traffic runs")
+    soak.add_argument("--clients", type=int, default=2, help="sglang-soak: concurrent clients")
+    soak.add_argument("--hang-s", type=float, default=120.0, help="sglang-soak: a request unanswered this long hangs")
+    soak.add_argument("--family", choices=["qwen3", "qwen3_moe"], default="qwen3", help="sglang-soak: the model")
+    soak.add_argument("--zigzag", action="store_true", help="sglang-soak: prefill CP (zigzag) on")
+    soak.add_argument("--storage", choices=["file", "mooncake"], default="file", help="sglang-soak: storage")
+    soak.add_argument("--copy-delay-ms", type=float, default=100.0,
+                      help="sglang-soak: every device<->host copy waits uniform(0, this) ms (twice on the slow rank)")
+    soak.add_argument("--storage-delay-ms", type=float, default=100.0,
+                      help="sglang-soak: every storage call waits uniform(0, this) ms (twice on the slow rank)")
+    soak.add_argument("--storage-fail-rate", type=float, default=0.02,
+                      help="sglang-soak: share of the slow rank's storage pages that fail (agreed misses)")
+
+
+def main(args: argparse.Namespace) -> int:
+    work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="cpcache-sglang-soak-"))
+    work.mkdir(parents=True, exist_ok=True)
+    report = run(args, work)
+    report["work_dir"] = str(work)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        for key, value in report.items():
+            print(f"{key}: {value}")
+    if report["ok"] and not args.work_dir:
+        shutil.rmtree(work, ignore_errors=True)
+    if not report["ok"]:
+        print(f"sglang-soak: FAILED (logs in {work})", file=sys.stderr)
+    return 0 if report["ok"] else 1

@@ -1,0 +1,169 @@
+"""A cpcache SGLang server over `cpcache launch` daemons, beside a reference
+server without cache: one `Shape` (model family, TP, attention CP, prefill
+CP, storage) per stack. Used by the SGLang suites (tests/sglang) and
+`cpcache bench sglang-soak`.
+
+Copies between the device and the host pools are slowed on every rank
+independently (fault injection), and one rank slower than the others, so
+steps overlap I/O and ranks end it at different times: the slowest rank's
+progress is what every rank is told.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import re
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cpcache.tools.sglang_cpu.servers import (
+    CPCACHE_FLAGS,
+    PLAIN_FLAGS,
+    ZIGZAG_ENV,
+    ZIGZAG_FLAGS,
+    Daemons,
+    Reply,
+    Server,
+    same_outputs,
+)
+
+PAGE = 16
+DEVICE_TOKENS = 1024  # 64 pages: about three documents
+HOST_PAGES = 128  # twice the device pool, as HiCache's default: about seven documents
+SYSTEM = 64
+DOC = 256
+DOCS = 10  # more than the host pool holds: the first ones live in storage only
+SLOW_RANK = 1  # its copies and storage calls take twice as long as the others'
+
+
+@dataclass(frozen=True)
+class Shape:
+    family: str = "llama"
+    tp: int = 2
+    cp: int = 1  # attention CP: splits the TP ranks (attention TP = tp / cp)
+    zigzag: bool = False  # prefill CP: a prefill's tokens split over the CP ranks
+    storage: str = "file"
+
+    @property
+    def name(self) -> str:
+        return f"{self.family}-tp{self.tp}" + (f"-cp{self.cp}" if self.cp > 1 else "") + \
+            ("-zigzag" if self.zigzag else "") + f"-{self.storage}"
+
+    @property
+    def reference_tp(self) -> int:
+        # Under attention CP the reference is a tp 1 server: these models'
+        # outputs under CP equal tp 1's (checked here, request by request).
+        return 1 if self.cp > 1 else self.tp
+
+
+def workload(seed: int = 1, docs: int = DOCS) -> tuple[list[int], list[list[int]]]:
+    rng = random.Random(seed)
+    system = [rng.randrange(1, 500) for _ in range(SYSTEM)]
+    return system, [[rng.randrange(1, 500) for _ in range(DOC)] for _ in range(docs)]
+
+
+def prompt(system: list[int], doc: list[int], turn: int, question: int) -> list[int]:
+    return system + doc + [turn + 1, question + 1]
+
+
+class Stack:
+    def __init__(self, work: Path, model: Path, shape: Shape, storage_settings: dict | None = None,
+                 copy_delay_ms: float = 400.0, storage_delay_ms: float = 200.0,
+                 per_rank: dict[int, dict] | None = None) -> None:
+        self.work = work
+        self.shape = shape
+        self.storage = work / "pages"
+        storage = storage_settings or dict(storage="file", storage_root=str(self.storage))
+        if per_rank is None and shape.tp > 1:
+            per_rank = {SLOW_RANK: dict(fault_copy_delay_ms=2 * copy_delay_ms,
+                                        fault_storage_delay_ms=2 * storage_delay_ms)}
+        self.daemons = Daemons(work / "run", tp=shape.tp, cp=shape.cp, settings=dict(
+            **storage, host_pool_pages=HOST_PAGES, prefetch_threshold_tokens=0, prefetch_policy="wait_complete",
+            # Every device <-> host copy takes uniform(0, copy_delay_ms) ms, on
+            # each rank independently: steps overlap I/O and ranks finish it apart.
+            fault_copy_delay_ms=copy_delay_ms,
+            # Every storage call is slowed too: prefetches are still open when
+            # their request is aborted.
+            fault_storage_delay_ms=storage_delay_ms), per_rank=per_rank or {})
+        config = work / "sglang-cpcache.json"
+        config.write_text(json.dumps({"socket": str(work / "run" / "rank-{rank}.sock"), "model_id": "tiny",
+                                      "reattach_after_iterations": 32, "record_decisions": True}))
+        self.model = model
+        # --enable-metrics: SGLang's HiCache gauges read the backend's host pool,
+        # and its idle counter tells when its idle checks have run.
+        flags = [*CPCACHE_FLAGS, "--enable-metrics", *(ZIGZAG_FLAGS if shape.zigzag else [])]
+        env = {"CPCACHE_SGLANG_CONFIG": str(config), **(ZIGZAG_ENV if shape.zigzag else {})}
+        self.cpcache = Server("cpcache", model, work, flags, tp=shape.tp, cp=shape.cp, page_size=PAGE,
+                              device_tokens=DEVICE_TOKENS, env=env)
+        self.plain = Server("reference", model, work, PLAIN_FLAGS, tp=shape.reference_tp, page_size=PAGE,
+                            device_tokens=DEVICE_TOKENS)
+        self.expected: dict[tuple[int, ...], Reply] = {}
+
+    def start(self) -> Stack:
+        self.daemons.start()
+        self.plain.start()
+        self.cpcache.start()
+        self.plain.wait_ready()
+        self.cpcache.wait_ready()
+        return self
+
+    def stop(self) -> None:
+        self.cpcache.stop()
+        self.plain.stop()
+        self.daemons.stop()
+
+    def reference(self, ids: list[int]) -> Reply:
+        key = tuple(ids)
+        if key not in self.expected:
+            self.expected[key] = self.plain.generate(ids)
+        return self.expected[key]
+
+    def check(self, ids: list[int]) -> Reply:
+        """cpcache's reply, asserted equal to the reference server's."""
+        got = self.cpcache.generate(ids)
+        want = self.reference(ids)
+        assert same_outputs(got, want), f"cpcache answered {got}, a server without cache {want}"
+        return got
+
+    @property
+    def ranks(self) -> int:
+        return self.shape.tp
+
+    def decision_logs(self) -> dict[int, str]:
+        """Every rank's decision log digest as of the last flush_cache."""
+        logs: dict[int, str] = {}
+        for line in self.cpcache.log_lines("decision log:"):
+            found = re.search(r"rank (\d+) decision log: (\d+ steps, digest \w+)", line)
+            if found:
+                logs[int(found[1])] = found[2]
+        return logs
+
+
+@contextlib.contextmanager
+def started(work: Path, model: Path, shape: Shape, **options: Any) -> Iterator[Stack]:
+    """A started Stack of `shape` (`options`: Stack's); Mooncake Store's master
+    runs beside it when asked."""
+    with contextlib.ExitStack() as stack:
+        storage = None
+        if shape.storage == "mooncake":
+            from cpcache.tools.mooncake_master import MooncakeMaster
+
+            master = stack.enter_context(MooncakeMaster(work / "mooncake-master.log"))
+            storage = dict(storage="mooncake", storage_master=master.master,
+                           storage_metadata_server=master.metadata_server, storage_segment_bytes=256 << 20)
+        built = Stack(work, model, shape, storage, **options)
+        stack.callback(built.stop)
+        yield built.start()
+
+
+def idle_seconds(server: Server) -> float:
+    """SGLang's scheduler idle counter, summed over ranks (--enable-metrics).
+    The scheduler adds to it in its idle pass, right before its leak check."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=30).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("sglang:scheduler_idle_seconds_total"))

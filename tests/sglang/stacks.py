@@ -1,0 +1,112 @@
+"""The SGLang suites' own checks over a `cpcache.tools.sglang_cpu.stacks`
+Stack: SGLang's idle leak check waited for, pages planted in storage, and a
+daemon killed mid-run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from cpcache.client import Client
+from cpcache.dataplane.storage import framing
+from cpcache.keys import chain, generation_seed
+from cpcache.tools.sglang_cpu.servers import Reply, Server, same_outputs
+from cpcache.tools.sglang_cpu.stacks import DOCS, PAGE, Stack, idle_seconds, prompt, workload
+
+
+def wait_idle_checks(server: Server, idle_s: float, attempts: int = 100_000) -> None:
+    """Until the schedulers have been idle `idle_s` seconds more (their idle
+    pass, leak check included, ran again and again), or the server exited."""
+    start = idle_seconds(server)
+    for _ in range(attempts):
+        assert server.process is not None and server.process.proc.poll() is None, \
+            f"the server exited:\n{server.process.tail() if server.process else ''}"
+        if idle_seconds(server) >= start + idle_s:
+            return
+    raise AssertionError(f"the server was not idle {idle_s} s within {attempts} looks")
+
+
+def stored_pages(stack: Stack, tokens: list[int]) -> list[Path]:
+    # Every flush (a weight update's too) seeds the page chains anew.
+    generation = len(stack.cpcache.log_lines("cpcache: rank 0 flushed its cache"))
+    hashes = chain(tokens, PAGE, generation_seed(None, generation))
+    return sorted(p for h in hashes for p in stack.storage.glob(f"*/*.{h}_*"))
+
+
+def plant_wrong_page(path: Path) -> None:
+    """Rewrite a stored page with other KV in a valid frame (checksum and
+    all): what anyone who may write the storage root could do."""
+    raw = path.read_bytes()
+    header, payload = raw[: framing.HEADER.size], raw[framing.HEADER.size :]
+    _, _, _, geometry, _, _ = framing.HEADER.unpack(header)
+    wrong = (np.frombuffer(payload, dtype=np.float32) * -8.0 + 3.0).astype(np.float32).tobytes()
+    path.write_bytes(framing.pack_header(geometry, wrong) + wrong)
+
+
+def in_background(work: Callable[[], Reply]) -> tuple[threading.Thread, list[Reply]]:
+    answer: list[Reply] = []
+    thread = threading.Thread(target=lambda: answer.append(work()), daemon=True)
+    thread.start()
+    return thread, answer
+
+
+def open_operations_on(stack: Stack, rank: int, until: Callable[[dict[str, int]], bool],
+                       running: Callable[[], bool]) -> dict[str, int]:
+    """Polls `rank`'s daemon until its open operations satisfy `until` (or
+    nothing runs any more): -> the last counts."""
+    kinds = ("open_loads", "open_writes", "open_prefetches", "open_backups")
+    with Client(stack.daemons.socket(rank), timeout_s=10) as daemon:
+        while True:
+            counters = dict(daemon.stats())
+            ops = {kind: counters.get(kind, 0) for kind in kinds}
+            if until(ops) or not running():
+                return ops
+
+
+def kill_daemon_mid_run_and_come_back(stack: Stack, seed: int, victim: int = 1) -> None:
+    """A daemon SIGKILLed while loads, writes and prefetches are in flight
+    (slowed copies and storage keep them open), the server then idle long
+    enough for SGLang's own idle leak check to run again and again, then more
+    requests: the server never exits, replies stay equal to the reference's,
+    every rank falls back at one iteration and attaches again at one
+    iteration, and every device slot comes back."""
+    system, docs = workload(seed=seed, docs=DOCS)
+    server = stack.cpcache.process
+    assert server is not None
+    for d, doc in enumerate(docs):  # documents now in the device, the host pool and storage
+        stack.check(prompt(system, doc, 0, d))
+    # In flight when the daemon dies: a host hit being loaded and written back,
+    # a storage prefetch, and new pages being written through.
+    other_system, (new_doc,) = workload(seed + 1, docs=1)
+    inflight = [prompt(system, docs[d], 1, d) for d in (len(docs) - 4, 0, 1)] + [prompt(other_system, new_doc, 0, 0)]
+    wanted = [stack.reference(ids) for ids in inflight]
+    workers = [in_background(lambda ids=ids: stack.cpcache.generate(ids)) for ids in inflight]
+    caught = open_operations_on(stack, victim, until=lambda ops: ops["open_loads"] > 0,
+                                running=lambda: any(t.is_alive() for t, _ in workers))
+    os.kill(stack.daemons.daemon_pid(victim), signal.SIGKILL)
+    print(f"daemon {victim} killed with {caught} open")
+    for (thread, answer), want in zip(workers, wanted):
+        thread.join(300)
+        assert answer and same_outputs(answer[0], want), f"answered {answer}, a server without cache {want}"
+    fell = server.wait_lines("fell back to the device tree at iteration", stack.ranks, timeout_s=120)
+    iterations = {line.split("at iteration ")[1].split(":")[0] for line in fell}
+    assert len(iterations) == 1, f"the ranks fell back at different iterations: {fell}"
+    wait_idle_checks(stack.cpcache, idle_s=3.0)  # SGLang's leak check ran while the daemon was dead
+    for d in range(4):  # served without the tiers: device only, still correct
+        stack.check(prompt(system, docs[d], 2, d))
+    back = server.wait_lines("attached again at iteration", stack.ranks, timeout_s=300)
+    again = {line.split("at iteration ")[1].split(";")[0] for line in back}
+    assert len(again) == 1, f"the ranks attached again at different iterations: {back}"
+    if caught["open_loads"]:  # the slots of the load left undecided came back on every rank at once
+        given = server.wait_lines("device slots of loads its last session left undecided", stack.ranks, 60)
+        assert len({line.split("gave back ")[1] for line in given}) == 1, given
+    replies = [stack.check(prompt(system, docs[d], 3, d)) for d in range(len(docs))]
+    assert sum(r.host + r.storage for r in replies) > 0, f"no host or storage hit after attaching again: {replies}"
+    wait_idle_checks(stack.cpcache, idle_s=2.0)
+    assert stack.cpcache.process is not None and stack.cpcache.process.proc.poll() is None
+    assert not server.lines_with("memory leak detected"), server.lines_with("memory leak detected")

@@ -1,0 +1,173 @@
+"""Attention context parallelism end to end: real `sglang.launch_server`
+servers at `--tp 2 --attn-cp-size 2` (attention TP 1: both CP ranks hold the
+same KV) over `cpcache launch --tp 2 --cp 2` daemons, with tiny random Qwen3
+and Qwen3-MoE models, prefill CP (zigzag) on and off, file storage and
+Mooncake Store (a real mooncake_master on loopback).
+
+Every reply must equal a tp 1 server's without cache, token for token and
+logprob for logprob; hits come from the device, the host pool and storage;
+every rank's scheduler takes the same decisions at every iteration (their
+decision logs are compared); one rank's copies and storage are slower than
+the other's, and the agreed values follow the slower one. CP ranks of a
+replicated page share one storage object, written by one of them.
+
+Runs alone with `pytest -m sglang tests/sglang/test_cp.py`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from cpcache.client import Client
+from cpcache.tools.sglang_cpu.servers import SGLANG_PYTHON, Reply, make_tiny_model, same_outputs
+from cpcache.tools.sglang_cpu.stacks import Shape, Stack, prompt, started, workload
+from tests.sglang.stacks import kill_daemon_mid_run_and_come_back, plant_wrong_page, stored_pages
+
+pytestmark = [
+    pytest.mark.sglang,
+    pytest.mark.timeout(1500),
+    pytest.mark.skipif(not SGLANG_PYTHON.exists(), reason=f"SGLang's environment is not built ({SGLANG_PYTHON}); "
+                       "`make setup` builds it"),
+]
+
+CP_FILE = Shape("qwen3", tp=2, cp=2, storage="file")
+# The seed's scenario: prefill CP and Mooncake Store.
+CP_ZIGZAG_MOONCAKE = Shape("qwen3", tp=2, cp=2, zigzag=True, storage="mooncake")
+CP_MOE_ZIGZAG = Shape("qwen3_moe", tp=2, cp=2, zigzag=True, storage="file")
+EVERY_SHAPE = [CP_FILE, CP_ZIGZAG_MOONCAKE, CP_MOE_ZIGZAG]
+
+
+@pytest.fixture(scope="module")
+def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    shape: Shape = request.param
+    work = tmp_path_factory.mktemp(shape.name)
+    model = make_tiny_model(work / shape.family, shape.family)
+    begun = time.monotonic()
+    with started(work, model, shape) as stack:
+        print(f"{shape.name}: servers ready in {time.monotonic() - begun:.1f} s")
+        yield stack
+
+
+def by_shape(*shapes: Shape):
+    return pytest.mark.parametrize("stack", shapes, indirect=True, ids=[s.name for s in shapes])
+
+
+def daemon_counters(stack: Stack) -> list[dict[str, int]]:
+    counters = []
+    for rank in range(stack.ranks):
+        with Client(stack.daemons.socket(rank)) as daemon:
+            counters.append(dict(daemon.stats()))
+    return counters
+
+
+@by_shape(*EVERY_SHAPE)
+def test_outputs_equal_tp1_with_hits_from_every_tier_and_one_decision_log_on_every_rank(stack: Stack):
+    system, docs = workload()
+    replies = [stack.check(prompt(system, doc, 0, d)) for d, doc in enumerate(docs)]
+    # Back in reverse: the latest documents are still on the device, the
+    # ones before them in the host pool, the first ones in storage only.
+    second = [stack.check(prompt(system, docs[d], 1, d)) for d in reversed(range(len(docs)))]
+    assert sum(r.device for r in replies + second) > 0, "no device hit"
+    assert sum(r.host for r in second) > 0, f"no host hit: {second}"
+    assert sum(r.storage for r in second) > 0, f"no storage hit: {second}"
+    print(f"{stack.shape.name}: second pass device/host/storage tokens "
+          f"{sum(r.device for r in second)}/{sum(r.host for r in second)}/{sum(r.storage for r in second)}")
+    if stack.shape.zigzag:
+        # The prefills were split over the CP ranks (cp_torch_native.py says so once per rank).
+        assert len(stack.cpcache.log_lines("prefill CP attention")) >= stack.ranks
+    # Each rank's backend logs its decision log at a flush: one log, every rank.
+    stack.cpcache.flush_cache()
+    logs = stack.cpcache.process.wait_lines("decision log:", stack.ranks, timeout_s=60) if stack.cpcache.process \
+        else []
+    digests = stack.decision_logs()
+    assert len(digests) == stack.ranks and len(set(digests.values())) == 1, f"the ranks' decisions differ: {logs}"
+
+
+@by_shape(CP_FILE, CP_MOE_ZIGZAG)
+def test_cp_ranks_of_a_replicated_page_share_one_storage_object_written_once(stack: Stack):
+    system, docs = workload(seed=8, docs=4)
+    for d, doc in enumerate(docs):
+        stack.check(prompt(system, doc, 0, d))
+    files = stored_pages(stack, system + docs[0])
+    names = {p.name for p in files}
+    assert files and all("_cp" not in name for name in names), f"a CP suffix on replicated pages: {names}"
+    pages = {name.split(".")[1].split("_")[0] for name in names}
+    assert len(pages) == len(files), f"a page stored under two keys: {sorted(names)}"
+    written = [c.get("pages_moved_host_to_storage", 0) for c in daemon_counters(stack)]
+    stored = sum(1 for _ in stack.storage.rglob("*.*_*"))
+    # One elected writer per page (by its hash): both ranks write, no page twice.
+    assert all(w > 0 for w in written) and sum(written) <= stored, (written, stored)
+
+
+@by_shape(CP_FILE)
+def test_a_wrong_page_from_storage_breaks_the_match_negative_control(stack: Stack):
+    system, docs = workload(seed=4)
+    for d, doc in enumerate(docs):
+        stack.check(prompt(system, doc, 0, d))
+    target = docs[0]  # evicted from the device and the host pool since, kept in storage
+    files = stored_pages(stack, system + target)
+    assert files, "the document's pages are not in storage"
+    for path in files[len(files) // 2 :]:
+        plant_wrong_page(path)
+    ids = prompt(system, target, 5, 0)
+    got = stack.cpcache.generate(ids)
+    assert got.storage > 0, f"the document did not come from storage: {got}"
+    assert not same_outputs(got, stack.reference(ids)), "wrong KV served and the check did not see it"
+
+
+@by_shape(CP_FILE)
+def test_requests_aborted_during_their_prefetch_are_revoked_on_every_rank(stack: Stack):
+    system, docs = workload(seed=5)
+    for d, doc in enumerate(docs):
+        stack.check(prompt(system, doc, 0, d))
+    server = stack.cpcache.process
+    assert server is not None
+    for d in (0, 1):  # in storage only by now: each request starts a prefetch
+        rid = f"aborted-{d}"
+        answer: list[Reply] = []
+        ids = prompt(system, docs[d], 1, d)
+        worker = threading.Thread(target=lambda ids=ids, rid=rid, answer=answer: answer.append(
+            stack.cpcache.generate(ids, rid=rid)))
+        worker.start()
+        for _ in range(10_000):  # until SGLang has the request: an abort of an unknown rid does nothing
+            stack.cpcache.post("/abort_request", {"rid": rid})
+            if server.lines_with(f"revoked the prefetch of aborted request {rid}") or not worker.is_alive():
+                break
+        worker.join(120)
+        assert answer and answer[0].finish == "abort", answer
+        server.wait_lines(f"revoked the prefetch of aborted request {rid}", stack.ranks, timeout_s=60)
+    for d in (0, 1, 2):  # the revoked prefetches left nothing wrong behind
+        stack.check(prompt(system, docs[d], 2, d))
+
+
+@by_shape(CP_FILE)
+def test_flush_cache_while_writes_are_in_flight_serves_no_wrong_bytes(stack: Stack):
+    system, docs = workload(seed=2, docs=3)
+    server = stack.cpcache.process
+    assert server is not None
+    flushes_before = len(stack.cpcache.log_lines("flushed its cache"))
+    for d, doc in enumerate(docs):
+        ids = prompt(system, doc, 0, d)
+        answer: list[Reply] = []
+        prefills = len(server.lines_with("Prefill batch"))
+        worker = threading.Thread(target=lambda ids=ids, answer=answer: answer.append(stack.cpcache.generate(ids)))
+        worker.start()
+        server.wait_lines("Prefill batch", prefills + 1, timeout_s=120)  # the request runs
+        stack.cpcache.flush_cache()  # taken at the first iteration the request is not running
+        worker.join(120)
+        assert answer and same_outputs(answer[0], stack.reference(ids))
+    flushes = stack.cpcache.log_lines("flushed its cache")[flushes_before:]
+    assert len(flushes) == stack.ranks * len(docs), flushes
+    assert [line for line in flushes if "0 queued writes cancelled, 0 in flight" not in line], \
+        f"no flush found a write queued or in flight: {flushes}"
+    for d, doc in enumerate(docs):  # nothing below the device survives a flush
+        again = stack.check(prompt(system, doc, 1, d))
+        assert again.host == 0 and again.storage == 0, again
+
+
+@by_shape(*EVERY_SHAPE)
+def test_a_daemon_killed_mid_run_leaves_the_server_serving_and_every_slot_comes_back(stack: Stack):
+    kill_daemon_mid_run_and_come_back(stack, seed=30)
