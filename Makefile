@@ -62,7 +62,7 @@ test: setup
 	$(PY) -m pytest
 
 # compose.yaml's cpu profile, one container per daemon (podman; installed and
-# configured when run as root): README, Compose tests. Not part of `test`.
+# configured when run as root): docs/operations.md, Compose tests. Not part of `test`.
 compose-test: $(STAMP)
 	scripts/compose-test.sh
 

@@ -10,8 +10,8 @@ Hashes come from schedulers and are not trusted to separate tenants: the
 daemon puts the tenant of the attached model (`tenant_of`) in front of every
 storage key, so a scheduler attached as one model never reaches another
 model's pages through the hashes it sends. A tenant is the model id a client
-declares, not an identity: any client may attach as any model (README,
-Security, "Tenants"). The key ends with a
+declares, not an identity: any client may attach as any model
+(docs/security.md, "Tenants"). The key ends with a
 suffix from the declared sharding of the KV, never from rank numbers by habit.
 """
 

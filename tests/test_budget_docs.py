@@ -1,5 +1,5 @@
-"""Issue 22, 9 and the budget's paper trail: what the README, the unit and
-the example config say agrees with `cpcache.daemon.budget`."""
+"""Issue 22, 9 and the budget's paper trail: what docs/security.md, the unit
+and the example config say agrees with `cpcache.daemon.budget`."""
 
 import re
 from pathlib import Path
@@ -10,8 +10,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def section(text: str, title: str) -> str:
-    start = text.index(f"### {title}\n")
-    end = text.find("\n### ", start + 1)
+    start = text.index(f"## {title}\n")
+    end = text.find("\n## ", start + 1)
     return text[start:end]
 
 
@@ -27,21 +27,21 @@ def test_the_example_config_serves_metrics_on_loopback():
     assert address.startswith("127.0.0.1:")
 
 
-def test_the_readme_states_the_budget_and_what_is_not_authenticated():
-    readme = (REPO / "README.md").read_text()
-    stated = section(readme, "Resource budget")
+def test_the_security_page_states_the_budget_and_what_is_not_authenticated():
+    security = (REPO / "docs" / "security.md").read_text()
+    stated = section(security, "Resource budget")
     for figure in (budget.GRPC_CONNECTIONS, budget.POOLS_SERVED, budget.POOLS_TICKETS, budget.METRICS_CONNECTIONS):
         assert f"{figure:,}" in stated, figure
     said = re.search(r"LimitNOFILE=(\d+)", stated).group(0)
     assert said in (REPO / "services" / "cpcached" / "cpcached@.service").read_text()
-    assert "authenticate no one" in section(readme, "Mooncake")
-    assert "not an identity" in section(readme, "Tenants")
+    assert "authenticate no one" in section(security, "Mooncake")
+    assert "not an identity" in section(security, "Tenants")
 
 
-def test_the_readme_states_the_timeouts_the_code_sets():
+def test_the_security_page_states_the_timeouts_the_code_sets():
     """Review of issue 22, 2 and 3: the idle GOAWAY, how often a flooder
     must renew handshaked connections, and the metrics deadline (one, in all)."""
-    stated = section((REPO / "README.md").read_text(), "Resource budget")
+    stated = section((REPO / "docs" / "security.md").read_text(), "Resource budget")
     assert f"GOAWAY after {budget.GRPC_IDLE_S:.0f} s without a call" in stated
     assert f"every {budget.GRPC_IDLE_S:.0f} s if it does" in stated
     assert f"{budget.METRICS_READ_S:.0f} s in all to send the request" in stated

@@ -1,8 +1,8 @@
 """Issue 22: every listener flooded by a hostile local user (another uid,
-in the socket's group, as the README's recipe allows), then a real
+in the socket's group, as docs/operations.md's recipe allows), then a real
 scheduler attaches and steps in its usual time, while the daemon's
 descriptors and threads, read from /proc all along, stay within the budget
-the README states (`cpcache.daemon.budget`). Also the findings that need a
+docs/security.md states (`cpcache.daemon.budget`). Also the findings that need a
 real daemon: pools it must refuse (1, 8) and socket_group (6)."""
 
 import asyncio
@@ -99,7 +99,7 @@ class Usage(threading.Thread):
 
 @pytest.fixture
 def shared_dir():
-    """The run directory of the README's recipe: the daemon's, entered by
+    """The run directory of docs/operations.md's recipe: the daemon's, entered by
     its socket group."""
     path = Path(tempfile.mkdtemp(prefix="cpc-shared-"))
     os.chown(path, -1, grp.getgrnam(GROUP).gr_gid)
@@ -299,7 +299,7 @@ def test_socket_group_without_membership_exits_2_naming_the_setting(shared_dir):
 
 @needs_root
 async def test_socket_group_recipe_serves_the_group(shared_dir):
-    """The README's recipe: the daemon (no capabilities) in the group by
+    """docs/operations.md's recipe: the daemon (no capabilities) in the group by
     SupplementaryGroups=, its run directory entered by the group."""
     os.chown(shared_dir, NOBODY, -1)
     gid = grp.getgrnam(GROUP).gr_gid

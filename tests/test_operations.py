@@ -52,8 +52,8 @@ def test_systemd_unit_verifies(tmp_path):
     result = subprocess.run(["systemd-analyze", "verify", str(instance)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and not result.stderr.strip(), result.stderr
     assert "Type=notify" in unit and "WatchdogSec=" in unit and "/etc/cpcache/rank-%i.toml" in unit
-    # Documentation= names the README of the checkout ExecStart runs from.
-    assert "Documentation=file:///opt/cpcache/README.md" in unit and "ExecStart=/opt/cpcache/.venv/bin/" in (
+    # Documentation= names the operations page of the checkout ExecStart runs from.
+    assert "Documentation=file:///opt/cpcache/docs/operations.md" in unit and "ExecStart=/opt/cpcache/.venv/bin/" in (
         REPO / "services" / "cpcached" / "cpcached@.service").read_text()
 
 
@@ -99,7 +99,7 @@ def test_systemd_unit_exposure_is_low(tmp_path):
     overall = re.search(r"Overall exposure level for \S+: ([0-9.]+)", result.stdout)
     assert overall, result.stdout + result.stderr
     assert float(overall.group(1)) <= 2.5, result.stdout
-    # The devices it may open: NVIDIA's and RDMA's (README: Under systemd).
+    # The devices it may open: NVIDIA's and RDMA's (docs/operations.md: Under systemd).
     allowed = [line.split("=", 1)[1] for line in unit.splitlines() if line.startswith("DeviceAllow=")]
     assert "DevicePolicy=closed" in unit and allowed == [
         "char-nvidia-frontend rw", "char-nvidia-uvm rw", "char-nvidia-caps r", "char-infiniband_verbs rw",
@@ -384,7 +384,7 @@ async def test_metrics_move_while_the_cache_works(run_dir):
     assert {k: types.get(k) for k in CPCACHE_FAMILIES} == CPCACHE_FAMILIES
     assert [name for name in STANDARD_FAMILIES if name not in types] == []
     unnamed = sorted(name for name in types if name.startswith(("cpcache_", "grpc_")) and name not in CPCACHE_FAMILIES)
-    assert unnamed == [], "a new metric: add it to CPCACHE_FAMILIES (and the README)"
+    assert unnamed == [], "a new metric: add it to CPCACHE_FAMILIES (and docs/operations.md, Metrics)"
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.skip("promtool is not installed (Debian: apt-get install prometheus)")

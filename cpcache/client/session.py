@@ -9,17 +9,7 @@ agreement round). Checks (`check_prefetch_progress`, `writing_check`,
 rank's scheduler sees the same answers at the same iteration, by
 construction, and no call issues a collective of its own.
 
-    HiRadixCache (SGLang)            HiCacheSession (cpcache)
-    prefetch_from_storage(...)       prefetch_from_storage(rid, pages, tokens, parent)
-    check_prefetch_progress(rid)     check_prefetch_progress(rid) -> bool
-    (prefetched tokens)              prefetched_pages(rid)
-    write_backup(node)               write_backup(pages, device_pages, parent) -> op id
-    writing_check()                  writing_check() -> acknowledged op ids
-    load_back(node)                  load_back(pages, device_pages) -> op id
-    loading_check()                  loading_check() -> finished op ids; wait_loads(ids)
-    release_aborted_request(rid)     release_aborted_request(rid)
-    match_prefix(key)                match_prefix(pages) -> (host pages, storage pages)
-    (end of the scheduler loop)      flush()
+Each HiRadixCache call and its counterpart here: docs/sglang.md (the call table).
 """
 
 from __future__ import annotations

@@ -106,7 +106,7 @@ def check_socket_group(name: str) -> None:
     raise InvalidArgument(
         f"setting socket_group: this daemon (uid {os.geteuid()}) is not a member of group {name!r} and lacks "
         f"CAP_CHOWN, so it cannot give its socket that group; add {name} to the unit's SupplementaryGroups= "
-        "(README, Under systemd, \"Sharing the socket with a group\")")
+        "(docs/operations.md, Under systemd, \"Sharing the socket with a group\")")
 
 
 def has_cap_chown() -> bool:

@@ -52,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     files, need = raise_file_limit(2 if config.listen_tcp else 1)
     if files < need:
         logging.getLogger("cpcached").warning(
-            "descriptors: the limit is %d but the resource budget needs %d; raise LimitNOFILE= (README, "
-            "Security, \"Resource budget\")", files, need)
+            "descriptors: the limit is %d but the resource budget needs %d; raise LimitNOFILE= (docs/security.md, "
+            "\"Resource budget\")", files, need)
     # systemd's side of the environment, read here at the edge with the rest.
     notify_socket = os.environ.get("NOTIFY_SOCKET")
     watchdog_usec = int(os.environ.get("WATCHDOG_USEC", "0") or 0)

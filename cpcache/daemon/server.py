@@ -312,7 +312,7 @@ class Daemon:
 
     def stats(self) -> dict[str, int]:
         counters = {"rounds_completed": self._engine.rounds_completed if self._engine else 0}
-        if self._pools is not None:  # what the handover refused (README, Security, "Resource budget")
+        if self._pools is not None:  # what the handover refused (docs/security.md, "Resource budget")
             counters.update(self._pools.stats())
         coordinator = self._coordinator
         if coordinator is not None:

@@ -5,7 +5,7 @@ protocol (DESIGN section 11).
   driven step by step over an in-memory store with TCPStore's semantics):
   every program of 2 ranks x up to 2 attaches and 3 ranks x 1 attach, each
   of descriptor A or B, in every order of publishing, looking and deadlines
-  passing, then the README's remedy (attach again everywhere) from every end
+  passing, then docs/protocol.md's remedy (attach again everywhere) from every end
   state. Mutations: descriptors that outlive their attempt (issue 21,
   defect 3), a deadline decided locally (defect 4).
 - `fencing_model`: one rank leaving its epoch while a round is in its

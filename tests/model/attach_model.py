@@ -10,7 +10,7 @@ out) over one store. Invariants (DESIGN rule 11):
   rank or on none);
 - "attached" only when every rank of the domain is attached in that attempt,
   with the descriptor its own scheduler sent;
-- the README's remedy converges: from every end state, one more attach of
+- docs/protocol.md's remedy converges: from every end state, one more attach of
   the same descriptor on every rank, in time, attaches every rank.
 
 The confirmation round is a collective of the epoch's own group: the i-th

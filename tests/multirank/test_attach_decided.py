@@ -71,7 +71,7 @@ async def test_a_peer_attaching_before_or_after_a_ranks_deadline_ends_alike_ever
             outcomes = [outcome(r) for r in results]
             assert outcomes == (["attached"] * 2 if moment == "rank0" else ["Unavailable"] * 2), (moment, results)
             if moment == "decision":
-                await attach_all(schedulers)  # the README's remedy: attach again on every rank
+                await attach_all(schedulers)  # docs/protocol.md's remedy: attach again on every rank
             await attached_everywhere(schedulers)
             await close_all(schedulers)
 
@@ -96,7 +96,7 @@ async def test_a_store_restarting_while_an_attach_is_decided_ends_it_alike_every
         if outcomes[0] != "attached":
             await asyncio.gather(*(s.client.wait_serving(30) for s in schedulers))
             schedulers = make(domain, run_dir, 2)
-            await attach_all(schedulers)  # the README's remedy
+            await attach_all(schedulers)  # docs/protocol.md's remedy
         await attached_everywhere(schedulers)
         await close_all(schedulers)
 

@@ -78,7 +78,7 @@ class Rank:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         ps = args.page_size
-        # As a server started with the flags the README gives (storage prefetch through the daemon).
+        # As a server started with the flags docs/sglang.md gives (storage prefetch through the daemon).
         server_args = ServerArgs(model_path="dummy", page_size=ps, tp_size=args.tp, attn_cp_size=args.cp,
                                  enable_hierarchical_cache=True,
                                  hicache_storage_backend="dynamic",

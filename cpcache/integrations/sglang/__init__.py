@@ -4,7 +4,7 @@ SGLang loads the general plugins of the entry-point group
 ``sglang.srt.plugins`` in every process it starts, its spawned schedulers
 included; installing cpcache registers `register` there, so a plain
 ``python -m sglang.launch_server ... --radix-cache-backend cpcache`` finds the
-backend. The flags it needs, and why, are in the README ("SGLang").
+backend. The flags it needs, and why, are in docs/sglang.md.
 
 The backend's settings come from the file named by ``CPCACHE_SGLANG_CONFIG``
 (see `settings.Settings`).

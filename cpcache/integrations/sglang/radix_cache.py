@@ -2,23 +2,8 @@
 
 SGLang keeps the device tree (match, insert, evict) exactly as it is; the
 rank's daemon is the host and storage tiers. Every decision that ranks must
-share comes from the daemon's agreed replies, never from a collective here:
-
-    SGLang call                      cpcache
-    insert / checkpoint              write-through of the new pages (device -> host, then
-                                     storage by the daemon's write policy); the node stays
-                                     locked until the write is decided
-    match_prefix                     device match, then the host pages that follow it
-                                     (the mirror of the agreed host pool) as a host hit
-    init_load_back                   load of those pages into fresh device slots, returned
-                                     once every rank has them (or none: a miss)
-    prefetch_from_storage            a storage prefetch of the pages beyond the host hit
-    check_prefetch_progress          whether it has ended, as agreed
-    is_backuped                      true: storage keys chain from the request's tokens,
-                                     so any node anchors SGLang's storage prefetch
-    release_aborted_request          revoke
-    check_hicache_events             one Step for everything the iteration asked
-    reset (flush_cache)              unsent writes cancelled, sent ones decided first
+share comes from the daemon's agreed replies, never from a collective here.
+What each SGLang call does: docs/sglang.md (the call table).
 
 Evicting a device node needs no copy: its pages were written through, so a
 later match finds them in the host pool and loads them back.

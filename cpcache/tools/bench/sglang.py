@@ -8,7 +8,7 @@ cpcache/tools/sglang_cpu), all started at once and kept up for the whole run:
 - `hicache`: SGLang's own HiCache, host memory tier (twice the device pool);
 - `cpcache`: the cpcache backend over `cpcache launch` daemons (one per
   rank), host tier only (a host pool of the same pages, no storage), as
-  `--radix-cache-backend cpcache` with the README's flags.
+  `--radix-cache-backend cpcache` with the flags of docs/sglang.md.
 
 An idle SGLang server's scheduler loops spin (a whole core per tp-2 server
 here), so the servers not being measured are paused (SIGSTOP of their

@@ -1,4 +1,4 @@
-"""Real SGLang servers on a host without CUDA, started the way the README says:
+"""Real SGLang servers on a host without CUDA, started the way docs/sglang.md says:
 `python -m sglang.launch_server` (its tokenizer manager, spawned schedulers
 and detokenizer, HTTP on a TCP port), with a tiny Llama of random weights
 made by transformers at test time, and `cpcache launch` daemons beneath.
@@ -39,7 +39,7 @@ CPU_HOST = Path(__file__).resolve().parent / "cpu_host"
 # What every SGLang server here runs with: SGLang's CPU path for a tiny model.
 CPU_FLAGS = ["--device", "cpu", "--skip-tokenizer-init", "--attention-backend", "torch_native",
              "--disable-cuda-graph", "--dtype", "float32"]
-# What the cpcache backend needs (README, "SGLang"): the backend; the
+# What the cpcache backend needs (docs/sglang.md, "The flags"): the backend; the
 # per-iteration hook (with a fixed host ratio, so SGLang does not size a host
 # pool it never builds); storage prefetch through the daemon
 # (CPCACHE_HOST_FLAGS: the host tier only).

@@ -1,4 +1,4 @@
-"""Attack: an Attach call cancelled by its client (deadline), then retried as the README tells
+"""Attack: an Attach call cancelled by its client (deadline), then retried as docs/protocol.md tells
 schedulers to retry a call whose outcome they did not see."""
 import asyncio
 
