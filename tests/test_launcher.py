@@ -151,8 +151,8 @@ def test_launch_config_sets_single_ranks_in_rank_tables_and_refuses_unknown_ones
     every_rank, per_rank = _daemon_settings(str(config))
     assert every_rank == {"storage": "file", "fault_copy_delay_ms": 10.0}
     assert per_rank == {1: {"fault_copy_delay_ms": 400.0}}
-    config.write_text('[rank.1]\nsocket = "/tmp/x.sock"\n')
-    with pytest.raises(SystemExit, match=r"\[rank.1\] unknown or launcher-owned settings socket"):
+    config.write_text('[rank.1]\nhost_pool_pages = 64\n')
+    with pytest.raises(SystemExit, match=r"\[rank.1\] may set only fault_\* settings, not host_pool_pages"):
         _daemon_settings(str(config))
     config.write_text('[rank.one]\nfault_seed = 1\n')
     with pytest.raises(SystemExit, match="need a rank number"):

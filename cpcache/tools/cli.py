@@ -51,12 +51,19 @@ def _daemon_settings(path: str | None) -> tuple[dict, dict[int, dict]]:
     per_rank = settings.pop("rank") if isinstance(settings.get("rank"), dict) else {}
     own = {"rank", "tp", "pp", "dp", "cp", "rendezvous", "deployment", "socket"}
     known = {f.name for f in dataclasses.fields(DaemonConfig)} - own
-    for where, table in [("", settings), *((f"[rank.{r}] ", t) for r, t in per_rank.items())]:
-        unknown = sorted(set(table) - known) if isinstance(table, dict) else ["(not a table)"]
-        if unknown:
-            raise SystemExit(f"cpcache launch: {path}: {where}unknown or launcher-owned settings {', '.join(unknown)}")
-    if not all(r.isdigit() for r in per_rank):
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise SystemExit(f"cpcache launch: {path}: unknown or launcher-owned settings {', '.join(unknown)}")
+    if not all(r.isdigit() and str(int(r)) == r for r in per_rank):
         raise SystemExit(f"cpcache launch: {path}: [rank.N] tables need a rank number, got {sorted(per_rank)}")
+    for rank, table in per_rank.items():
+        # What a domain must hold alike (pools, storage, policies) is not a
+        # rank's own: only fault injection may differ between ranks.
+        own_only = sorted(set(table) - {k for k in known if k.startswith("fault_")}) if isinstance(table, dict) \
+            else ["(not a table)"]
+        if own_only:
+            raise SystemExit(f"cpcache launch: {path}: [rank.{rank}] may set only fault_* settings, "
+                             f"not {', '.join(own_only)}")
     return settings, {int(r): t for r, t in per_rank.items()}
 
 
@@ -65,8 +72,12 @@ async def _launch(args: argparse.Namespace) -> int:
 
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="cpcache-"))
     every_rank, per_rank = _daemon_settings(args.config)
+    topology = topology_of(args)
+    if any(rank >= topology.world_size for rank in per_rank):
+        raise SystemExit(f"cpcache launch: {args.config}: [rank.N] tables for ranks {sorted(per_rank)}, but the "
+                         f"world has {topology.world_size} ranks")
     spec = DomainSpec(
-        topology_of(args), run_dir, mode=args.mode, agreement_lag=args.lag,
+        topology, run_dir, mode=args.mode, agreement_lag=args.lag,
         agreement_timeout_s=args.agreement_timeout, fault_delay_ms=args.fault_delay_ms,
         extra=every_rank, per_rank=per_rank,
     )

@@ -19,16 +19,18 @@ from cpcache.tools.sglang_cpu.servers import Reply, Server, same_outputs
 from cpcache.tools.sglang_cpu.stacks import DOCS, PAGE, Stack, idle_seconds, prompt, workload
 
 
-def wait_idle_checks(server: Server, idle_s: float, attempts: int = 100_000) -> None:
-    """Until the schedulers have been idle `idle_s` seconds more (their idle
-    pass, leak check included, ran again and again), or the server exited."""
+def wait_idle_checks(server: Server, ranks: int, idle_s: float, attempts: int = 100_000) -> None:
+    """Until every rank's scheduler has been idle `idle_s` seconds more (its
+    idle pass, leak check included, ran again and again), or the server exited."""
     start = idle_seconds(server)
+    assert len(start) >= ranks, f"idle counters of {len(start)} schedulers, not {ranks}: {start}"
     for _ in range(attempts):
         assert server.process is not None and server.process.proc.poll() is None, \
             f"the server exited:\n{server.process.tail() if server.process else ''}"
-        if idle_seconds(server) >= start + idle_s:
+        now = idle_seconds(server)
+        if all(now.get(rank, 0.0) >= seconds + idle_s for rank, seconds in start.items()):
             return
-    raise AssertionError(f"the server was not idle {idle_s} s within {attempts} looks")
+    raise AssertionError(f"the schedulers were not idle {idle_s} s within {attempts} looks")
 
 
 def stored_pages(stack: Stack, tokens: list[int]) -> list[Path]:
@@ -90,23 +92,29 @@ def kill_daemon_mid_run_and_come_back(stack: Stack, seed: int, victim: int = 1) 
                                 running=lambda: any(t.is_alive() for t, _ in workers))
     os.kill(stack.daemons.daemon_pid(victim), signal.SIGKILL)
     print(f"daemon {victim} killed with {caught} open")
+    assert caught["open_loads"] > 0, f"no load was in flight when the daemon died: {caught}"
     for (thread, answer), want in zip(workers, wanted):
         thread.join(300)
         assert answer and same_outputs(answer[0], want), f"answered {answer}, a server without cache {want}"
     fell = server.wait_lines("fell back to the device tree at iteration", stack.ranks, timeout_s=120)
     iterations = {line.split("at iteration ")[1].split(":")[0] for line in fell}
     assert len(iterations) == 1, f"the ranks fell back at different iterations: {fell}"
-    wait_idle_checks(stack.cpcache, idle_s=3.0)  # SGLang's leak check ran while the daemon was dead
+    wait_idle_checks(stack.cpcache, stack.ranks, idle_s=3.0)  # SGLang's leak check ran while the daemon was dead
     for d in range(4):  # served without the tiers: device only, still correct
         stack.check(prompt(system, docs[d], 2, d))
     back = server.wait_lines("attached again at iteration", stack.ranks, timeout_s=300)
     again = {line.split("at iteration ")[1].split(";")[0] for line in back}
     assert len(again) == 1, f"the ranks attached again at different iterations: {back}"
-    if caught["open_loads"]:  # the slots of the load left undecided came back on every rank at once
-        given = server.wait_lines("device slots of loads its last session left undecided", stack.ranks, 60)
-        assert len({line.split("gave back ")[1] for line in given}) == 1, given
+    # The slots of the load left undecided came back on every rank at once.
+    given = server.wait_lines("device slots of loads its last session left undecided", stack.ranks, 60)
+    assert len({line.split("gave back ")[1] for line in given}) == 1, given
     replies = [stack.check(prompt(system, docs[d], 3, d)) for d in range(len(docs))]
     assert sum(r.host + r.storage for r in replies) > 0, f"no host or storage hit after attaching again: {replies}"
-    wait_idle_checks(stack.cpcache, idle_s=2.0)
+    wait_idle_checks(stack.cpcache, stack.ranks, idle_s=2.0)
     assert stack.cpcache.process is not None and stack.cpcache.process.proc.poll() is None
     assert not server.lines_with("memory leak detected"), server.lines_with("memory leak detected")
+    # Every rank took the same decisions, before the kill and since the attach again.
+    logged = len(server.lines_with("decision log:"))
+    stack.cpcache.flush_cache()
+    lines = server.wait_lines("decision log:", logged + stack.ranks, timeout_s=60)[logged:]
+    assert len({line.split("decision log: ")[1] for line in lines}) == 1, lines

@@ -16,13 +16,23 @@ Runs alone with `pytest -m sglang tests/sglang/test_cp.py`.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from cpcache.client import Client
-from cpcache.tools.sglang_cpu.servers import SGLANG_PYTHON, Reply, make_tiny_model, same_outputs
+from cpcache.tools.sglang_cpu.servers import (
+    CPCACHE_FLAGS,
+    SGLANG_PYTHON,
+    Daemons,
+    Reply,
+    Server,
+    make_tiny_model,
+    same_outputs,
+)
 from cpcache.tools.sglang_cpu.stacks import Shape, Stack, prompt, started, workload
 from tests.sglang.stacks import kill_daemon_mid_run_and_come_back, plant_wrong_page, stored_pages
 
@@ -171,3 +181,21 @@ def test_flush_cache_while_writes_are_in_flight_serves_no_wrong_bytes(stack: Sta
 @by_shape(*EVERY_SHAPE)
 def test_a_daemon_killed_mid_run_leaves_the_server_serving_and_every_slot_comes_back(stack: Stack):
     kill_daemon_mid_run_and_come_back(stack, seed=30)
+
+
+def test_a_cp_server_over_daemons_of_another_cp_size_is_refused_at_start(tmp_path: Path):
+    model = make_tiny_model(tmp_path / "qwen3", "qwen3")
+    daemons = Daemons(tmp_path / "run", tp=2, cp=1, settings=dict(storage="none"))
+    config = tmp_path / "sglang-cpcache.json"
+    config.write_text(json.dumps({"socket": str(tmp_path / "run" / "rank-{rank}.sock"), "model_id": "tiny"}))
+    server = Server("cpcache", model, tmp_path, CPCACHE_FLAGS, tp=2, cp=2, env={"CPCACHE_SGLANG_CONFIG": str(config)})
+    try:
+        daemons.start()
+        server.start()
+        assert server.process is not None
+        assert server.process.exited.wait(600), "the server started over daemons of another CP size"
+        refused = server.process.lines_with("the scheduler's topology is not this daemon's")
+        assert refused and "cp" in refused[0], server.process.tail()
+    finally:
+        server.stop()
+        daemons.stop()

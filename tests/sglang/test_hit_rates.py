@@ -101,6 +101,9 @@ def test_cpcache_hits_at_least_what_sglangs_hicache_with_file_storage_hits_under
             server.stop()
         stack.daemons.stop()
 
+    assert stack.cpcache.process is not None
+    fell = stack.cpcache.process.lines_with("fell back to the device tree")
+    assert not fell, f"cpcache left its daemons during the measurement: {fell}"
     for name, got in replies.items():
         wrong = [i for i, (a, b) in enumerate(zip(got, replies["reference"])) if not same_outputs(a, b)]
         assert not wrong, f"{name}: requests {wrong} answered unlike a server without cache"

@@ -30,7 +30,7 @@ def test_a_few_minutes_of_cache_heavy_traffic_on_a_cp_server_serve_every_reply_r
     assert run.stdout.strip(), f"no report (exit {run.returncode}):\n{run.stderr[-3000:]}"
     report = json.loads(run.stdout.strip().splitlines()[-1])
     print("sglang-soak:", json.dumps(report))
-    assert report["requests"] > 0 and report["checked"] == report["requests"]
+    assert report["requests"] > 0 and report["fallbacks"] == 0
     assert report["wrong"] == 0, report["first_wrong"]
     assert report["hangs"] == 0 and report["errors"] == 0
     assert report["divergences"] == 0 and report["decision_logs_agree"], report["decision_logs"]

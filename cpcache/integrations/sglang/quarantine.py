@@ -33,10 +33,11 @@ class Quarantine:
 
     def release(self, free: Callable[[torch.Tensor], None]) -> int:
         """Every session they belong to has ended: -> tokens freed."""
-        held, self._held = self._held, []
-        for slots in held:
+        tokens = self.tokens()
+        for slots in self._held:
             free(slots)
-        return sum(int(slots.numel()) for slots in held)
+        self._held = []
+        return tokens
 
     def forget(self) -> None:
         """SGLang is about to clear its allocator, these slots included."""

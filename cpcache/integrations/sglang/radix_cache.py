@@ -133,7 +133,7 @@ class CpcacheRadixCache(UnifiedRadixCache):
         self._next_attach = None
         self.reattaches += 1
         # The old session ended on the daemon (its copies too) before the new one began.
-        self._give_back(self._quarantined.release(self.token_to_kv_pool_allocator.free))
+        self._log_given_back(self._quarantined.release(self.token_to_kv_pool_allocator.free))
         self.fallback_reason = ""
         log.warning("cpcache: rank %d attached again at iteration %d; host and storage tiers in use again",
                     self.rank, self._iteration)
@@ -377,7 +377,7 @@ class CpcacheRadixCache(UnifiedRadixCache):
             log.info("cpcache: rank %d decision log: %d steps, digest %s", self.rank, len(self.decisions.entries),
                      self.decisions.digest())
 
-    def _give_back(self, tokens: int) -> None:
+    def _log_given_back(self, tokens: int) -> None:
         if tokens:
             log.warning("cpcache: rank %d gave back %d device slots of loads its last session left undecided",
                         self.rank, tokens)
@@ -427,6 +427,16 @@ class CpcacheRadixCache(UnifiedRadixCache):
                 self._fall_back(exc)
             log.info("cpcache: rank %d flushed its cache: %d queued writes cancelled, %d in flight decided first",
                      self.rank, cancelled, in_flight)
+        elif self._quarantined.tokens() and self._attach_again is not None:
+            # SGLang frees every device slot right after this, the quarantined
+            # ones too, while the daemon of the ended session may still copy
+            # into them: attaching now ends that session first (every rank
+            # flushes at the same iteration, and Attach is agreed).
+            self._try_attach_again()
+            if self._quarantined.tokens():
+                log.error("cpcache: rank %d flushed while %d device slots of an undecided load were held (the daemon "
+                          "could not be attached again): a copy of that session may still land in them",
+                          self.rank, self._quarantined.tokens())
         if hasattr(self, "rank"):  # not the parent constructor's reset()
             self.log_scheduler_time()
         self._release_write_locks()

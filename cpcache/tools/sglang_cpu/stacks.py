@@ -95,8 +95,9 @@ class Stack:
                                       "reattach_after_iterations": 32, "record_decisions": True}))
         self.model = model
         # --enable-metrics: SGLang's HiCache gauges read the backend's host pool,
-        # and its idle counter tells when its idle checks have run.
-        flags = [*CPCACHE_FLAGS, "--enable-metrics", *(ZIGZAG_FLAGS if shape.zigzag else [])]
+        # and its idle counters (every rank's) tell when its idle checks ran.
+        flags = [*CPCACHE_FLAGS, "--enable-metrics", "--enable-metrics-for-all-schedulers",
+                 *(ZIGZAG_FLAGS if shape.zigzag else [])]
         env = {"CPCACHE_SGLANG_CONFIG": str(config), **(ZIGZAG_ENV if shape.zigzag else {})}
         self.cpcache = Server("cpcache", model, work, flags, tp=shape.tp, cp=shape.cp, page_size=PAGE,
                               device_tokens=DEVICE_TOKENS, env=env)
@@ -161,9 +162,11 @@ def started(work: Path, model: Path, shape: Shape, **options: Any) -> Iterator[S
         yield built.start()
 
 
-def idle_seconds(server: Server) -> float:
-    """SGLang's scheduler idle counter, summed over ranks (--enable-metrics).
-    The scheduler adds to it in its idle pass, right before its leak check."""
+def idle_seconds(server: Server) -> dict[str, float]:
+    """SGLang's scheduler idle counters, one per rank (--enable-metrics,
+    --enable-metrics-for-all-schedulers). A scheduler adds to its counter in
+    its idle pass, right before its leak check."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=30).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("sglang:scheduler_idle_seconds_total"))
+    series = (line.rsplit(" ", 1) for line in text.splitlines()
+              if line.startswith("sglang:scheduler_idle_seconds_total"))
+    return {labels: float(value) for labels, value in series}
