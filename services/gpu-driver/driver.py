@@ -93,6 +93,7 @@ class Run:
         limit = min(LIMITS_S[name], left)
         if limit <= 0:
             raise Stop(TIMED_OUT, f"{name}: no time left of the {DEADLINE_S:.0f} s deadline")
+        print(f"gpu check: {name} (at most {limit:.0f} s)", flush=True)
         start = time.monotonic()
         stdout, stderr = self.scratch / f"{name}.out", self.scratch / f"{name}.err"
         # A process group of its own, ended when the phase is: no daemon a
