@@ -57,7 +57,7 @@ demo: $(STAMP)
 	$(VENV)/bin/cpcache demo --trace ../shared/traces/conversation_trace.jsonl --plot demo.png
 
 test: setup
-	$(PY) -m ruff check cpcache tests
+	$(PY) -m ruff check cpcache tests services/gpu-driver
 	$(PY) -m mypy
 	$(PY) -m pytest
 

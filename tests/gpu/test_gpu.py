@@ -5,36 +5,17 @@ CUDA is absent; `services/gpu-driver/run.sh` runs them on a GPU host."""
 import pytest
 import torch
 
-from cpcache.client import AsyncClient, Ops
+from cpcache.client import AsyncClient
 from cpcache.dataplane.movers import DEVICE, HOST, Tiers, Transfers
 from cpcache.dataplane.pools import LAYOUTS, DevicePool, HostPool
-from cpcache.geometry import KVGeometry
 from cpcache.tools.launcher import DomainSpec, LocalDomain
 from cpcache.topology import Topology
+from tests.gpu.cuda import GEOMETRY, cuda_pool, ipc_handle, start_load, write_pages
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
     pytest.mark.timeout(120),
 ]
-
-GEOMETRY = KVGeometry(layers=4, kv_kind="mha", heads=8, head_dim=128, dtype="bfloat16", page_size=16)
-
-
-def cuda_pool(pages: int) -> torch.Tensor:
-    pool = torch.empty(GEOMETRY.pool_shape(pages), dtype=GEOMETRY.torch_dtype, device="cuda")
-    pool.view(torch.int16).random_(-(2**15), 2**15 - 1)
-    return pool
-
-
-def ipc_handle(tensor: torch.Tensor) -> dict:
-    """The fields of `_share_cuda_()`, as the Attach message carries them."""
-    (device, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync) = (
-        tensor.untyped_storage()._share_cuda_()
-    )
-    return dict(device=device, handle=handle, storage_size=size, storage_offset=offset,
-                ref_counter_handle=ref_handle, ref_counter_offset=ref_offset, event_handle=event_handle,
-                event_sync_required=event_sync)
-
 
 def test_host_pool_is_pinned():
     assert HostPool(GEOMETRY, pages=4).tensor.is_pinned()
@@ -57,12 +38,8 @@ def test_device_host_movers_are_bit_exact(layout):
 
 
 async def round_trip(client: AsyncClient, pool: torch.Tensor, step: int) -> int:
-    pages = [bytes([i]) * 32 for i in range(4)]
-    await client.step(step, ops=Ops(writes=((1, pages, [0, 1, 2, 3]),)))
-    while 1 not in (await client.step(step + 1)).write_acks:
-        step += 1
-    step += 2
-    await client.step(step, ops=Ops(loads=((2, pages, [8, 9, 10, 11]),)))
+    step = await write_pages(client, step, [0, 1, 2, 3])
+    step = await start_load(client, step, [8, 9, 10, 11])
     await client.wait_loads([2], timeout_s=30)
     s = GEOMETRY.page_size
     assert torch.equal(pool[:, :, 8 * s:12 * s], pool[:, :, 0:4 * s])

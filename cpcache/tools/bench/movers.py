@@ -1,12 +1,16 @@
 """`cpcache bench movers`: each mover's throughput against the raw operation
 it is built on, measured alternately in the same run:
 
-- device <-> host: torch `index_select(out=)` over the same pages;
+- device <-> host on CUDA: `cudaMemcpyAsync` of pinned memory (one torch
+  `copy_(non_blocking=True)` of the same bytes between a pinned host buffer
+  and device memory, then a stream sync), the most the bus gives;
+- device <-> host without CUDA: torch `index_select(out=)` over the same pages;
 - host <-> file: a plain write / read loop over the same pages;
 - host <-> mooncake: `batch_put_from` / `batch_get_into` on the same buffers.
 
 On a host without CUDA the device pool is a shared-memory file (as attached
 by an inference process there), so device <-> host is a memory copy.
+`--device-only`: device <-> host alone, for every host layout (the GPU check).
 """
 
 from __future__ import annotations
@@ -18,12 +22,13 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from cpcache.dataplane.movers import DEVICE, HOST, STORAGE, Tiers, Transfers
-from cpcache.dataplane.pools import DevicePool, HostPool
+from cpcache.dataplane.pools import LAYOUTS, DevicePool, HostPool
 from cpcache.dataplane.storage import open_backend
 from cpcache.geometry import KVGeometry
 from cpcache.tools.bench.stats import block_summary
@@ -64,36 +69,91 @@ def compare_in_blocks(mover: Callable[[], object], raw: Callable[[], object], nb
             "median": summary["median"], "spread": summary["spread"]}
 
 
+def device_pool(geometry: KVGeometry, pages: int) -> DevicePool:
+    """Random pages where an inference process keeps its pool: device memory
+    on CUDA, a shared-memory file elsewhere."""
+    if torch.cuda.is_available():
+        pool = DevicePool(geometry, torch.empty(geometry.pool_shape(pages), dtype=geometry.torch_dtype, device="cuda"))
+        pool.tensor.view(-1).view(torch.uint8).random_(0, 256)
+        return pool
+    pool = DevicePool.create_sealed(geometry, pages=pages)
+    pool.tensor.view(-1).view(torch.uint8).copy_(torch.randint(0, 256, (pool.tensor.numel() * 2,), dtype=torch.uint8))
+    return pool
+
+
+def raw_device_copies(device: DevicePool, pages: int) -> tuple[Callable[[], object], Callable[[], object], str]:
+    """(device->host, host->device, what they are): the raw copies of the
+    same bytes a mover of `pages` pages moves."""
+    g = device.geometry
+    if device.tensor.is_cuda:
+        nbytes = pages * g.page_bytes
+        pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        memory = device.tensor.view(-1).view(torch.uint8)[:nbytes]
+        stream = torch.cuda.current_stream(device.tensor.device)
+
+        def d2h() -> None:
+            pinned.copy_(memory, non_blocking=True)
+            stream.synchronize()
+
+        def h2d() -> None:
+            memory.copy_(pinned, non_blocking=True)
+            stream.synchronize()
+
+        return d2h, h2d, "cudaMemcpyAsync of pinned memory (torch copy_ non_blocking, stream sync)"
+    tokens_idx = torch.arange(pages * g.page_size)
+    gathered = torch.empty((g.layers, g.components, pages * g.page_size, g.heads, g.head_dim), dtype=g.torch_dtype)
+    return (lambda: torch.index_select(device.tensor, 2, tokens_idx, out=gathered),
+            lambda: torch.index_select(gathered, 2, tokens_idx, out=device.tensor), "torch index_select(out=)")
+
+
+def device_host_entries(device: DevicePool, host: HostPool, blocks: int) -> list[dict]:
+    """device->host and host->device of every page, against the raw copies."""
+    pages = list(range(min(device.pages, host.pages)))
+    nbytes = len(pages) * device.geometry.page_bytes
+    raw_d2h, raw_h2d, baseline = raw_device_copies(device, len(pages))
+    transfers = Transfers(Tiers(host, device), threads=1)
+    try:
+        out = []
+        for name, mover, raw in (("device->host", (DEVICE, HOST), raw_d2h), ("host->device", (HOST, DEVICE), raw_h2d)):
+            figures = compare_in_blocks(partial(move_all, transfers, mover, pages), raw, nbytes, blocks)
+            out.append({"mover": name, "page_bytes": device.geometry.page_bytes, "host_layout": host.layout,
+                        "baseline": baseline, **figures})
+        return out
+    finally:
+        transfers.close()
+
+
+def move_all(transfers: Transfers, route: tuple[str, str], pages: list[int]) -> None:
+    transfers.submit(route, pages, pages).result()
+
+
+def bench_device_host(page_bytes: int, tokens: int, blocks: int = REPEATS) -> list[dict]:
+    """device <-> host for every host layout."""
+    geometry = geometry_for(tokens)
+    n = max(8, BATCH_BYTES // page_bytes)
+    device = device_pool(geometry, n)
+    out: list[dict] = []
+    for layout in LAYOUTS:
+        out += device_host_entries(device, HostPool(geometry, pages=n, layout=layout), blocks)
+    return out
+
+
 def bench_page_size(page_bytes: int, tokens: int, work: Path, master: MooncakeMaster | None,
                     blocks: int = REPEATS) -> list[dict]:
     geometry = geometry_for(tokens)
     assert geometry.page_bytes == page_bytes
     n = max(8, BATCH_BYTES // page_bytes)
     nbytes = n * page_bytes
-    device = DevicePool.create_sealed(geometry, pages=n)
-    device.tensor.view(-1).view(torch.uint8).copy_(torch.randint(0, 256, (device.tensor.numel() * 2,),
-                                                                 dtype=torch.uint8))
+    device = device_pool(geometry, n)
     host = HostPool(geometry, pages=n, layout="page_first_direct")
     pages = list(range(n))
-    tokens_idx = torch.arange(n * tokens)
-    out: list[dict] = []
+    out = device_host_entries(device, host, blocks)
 
     def entry(name: str, figures: dict) -> None:
         out.append({"mover": name, "page_bytes": page_bytes, **figures})
 
     def compare(mover: Callable[[], object], raw: Callable[[], object], nbytes: int) -> dict:
         return compare_in_blocks(mover, raw, nbytes, blocks)
-
-    transfers = Transfers(Tiers(host, device), threads=1)
-    gathered = torch.empty((geometry.layers, geometry.components, n * tokens, geometry.heads, geometry.head_dim),
-                           dtype=geometry.torch_dtype)
-    entry("device->host", compare(
-        lambda: transfers.submit((DEVICE, HOST), pages, pages).result(),
-        lambda: torch.index_select(device.tensor, 2, tokens_idx, out=gathered), nbytes))
-    entry("host->device", compare(
-        lambda: transfers.submit((HOST, DEVICE), pages, pages).result(),
-        lambda: torch.index_select(gathered, 2, tokens_idx, out=device.tensor), nbytes))
-    transfers.close()
 
     # Every repeat writes new pages (new files) on both sides, as a cache does.
     storage = open_backend("file", root=str(work / f"files-{page_bytes}"), geometry_fingerprint=geometry.fingerprint())
@@ -157,8 +217,13 @@ def bench_page_size(page_bytes: int, tokens: int, work: Path, master: MooncakeMa
     return out
 
 
-def run(with_mooncake: bool = True, blocks: int = REPEATS) -> dict:
+def run(with_mooncake: bool = True, blocks: int = REPEATS, device_only: bool = False) -> dict:
     movers: list[dict] = []
+    if device_only:
+        for page_bytes, tokens in PAGE_SIZES.items():
+            movers += bench_device_host(page_bytes, tokens, blocks)
+        return {"movers": movers, "batch_bytes": BATCH_BYTES, "repeats": blocks, "host_layouts": list(LAYOUTS),
+                "device": device_name()}
     with tempfile.TemporaryDirectory(prefix="cpc-movers-") as tmp:
         work = Path(tmp)
         master = MooncakeMaster(work / "master.log").__enter__() if with_mooncake else None
@@ -169,10 +234,15 @@ def run(with_mooncake: bool = True, blocks: int = REPEATS) -> dict:
             if master is not None:
                 master.stop()
     return {"movers": movers, "batch_bytes": BATCH_BYTES, "repeats": blocks, "host_layout": "page_first_direct",
-            "device": "cuda" if torch.cuda.is_available() else "shared-memory file (no CUDA)"}
+            "device": device_name()}
+
+
+def device_name() -> str:
+    return f"cuda ({torch.cuda.get_device_name(0)})" if torch.cuda.is_available() else "shared-memory file (no CUDA)"
 
 
 def main(args: argparse.Namespace) -> int:
-    report = run(with_mooncake=not getattr(args, "no_mooncake", False), blocks=getattr(args, "repeat", REPEATS))
+    report = run(with_mooncake=not getattr(args, "no_mooncake", False), blocks=getattr(args, "repeat", REPEATS),
+                 device_only=getattr(args, "device_only", False))
     print(json.dumps(report) if args.json else json.dumps(report, indent=2))
     return 0
