@@ -9,10 +9,10 @@ on another thread and are abandoned at the deadline (the thread ends
 whenever the call returns).
 
 `bounded` waits from a plain thread, `bounded_async` from the event loop.
-Both run the call on a daemon thread of its own unless given an executor's
-`submit` (a call still queued there is dropped at the deadline). Unlike
-`asyncio.to_thread`, a daemon thread does not hold the loop's close or the
-process's exit.
+The call runs on a daemon thread of its own, or where `bounded_async` is
+told (an executor's `submit`: a call still queued there is dropped at the
+deadline). Unlike `asyncio.to_thread`, a daemon thread holds neither the
+loop's close nor the process's exit.
 """
 
 from __future__ import annotations
@@ -25,8 +25,6 @@ from collections.abc import Callable
 from typing import TypeVar
 
 T = TypeVar("T")
-
-Start = Callable[[Callable[[], T]], "concurrent.futures.Future[T]"]
 
 
 class StoreTimeout(RuntimeError):
@@ -59,10 +57,13 @@ def bounded(fn: Callable[[], T], timeout_s: float, what: str = "a rendezvous sto
     try:
         return job.result(max(0.0, timeout_s))
     except concurrent.futures.TimeoutError:
+        if job.done():  # the call's own TimeoutError (or it ended right at the deadline)
+            return job.result()
         raise _timed_out(what, timeout_s) from None
 
 
-async def bounded_async(fn: Callable[[], T], timeout_s: float | None, what: str, start: Start | None = None) -> T:
+async def bounded_async(fn: Callable[[], T], timeout_s: float | None, what: str,
+                        start: Callable[[Callable[[], T]], concurrent.futures.Future[T]] | None = None) -> T:
     """`fn()` off the loop, awaited: `StoreTimeout` once `timeout_s` has
     passed (None: no deadline but the call's own; the call still holds
     neither the loop's close nor the exit). `start`: how the call is

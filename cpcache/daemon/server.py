@@ -40,7 +40,6 @@ from cpcache.geometry import KVGeometry
 from cpcache.rank.attach import Attached
 from cpcache.rank.epochs import Standing
 from cpcache.rank.rank import Rank
-from cpcache.topology import Topology
 
 log = logging.getLogger("cpcached")
 
@@ -121,18 +120,11 @@ class Daemon:
         return device
 
     def stats(self) -> dict[str, int]:
-        counters = self.rank.stats().counters()
-        if self._pools is not None:  # what the handover refused (README, Security, "Resource budget")
-            counters.update(self._pools.stats())
-        return counters
-
-    def placement(self) -> tuple[Topology, int]:
-        """This daemon's deployment and its rank in it."""
-        return self.config.topology, self.config.rank
+        # With what the pool handover refused (README, Security, "Resource budget").
+        return {**self.rank.stats().counters(), **(self._pools.stats() if self._pools is not None else {})}
 
     def status(self) -> DaemonStatus:
-        rank, stats = self.rank, self.rank.stats()
-        failure = rank.failure
+        rank, stats, failure = self.rank, self.rank.stats(), self.rank.failure
         return DaemonStatus(
             rank=self.config.rank,
             world_size=self.config.topology.world_size,

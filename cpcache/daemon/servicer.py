@@ -25,7 +25,7 @@ from cpcache.daemon.wire import (
     step_reply,
     votes_from_wire,
 )
-from cpcache.errors import CacheError, FailedPrecondition, InvalidArgument, PermissionDenied
+from cpcache.errors import CacheError, InvalidArgument, PermissionDenied
 from cpcache.geometry import KVGeometry
 from cpcache.rank.attach import Attached
 from cpcache.rank.rank import Rank
@@ -53,8 +53,6 @@ class DaemonPort(Protocol):
     def stats(self) -> dict[str, int]: ...
 
     def status(self) -> DaemonStatus: ...
-
-    def placement(self) -> tuple[Topology, int]: ...
 
 
 def _step_parts(request: pb.StepRequest) -> tuple[Questions, StepOps]:
@@ -147,16 +145,11 @@ class CacheDaemonServicer(pb_grpc.CacheDaemonServicer):
         return attach_reply(attached)
 
     def _check_scheduler_topology(self, declared: pb.SchedulerTopology) -> None:
-        topology, rank = self._daemon.placement()
         try:
             scheduler = Topology(tp=declared.tp, cp=declared.cp, dp=declared.dp, pp=declared.pp)
         except InvalidArgument as exc:
             raise InvalidArgument(f"attach: the scheduler's {exc}") from None
-        differs = topology.scheduler_mismatch(rank, scheduler, declared.rank)
-        if differs:
-            raise FailedPrecondition(
-                f"attach: the scheduler's topology is not this daemon's: {differs}; start the daemons with "
-                "the scheduler's sizes (cpcache launch --tp/--cp/--dp/--pp) and connect rank r to rank r's socket")
+        self._daemon.rank.check_scheduler(scheduler, declared.rank)
 
     @guarded
     async def WaitLoads(self, request: pb.WaitLoadsRequest, context: grpc.aio.ServicerContext) -> pb.WaitLoadsReply:

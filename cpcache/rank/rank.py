@@ -27,6 +27,7 @@ from cpcache.rank.phases import StepPhases
 from cpcache.rank.stats import RankStats
 from cpcache.rank.stepper import StepOutcome, Stepper
 from cpcache.state.requests import StepOps
+from cpcache.topology import Topology
 
 MAX_WAIT_S = 3600.0  # the longest a WaitLoads may ask to wait
 
@@ -104,6 +105,15 @@ class Rank:
         stepper = self.admit()
         outcome = await stepper.step(step, votes, ops, invalid=invalid, request_digest=request_digest)
         return StepTaken(outcome, stepper.epoch, stepper.phases)
+
+    def check_scheduler(self, scheduler: Topology, scheduler_rank: int) -> None:
+        """The scheduler attaching declared its topology: refuse it unless
+        it is this daemon's, and it is this daemon's rank."""
+        differs = self.config.topology.scheduler_mismatch(self.config.rank, scheduler, scheduler_rank)
+        if differs:
+            raise FailedPrecondition(
+                f"attach: the scheduler's topology is not this daemon's: {differs}; start the daemons with "
+                "the scheduler's sizes (cpcache launch --tp/--cp/--dp/--pp) and connect rank r to rank r's socket")
 
     async def attach(self, model_id: str, geometry: KVGeometry, device_pages: int, kind: str,
                      open_device: Callable[[], DevicePool]) -> Attached:
