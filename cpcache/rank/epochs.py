@@ -184,9 +184,10 @@ class Formation:
             diagnosis_store = self.rdzv.connect()
         return Formed(reducer, confirmer, offers, diagnosis_store)
 
-    async def serve(self, formed: Formed) -> None:
+    async def serve(self, formed: Formed, note: str = "") -> None:
         """Decide in the epoch just formed: a new engine and stepper, and the
-        carried-over cache (the pages every rank offered alike), if any."""
+        carried-over cache (the pages every rank offered alike), if any.
+        `note`: the status line to show the service manager, if any."""
         config, loop = self.config, asyncio.get_running_loop()
         self.confirmer = formed.confirmer
         engine = AgreementEngine(
@@ -211,7 +212,7 @@ class Formation:
             log.info("epoch %d carries %d host pages over (until the scheduler attaches again); %d slots wait "
                      "for I/O to end", self.epoch, len(kept), len(busy))
         self.standing = Standing.SERVING
-        await self._host.standing_changed(Standing.SERVING, "")
+        await self._host.standing_changed(Standing.SERVING, note)
 
     # -- re-forming -----------------------------------------------------------
 
@@ -274,10 +275,8 @@ class Formation:
                 log.warning("epoch %d did not form (%s); trying the next", self.epoch, exc)
                 leaving = self.epoch
                 continue
-            await self.serve(formed)
-            log.info("serving rank %d in epoch %d", self.config.rank, self.epoch)
-            await self._host.standing_changed(Standing.SERVING, f"serving rank {self.config.rank} in epoch "
-                                                                f"{self.epoch}")
+            log.info("serving rank %d in epoch %d", self.config.rank, self.rdzv.epoch)
+            await self.serve(formed, f"serving rank {self.config.rank} in epoch {self.rdzv.epoch}")
             return
 
     async def _detach(self, stepper: Stepper | None) -> bytes:
