@@ -30,6 +30,7 @@ from cpcache.daemon.metrics import DaemonCollector, rank_labels
 from cpcache.daemon.server import ExitCode
 from cpcache.dataplane.pools import LAYOUTS, DevicePool
 from cpcache.geometry import KVGeometry
+from cpcache.rank.stats import RankStats
 from cpcache.tools.launcher import DomainSpec, LocalDomain
 from cpcache.topology import Topology
 
@@ -397,14 +398,14 @@ def test_scrapes_read_daemon_values_on_its_event_loop():
     never reads them itself (a dict resized mid-iteration would raise)."""
     readers = []
 
+    class Rank:
+        def stats(self):
+            readers.append(threading.get_ident())
+            return RankStats()
+
     class Daemon:
         config = DaemonConfig(rank=0)
-        coordinator = None
-
-        @property
-        def engine(self):
-            readers.append(threading.get_ident())
-            return None
+        rank = Rank()
 
     collector = DaemonCollector(Daemon())
     loop = asyncio.new_event_loop()

@@ -22,7 +22,7 @@ import logging
 import platform
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +36,7 @@ from cpcache.agreement.engine import ROUND_BOUNDS_S
 from cpcache.daemon.metrics_http import MetricsServer
 from cpcache.histogram import Histogram
 from cpcache.rank.phases import PHASE_BOUNDS_S
+from cpcache.rank.stats import RankStats
 from cpcache.topology import Topology
 from cpcache.values import split_host_port
 
@@ -58,7 +59,7 @@ def rank_labels(topology: Topology, rank: int) -> dict[str, str]:
             "cp_rank": str(k.cp)}
 
 
-def _buckets(bounds: tuple[float, ...], counts: list[int]) -> list[tuple[str, float]]:
+def _buckets(bounds: tuple[float, ...], counts: Sequence[int]) -> list[tuple[str, float]]:
     """Cumulative buckets from per-bucket counts (the last one: above every bound)."""
     out: list[tuple[str, float]] = []
     running = 0
@@ -168,16 +169,13 @@ class Snapshot:
 
     rpcs: tuple[dict[tuple[str, str, str], int], dict[tuple[str, str, str, str], int],
                 dict[tuple[str, str, str], tuple[list[int], float]]]
-    engine: dict[str, Any] | None = None
-    open_questions: int | None = None
-    cache: dict[str, Any] | None = None
-    phases: dict[str, tuple[list[int], float]] | None = None
+    rank: RankStats
 
 
 class DaemonCollector:
     def __init__(self, daemon: Any) -> None:
-        """`daemon`: the running `server.Daemon`. Its values are read on its
-        event loop only (`bind`), never from the metrics thread."""
+        """`daemon`: the running `server.Daemon`. Its rank's stats are read
+        on its event loop only (`bind`), never from the metrics thread."""
         self._daemon = daemon
         config = daemon.config
         self.labels = rank_labels(config.topology, config.rank)
@@ -190,23 +188,7 @@ class DaemonCollector:
 
     def snapshot(self) -> Snapshot:
         """Runs on the event loop."""
-        d = self._daemon
-        engine, coordinator = d.engine, d.coordinator
-        engine_values = cache = phases = None
-        open_questions = None
-        if engine is not None:
-            hist = engine.round_latency
-            engine_values = {"rounds": engine.rounds_completed, "divergences": engine.divergences,
-                             "peer_lost": int(engine.failure is not None),
-                             "latency": (list(hist.counts), hist.total_s)}
-        if coordinator is not None:
-            open_questions = coordinator.open_questions
-            phases = {name: (list(h.counts), h.total_s) for name, h in coordinator.phases.histograms.items()}
-            if coordinator.cache is not None:
-                state = coordinator.cache.state
-                cache = {"hits": dict(state.hit_pages), "stats": dict(state.stats()),
-                         "moved": coordinator.cache.io.transfers.counters()}
-        return Snapshot(self.rpc.snapshot(), engine_values, open_questions, cache, phases)
+        return Snapshot(self.rpc.snapshot(), self._daemon.rank.stats())
 
     def _snapshot_from_loop(self) -> Snapshot | None:
         loop = self._loop
@@ -241,55 +223,58 @@ class DaemonCollector:
         if snap is None:
             return
         yield from _rpc_families(*snap.rpcs)
-        if snap.engine is not None:
-            e = snap.engine
-            rounds = CounterMetricFamily("cpcache_rounds", "Agreement rounds completed", labels=names)
-            rounds.add_metric(values, e["rounds"])
-            divergences = CounterMetricFamily("cpcache_divergences", "Rounds whose ranks disagreed", labels=names)
-            divergences.add_metric(values, e["divergences"])
-            lost = GaugeMetricFamily("cpcache_peer_lost",
-                                     "1 once the domain has lost a peer (decisions are refused until a restart)",
-                                     labels=names)
-            lost.add_metric(values, e["peer_lost"])
-            latency = HistogramMetricFamily("cpcache_round_duration_seconds",
-                                            "Time a round spent in its collectives", labels=names)
-            counts, total_s = e["latency"]
-            latency.add_metric(values, _buckets(ROUND_BOUNDS_S, counts), total_s)
-            yield from (rounds, divergences, lost, latency)
-        if snap.phases is not None:
-            phase = HistogramMetricFamily(
-                "cpcache_step_phase_seconds", "Time a step spent in each phase on this rank (the collective "
-                "itself: cpcache_round_duration_seconds)", labels=names + ["phase"])
-            for name, (counts, total_s) in snap.phases.items():
-                phase.add_metric(values + [name], _buckets(PHASE_BOUNDS_S, counts), total_s)
-            yield phase
-        if snap.open_questions is not None:
-            questions = GaugeMetricFamily("cpcache_open_questions", "Questions open in the agreement table",
-                                          labels=names)
-            questions.add_metric(values, snap.open_questions)
-            yield questions
-        if snap.cache is None:
-            return
-        hits = CounterMetricFamily("cpcache_hit_pages", "Pages served from a tier (agreed)", labels=names + ["tier"])
-        for tier, n in sorted(snap.cache["hits"].items()):
-            hits.add_metric(values + [tier], n)
-        route = names + ["src", "dst"]
-        pages = CounterMetricFamily("cpcache_moved_pages", "Pages moved from one tier to another", labels=route)
-        moved = CounterMetricFamily("cpcache_moved_bytes", "Bytes moved from one tier to another", labels=route)
-        errors = CounterMetricFamily("cpcache_transfer_failures", "Transfers that failed", labels=route)
-        refused = CounterMetricFamily("cpcache_late_transfers_refused",
-                                      "Transfers of an ended session refused before they touched anything",
-                                      labels=route)
-        counters = snap.cache["moved"]
-        for (src, dst), n in sorted(counters["pages_moved"].items()):
-            pages.add_metric(values + [src, dst], n)
-            moved.add_metric(values + [src, dst], counters["bytes_moved"][(src, dst)])
-            errors.add_metric(values + [src, dst], counters["failed_jobs"][(src, dst)])
-            refused.add_metric(values + [src, dst], counters["refused_jobs"][(src, dst)])
-        occupancy = GaugeMetricFamily("cpcache_host_pages", "Host pool pages by state", labels=names + ["state"])
-        for name in ("used", "free", "retiring"):
-            occupancy.add_metric(values + [name], snap.cache["stats"][f"host_pages_{name}"])
-        yield from (hits, pages, moved, errors, refused, occupancy)
+        yield from _rank_families(snap.rank, names, values)
+
+
+def _rank_families(stats: RankStats, names: list[str], values: list[str]) -> Iterator[Metric]:
+    if stats.engine is not None:
+        e = stats.engine
+        rounds = CounterMetricFamily("cpcache_rounds", "Agreement rounds completed", labels=names)
+        rounds.add_metric(values, e.rounds)
+        divergences = CounterMetricFamily("cpcache_divergences", "Rounds whose ranks disagreed", labels=names)
+        divergences.add_metric(values, e.divergences)
+        lost = GaugeMetricFamily("cpcache_peer_lost",
+                                 "1 once the domain has lost a peer (decisions are refused until a restart)",
+                                 labels=names)
+        lost.add_metric(values, int(e.peer_lost))
+        latency = HistogramMetricFamily("cpcache_round_duration_seconds",
+                                        "Time a round spent in its collectives", labels=names)
+        latency.add_metric(values, _buckets(ROUND_BOUNDS_S, e.round_latency.counts), e.round_latency.total_s)
+        yield from (rounds, divergences, lost, latency)
+    if stats.steps is not None:
+        phase = HistogramMetricFamily(
+            "cpcache_step_phase_seconds", "Time a step spent in each phase on this rank (the collective "
+            "itself: cpcache_round_duration_seconds)", labels=names + ["phase"])
+        for name, buckets in stats.steps.phases.items():
+            phase.add_metric(values + [name], _buckets(PHASE_BOUNDS_S, buckets.counts), buckets.total_s)
+        yield phase
+        questions = GaugeMetricFamily("cpcache_open_questions", "Questions open in the agreement table",
+                                      labels=names)
+        questions.add_metric(values, stats.steps.open_questions)
+        yield questions
+    cache = stats.cache
+    if cache is None:
+        return
+    hits = CounterMetricFamily("cpcache_hit_pages", "Pages served from a tier (agreed)", labels=names + ["tier"])
+    for tier, n in sorted(cache.hits.items()):
+        hits.add_metric(values + [tier], n)
+    route = names + ["src", "dst"]
+    pages = CounterMetricFamily("cpcache_moved_pages", "Pages moved from one tier to another", labels=route)
+    moved = CounterMetricFamily("cpcache_moved_bytes", "Bytes moved from one tier to another", labels=route)
+    errors = CounterMetricFamily("cpcache_transfer_failures", "Transfers that failed", labels=route)
+    refused = CounterMetricFamily("cpcache_late_transfers_refused",
+                                  "Transfers of an ended session refused before they touched anything",
+                                  labels=route)
+    counters = cache.moved
+    for (src, dst), n in sorted(counters["pages_moved"].items()):
+        pages.add_metric(values + [src, dst], n)
+        moved.add_metric(values + [src, dst], counters["bytes_moved"][(src, dst)])
+        errors.add_metric(values + [src, dst], counters["failed_jobs"][(src, dst)])
+        refused.add_metric(values + [src, dst], counters["refused_jobs"][(src, dst)])
+    occupancy = GaugeMetricFamily("cpcache_host_pages", "Host pool pages by state", labels=names + ["state"])
+    for name in ("used", "free", "retiring"):
+        occupancy.add_metric(values + [name], cache.state[f"host_pages_{name}"])
+    yield from (hits, pages, moved, errors, refused, occupancy)
 
 
 def _rpc_families(started: dict[tuple[str, str, str], int], handled: dict[tuple[str, str, str, str], int],
@@ -328,22 +313,3 @@ async def serve(collector: DaemonCollector, address: str) -> MetricsServer:
     server = MetricsServer(registry_for(collector))
     server.port = await server.start(host or "127.0.0.1", port)
     return server
-
-
-def phase_counters(coordinator: Any, engine: Any) -> dict[str, int]:
-    """The step phases as Stats counters: `step_phase_<phase>_us` (total
-    microseconds), `step_phase_<phase>_count` and, for the phases that never
-    await, `step_phase_<phase>_cpu_us` (the loop thread's CPU), with the collective itself
-    as phase `reduce` (from the agreement engine) and `steps` (the calls the
-    handler served), so a breakdown per step is each total over `steps`."""
-    out: dict[str, int] = {}
-    histograms: dict[str, Any] = dict(coordinator.phases.histograms)
-    if engine is not None:
-        histograms["reduce"] = engine.round_latency
-    for name, h in histograms.items():
-        out[f"step_phase_{name}_us"] = round(h.total_s * 1e6)
-        out[f"step_phase_{name}_count"] = sum(h.counts)
-    for name, seconds in coordinator.phases.cpu_s.items():
-        out[f"step_phase_{name}_cpu_us"] = round(seconds * 1e6)
-    out["step_phase_steps"] = out.get("step_phase_handler_count", 0)
-    return out

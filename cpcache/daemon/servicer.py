@@ -1,22 +1,21 @@
 """The CacheDaemon servicer: a thin translation between protobuf messages and
-the core. Validation and decisions live in the core."""
+the rank (`cpcache.rank.rank.Rank`). Validation, decisions and I/O live
+there; this module only reads messages, writes replies and times the wire's
+part of a step."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import math
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 import grpc
 
 from cpcache.agreement.rounds import Questions
 from cpcache.daemon.status import Undecodable, guarded, wire_status
 from cpcache.daemon.wire import (
-    Attached,
     DaemonStatus,
     attach_reply,
     ops_from_wire,
@@ -26,10 +25,10 @@ from cpcache.daemon.wire import (
     step_reply,
     votes_from_wire,
 )
-from cpcache.errors import CacheError, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, Unavailable
+from cpcache.errors import CacheError, InvalidArgument, PermissionDenied
 from cpcache.geometry import KVGeometry
-from cpcache.rank.assembly import CacheRuntime
-from cpcache.rank.stepper import Stepper
+from cpcache.rank.attach import Attached
+from cpcache.rank.rank import Rank
 from cpcache.state.requests import StepOps
 from cpcache.topology import Topology
 from cpcache.v1 import daemon_pb2 as pb
@@ -37,43 +36,23 @@ from cpcache.v1 import daemon_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
-MAX_WAIT_S = 3600.0
-T = TypeVar("T")
 StepLike = pb.StepRequest | pb.PrefetchRequest | pb.RevokeRequest | pb.AckRequest
 
 
 class DaemonPort(Protocol):
     """What the servicer needs of the running daemon (`server.Daemon`)."""
 
-    def admit_decision(self) -> Stepper: ...
+    @property
+    def rank(self) -> Rank: ...
 
     def in_flight(self) -> AbstractContextManager[None]: ...
 
-    def cache_runtime(self) -> CacheRuntime: ...
-
     async def attach(self, model_id: str, geometry: KVGeometry, device_pages: int, kind: str,
-                     pool: str | pb.CudaIpcHandle) -> Attached: ...
+                     pool: str | dict[str, Any]) -> Attached: ...
 
     def stats(self) -> dict[str, int]: ...
 
     def status(self) -> DaemonStatus: ...
-
-    def placement(self) -> tuple[Topology, int]: ...
-
-
-async def bounded_storage_call(runtime: CacheRuntime, fn: Callable[[], T], what: str) -> T:
-    """A storage call on the storage executor (never the loop's default
-    pool, which exit waits for), answered within `storage_timeout_s`: a hung
-    store is UNAVAILABLE in bounded time, and a call still queued is dropped."""
-    job = runtime.io.transfers.run_storage_call(fn)
-    timeout_s = runtime.io.storage_timeout_s
-    try:
-        return await asyncio.wait_for(asyncio.wrap_future(job), timeout_s)
-    except TimeoutError:
-        job.cancel()
-        raise Unavailable(f"{what}: storage did not answer within storage_timeout_s ({timeout_s:g}s)") from None
-    except RuntimeError as exc:  # the storage executor is shut down: the daemon is stopping
-        raise Unavailable(f"{what}: storage is closed ({exc})") from None
 
 
 def _step_parts(request: pb.StepRequest) -> tuple[Questions, StepOps]:
@@ -89,7 +68,6 @@ class CacheDaemonServicer(pb_grpc.CacheDaemonServicer):
         """One step. A request that cannot be read still takes part in its
         round (rejected), so the other ranks are never left waiting."""
         started = time.perf_counter()
-        stepper = self._daemon.admit_decision()
         invalid: CacheError | None = None
         try:
             votes, ops = parse(request)
@@ -98,14 +76,14 @@ class CacheDaemonServicer(pb_grpc.CacheDaemonServicer):
         except Exception as exc:  # a request this daemon cannot read still takes part in its round
             votes, ops, invalid = Questions.empty(), StepOps(), InvalidArgument(f"unreadable step: {exc}")
         with self._daemon.in_flight():
-            outcome = await stepper.step(request.step, votes, ops, invalid=invalid,
-                                         request_digest=request_digest(method, request))
+            taken = await self._daemon.rank.step(request.step, votes, ops, invalid=invalid,
+                                                 request_digest=request_digest(method, request))
         built = time.perf_counter()
-        reply = step_reply(outcome)
-        reply.epoch = stepper.epoch
+        reply = step_reply(taken.outcome)
+        reply.epoch = taken.epoch
         ended = time.perf_counter()
-        stepper.phases.observe("reply", ended - built)
-        stepper.phases.observe("handler", ended - started)
+        taken.phases.observe("reply", ended - built)
+        taken.phases.observe("handler", ended - started)
         return reply
 
     @guarded
@@ -160,56 +138,27 @@ class CacheDaemonServicer(pb_grpc.CacheDaemonServicer):
                                    "ticket (cpcache.client does it: attach(..., pool_fd=...))")
         if request.HasField("topology"):
             self._check_scheduler_topology(request.topology)
-        attached = await self._daemon.attach(request.model_id, geometry, request.device_pages, which,
-                                             getattr(request, which))
+        pool: str | dict[str, Any] = request.shm_ticket
+        if which == "cuda_ipc":
+            pool = {f.name: getattr(request.cuda_ipc, f.name) for f in request.cuda_ipc.DESCRIPTOR.fields}
+        attached = await self._daemon.attach(request.model_id, geometry, request.device_pages, which, pool)
         return attach_reply(attached)
 
     def _check_scheduler_topology(self, declared: pb.SchedulerTopology) -> None:
-        topology, rank = self._daemon.placement()
         try:
             scheduler = Topology(tp=declared.tp, cp=declared.cp, dp=declared.dp, pp=declared.pp)
         except InvalidArgument as exc:
             raise InvalidArgument(f"attach: the scheduler's {exc}") from None
-        differs = topology.scheduler_mismatch(rank, scheduler, declared.rank)
-        if differs:
-            raise FailedPrecondition(
-                f"attach: the scheduler's topology is not this daemon's: {differs}; start the daemons with "
-                "the scheduler's sizes (cpcache launch --tp/--cp/--dp/--pp) and connect rank r to rank r's socket")
+        self._daemon.rank.check_scheduler(scheduler, declared.rank)
 
     @guarded
     async def WaitLoads(self, request: pb.WaitLoadsRequest, context: grpc.aio.ServicerContext) -> pb.WaitLoadsReply:
-        runtime = self._daemon.cache_runtime()
-        if not (math.isfinite(request.timeout_s) and 0 <= request.timeout_s <= MAX_WAIT_S):
-            raise InvalidArgument(f"timeout_s must be between 0 and {MAX_WAIT_S:.0f} seconds")
-        futures = []
-        for op_id in request.op_ids:
-            job = runtime.io.load_future(op_id)
-            if job is None:
-                raise NotFound(f"load {op_id} is not in flight on this rank")
-            futures.append(asyncio.wrap_future(job))
-        timeout = request.timeout_s or None
-        try:
-            results = await asyncio.wait_for(asyncio.gather(*(asyncio.shield(f) for f in futures)), timeout)
-        except TimeoutError:
-            raise Unavailable(f"loads {list(request.op_ids)} did not finish within {timeout}s") from None
-        failed = [op_id for op_id, result in zip(request.op_ids, results) if not result.success]
-        if failed:
-            raise Unavailable(f"loads {failed} failed on this rank; the step that ends them reports them in "
-                              f"load_failures")
+        await self._daemon.rank.wait_loads(request.op_ids, request.timeout_s)
         return pb.WaitLoadsReply()
 
     @guarded
     async def Match(self, request: pb.MatchRequest, context: grpc.aio.ServicerContext) -> pb.MatchReply:
-        runtime = self._daemon.cache_runtime()
-        pages = list(request.pages)
-        if any(len(p) != 32 for p in pages):
-            raise InvalidArgument("match: page hashes are 32-byte sha256 digests")
-        host = runtime.state.match(pages)
-        storage = 0
-        backend = runtime.io.transfers.tiers.storage
-        if backend is not None and pages and not request.host_only:
-            keys = list(runtime.state.sharding.storage_keys(pages))
-            storage = await bounded_storage_call(runtime, lambda: backend.exists_prefix(keys), "match")
+        host, storage = await self._daemon.rank.match(request.pages, request.host_only)
         return pb.MatchReply(host_pages=host, storage_pages=storage)
 
     @guarded

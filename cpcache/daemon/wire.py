@@ -12,6 +12,7 @@ from google.protobuf.message import Message
 from cpcache.agreement.rounds import Questions
 from cpcache.errors import InvalidArgument
 from cpcache.hashing import hash62
+from cpcache.rank.attach import Attached
 from cpcache.rank.stepper import StepOutcome
 from cpcache.state.requests import LoadRequest, PrefetchRequest, StepOps, WriteRequest
 from cpcache.v1 import daemon_pb2 as pb
@@ -70,18 +71,6 @@ def step_reply(outcome: StepOutcome) -> pb.StepReply:
     reply.host_entered.extend(d.host_entered)
     reply.host_left.extend(d.host_left)
     return reply
-
-
-@dataclass(frozen=True)
-class Attached:
-    """What an Attach tells the scheduler."""
-
-    page_bytes: int
-    host_pages: int
-    host_layout: str
-    storage: str  # the backend's name, or "none"
-    key_seed: str  # hex seed of this model's page-hash chains
-    resumed_pages: int = 0  # host pages carried over from the previous session or epoch
 
 
 def attach_reply(attached: Attached) -> pb.AttachReply:

@@ -1,6 +1,7 @@
 """Assemble a rank's cache from its settings once a device pool is attached:
 host pool, storage backend (with fault injection when asked), movers, the
-shared state and this rank's I/O."""
+shared state and this rank's I/O; bind it to the session that uses the pool;
+carry it over into the next epoch."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from cpcache.dataplane.copy_faults import CopyFaults
 from cpcache.dataplane.local_io import LocalIO
 from cpcache.dataplane.movers import Tiers, Transfers
 from cpcache.dataplane.pools import DevicePool, HostPool
+from cpcache.dataplane.sessions import Session
 from cpcache.dataplane.storage import StorageBackend, open_backend
 from cpcache.dataplane.storage.faults import FaultyBackend, StorageFaults
 from cpcache.errors import ResourceExhausted
@@ -87,6 +89,13 @@ def open_cache(config: DaemonConfig, geometry: KVGeometry, device: DevicePool, m
     )
     state = CacheState(config.cache_config, PageAllocator(host.pages), sharding, geometry.page_size, device.pages)
     return CacheRuntime(state, LocalIO(transfers, config.storage_timeout_s))
+
+
+def start_session(runtime: CacheRuntime, epoch: int, number: int, device: DevicePool) -> CacheRuntime:
+    """Issue `runtime`'s jobs in a new session from now on: each binds the
+    session's device pool when it is issued (DESIGN rule 10)."""
+    runtime.io.session = Session(epoch, number, device)
+    return runtime
 
 
 def carry_over(runtime: CacheRuntime, kept: list[KeptPage], busy: list[int], storage_timeout_s: float) -> CacheRuntime:

@@ -17,7 +17,7 @@ The confirmation round is a collective of the epoch's own group: the i-th
 confirmation of every rank meets in one round, which completes once all have
 entered it, or times out for a rank whose peers have not (the group is then
 unusable, and the domain forms again in the next epoch once no Attach is in
-progress: `Daemon._reform` waits for it).
+progress: `rank.epochs.Formation._reform` waits for it).
 """
 
 from __future__ import annotations

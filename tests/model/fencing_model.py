@@ -5,16 +5,16 @@ rank leaving, its engine thread returning, the stepper applying, the join,
 the detach (session end, device jobs counted), the next session attaching,
 and each job starting and ending.
 
-The model mirrors the code it stands for, step by step:
-`Daemon._reform` (close the engine, then `Stepper.settle_in_flight`, then
-`Stepper.leave`, then the detach), `AgreementEngine._one_round` (a round
-whose collective completed is delivered, closed or not: the peer that
-completed it applies it), `AgreementEngine._fail_pending` (the close sentinel
-is put back) and `close` (joins, then destroys the groups), `Stepper._settle`
-(a stepper that left applies nothing), `Transfers.submit`/`_run` (a job binds
-its session's pool when issued; a job of an ended session is refused when it
-would start), `Daemon._detach_for_epoch` (the session ends, then the daemon
-waits until no job of it touches its pool: counted). The real-daemon tests in
+The model mirrors the code it stands for, step by step: `Formation._reform` in
+rank/epochs.py (close the engine, then `Stepper.settle_in_flight`, then
+`Stepper.leave`, then the detach), `AgreementEngine._one_round` (a round whose
+collective completed is delivered, closed or not: the peer that completed it
+applies it), `AgreementEngine._fail_pending` (the close sentinel is put back)
+and `close` (joins, then destroys the groups), `Stepper._settle` (a stepper
+that left applies nothing), `Transfers.submit`/`_run` (a job binds its
+session's pool when issued; a job of an ended session is refused when it would
+start), `Formation._detach` (the session ends, then the rank waits until no
+job of it touches its pool: counted). The real-daemon tests in
 tests/multirank/test_fencing.py check the same behaviour on the code.
 
 Mutations reintroduce the defects of issue 21: `apply_after_leave` (the join

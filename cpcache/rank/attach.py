@@ -1,0 +1,175 @@
+"""Attaching a device pool to a rank (DESIGN rule 11): the cache is opened
+here, then every rank of the domain agrees that all of them attached the
+same thing (`agreement.attach`: one agreed attempt, then a confirmation
+round); only then is it used. What is agreed is the attach's descriptor:
+what shapes the shared state, plus what the attach resumes.
+
+The outcome belongs to the rank, not to the call: a cancelled call does not
+undo it, and a retry of the attach that began the session gets its answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from cpcache.agreement.attach import Unconfirmed, agree_on_attach
+from cpcache.config import DaemonConfig
+from cpcache.dataplane.pools import DevicePool
+from cpcache.errors import Unavailable
+from cpcache.geometry import KVGeometry
+from cpcache.keys import namespace_seed
+from cpcache.rank.assembly import CacheRuntime, check_host_budget, open_cache, start_session
+from cpcache.rank.epochs import Formation, Held, close_storage
+from cpcache.rank.stepper import Stepper
+from cpcache.state import carryover
+
+log = logging.getLogger("cpcached")
+
+
+@dataclasses.dataclass(frozen=True)
+class Attached:
+    """What an Attach tells the scheduler."""
+
+    page_bytes: int
+    host_pages: int
+    host_layout: str
+    storage: str  # the backend's name, or "none"
+    key_seed: str  # hex seed of this model's page-hash chains
+    resumed_pages: int = 0  # host pages carried over from the previous session or epoch
+
+
+@dataclasses.dataclass(frozen=True)
+class _LastAttach:
+    """The attach that began the current session, to answer its retries."""
+
+    stepper: Stepper
+    descriptor: dict[str, Any]
+    pool: tuple[int, ...]
+    step: int
+    attached: Attached
+
+
+def attach_descriptor(config: DaemonConfig, model_id: str, geometry: KVGeometry, device_pages: int) -> dict[str, Any]:
+    """What must be the same on every rank: it shapes the shared state."""
+    return {"model_id": model_id, "geometry": dataclasses.asdict(geometry), "device_pages": device_pages,
+            "host_pool_pages": config.host_pool_pages, "host_layout": config.host_layout,
+            "cache": dataclasses.asdict(config.cache_config)}
+
+
+class Attacher:
+    def __init__(self, config: DaemonConfig, formation: Formation) -> None:
+        self.config = config
+        self._formation = formation
+        self._task: asyncio.Future[Attached] | None = None
+        self._last: _LastAttach | None = None
+        self._joined = (-1, 0)  # (epoch, attempt) of the last attach agreement this rank joined
+        self._sessions = 0  # data-plane sessions opened
+
+    async def attach(self, model_id: str, geometry: KVGeometry, device_pages: int, kind: str,
+                     open_device: Callable[[], DevicePool]) -> Attached:
+        """Attach the pool `open_device` opens (blocking: run on a thread),
+        `kind` naming how it was handed over, for the log."""
+        task = asyncio.ensure_future(self._attach(model_id, geometry, device_pages, kind, open_device))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        return await asyncio.shield(task)
+
+    async def _attach(self, model_id: str, geometry: KVGeometry, device_pages: int, kind: str,
+                      open_device: Callable[[], DevicePool]) -> Attached:
+        formation = self._formation
+        await formation.wait_reformed()
+        formation.admit()
+        while self._task is not None and not self._task.done():
+            # One at a time: a retry of a cancelled call waits for that call's attach.
+            await asyncio.wait({self._task})
+        # The pool is opened and checked before anything else changes: a bad
+        # one is refused without ending the session that works.
+        check_host_budget(self.config, geometry)
+        device = await asyncio.to_thread(open_device)
+        descriptor = attach_descriptor(self.config, model_id, geometry, device_pages)
+        stepper = formation.admit()
+        last = self._last
+        if (stepper.cache is not None and last is not None and last.stepper is stepper
+                and last.descriptor == descriptor and last.pool == device.identity and stepper.last_step == last.step):
+            return last.attached  # a retry of the attach that began this session: the same answer
+        if stepper.cache is not None:
+            # A scheduler attached again (it restarted): its old session ends
+            # on every rank the same way, by forming the domain again; what
+            # the host pool holds is carried over.
+            await formation.reform("a scheduler attached again: its previous session ends")
+            stepper = formation.admit()
+        task = asyncio.ensure_future(self._agreed(stepper, model_id, geometry, device, descriptor, kind))
+        self._task = formation.attaching = task
+        return await task
+
+    async def _agreed(self, stepper: Stepper, model_id: str, geometry: KVGeometry, device: DevicePool,
+                      descriptor: dict[str, Any], kind: str) -> Attached:
+        formation, config = self._formation, self.config
+        runtime: CacheRuntime | None = None
+        kept = formation.kept if formation.kept is not None and formation.kept.descriptor == descriptor else None
+        # What the attach resumes is part of what every rank must agree on.
+        resumes = 0
+        if kept is not None and len(kept.runtime.state.index):
+            resumes = carryover.digest(kept.runtime.state.index)
+        confirmer = formation.confirmer
+        try:
+            runtime = await asyncio.to_thread(self._open_cache, model_id, geometry, device, kept)
+            if kept is None:
+                runtime.state.carried_over([], formation.busy)
+            # From here the domain decides, once, for every rank alike: nothing
+            # local may refuse after this point (refusals come before, above).
+            # Domains of one deployment (attention-DP replicas) attach apart.
+            namespace = f"{formation.rdzv.namespace}/domain{'-'.join(map(str, formation.domain.ranks))}"
+            epoch, joined = self._joined
+            assert confirmer is not None
+            rdzv, this_epoch = formation.rdzv, formation.epoch
+            store_timeout_s = max(1.0, min(5.0, config.agreement_timeout_s / 4))
+
+            def joining(attempt: int) -> None:
+                self._joined = (this_epoch, attempt)
+
+            try:
+                await asyncio.to_thread(agree_on_attach, lambda: rdzv.connect(timeout_s=store_timeout_s), namespace,
+                                        config.rank, formation.domain.ranks, {**descriptor, "resumes": resumes},
+                                        joined if epoch == this_epoch else 0, config.agreement_timeout_s,
+                                        confirmer, on_attempt=joining)
+            except Unconfirmed:
+                # The confirmation's collective timed out: its group is unusable.
+                formation.reform_soon("an Attach was not confirmed by every rank")
+                raise
+            if formation.stepper is not stepper:
+                # The epoch ended while it was decided: it ended for every rank,
+                # and with it the session every rank attached in it.
+                raise Unavailable("the domain formed again while this Attach was agreed; attach again")
+        except BaseException:
+            if runtime is not None and kept is None:
+                runtime.io.transfers.close()
+            raise  # a kept runtime stays kept, for the next attempt: no session was opened on it
+        if kept is None and formation.kept is not None:  # another model or geometry, agreed: start clean
+            old, formation.kept = formation.kept, None
+            # Decided: nothing may fail here any more (a storage that fails to
+            # close is logged, not answered), or ranks would end apart.
+            await close_storage(old.runtime, "closing the previous cache's storage")
+        # The session's jobs bind this pool when they are issued; the previous
+        # session of this runtime ended (and its device jobs with it) on detach.
+        self._sessions += 1
+        stepper.cache = start_session(runtime, formation.epoch, self._sessions, device)
+        formation.kept, formation.attached_with = None, descriptor
+        resumed = len(runtime.state.index) if kept is not None else 0
+        key_seed = namespace_seed(model_id, geometry.dtype, config.host_layout, geometry.page_size)
+        log.info("attached %r in epoch %d: %d device pages of %d bytes (%s), %d host pages resumed", model_id,
+                 formation.epoch, device.pages, geometry.page_bytes, kind, resumed)
+        storage = runtime.io.transfers.tiers.storage
+        attached = Attached(geometry.page_bytes, config.host_pool_pages, config.host_layout,
+                            storage.name if storage else "none", key_seed, resumed)
+        self._last = _LastAttach(stepper, descriptor, device.identity, stepper.last_step, attached)
+        return attached
+
+    def _open_cache(self, model_id: str, geometry: KVGeometry, device: DevicePool, kept: Held | None) -> CacheRuntime:
+        check_host_budget(self.config, geometry)
+        if kept is not None:  # the same model and geometry: the host pool and its pages go on
+            return kept.runtime
+        return open_cache(self.config, geometry, device, model_id)

@@ -1,0 +1,370 @@
+"""A rank's domain across epochs (DESIGN rule 10): formed once every rank
+has joined, formed again in the next epoch when a peer is lost, a rank
+restarts or an Attach's confirmation timed out, with what the host pool
+holds carried over to the scheduler's next attach.
+
+A rank's standing, while its daemon serves:
+
+    FORMING -> SERVING -> REFORMING -> SERVING (in a later epoch) -> ...
+               SERVING -> BROKEN (the engine failed other than by a lost peer)
+               BROKEN -> REFORMING (an Attach's confirmation timed out meanwhile)
+
+Decisions are taken only while SERVING. Epoch numbers only grow
+(`agreement.epochs`); each epoch has its own engine, stepper and Attach
+confirmation group, and nothing of an ended epoch applies after it ended.
+Touched from the event loop, except the blocking formation (on a thread of
+its own) and the epoch watch (a daemon thread that only posts to the loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import functools
+import logging
+import threading
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
+
+from torch.distributed import TCPStore
+
+from cpcache.agreement.bounded import StoreTimeout, bounded_async
+from cpcache.agreement.collective import Reducer, Rendezvous, build_reducer, confirmation_reducer, host_store
+from cpcache.agreement.engine import AgreementEngine, DivergenceExchange, FaultInjection, peer_lost
+from cpcache.agreement.epochs import Epochs
+from cpcache.agreement.liveness import Heartbeat, diagnose
+from cpcache.config import DaemonConfig
+from cpcache.errors import CacheError, PeerLost, Unavailable
+from cpcache.rank.assembly import CacheRuntime, carry_over
+from cpcache.rank.stepper import Stepper
+from cpcache.state import carryover
+from cpcache.values import split_host_port
+
+log = logging.getLogger("cpcached")
+
+CLOSE_S = 5.0  # the longest closing a storage backend may hold the exit
+
+
+class Standing(enum.Enum):
+    FORMING = "forming"  # the domain has not formed yet
+    SERVING = "serving"
+    REFORMING = "reforming"  # the domain forms again in the next epoch
+    BROKEN = "broken"  # the engine failed: decisions are refused
+
+
+class Formed(NamedTuple):
+    """An epoch just formed: its rounds' reducer, its Attach confirmations'
+    reducer, and what every rank offered to carry over."""
+
+    reducer: Reducer
+    confirmer: Reducer
+    offers: list[bytes]
+    diagnosis_store: TCPStore | None  # opened now: a diagnosis must not need a new connection
+
+
+@dataclass(frozen=True)
+class Held:
+    """A cache and what it was attached with (the Attach descriptor)."""
+
+    runtime: CacheRuntime
+    descriptor: dict[str, Any]
+
+
+class RankHost(Protocol):
+    """What the daemon running the rank offers it."""
+
+    stop_requested: asyncio.Event
+
+    def not_serving(self) -> str | None:
+        """Why the daemon takes no decisions now ("joining", "draining"), or None."""
+
+    def spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        """Run `coro` as a watched background task."""
+
+    async def standing_changed(self, standing: Standing, note: str) -> None:
+        """Tell health and the service manager (`note`: a status line, or "")."""
+
+
+async def close_storage(runtime: CacheRuntime, what: str) -> None:
+    """Close a cache's storage; one that hangs does not hold the caller."""
+    try:
+        await bounded_async(runtime.io.transfers.close, CLOSE_S, what)
+    except StoreTimeout:
+        log.warning("%s did not finish within %.0fs; going on without it", what, CLOSE_S)
+
+
+class Formation:
+    def __init__(self, config: DaemonConfig, host: RankHost) -> None:
+        self.config = config
+        self._host = host
+        self.domain = config.topology.domain(config.rank)
+        self._epochs = Epochs(Rendezvous(
+            *split_host_port(config.rendezvous), config.deployment, config.epoch, config.rendezvous_timeout_s
+        ), tuple(self.domain.ranks))
+        self.rdzv = self._epochs.base  # the current epoch's; replaced when the domain re-forms
+        self.standing = Standing.FORMING
+        self.engine: AgreementEngine | None = None
+        self.stepper: Stepper | None = None
+        self.confirmer: Reducer | None = None  # this epoch's group for Attach confirmations
+        self.busy: list[int] = []  # host slots this epoch started with retired (agreed)
+        # The cache of an ended session or epoch, detached from its device pool,
+        # until an Attach of the same model and geometry picks it up again.
+        self.kept: Held | None = None
+        self.attached_with: dict[str, Any] | None = None  # the descriptor of the attached cache
+        self.attaching: asyncio.Future | None = None  # an Attach being decided: re-forming waits for it
+        self._reforming: asyncio.Future[None] | None = None
+        self._reform_reason = ""
+        self._heartbeat: Heartbeat | None = None
+        self._store_server: TCPStore | None = None  # when this daemon hosts the rendezvous store
+
+    @property
+    def epoch(self) -> int:
+        return self.rdzv.epoch
+
+    def admit(self) -> Stepper:
+        """The stepper that decides now, or why decisions are refused."""
+        why = self._host.not_serving()
+        if why is not None:
+            raise Unavailable(f"rank {self.config.rank} is {why}, not serving decisions")
+        if self.standing is Standing.SERVING and self.stepper is not None:
+            return self.stepper
+        if self.standing is Standing.REFORMING:
+            raise Unavailable(f"rank {self.config.rank} is re-forming its domain out of epoch {self.epoch} "
+                              f"({self._reform_reason}); decisions resume once every rank has joined")
+        if self.standing is Standing.BROKEN and self.engine is not None and self.engine.failure is not None:
+            raise self.engine.failure
+        raise Unavailable(f"rank {self.config.rank} is {self.standing.value}, not serving decisions")
+
+    def _serving(self) -> bool:
+        return self.standing is Standing.SERVING and self._host.not_serving() is None
+
+    # -- forming --------------------------------------------------------------
+
+    def join(self) -> Formed:
+        """Blocking rendezvous, on a thread of its own: the deployment's
+        current epoch, or the next one when the current one formed without
+        this rank (it restarted)."""
+        if self.config.host_store:
+            host, port = split_host_port(self.config.rendezvous)
+            self._store_server = host_store(host, port)
+        store = self._epochs.base.connect()
+        return self._form(store, self._epochs.to_join(store, self.config.epoch), b"")
+
+    def _rejoin(self, leaving: int, offer: bytes) -> Formed:
+        store = self._epochs.base.connect()
+        return self._form(store, self._epochs.advance(store, leaving), offer)
+
+    def _form(self, store: TCPStore, epoch: int, offer: bytes) -> Formed:
+        """Join `epoch` with every rank of the domain, then trade what each
+        carries over (blocking)."""
+        config = self.config
+        self.rdzv = self._epochs.rendezvous(epoch)
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+        self._heartbeat = Heartbeat(self.rdzv, config.rank, config.heartbeat_interval_s)
+        self._heartbeat.start()
+        reducer = build_reducer(store, self.rdzv, config.topology, config.rank, config.mode,
+                                config.agreement_timeout_s, config.gloo_host)
+        confirmer: Reducer | None = None
+        try:
+            confirmer = confirmation_reducer(store, self.rdzv, self.domain, config.rank,
+                                             config.agreement_timeout_s, config.gloo_host)
+            offers = self._epochs.exchange(store, epoch, config.rank, tuple(self.domain.ranks), offer,
+                                           config.rendezvous_timeout_s)
+            self._epochs.mark_formed(store, epoch)
+        except BaseException:
+            reducer.close()
+            if confirmer is not None:
+                confirmer.close()
+            raise
+        diagnosis_store = None
+        with contextlib.suppress(RuntimeError):  # without it, a diagnosis connects when it needs to
+            diagnosis_store = self.rdzv.connect()
+        return Formed(reducer, confirmer, offers, diagnosis_store)
+
+    async def serve(self, formed: Formed, note: str = "") -> None:
+        """Decide in the epoch just formed: a new engine and stepper, and the
+        carried-over cache (the pages every rank offered alike), if any.
+        `note`: the status line to show the service manager, if any."""
+        config, loop = self.config, asyncio.get_running_loop()
+        self.confirmer = formed.confirmer
+        engine = AgreementEngine(
+            formed.reducer,
+            DivergenceExchange(self.rdzv.connect(), self.rdzv.namespace, config.rank, self.domain.ranks,
+                               config.agreement_timeout_s),
+            functools.partial(self._diagnose, formed.diagnosis_store),
+            heartbeat=self._heartbeat,
+            faults=FaultInjection(config.fault_delay_ms, config.fault_seed + config.rank),
+            on_failure=lambda failure: loop.call_soon_threadsafe(self._on_failure, failure, engine),
+        )
+        self.engine = engine
+        self.stepper = Stepper(engine, config.rank, config.agreement_lag, self.epoch)
+        decoded = [carryover.decode(offer) for offer in formed.offers]
+        kept = carryover.common([o.pages for o in decoded])
+        # Every rank's cache of this epoch starts with these slots retired,
+        # kept or new alike, so all of them allocate the same slots.
+        busy = self.busy = carryover.busy_slots(decoded, kept)
+        if self.kept is not None:
+            runtime = carry_over(self.kept.runtime, kept, busy, config.storage_timeout_s)
+            self.kept = Held(runtime, self.kept.descriptor)
+            log.info("epoch %d carries %d host pages over (until the scheduler attaches again); %d slots wait "
+                     "for I/O to end", self.epoch, len(kept), len(busy))
+        self.standing = Standing.SERVING
+        await self._host.standing_changed(Standing.SERVING, note)
+
+    # -- re-forming -----------------------------------------------------------
+
+    def reform_soon(self, reason: str) -> None:
+        self._host.spawn(self.reform(reason), "re-form")
+
+    async def reform(self, reason: str) -> None:
+        """Form the domain again in the next epoch (once, however many ask)."""
+        if self._reforming is None or self._reforming.done():
+            self._reforming = asyncio.ensure_future(self._reform(reason))
+        await asyncio.shield(self._reforming)
+
+    async def wait_reformed(self) -> None:
+        if self.standing is Standing.REFORMING and self._reforming is not None:
+            await asyncio.shield(self._reforming)
+
+    async def _reform(self, reason: str) -> None:
+        if self.standing not in (Standing.SERVING, Standing.BROKEN) or self._host.not_serving() is not None:
+            return
+        leaving = self.epoch
+        self.standing, self._reform_reason = Standing.REFORMING, reason
+        log.warning("leaving epoch %d: %s", leaving, reason)
+        await self._host.standing_changed(Standing.REFORMING, f"re-forming out of epoch {leaving}: {reason}")
+        attaching = self.attaching
+        if attaching is not None and not attaching.done():
+            # An Attach being decided is answered from its one decision on
+            # every rank (never refused here after its peers were told
+            # "attached"); the session it opens then ends with this epoch.
+            await asyncio.wait({attaching})
+        engine, stepper = self.engine, self.stepper
+        self.engine = self.stepper = None  # no step reaches them from here
+        if engine is not None:
+            # Really joined: a round still in its collective ends within the
+            # collective's own timeout; rounds not begun fail.
+            await bounded_async(functools.partial(engine.close, None, f"epoch {leaving} was left"), None,
+                                "close-epoch")
+        if stepper is not None:
+            # A round that completed is agreed: a peer that completed it
+            # applies it, so this rank does too (and answers its step alike),
+            # before its I/O drains below; then nothing more applies.
+            await stepper.settle_in_flight()
+            stepper.leave(f"rank {self.config.rank} left epoch {leaving} ({reason})")
+        confirmer, self.confirmer = self.confirmer, None
+        if confirmer is not None:  # no Attach is being decided (awaited above)
+            await bounded_async(confirmer.close, None, "close-confirm")
+        offer = await self._detach(stepper)
+        stop = self._host.stop_requested
+        while not stop.is_set():
+            forming = asyncio.ensure_future(bounded_async(functools.partial(self._rejoin, leaving, offer), None,
+                                                          "re-form"))
+            stopping = asyncio.ensure_future(stop.wait())
+            await asyncio.wait((forming, stopping), return_when=asyncio.FIRST_COMPLETED)
+            stopping.cancel()
+            if not forming.done():
+                forming.cancel()
+                return  # stopping: the shutdown follows
+            try:
+                formed = forming.result()
+            except (RuntimeError, CacheError) as exc:
+                log.warning("epoch %d did not form (%s); trying the next", self.epoch, exc)
+                leaving = self.epoch
+                continue
+            log.info("serving rank %d in epoch %d", self.config.rank, self.rdzv.epoch)
+            await self.serve(formed, f"serving rank {self.config.rank} in epoch {self.rdzv.epoch}")
+            return
+
+    async def _detach(self, stepper: Stepper | None) -> bytes:
+        """Keep the cache of the ending epoch for the scheduler's next attach,
+        once this rank's I/O has drained (DESIGN rule 5); what it may offer."""
+        held: Held | None = None
+        if stepper is not None and stepper.cache is not None and self.attached_with is not None:
+            held = Held(stepper.cache, self.attached_with)
+        elif stepper is None or stepper.cache is None:
+            held = self.kept
+        if held is None:
+            return b""
+        runtime = held.runtime
+        # The session ends: its jobs not yet started are refused from now on,
+        # and its pool is let go only once none of its jobs touches it
+        # (counted: only copies already running remain, and they end).
+        session = runtime.io.session
+        session.end()
+        await bounded_async(session.wait_device_quiet, None, "device-quiet")
+        drain_s = 2 * self.config.storage_timeout_s + 5.0
+        idle = await asyncio.to_thread(runtime.io.transfers.in_flight.wait_all_idle, drain_s)
+        self.kept, self.attached_with = held, None
+        if not idle:
+            busy = runtime.io.transfers.in_flight.slots()
+            log.warning("I/O still in flight after %.0fs on %d slots: this rank carries no pages over, and "
+                        "those slots stay out of use until it ends", drain_s, len(busy))
+            return carryover.encode([], busy)
+        return carryover.encode(carryover.offer(runtime.state.index))
+
+    # -- watching -------------------------------------------------------------
+
+    def watch(self, loop: asyncio.AbstractEventLoop) -> None:
+        threading.Thread(target=self._watch, args=(loop,), name="epoch-watch", daemon=True).start()
+
+    def _watch(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On a daemon thread: notice the deployment moving to a later epoch
+        (a restarted rank started one), and leave this one."""
+        store: TCPStore | None = None
+        stopped = threading.Event()
+        interval = max(0.2, 2 * self.config.heartbeat_interval_s)
+        while not stopped.wait(interval):
+            if self._host.stop_requested.is_set():
+                return
+            try:
+                store = store or self._epochs.base.connect(timeout_s=max(1.0, 5 * interval))
+                current = self._epochs.current(store)
+                serving = self.epoch
+                if current < serving and self._serving() and self._epochs.restore(store, serving):
+                    log.warning("the rendezvous store read epoch %d below this domain's %d (it restarted); "
+                                "wrote %d back so that epochs only grow", current, serving, serving)
+            except Exception:  # the store is away (or answered nonsense): the rounds will say what that means
+                store = None
+                continue
+            if current > self.epoch and self._serving():
+                with contextlib.suppress(RuntimeError):  # the loop is closed: the daemon has stopped
+                    loop.call_soon_threadsafe(self._epoch_moved, current)
+
+    def _epoch_moved(self, current: int) -> None:
+        if self._serving() and current > self.epoch:
+            self.reform_soon(f"the deployment moved to epoch {current}")
+
+    def _diagnose(self, store: TCPStore | None, round_number: int, exc: BaseException) -> PeerLost:
+        peers = tuple(r for r in self.domain.ranks if r != self.config.rank)
+        window = max(0.3, 3 * self.config.heartbeat_interval_s)
+        return peer_lost(round_number, exc, diagnose(self.rdzv, peers, round_number, window, store))
+
+    def _on_failure(self, failure: CacheError, engine: AgreementEngine) -> None:
+        if engine is not self.engine or not self._serving():
+            return  # an epoch already left, or the daemon stops
+        if isinstance(failure, PeerLost):
+            self.reform_soon(str(failure))
+            return
+        self.standing = Standing.BROKEN
+        self._host.spawn(self._host.standing_changed(Standing.BROKEN, f"broken: {failure}"), "health")
+
+    # -- closing --------------------------------------------------------------
+
+    async def close(self) -> None:
+        """Close the epoch's groups and every cache's storage (the daemon
+        stops: no call reaches the rank any more)."""
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.close)
+        if self.confirmer is not None:
+            await asyncio.to_thread(self.confirmer.close)
+        if self.stepper is not None and self.stepper.cache is not None:
+            await close_storage(self.stepper.cache, "closing the storage backend")
+        if self.kept is not None:
+            await close_storage(self.kept.runtime, "closing the kept storage backend")
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+        self._store_server = None

@@ -1,0 +1,170 @@
+"""One rank wired together, without gRPC: what the daemon's servicer calls.
+
+A `Rank` decides in its domain's current epoch (`epochs.Formation`), attaches
+device pools (`attach.Attacher`) and answers the calls that read this
+rank's cache: `step`, `attach`, `match`, `wait_loads`, `stats`. It checks
+what it is asked (the wire layer only converts messages) and raises the
+library's errors. Touched from the event loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from cpcache.agreement.bounded import StoreTimeout, bounded_async
+from cpcache.agreement.rounds import Questions
+from cpcache.config import DaemonConfig
+from cpcache.dataplane.pools import DevicePool
+from cpcache.errors import CacheError, FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from cpcache.geometry import KVGeometry
+from cpcache.rank.assembly import CacheRuntime
+from cpcache.rank.attach import Attached, Attacher
+from cpcache.rank.epochs import Formation, Formed, RankHost, Standing
+from cpcache.rank.phases import StepPhases
+from cpcache.rank.stats import RankStats
+from cpcache.rank.stepper import StepOutcome, Stepper
+from cpcache.state.requests import StepOps
+from cpcache.topology import Topology
+
+MAX_WAIT_S = 3600.0  # the longest a WaitLoads may ask to wait
+
+
+@dataclass(frozen=True)
+class StepTaken:
+    """A step's outcome, the epoch it was decided in, and the phases of the
+    stepper that decided it (the wire layer adds its own to them)."""
+
+    outcome: StepOutcome
+    epoch: int
+    phases: StepPhases
+
+
+class Rank:
+    def __init__(self, config: DaemonConfig, host: RankHost) -> None:
+        self.config = config
+        self.formation = Formation(config, host)
+        self._attacher = Attacher(config, self.formation)
+
+    @property
+    def epoch(self) -> int:
+        return self.formation.epoch
+
+    @property
+    def standing(self) -> Standing:
+        return self.formation.standing
+
+    @property
+    def domain_ranks(self) -> tuple[int, ...]:
+        return tuple(self.formation.domain.ranks)
+
+    @property
+    def failure(self) -> CacheError | None:
+        engine = self.formation.engine
+        return engine.failure if engine is not None else None
+
+    @property
+    def attached(self) -> bool:
+        stepper = self.formation.stepper
+        return stepper is not None and stepper.cache is not None
+
+    # -- what the daemon's lifecycle drives ------------------------------------
+
+    def join(self) -> Formed:
+        """Blocking: meet every rank of the domain in the epoch to join."""
+        return self.formation.join()
+
+    async def serve(self, formed: Formed) -> None:
+        await self.formation.serve(formed)
+
+    def watch(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Leave the epoch when the deployment moves past it (a daemon thread)."""
+        self.formation.watch(loop)
+
+    async def close(self) -> None:
+        await self.formation.close()
+
+    # -- decisions --------------------------------------------------------------
+
+    def admit(self) -> Stepper:
+        """The stepper deciding now; `Unavailable` (or the engine's failure) if none is."""
+        return self.formation.admit()
+
+    def runtime(self) -> CacheRuntime:
+        """The attached cache, while decisions are taken."""
+        runtime = self.admit().cache
+        if runtime is None:
+            raise FailedPrecondition("no device pool is attached: call Attach first")
+        return runtime
+
+    async def step(self, step: int, votes: Questions, ops: StepOps = StepOps(), *,
+                   invalid: CacheError | None = None, request_digest: int = 0) -> StepTaken:
+        """One scheduler step (`Stepper.step`), in the current epoch."""
+        stepper = self.admit()
+        outcome = await stepper.step(step, votes, ops, invalid=invalid, request_digest=request_digest)
+        return StepTaken(outcome, stepper.epoch, stepper.phases)
+
+    def check_scheduler(self, scheduler: Topology, scheduler_rank: int) -> None:
+        """The scheduler attaching declared its topology: refuse it unless
+        it is this daemon's, and it is this daemon's rank."""
+        differs = self.config.topology.scheduler_mismatch(self.config.rank, scheduler, scheduler_rank)
+        if differs:
+            raise FailedPrecondition(
+                f"attach: the scheduler's topology is not this daemon's: {differs}; start the daemons with "
+                "the scheduler's sizes (cpcache launch --tp/--cp/--dp/--pp) and connect rank r to rank r's socket")
+
+    async def attach(self, model_id: str, geometry: KVGeometry, device_pages: int, kind: str,
+                     open_device: Callable[[], DevicePool]) -> Attached:
+        return await self._attacher.attach(model_id, geometry, device_pages, kind, open_device)
+
+    async def match(self, pages: Sequence[bytes], host_only: bool = False) -> tuple[int, int]:
+        """How many leading `pages` the host pool holds, and storage (0
+        when `host_only`): a storage that does not answer within
+        `storage_timeout_s` is `Unavailable`."""
+        runtime = self.runtime()
+        pages = list(pages)
+        if any(len(p) != 32 for p in pages):
+            raise InvalidArgument("match: page hashes are 32-byte sha256 digests")
+        host = runtime.state.match(pages)
+        backend = runtime.io.transfers.tiers.storage
+        if backend is None or not pages or host_only:
+            return host, 0
+        keys = list(runtime.state.sharding.storage_keys(pages))
+        timeout_s = runtime.io.storage_timeout_s
+        try:
+            # On the storage executor (never the loop's default pool, which
+            # exit waits for); a call still queued at the deadline is dropped.
+            storage = await bounded_async(lambda: backend.exists_prefix(keys), timeout_s, "match",
+                                          start=runtime.io.transfers.run_storage_call)
+        except StoreTimeout:
+            raise Unavailable(f"match: storage did not answer within storage_timeout_s ({timeout_s:g}s)") from None
+        except RuntimeError as exc:  # the storage executor is shut down: the daemon is stopping
+            raise Unavailable(f"match: storage is closed ({exc})") from None
+        return host, storage
+
+    async def wait_loads(self, op_ids: Sequence[int], timeout_s: float) -> None:
+        """Wait until this rank's copies of the loads `op_ids` have ended
+        (0: no limit); `Unavailable` if one failed or the time ran out."""
+        runtime = self.runtime()
+        if not (math.isfinite(timeout_s) and 0 <= timeout_s <= MAX_WAIT_S):
+            raise InvalidArgument(f"timeout_s must be between 0 and {MAX_WAIT_S:.0f} seconds")
+        futures = []
+        for op_id in op_ids:
+            job = runtime.io.load_future(op_id)
+            if job is None:
+                raise NotFound(f"load {op_id} is not in flight on this rank")
+            futures.append(asyncio.wrap_future(job))
+        timeout = timeout_s or None
+        try:
+            results = await asyncio.wait_for(asyncio.gather(*(asyncio.shield(f) for f in futures)), timeout)
+        except TimeoutError:
+            raise Unavailable(f"loads {list(op_ids)} did not finish within {timeout}s") from None
+        failed = [op_id for op_id, result in zip(op_ids, results) if not result.success]
+        if failed:
+            raise Unavailable(f"loads {failed} failed on this rank; the step that ends them reports them in "
+                              f"load_failures")
+
+    def stats(self) -> RankStats:
+        return RankStats.of(self.formation.engine, self.formation.stepper)
