@@ -303,6 +303,11 @@ class CacheState:
         columns = (np.array(c, dtype=np.int64) for c in (ids, kinds, reduces, values))
         return Questions(*columns), asking
 
+    def take_closed(self) -> list[int]:
+        """The serials closed since the last call: the data plane forgets them."""
+        closed, self.closed = self.closed, []
+        return closed
+
     def open_questions(self) -> int:
         """Operations the next rounds may ask about."""
         return len(self.ops)
