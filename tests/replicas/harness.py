@@ -21,11 +21,9 @@ from cpcache.rank.runtime import CacheRuntime
 from cpcache.state.allocator import PageAllocator
 from cpcache.state.intents import CopyToHost, Decisions, Fetch, Intent
 from cpcache.state.machine import CacheState
-from cpcache.state.operations import Prefetch
+from cpcache.state.ops.prefetch import Prefetch
 from cpcache.state.requests import StepOps
 from tests.support.fakes import FakeIO, IOPlan
-
-__all__ = ["Domain", "FakeIO", "IOPlan", "InvariantViolation", "Replica", "StepReport"]
 
 
 class InvariantViolation(AssertionError):
