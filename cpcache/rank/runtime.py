@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 
 
 class Lap(Protocol):
+    """Where a step's time goes (`phases.PhaseClock`)."""
+
     def lap(self, phase: str) -> None: ...
 
 

@@ -26,6 +26,10 @@
   round still waiting in the pipeline for its carrying step is not); once
   left (`leave`), nothing more is applied and no I/O starts.
 
+What a round does to the cache is `CacheRuntime`'s (rank/runtime.py: check,
+pack, `apply_round`), the one copy the replica harness also runs; the
+stepper keeps the order, the lag and the tasks.
+
 Touched only from the event loop.
 """
 
