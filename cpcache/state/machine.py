@@ -80,6 +80,11 @@ class CacheState:
     def digest(self) -> int:
         return self.ledger.digest
 
+    @property
+    def hit_pages(self) -> dict[str, int]:
+        """Pages loaded back ("host") and prefetched ("storage"), agreed."""
+        return self.ledger.hit_pages
+
     def carried_over(self, kept: list, busy: list[int]) -> None:
         """A new epoch's start: the pages kept (already restored) enter the
         digest, so ranks that started from different pages disagree at their
