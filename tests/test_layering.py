@@ -8,6 +8,8 @@ by a hand-kept list.
 
 The core (agreement, state, dataplane, rank and the vocabulary) never imports
 gRPC nor reads the environment: it can be embedded and tested without either.
+No module imports itself back through others, not even only for type
+checking: each arrow between two modules points one way.
 """
 
 import ast
@@ -89,3 +91,65 @@ def test_client_imports_no_torch():
     offenders = [f"{name}: {m}" for path, name in modules() if room_of(name) == "client"
                  for m in imports_of(path) if m.split(".")[0] in ("torch", "numpy")]
     assert not offenders, offenders
+
+
+def module_imports(path: Path, name: str, known: set[str]) -> set[str]:
+    """The cpcache modules `path` imports at module level (in `if
+    TYPE_CHECKING:` blocks too; not inside functions). `from a import b`
+    counts as importing module a.b when there is one, else a."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+                continue
+            if isinstance(child, ast.Import):
+                found.update(alias.name for alias in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    parts = package.split(".")[: len(package.split(".")) - child.level + 1]
+                    base = ".".join(parts + ([child.module] if child.module else []))
+                found.update(f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base
+                             for alias in child.names)
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return {m for m in found if m in known and m != name}
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan)."""
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        order[module] = low[module] = len(order)
+        stack.append(module)
+        for imported in sorted(graph[module]):
+            if imported not in order:
+                visit(imported)
+                low[module] = min(low[module], low[imported])
+            elif imported in stack:
+                low[module] = min(low[module], order[imported])
+        if low[module] == order[module]:
+            group = []
+            while not group or group[-1] != module:
+                group.append(stack.pop())
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for module in sorted(graph):
+        if module not in order:
+            visit(module)
+    return found
+
+
+def test_no_import_circle_anywhere():
+    paths = {name.removesuffix(".__init__"): path for path, name in modules()}
+    graph = {name: module_imports(path, name, set(paths)) for name, path in paths.items()}
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]  # the check itself
+    assert not circles(graph), circles(graph)

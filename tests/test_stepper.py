@@ -5,9 +5,8 @@ operations one by one keeps the whole step's pages, as it would whole."""
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import Future
 
-from cpcache.agreement.rounds import MIN_CAPACITY, Questions, RoundInput
+from cpcache.agreement.rounds import Questions
 from cpcache.config import CacheConfig
 from cpcache.errors import CacheError
 from cpcache.keys import ShardingSpec
@@ -17,32 +16,13 @@ from cpcache.state.allocator import PageAllocator
 from cpcache.state.intents import CopyToHost
 from cpcache.state.machine import CacheState
 from cpcache.state.requests import LoadRequest, StepOps, WriteRequest
-from tests.replicas.harness import FakeIO, IOPlan
-
-
-class OneRankEngine:
-    """A domain of one: the MIN of a round is its own vector."""
-
-    def __init__(self) -> None:
-        self.capacity = MIN_CAPACITY
-
-    def submit(self, round_input: RoundInput) -> Future:
-        future: Future = Future()
-        vector, self.capacity = round_input.reduce(lambda v: None, self.capacity)
-        future.set_result(round_input.settle(vector))
-        return future
+from tests.support.fakes import FakeIO, IOPlan, OneRankEngine
 
 
 class RecordingIO(FakeIO):
     def __init__(self) -> None:
         super().__init__(IOPlan(max_delay=0))
         self.started: list = []
-
-    def drain(self) -> None:
-        pass
-
-    def forget(self, serials: list[int]) -> None:
-        pass
 
     def start(self, intents: list) -> None:
         self.started += intents

@@ -174,15 +174,16 @@ class RoundInput:
         """Reduce this round at the agreed `capacity` with `reduce_min`
         (in place, over the whole domain), growing it once if some rank
         needs more. Returns the reduced vector and the next round's capacity."""
-        framed = self._framed(capacity)
+        framed = self.framed(capacity)
         reduce_min(framed)
         agreed_count = int(-framed[4])
         if agreed_count > capacity:
-            framed = self._framed(next_capacity(agreed_count))
+            framed = self.framed(next_capacity(agreed_count))
             reduce_min(framed)
         return framed, next_capacity(agreed_count)
 
-    def _framed(self, capacity: int) -> np.ndarray:
+    def framed(self, capacity: int) -> np.ndarray:
+        """This rank's vector at `capacity` answers: what the collective reduces."""
         framed = np.full(HEADER_SLOTS + capacity, INT64_MAX, dtype=np.int64)
         kept = min(len(self.vector), HEADER_SLOTS + capacity)
         framed[:kept] = self.vector[:kept]

@@ -1,11 +1,9 @@
 """Assemble a rank's cache from its settings once a device pool is attached:
 host pool, storage backend (with fault injection when asked), movers, the
-shared state and this rank's I/O; bind it to the session that uses the pool;
-carry it over into the next epoch."""
+shared state and this rank's I/O (`CacheRuntime`); bind it to the session
+that uses the pool; carry it over into the next epoch."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 from cpcache.config import DaemonConfig
 from cpcache.dataplane.copy_faults import CopyFaults
@@ -18,17 +16,10 @@ from cpcache.dataplane.storage.faults import FaultyBackend, StorageFaults
 from cpcache.errors import ResourceExhausted
 from cpcache.geometry import KVGeometry
 from cpcache.keys import ShardingSpec, tenant_of
+from cpcache.rank.runtime import CacheRuntime
 from cpcache.state.allocator import PageAllocator
 from cpcache.state.carryover import KeptPage, restore
 from cpcache.state.machine import CacheState
-
-
-@dataclass
-class CacheRuntime:
-    """The shared cache state and this rank's I/O, once a pool is attached."""
-
-    state: CacheState
-    io: LocalIO
 
 
 def open_storage(config: DaemonConfig, geometry: KVGeometry, host: HostPool) -> StorageBackend | None:

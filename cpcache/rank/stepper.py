@@ -26,6 +26,10 @@
   round still waiting in the pipeline for its carrying step is not); once
   left (`leave`), nothing more is applied and no I/O starts.
 
+What a round does to the cache is `CacheRuntime`'s (rank/runtime.py: check,
+pack, `apply_round`), the one copy the replica harness also runs; the
+stepper keeps the order, the lag and the tasks.
+
 Touched only from the event loop.
 """
 
@@ -43,10 +47,9 @@ from cpcache.agreement.kinds import VOTE
 from cpcache.agreement.rounds import Questions, RoundInput, RoundResult
 from cpcache.errors import CacheError, FailedPrecondition, InvalidArgument, RejectedByPeer, StepOrder, Unavailable
 from cpcache.hashing import hash62
-from cpcache.rank.assembly import CacheRuntime
 from cpcache.rank.phases import StepPhases
-from cpcache.state.intents import CopyToDevice, Decisions, Intent
-from cpcache.state.operations import Operation
+from cpcache.rank.runtime import AppliedRound, CacheRuntime, describe
+from cpcache.state.intents import Decisions, Intent
 from cpcache.state.requests import StepOps
 from cpcache.values import ID_LIMIT
 
@@ -113,14 +116,14 @@ class Stepper:
 
     @property
     def open_questions(self) -> int:
-        return self.cache.state.open_questions() if self.cache else 0
+        return self.cache.open_questions() if self.cache else 0
 
     @property
     def digest(self) -> int:
         """Digest of the shared state: identical on every rank of the domain."""
         if self.cache is None:
             return self._applied_chain
-        return hash62(np.array([self._applied_chain, self.cache.state.digest], dtype=np.int64).tobytes())
+        return hash62(np.array([self._applied_chain, self.cache.digest], dtype=np.int64).tobytes())
 
     async def step(self, step: int, votes: Questions, ops: StepOps = StepOps(), *,
                    invalid: CacheError | None = None, request_digest: int = 0) -> StepOutcome:
@@ -164,25 +167,22 @@ class Stepper:
         try:
             if previous is not None:
                 await asyncio.wait([previous])  # rounds are packed in step order
-            if self._lag:
-                carried: StepOutcome | CacheError | None = None
-                later: list[Intent] = []
-                if len(self._pipeline) >= self._lag:
-                    carried, later = await self._settle_guarded(self._pipeline.popleft())
-                _answer(answer, step, carried, self.digest)
-                # The answer carries an earlier round: it leaves before this
-                # step's round is packed and the agreement thread wakes up.
-                await asyncio.sleep(0)
-                self._start_later(later)
+            if not self._lag:  # the step answers its own round
                 self._submit(step, votes, ops, invalid)
                 submitted = True
-            else:
-                self._submit(step, votes, ops, invalid)
-                submitted = True
+            carried: StepOutcome | CacheError | None = None  # None while the pipeline fills
+            later: list[Intent] = []
+            if self._pipeline and len(self._pipeline) >= self._lag:
                 carried, later = await self._settle_guarded(self._pipeline.popleft())
-                _answer(answer, step, carried, self.digest)
-                await asyncio.sleep(0)
-                self._start_later(later)
+            _answer(answer, step, carried, self.digest)
+            # The answer leaves before the I/O it need not wait for starts and,
+            # at lag >= 1, before this step's round is packed and the agreement
+            # thread wakes up.
+            await asyncio.sleep(0)
+            self._start_later(later)
+            if not submitted:
+                self._submit(step, votes, ops, invalid)
+                submitted = True
         except BaseException as exc:  # the loop is shutting down (cancelled), or a bug
             if not submitted:
                 log.error("step %d ended before its round was submitted: %r", step, exc)
@@ -210,23 +210,9 @@ class Stepper:
         clock.lap("submit")
 
     def _pack(self, step: int, votes: Questions, ops: StepOps) -> RoundInput:
-        questions = votes
-        labels: dict[int, Operation] = {}
-        if self.cache is not None:
-            self.cache.io.drain()
-            asked, labels = self.cache.state.questions(self.cache.io)
-            questions = votes.concat(asked)
-        return RoundInput.pack(step, questions, self.digest, ops.fingerprint(), labels, describe(ops))
-
-    def _pending(self) -> tuple[set[int], set[int]]:
-        """Prefetches and all op ids that steps still in the pipeline open."""
-        prefetches: set[int] = set()
-        opened: set[int] = set()
-        for submitted in self._pipeline:
-            if submitted.ops is not None:
-                prefetches.update(r.op_id for r in submitted.ops.prefetches)
-                opened.update(r.op_id for r in submitted.ops.opened())
-        return prefetches, opened
+        if self.cache is None:
+            return RoundInput.pack(step, votes, self.digest, ops.fingerprint(), {}, describe(ops))
+        return self.cache.pack(step, votes, self.digest, ops)
 
     def _refusal(self, votes: Questions, ops: StepOps) -> CacheError | None:
         """Why this rank refuses the step, or None. Never raises: a refusal
@@ -238,14 +224,11 @@ class Stepper:
                 if not ops.empty():
                     raise FailedPrecondition("no device pool is attached: call Attach before cache operations")
             else:
-                prefetches, opened = self._pending()
-                clash = sorted(opened.intersection(r.op_id for r in ops.opened()))
-                if clash:
-                    raise InvalidArgument(f"operation {clash[0]} is already opened by a step still in the pipeline")
                 # At lag >= 1 the state moves between the scheduler's view and its step's
                 # round (an eviction the scheduler hears of later): a load that finds its pages
                 # gone then fails alone, alike on every rank, when its step opens.
-                self.cache.state.check(ops, expected_prefetches=prefetches, loads_resident=not self._lag)
+                in_pipeline = (s.ops for s in self._pipeline if s.ops is not None)
+                self.cache.check(ops, in_pipeline, loads_resident=not self._lag)
         except CacheError as exc:
             return exc
         except Exception as exc:  # a bug in a check still must not skip the round
@@ -257,7 +240,7 @@ class Stepper:
         failure here must not also skip the rest of the round."""
         assert self.cache is not None
         try:
-            self.cache.io.start(intents)
+            self.cache.start(intents)
         except Exception as exc:
             _never(exc)
 
@@ -300,41 +283,15 @@ class Stepper:
             return RejectedByPeer(f"step {submitted.number} was rejected by rank {r.rank} ({r.status}): "
                                   f"{r.message}; nothing of it was opened on any rank",
                                   r.rank, submitted.number, r.status, r.message), []
-        decided = Decisions()
-        later: list[Intent] = []
-        cache = self.cache
-        if cache is not None and submitted.ops is not None and not submitted.ops.empty():
-            try:
-                intents, decided = cache.state.open(submitted.number, submitted.ops)
-            except CacheError as exc:
-                # The state moved since the step was checked (lag >= 1): the same
-                # on every rank, so each operation opens or fails on its own,
-                # answered by op id, and the round's answers still apply.
-                log.info("step %d no longer opens as a whole (%s); opening its operations one by one",
-                         submitted.number, exc)
-                intents, decided = cache.state.open_each(submitted.number, submitted.ops)
-            clock.lap("open")
-            self._start([i for i in intents if isinstance(i, CopyToDevice)])
-            later += [i for i in intents if not isinstance(i, CopyToDevice)]
-            clock.lap("io")
         op_ids, values = result.of_kind(VOTE.code)
         chain = np.array([self._applied_chain, result.number], dtype=np.int64)
         self._applied_chain = hash62(chain.tobytes() + op_ids.tobytes() + values.tobytes())
-        if cache is not None:
-            try:
-                decisions, intents = cache.state.apply(result)
-            except Exception:
-                # What opened is in the state on every rank: its I/O starts all the same.
-                self._start(later)
-                raise
-            later += intents  # loads open only with their step's operations, above
-            clock.lap("apply")
-            cache.io.forget(cache.state.closed)
-            cache.state.closed.clear()
-            decided.merge(decisions)
-            decided.host_entered, decided.host_left = cache.state.index.take_changes()
+        applied = AppliedRound()
+        if self.cache is not None:
+            applied = self.cache.apply_round(submitted.number, submitted.ops, result, self._start, clock)
+        decided = applied.decided
         self.decision_count += len(op_ids) + decided.count()
-        return StepOutcome(0, result.number, op_ids, values, result.digest, decided), later
+        return StepOutcome(0, result.number, op_ids, values, result.digest, decided), applied.later
 
 
 def _answer(answer: asyncio.Future[StepOutcome], step: int, carried: StepOutcome | CacheError | None,
@@ -355,13 +312,6 @@ def _answer(answer: asyncio.Future[StepOutcome], step: int, carried: StepOutcome
 
 def _never(exc: BaseException) -> None:
     log.error("starting I/O failed; its operations stay pending here until the domain stops", exc_info=exc)
-
-
-def describe(ops: StepOps) -> tuple[str, ...]:
-    """What a step opens, by op id, for naming differences in a divergence."""
-    return (*(f"prefetch {r.op_id}" for r in ops.prefetches), *(f"poll {i}" for i in ops.prefetch_polls),
-            *(f"revoke {i}" for i in ops.revokes), *(f"write {r.op_id}" for r in ops.writes),
-            *(f"load {r.op_id}" for r in ops.loads))
 
 
 def _observe(task: asyncio.Future) -> None:

@@ -23,6 +23,18 @@ class PageAllocator:
     def free_count(self) -> int:
         return len(self._free)
 
+    @property
+    def free_slots(self) -> tuple[int, ...]:
+        return tuple(self._free)
+
+    @property
+    def allocated(self) -> frozenset[int]:
+        return frozenset(self._allocated)
+
+    @property
+    def retiring(self) -> frozenset[int]:
+        return frozenset(self._retiring)
+
     def allocate(self, count: int) -> list[int]:
         if count > len(self._free):
             raise ResourceExhausted(f"host pool: {count} pages asked, {len(self._free)} of {self.pages} free")

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from cpcache.config import CacheConfig
 from cpcache.state.requests import LoadRequest, PrefetchRequest, StepOps, WriteRequest
 from tests.replicas.conftest import LONG, REPLICA_SETTINGS
-from tests.replicas.harness import Domain, FakeIO, InvariantViolation, IOPlan
+from tests.replicas.harness import Domain, InvariantViolation
+from tests.support.fakes import FakeIO, IOPlan
 
 UNIVERSE = [bytes([i]) * 32 for i in range(1, 17)]
 DEVICE_PAGES = 64
@@ -169,7 +170,7 @@ def test_rejected_step_changes_nothing_and_settles():
 def test_eviction_of_suspect_pages_makes_room():
     """Minimal program: 4 host slots; a write of 2 pages is acked; its backup
     times out on one replica (pages become io_suspect); a prefetch of 4 new
-    pages hits storage on every replica: decide_hit evicts the 2 suspect
+    pages hits storage on every replica: deciding the hit evicts the 2 suspect
     pages (retired, not freed) and allocates 4 from 2 free slots."""
     domain = Domain([IOPlan(max_delay=0, timeout_rate=1.0), IOPlan(max_delay=0)],
                     CacheConfig(prefetch_threshold_tokens=0), host_pages=4)
@@ -178,6 +179,6 @@ def test_eviction_of_suspect_pages_makes_room():
         domain.step(StepOps())  # ack, then the backup ends TIMED_OUT
     domain.step(StepOps(prefetches=(PrefetchRequest(2, tuple(UNIVERSE[4:8]), 64),)))
     for _ in range(3):
-        domain.step(StepOps())  # the lookup answers: decide_hit
+        domain.step(StepOps())  # the lookup answers: the hit is decided
     domain.settle_all()
     domain.check_quiescent()

@@ -1,0 +1,127 @@
+"""The ledger every operation kind opens and settles against: the host
+index, the page allocator, the digest of every change and the table of open
+operations. Shared state: identical on every rank of a domain, changed only
+in a step's opening and a round's applying (`machine.CacheState`).
+
+Operations are keyed by a serial the ledger hands out when they open:
+unique for the life of the state and never reused, so an answer can only
+ever reach the operation it was asked about, whatever the lag.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Protocol, TypeVar
+
+from cpcache.agreement.kinds import QuestionKind
+from cpcache.config import CacheConfig
+from cpcache.hashing import hash62
+from cpcache.keys import ShardingSpec
+from cpcache.state.allocator import PageAllocator
+from cpcache.state.host_index import HostIndex
+from cpcache.state.intents import Decisions, Intent, Store
+from cpcache.state.policies import prefetch_policy, write_policy
+from cpcache.state.questions import BackupOutcome, Outcome
+
+Asked = list[tuple[QuestionKind, int]]
+
+
+class LocalProgress(Protocol):
+    """This rank's I/O progress by operation serial, read when a round is packed."""
+
+    def exists(self, serial: int) -> int: ...  # NOT_YET until known
+
+    def fetched(self, serial: int) -> int: ...  # pages done, from the first
+
+    def fetch_ended(self, serial: int) -> bool: ...
+
+    def elapsed_s(self, serial: int) -> float: ...
+
+    def write_outcome(self, serial: int) -> Outcome: ...
+
+    def backup_outcome(self, serial: int) -> BackupOutcome: ...
+
+    def load_outcome(self, serial: int) -> Outcome: ...
+
+    def idle(self, slots: list[int]) -> bool: ...
+
+
+class Operation:
+    """An open operation: the questions it asks each round (with this
+    rank's local answers), and what it does with the agreed answers. Each
+    kind lives in one module of `cpcache.state.ops`, with its opening."""
+
+    serial: int
+
+    def label(self) -> str:
+        raise NotImplementedError
+
+    def ask(self, ledger: Ledger, local: LocalProgress) -> Asked:
+        raise NotImplementedError
+
+    def settle(self, ledger: Ledger, answers: dict[int, int], decisions: Decisions) -> list[Intent]:
+        raise NotImplementedError
+
+
+OpT = TypeVar("OpT", bound=Operation)
+
+
+class Ledger:
+    def __init__(self, config: CacheConfig, allocator: PageAllocator, sharding: ShardingSpec, page_size: int) -> None:
+        self.config = config
+        self.prefetch_policy = prefetch_policy(config)
+        self.write_policy = write_policy(config)
+        self.allocator = allocator
+        self.sharding = sharding
+        self.page_size = page_size
+        self.index = HostIndex(track_unbacked=self.write_policy.backup_before_evict)
+        self.ops: dict[int, Operation] = {}  # by serial; insertion order is serial order
+        self.by_op_id: dict[int, int] = {}  # the scheduler's op id -> serial, for open prefetches, writes, loads
+        # Prefetches that ended lately: a poll or revoke of one is a race the
+        # scheduler cannot avoid at lag >= 1 (it learns of the end later), so
+        # it is taken and ignored rather than refused.
+        self.ended_prefetches: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self.closed: list[int] = []  # serials closed since the data plane last forgot them
+        self.stores: list[Store] = []  # backups queued in the round being applied, started at its end
+        self.digest = 0
+        self.step = 0  # the step whose operations opened last
+        self.round = 0  # the round applied last
+        self.hit_pages = {"host": 0, "storage": 0}  # pages loaded back / prefetched (agreed)
+        self.writes_refused = 0  # write-throughs refused for want of evictable host pages
+        self._next_serial = 1
+
+    def record(self, *fields: object) -> None:
+        """Fold one change into the digest. Page lists are hashed as their
+        bytes (a repr of each would cost more than the change itself)."""
+        parts = [self.digest.to_bytes(8, "little")]
+        for f in fields:
+            if isinstance(f, tuple | list) and f and isinstance(f[0], bytes):
+                parts.append(b"".join(f))
+            else:
+                parts.append(repr(f).encode())
+        self.digest = hash62(b"\x1f".join(parts))
+
+    def serial(self) -> int:
+        serial = self._next_serial
+        self._next_serial += 1
+        return serial
+
+    def add(self, op: Operation, op_id: int | None = None) -> None:
+        """Open `op`; `op_id`: the scheduler's id for it, if it has one."""
+        self.ops[op.serial] = op
+        if op_id is not None:
+            self.by_op_id[op_id] = op.serial
+
+    def close(self, op: Operation, op_id: int | None = None) -> None:
+        del self.ops[op.serial]
+        self.closed.append(op.serial)
+        if op_id is not None:
+            del self.by_op_id[op_id]
+
+    def find(self, op_id: int, kind: type[OpT]) -> OpT | None:
+        """The open operation of `kind` the scheduler calls `op_id`, if any."""
+        op = self.ops.get(self.by_op_id.get(op_id, 0))
+        return op if isinstance(op, kind) else None
+
+    def of_kind(self, kind: type[OpT]) -> list[OpT]:
+        return [op for op in self.ops.values() if isinstance(op, kind)]

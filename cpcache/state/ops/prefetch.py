@@ -1,0 +1,116 @@
+"""Prefetch (storage -> host): opened with a lookup of how many of its pages
+are in storage; the agreed hit (MIN) is fetched into slots of its own, or
+the prefetch is revoked (below the threshold, host pool full). Each poll of
+the scheduler asks whether it may end (the policy's vote) and with how many
+pages (MIN); it ends accepted with those pages, or is revoked by the
+scheduler. Slots it gave up go back once no rank reads into them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cpcache.state.intents import Decisions, Fetch, Intent, Lookup
+from cpcache.state.ledger import Asked, Ledger, LocalProgress, Operation
+from cpcache.state.ops.retirement import make_room, retire
+from cpcache.state.questions import NOT_YET, PREFETCH_DONE, PREFETCH_HIT, PREFETCH_MAY_END
+from cpcache.state.requests import PrefetchRequest
+
+ENDED_PREFETCHES_KEPT = 4096
+
+
+@dataclass
+class Prefetch(Operation):
+    serial: int
+    request: PrefetchRequest
+    hit: int = NOT_YET  # agreed storage hit; NOT_YET while being asked
+    slots: list[int] = field(default_factory=list)
+    polled_at: int = 0  # the step of the scheduler's latest poll (0: none pending)
+
+    def label(self) -> str:
+        return f"prefetch {self.request.op_id}"
+
+    def ask(self, ledger: Ledger, local: LocalProgress) -> Asked:
+        if self.hit == NOT_YET:
+            return [(PREFETCH_HIT, local.exists(self.serial))]
+        if not self.polled_at:
+            return []
+        done = local.fetched(self.serial)
+        complete = done >= self.hit or local.fetch_ended(self.serial)
+        may_end = ledger.prefetch_policy.may_end(complete, local.elapsed_s(self.serial), self.request.tokens)
+        return [(PREFETCH_DONE, done), (PREFETCH_MAY_END, int(may_end))]
+
+    def settle(self, ledger: Ledger, answers: dict[int, int], decisions: Decisions) -> list[Intent]:
+        hit = answers.get(PREFETCH_HIT.code, NOT_YET)
+        if hit != NOT_YET and self.hit == NOT_YET:
+            return _decide_hit(ledger, self, hit, decisions)
+        if answers.get(PREFETCH_MAY_END.code) == 1:
+            _accept(ledger, self, answers[PREFETCH_DONE.code], decisions)
+        elif PREFETCH_MAY_END.code in answers and ledger.round > self.polled_at:
+            self.polled_at = 0  # not yet, and asked after the latest poll: the scheduler polls again
+        return []
+
+
+def find(ledger: Ledger, op_id: int) -> Prefetch | None:
+    return ledger.find(op_id, Prefetch)
+
+
+def open_prefetch(ledger: Ledger, req: PrefetchRequest) -> list[Intent]:
+    prefetch = Prefetch(ledger.serial(), req)
+    ledger.add(prefetch, req.op_id)
+    ledger.record("prefetch", prefetch.serial, req.op_id, req.pages)
+    return [Lookup(prefetch.serial, tuple(req.pages), ledger.sharding)]
+
+
+def poll(ledger: Ledger, op_id: int, step: int) -> None:
+    """The scheduler asks whether prefetch `op_id` may end (ignored if it ended)."""
+    if (pf := find(ledger, op_id)) is not None:
+        pf.polled_at = step
+        ledger.record("poll", pf.serial)
+
+
+def revoke(ledger: Ledger, pf: Prefetch, why: str, decisions: Decisions) -> None:
+    _close(ledger, pf)
+    ledger.record("revoke", pf.serial)
+    retire(ledger, pf.slots)  # back to the allocator once no rank reads into them
+    decisions.prefetch_revoked.append((pf.request.op_id, why))
+
+
+def _decide_hit(ledger: Ledger, pf: Prefetch, hit: int, decisions: Decisions) -> list[Intent]:
+    pf.hit = hit
+    ledger.record("hit", pf.serial, hit)
+    decisions.prefetch_hits.append((pf.request.op_id, hit))
+    if hit * ledger.page_size < ledger.config.prefetch_threshold_tokens:
+        revoke(ledger, pf, f"storage hit of {hit * ledger.page_size} tokens is below the threshold", decisions)
+        return []
+    if not make_room(ledger, hit):
+        revoke(ledger, pf, f"host pool full: {hit} pages do not fit", decisions)
+        return []
+    pf.slots = ledger.allocator.allocate(hit)
+    ledger.record("fetch", pf.serial, tuple(pf.slots))
+    return [Fetch(pf.serial, tuple(pf.request.pages[:hit]), tuple(pf.slots), ledger.sharding)]
+
+
+def _accept(ledger: Ledger, pf: Prefetch, done: int, decisions: Decisions) -> None:
+    _close(ledger, pf)
+    index = ledger.index
+    kept_pages, kept_slots = [], []
+    for page, slot in zip(pf.request.pages[:done], pf.slots):
+        if page in index:
+            break  # already resident (another operation brought it): keep that copy
+        kept_pages.append(page)
+        kept_slots.append(slot)
+    index.insert(kept_pages, kept_slots, pf.request.parent, ledger.step)
+    for page in kept_pages:
+        index[page].backed_up = True  # it came from storage
+    ledger.record("accept", pf.serial, len(kept_pages))
+    retire(ledger, pf.slots[len(kept_pages):])  # the unagreed tail, once its reads end
+    decisions.prefetch_done.append((pf.request.op_id, len(kept_pages)))
+    ledger.hit_pages["storage"] += len(kept_pages)
+
+
+def _close(ledger: Ledger, pf: Prefetch) -> None:
+    ledger.close(pf, pf.request.op_id)
+    ended = ledger.ended_prefetches
+    ended[pf.request.op_id] = None
+    while len(ended) > ENDED_PREFETCHES_KEPT:
+        ended.popitem(last=False)
