@@ -1,10 +1,13 @@
 """Real SGLang servers on a host without CUDA, started the way docs/sglang.md says:
 `python -m sglang.launch_server` (its tokenizer manager, spawned schedulers
-and detokenizer, HTTP on a TCP port), with a tiny Llama of random weights
-made by transformers at test time, and `cpcache launch` daemons beneath.
+and detokenizer, HTTP on a TCP port), with tiny random models made by
+transformers at test time (TINY_MODELS: Llama, Qwen3, Qwen3-MoE), at TP and
+attention CP (prefill CP too: ZIGZAG_FLAGS with ZIGZAG_ENV,
+cpu_host/cp_torch_native.py), and `cpcache launch` daemons beneath.
 
-SGLang's own HiCache (host memory tier, no storage) runs here too, for a
-side-by-side comparison: HICACHE_FLAGS with HICACHE_ENV (cpu_host/hicache_cpu.py).
+SGLang's own HiCache (host memory tier, and its `file` storage tier) runs
+here too, for side-by-side comparisons: HICACHE_FLAGS with HICACHE_ENV
+(cpu_host/hicache_cpu.py).
 
 Every wait is on an event: a process's own readiness line on its output
 (SGLang prints one when it serves, `cpcache launch` when its ranks serve),
@@ -82,12 +85,16 @@ def free_port() -> int:
 # for attention TP 1 while its layers compute K for TP 2 (4 KV heads crash,
 # 1 KV head gives outputs other than tp 1's). Qwen3 and Qwen3-MoE serve under
 # attention CP with outputs equal to tp 1's.
+# The Qwen families have grouped KV heads (8 query heads, 2 KV heads) and
+# weights large enough (initializer_range 0.5) that a wrong attention moves
+# the logprobs well past the suite's tolerance: with the default 0.02 the
+# model is nearly uniform and a mask off by one token changes them by 1e-5.
+_QWEN = "num_attention_heads=8, num_key_value_heads=2, head_dim=16, initializer_range=0.5"
 TINY_MODELS = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", "num_key_value_heads=4"),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", "num_key_value_heads=4, head_dim=16"),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", "num_attention_heads=4, num_key_value_heads=4"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", _QWEN),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
-                  "num_key_value_heads=4, head_dim=16, num_experts=4, num_experts_per_tok=2, "
-                  "moe_intermediate_size=64, decoder_sparse_step=1"),
+                  f"{_QWEN}, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, decoder_sparse_step=1"),
 }
 
 
@@ -99,7 +106,7 @@ def make_tiny_model(path: Path, family: str = "llama") -> Path:
         f"from transformers import {config}, {model}\n"
         "torch.manual_seed(0)\n"
         f"cfg = {config}(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,\n"
-        f"               num_attention_heads=4, max_position_embeddings=4096, {extra})\n"
+        f"               max_position_embeddings=4096, {extra})\n"
         f"{model}(cfg).save_pretrained(sys.argv[1])\n")
     subprocess.run([str(SGLANG_PYTHON), "-c", script, str(path)], check=True, capture_output=True, timeout=300)
     return path
