@@ -118,3 +118,70 @@ def kill_daemon_mid_run_and_come_back(stack: Stack, seed: int, victim: int = 1) 
     stack.cpcache.flush_cache()
     lines = server.wait_lines("decision log:", logged + stack.ranks, timeout_s=60)[logged:]
     assert len({line.split("decision log: ")[1] for line in lines}) == 1, lines
+
+
+def flush_with_writes_in_flight_serves_no_wrong_bytes(stack: Stack) -> None:
+    """A flush taken right after a request ran (its write-through queued or in
+    flight) decides those writes first, and leaves nothing below the device."""
+    system, docs = workload(seed=2, docs=3)
+    server = stack.cpcache.process
+    assert server is not None
+    flushes_before = len(stack.cpcache.log_lines("flushed its cache"))
+    for d, doc in enumerate(docs):
+        ids = prompt(system, doc, 0, d)
+        prefills = len(server.lines_with("Prefill batch"))
+        thread, answer = in_background(lambda ids=ids: stack.cpcache.generate(ids))
+        server.wait_lines("Prefill batch", prefills + 1, timeout_s=120)  # the request runs
+        # Taken at the first iteration the request is not running: its
+        # write-through was queued at its end, and is queued or in flight now.
+        stack.cpcache.flush_cache()
+        thread.join(120)
+        assert answer and same_outputs(answer[0], stack.reference(ids)), answer
+    flushes = stack.cpcache.log_lines("flushed its cache")[flushes_before:]
+    assert len(flushes) == stack.ranks * len(docs), flushes
+    assert [line for line in flushes if "0 queued writes cancelled, 0 in flight" not in line], \
+        f"no flush found a write queued or in flight: {flushes}"
+    # A flush leaves nothing reachable below the device either (as SGLang's
+    # HiCache empties its host pool): the same documents are computed again.
+    for d, doc in enumerate(docs):
+        again = stack.check(prompt(system, doc, 1, d))
+        assert again.host == 0 and again.storage == 0, again
+
+
+def a_wrong_stored_page_breaks_the_match(stack: Stack) -> None:
+    """The negative control: a page planted in storage (a valid frame around
+    wrong bytes) is served, and the reply no longer equals the reference."""
+    system, docs = workload(seed=4)
+    for d, doc in enumerate(docs):
+        stack.check(prompt(system, doc, 0, d))
+    target = docs[0]  # evicted from the device and the host pool since, kept in storage
+    files = stored_pages(stack, system + target)
+    assert files, "the document's pages are not in storage"
+    for path in files[len(files) // 2 :]:
+        plant_wrong_page(path)
+    ids = prompt(system, target, 5, 0)
+    got = stack.cpcache.generate(ids)
+    assert got.storage > 0, f"the document did not come from storage: {got}"
+    assert not same_outputs(got, stack.reference(ids)), "wrong KV served and the check did not see it"
+
+
+def requests_aborted_during_their_prefetch_are_revoked_on_every_rank(stack: Stack) -> None:
+    system, docs = workload(seed=5)
+    for d, doc in enumerate(docs):
+        stack.check(prompt(system, doc, 0, d))
+    server = stack.cpcache.process
+    assert server is not None
+    for d in (0, 1):  # in storage only by now: each request starts a prefetch
+        rid = f"aborted-{d}"
+        ids = prompt(system, docs[d], 1, d)
+        thread, answer = in_background(lambda ids=ids, rid=rid: stack.cpcache.generate(ids, rid=rid))
+        for _ in range(10_000):  # until SGLang has the request: an abort of an unknown rid does nothing
+            stack.cpcache.post("/abort_request", {"rid": rid})
+            if server.lines_with(f"revoked the prefetch of aborted request {rid}") or not thread.is_alive():
+                break
+        thread.join(120)
+        assert answer and answer[0].finish == "abort", answer
+        server.wait_lines(f"revoked the prefetch of aborted request {rid}", stack.ranks, timeout_s=60)
+    # The revoked prefetches left nothing wrong behind: the same documents again.
+    for d in (0, 1, 2):
+        stack.check(prompt(system, docs[d], 2, d))

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 from pathlib import Path
 
@@ -29,13 +28,17 @@ from cpcache.tools.sglang_cpu.servers import (
     CPCACHE_FLAGS,
     SGLANG_PYTHON,
     Daemons,
-    Reply,
     Server,
     make_tiny_model,
-    same_outputs,
 )
 from cpcache.tools.sglang_cpu.stacks import Shape, Stack, prompt, started, workload
-from tests.sglang.stacks import kill_daemon_mid_run_and_come_back, plant_wrong_page, stored_pages
+from tests.sglang.stacks import (
+    a_wrong_stored_page_breaks_the_match,
+    flush_with_writes_in_flight_serves_no_wrong_bytes,
+    kill_daemon_mid_run_and_come_back,
+    requests_aborted_during_their_prefetch_are_revoked_on_every_rank,
+    stored_pages,
+)
 
 pytestmark = [
     pytest.mark.sglang,
@@ -119,68 +122,17 @@ def test_cp_ranks_of_a_replicated_page_share_one_storage_object_written_once(sta
 
 @by_shape(CP_FILE)
 def test_a_wrong_page_from_storage_breaks_the_match_negative_control(stack: Stack):
-    system, docs = workload(seed=4)
-    for d, doc in enumerate(docs):
-        stack.check(prompt(system, doc, 0, d))
-    target = docs[0]  # evicted from the device and the host pool since, kept in storage
-    files = stored_pages(stack, system + target)
-    assert files, "the document's pages are not in storage"
-    for path in files[len(files) // 2 :]:
-        plant_wrong_page(path)
-    ids = prompt(system, target, 5, 0)
-    got = stack.cpcache.generate(ids)
-    assert got.storage > 0, f"the document did not come from storage: {got}"
-    assert not same_outputs(got, stack.reference(ids)), "wrong KV served and the check did not see it"
+    a_wrong_stored_page_breaks_the_match(stack)
 
 
 @by_shape(CP_FILE)
 def test_requests_aborted_during_their_prefetch_are_revoked_on_every_rank(stack: Stack):
-    system, docs = workload(seed=5)
-    for d, doc in enumerate(docs):
-        stack.check(prompt(system, doc, 0, d))
-    server = stack.cpcache.process
-    assert server is not None
-    for d in (0, 1):  # in storage only by now: each request starts a prefetch
-        rid = f"aborted-{d}"
-        answer: list[Reply] = []
-        ids = prompt(system, docs[d], 1, d)
-        worker = threading.Thread(target=lambda ids=ids, rid=rid, answer=answer: answer.append(
-            stack.cpcache.generate(ids, rid=rid)))
-        worker.start()
-        for _ in range(10_000):  # until SGLang has the request: an abort of an unknown rid does nothing
-            stack.cpcache.post("/abort_request", {"rid": rid})
-            if server.lines_with(f"revoked the prefetch of aborted request {rid}") or not worker.is_alive():
-                break
-        worker.join(120)
-        assert answer and answer[0].finish == "abort", answer
-        server.wait_lines(f"revoked the prefetch of aborted request {rid}", stack.ranks, timeout_s=60)
-    for d in (0, 1, 2):  # the revoked prefetches left nothing wrong behind
-        stack.check(prompt(system, docs[d], 2, d))
+    requests_aborted_during_their_prefetch_are_revoked_on_every_rank(stack)
 
 
 @by_shape(CP_FILE)
 def test_flush_cache_while_writes_are_in_flight_serves_no_wrong_bytes(stack: Stack):
-    system, docs = workload(seed=2, docs=3)
-    server = stack.cpcache.process
-    assert server is not None
-    flushes_before = len(stack.cpcache.log_lines("flushed its cache"))
-    for d, doc in enumerate(docs):
-        ids = prompt(system, doc, 0, d)
-        answer: list[Reply] = []
-        prefills = len(server.lines_with("Prefill batch"))
-        worker = threading.Thread(target=lambda ids=ids, answer=answer: answer.append(stack.cpcache.generate(ids)))
-        worker.start()
-        server.wait_lines("Prefill batch", prefills + 1, timeout_s=120)  # the request runs
-        stack.cpcache.flush_cache()  # taken at the first iteration the request is not running
-        worker.join(120)
-        assert answer and same_outputs(answer[0], stack.reference(ids))
-    flushes = stack.cpcache.log_lines("flushed its cache")[flushes_before:]
-    assert len(flushes) == stack.ranks * len(docs), flushes
-    assert [line for line in flushes if "0 queued writes cancelled, 0 in flight" not in line], \
-        f"no flush found a write queued or in flight: {flushes}"
-    for d, doc in enumerate(docs):  # nothing below the device survives a flush
-        again = stack.check(prompt(system, doc, 1, d))
-        assert again.host == 0 and again.storage == 0, again
+    flush_with_writes_in_flight_serves_no_wrong_bytes(stack)
 
 
 @by_shape(*EVERY_SHAPE)

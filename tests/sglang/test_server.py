@@ -22,15 +22,19 @@ Runs alone with `make test-sglang` (or `pytest -m sglang tests/sglang`).
 
 from __future__ import annotations
 
-import threading
 import time
 import urllib.request
 
 import pytest
 
-from cpcache.tools.sglang_cpu.servers import SGLANG_PYTHON, Reply, make_tiny_model, same_outputs
+from cpcache.tools.sglang_cpu.servers import SGLANG_PYTHON, make_tiny_model
 from cpcache.tools.sglang_cpu.stacks import Shape, Stack, prompt, started, workload
-from tests.sglang.stacks import kill_daemon_mid_run_and_come_back, plant_wrong_page, stored_pages
+from tests.sglang.stacks import (
+    a_wrong_stored_page_breaks_the_match,
+    flush_with_writes_in_flight_serves_no_wrong_bytes,
+    kill_daemon_mid_run_and_come_back,
+    requests_aborted_during_their_prefetch_are_revoked_on_every_rank,
+)
 
 pytestmark = [
     pytest.mark.sglang,
@@ -40,7 +44,6 @@ pytestmark = [
 ]
 
 SHAPE = Shape("llama", tp=2)
-TP = SHAPE.tp
 
 
 @pytest.fixture(scope="module")
@@ -71,31 +74,7 @@ def test_outputs_equal_a_server_without_cache_and_hits_come_from_every_tier(stac
 
 
 def test_flush_cache_while_writes_are_queued_serves_no_wrong_bytes(stack: Stack):
-    system, docs = workload(seed=2, docs=3)
-    for d, doc in enumerate(docs):
-        ids = prompt(system, doc, 0, d)
-        answer: list[Reply] = []
-        server = stack.cpcache.process
-        assert server is not None
-        prefills = len(server.lines_with("Prefill batch"))
-        worker = threading.Thread(target=lambda ids=ids, answer=answer: answer.append(stack.cpcache.generate(ids)))
-        worker.start()
-        server.wait_lines("Prefill batch", prefills + 1, timeout_s=120)  # the request runs
-        # Taken at the first iteration the request is not running: its
-        # write-through was queued at its end, and is queued or in flight now.
-        stack.cpcache.flush_cache()
-        worker.join(120)
-        assert answer, "the request did not finish"
-        assert same_outputs(answer[0], stack.reference(ids))
-    flushes = stack.cpcache.log_lines("flushed its cache")
-    assert len(flushes) == TP * len(docs), flushes
-    caught = [line for line in flushes if "0 queued writes cancelled, 0 in flight" not in line]
-    assert caught, f"no flush found a write queued or in flight: {flushes}"
-    # A flush leaves nothing reachable below the device either (as SGLang's
-    # HiCache empties its host pool): the same documents are computed again.
-    for d, doc in enumerate(docs):
-        again = stack.check(prompt(system, doc, 1, d))
-        assert again.host == 0 and again.storage == 0, again
+    flush_with_writes_in_flight_serves_no_wrong_bytes(stack)
 
 
 def test_a_weight_update_leaves_no_page_of_the_old_weights_reachable(stack: Stack):
@@ -110,43 +89,11 @@ def test_a_weight_update_leaves_no_page_of_the_old_weights_reachable(stack: Stac
 
 
 def test_a_wrong_page_from_storage_breaks_the_match_negative_control(stack: Stack):
-    system, docs = workload(seed=4)
-    for d, doc in enumerate(docs):
-        stack.check(prompt(system, doc, 0, d))
-    target = docs[0]  # evicted from the device and the host pool since, kept in storage
-    files = stored_pages(stack, system + target)
-    assert files, "the document's pages are not in storage"
-    for path in files[len(files) // 2 :]:
-        plant_wrong_page(path)
-    ids = prompt(system, target, 5, 0)
-    got = stack.cpcache.generate(ids)
-    assert got.storage > 0, f"the document did not come from storage: {got}"
-    assert not same_outputs(got, stack.reference(ids)), "wrong KV served and the check did not see it"
+    a_wrong_stored_page_breaks_the_match(stack)
 
 
 def test_requests_aborted_during_their_prefetch_are_revoked_on_every_rank(stack: Stack):
-    system, docs = workload(seed=5)
-    for d, doc in enumerate(docs):
-        stack.check(prompt(system, doc, 0, d))
-    server = stack.cpcache.process
-    assert server is not None
-    for d in (0, 1):  # in storage only by now: each request starts a prefetch
-        rid = f"aborted-{d}"
-        answer: list[Reply] = []
-        ids = prompt(system, docs[d], 1, d)
-        worker = threading.Thread(target=lambda ids=ids, rid=rid, answer=answer: answer.append(
-            stack.cpcache.generate(ids, rid=rid)))
-        worker.start()
-        for _ in range(10_000):  # until SGLang has the request: an abort of an unknown rid does nothing
-            stack.cpcache.post("/abort_request", {"rid": rid})
-            if server.lines_with(f"revoked the prefetch of aborted request {rid}") or not worker.is_alive():
-                break
-        worker.join(120)
-        assert answer and answer[0].finish == "abort", answer
-        server.wait_lines(f"revoked the prefetch of aborted request {rid}", TP, timeout_s=60)
-    # The revoked prefetches left nothing wrong behind: the same documents again.
-    for d in (0, 1, 2):
-        stack.check(prompt(system, docs[d], 2, d))
+    requests_aborted_during_their_prefetch_are_revoked_on_every_rank(stack)
 
 
 def test_a_daemon_killed_mid_run_leaves_the_server_serving_and_every_slot_comes_back(stack: Stack):
