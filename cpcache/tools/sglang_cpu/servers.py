@@ -64,9 +64,11 @@ HICACHE_ENV = {"CPCACHE_TEST_HICACHE_CPU": "1"}
 def hicache_file_storage_flags(root: Path) -> list[str]:
     """SGLang's own storage tier below its HiCache: its `file` backend (one
     file per page and rank under `root`; under attention CP, one per CP rank
-    too: its keys always carry the CP rank)."""
-    return ["--hicache-storage-backend", "file", "--hicache-storage-backend-extra-config",
-            json.dumps({"file_storage_path": str(root)})]
+    too: its keys always carry the CP rank), prefetching as the suite's
+    daemons do (from the first page, until every rank has every page)."""
+    return ["--hicache-storage-backend", "file", "--hicache-storage-prefetch-policy", "wait_complete",
+            "--hicache-storage-backend-extra-config",
+            json.dumps({"file_storage_path": str(root), "prefetch_threshold": 0})]
 # Prefill context parallelism (the zigzag split of a prefill's tokens over the
 # CP ranks), which torch_native runs only with cpu_host/cp_torch_native.py.
 ZIGZAG_FLAGS = ["--enable-prefill-cp", "--cp-strategy", "zigzag"]
