@@ -140,6 +140,7 @@ def run(args: argparse.Namespace, work: Path) -> dict:
         # A step that diverged fails on every rank, and the backend leaves the daemon.
         "diverged_steps": sum("diverge" in line.lower() for line in fell_back),
         "daemon_rounds": [c.get("rounds_completed") for c in counters],  # None: the daemon did not answer
+        "daemon_errors": [c["error"] for c in counters if "error" in c],
         "fallbacks": len(fell_back),
         "perturbation": {"copy_delay_ms": args.copy_delay_ms, "storage_delay_ms": args.storage_delay_ms,
                          "slow_rank": SLOW_RANK, "slow_rank_storage_fail_rate": args.storage_fail_rate},
