@@ -7,8 +7,9 @@ Mooncake Store (a real mooncake_master on loopback).
 Every reply must equal a tp 1 server's without cache, token for token and
 logprob for logprob; hits come from the device, the host pool and storage;
 every rank's scheduler takes the same decisions at every iteration (their
-decision logs are compared); one rank's copies and storage are slower than
-the other's, and the agreed values follow the slower one. CP ranks of a
+decision logs are compared), though one rank's copies and storage are
+twice as slow as the other's (what every rank is told is the slower one's
+progress, agreed by MIN: tests/multirank prove that value). CP ranks of a
 replicated page share one storage object, written by one of them.
 
 Runs alone with `pytest -m sglang tests/sglang/test_cp.py`.
