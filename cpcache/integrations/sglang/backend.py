@@ -87,6 +87,8 @@ def build_cache(context: Any, settings: Settings | None = None) -> Any:
     decisions = DecisionLog() if settings.record_decisions else None  # one log across attaches
 
     def connect(step: int) -> Connector:
+        if decisions is not None:
+            decisions.begin_session()
         return Connector(client, first_step=step, load_timeout_s=settings.timeout_s, decisions=decisions)
 
     def attach_again() -> Connector:

@@ -57,6 +57,7 @@ class DecisionLog:
 
     entries: list[tuple] = field(default_factory=list)
     _digest: Any = field(default_factory=hashlib.sha256)
+    _session_start: int = 0
 
     def add(self, decisions: tuple) -> None:
         self.entries.append(decisions)
@@ -64,6 +65,17 @@ class DecisionLog:
 
     def digest(self) -> str:
         return self._digest.hexdigest()[:16]
+
+    def begin_session(self) -> None:
+        """An attach: a rank whose daemon died just after a round may lack that
+        round's reply (docs/sglang.md, "When the daemon is down"), so logs
+        are also compared session by session."""
+        self._session_start = len(self.entries)
+
+    def session(self) -> tuple[int, str]:
+        """(steps, digest) since the last attach."""
+        since = self.entries[self._session_start :]
+        return len(since), hashlib.sha256("".join(map(repr, since)).encode()).hexdigest()[:16]
 
 
 @dataclass

@@ -374,8 +374,8 @@ class CpcacheRadixCache(UnifiedRadixCache):
     def log_scheduler_time(self) -> None:
         log.info("%s", self.scheduler_time().line(self.rank))
         if self.decisions is not None:
-            log.info("cpcache: rank %d decision log: %d steps, digest %s", self.rank, len(self.decisions.entries),
-                     self.decisions.digest())
+            log.info("cpcache: rank %d decision log: %d steps, digest %s; since the last attach %d steps, digest %s",
+                     self.rank, len(self.decisions.entries), self.decisions.digest(), *self.decisions.session())
 
     def _log_given_back(self, tokens: int) -> None:
         if tokens:
