@@ -23,7 +23,6 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from cpcache.client.core import Client, StepResult
 from cpcache.client.session import HiCacheSession
@@ -56,15 +55,13 @@ class DecisionLog:
     iteration, or the model's collectives would have parted)."""
 
     entries: list[tuple] = field(default_factory=list)
-    _digest: Any = field(default_factory=hashlib.sha256)
     _session_start: int = 0
 
     def add(self, decisions: tuple) -> None:
         self.entries.append(decisions)
-        self._digest.update(repr(decisions).encode())
 
     def digest(self) -> str:
-        return self._digest.hexdigest()[:16]
+        return _digest_of(self.entries)
 
     def begin_session(self) -> None:
         """An attach: a rank whose daemon died just after a round may lack that
@@ -75,7 +72,11 @@ class DecisionLog:
     def session(self) -> tuple[int, str]:
         """(steps, digest) since the last attach."""
         since = self.entries[self._session_start :]
-        return len(since), hashlib.sha256("".join(map(repr, since)).encode()).hexdigest()[:16]
+        return len(since), _digest_of(since)
+
+
+def _digest_of(entries: list[tuple]) -> str:
+    return hashlib.sha256("".join(map(repr, entries)).encode()).hexdigest()[:16]
 
 
 @dataclass
