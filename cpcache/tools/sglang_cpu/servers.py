@@ -20,6 +20,7 @@ the interpreter named by CPCACHE_SGLANG_PYTHON).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -74,6 +75,7 @@ def hicache_file_storage_flags(root: Path) -> list[str]:
 ZIGZAG_FLAGS = ["--enable-prefill-cp", "--cp-strategy", "zigzag"]
 ZIGZAG_ENV = {"CPCACHE_TEST_CP_TORCH_NATIVE": "1"}
 READY = "The server is fired up and ready to roll"
+BIND_FAILED = "error while attempting to bind on address"
 
 
 def free_port() -> int:
@@ -277,7 +279,23 @@ class Server:
         self.process = Watched(self.argv(), self.work / f"{self.name}.log", [READY, "cpcache:"], env=env)
         return self
 
-    def wait_ready(self, timeout_s: float = 300.0) -> Server:
+    def wait_ready(self, timeout_s: float = 300.0, port_tries: int = 3) -> Server:
+        """Until the server serves. The free port it was given can be taken
+        before it binds (SGLang picks ports of its own meanwhile, and then
+        neither serves nor exits): it starts again on another port."""
+        def settled(p: Watched) -> bool:
+            return READY in p.text() or BIND_FAILED in p.text() or p.exited.is_set()
+
+        for _ in range(port_tries):
+            process = self.process
+            assert process is not None
+            with process.new_line:
+                process.new_line.wait_for(functools.partial(settled, process), timeout_s)
+            if BIND_FAILED not in process.text():
+                break
+            process.stop()
+            self.port = free_port()
+            self.start()
         assert self.process is not None
         self.process.wait_for(READY, timeout_s)
         return self
