@@ -5,10 +5,10 @@ import pytest
 
 from cpcache.client import Client
 from cpcache.client.session import HiCacheSession
+from cpcache.daemon.launcher import DomainSpec, LocalDomain
 from cpcache.dataplane.pools import DevicePool
 from cpcache.geometry import KVGeometry
 from cpcache.keys import chain
-from cpcache.tools.launcher import DomainSpec, LocalDomain
 from cpcache.topology import Topology
 
 pytestmark = pytest.mark.timeout(60)

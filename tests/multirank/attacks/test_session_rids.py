@@ -6,7 +6,7 @@ import pytest
 
 from cpcache.client import Client
 from cpcache.client.session import HiCacheSession
-from cpcache.tools.launcher import LocalDomain
+from cpcache.daemon.launcher import LocalDomain
 
 from .common import PAGE_HASHES, PAGES, attach_all, close_all, make, spec, step_all, write_through
 
