@@ -50,7 +50,7 @@ def as_user(*command: str, groups: tuple[int, ...] = ()) -> list[str]:
 
 
 class Hostile:
-    """tests/hostile.py as nobody in GROUP, holding its connections until closed."""
+    """tests/daemon/hostile.py as nobody in GROUP, holding its connections until closed."""
 
     def __init__(self, mode: str, target: str, n: int) -> None:
         self.proc = subprocess.Popen(
