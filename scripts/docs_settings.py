@@ -5,7 +5,7 @@ environment names as `cpcache.daemon.settings` derives them).
     python scripts/docs_settings.py            # write docs/settings.md
     python scripts/docs_settings.py --check    # exit 1 if docs/settings.md is stale
 
-tests/test_docs.py checks that the checked-in page is what this renders.
+tests/packaging/test_docs.py checks that the checked-in page is what this renders.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The daemon's resource budget, per listener: what any client, hostile or
 not, can make it hold. docs/security.md, "Resource budget" states it; the
-unit's LimitNOFILE= covers it; tests/test_floods.py floods each listener
+unit's LimitNOFILE= covers it; tests/daemon/test_floods.py floods each listener
 and reads the daemon's descriptors and threads from /proc.
 """
 

@@ -17,7 +17,7 @@ start), `Formation._detach` (the session ends, then the rank waits until no
 job of it touches its pool: counted). The real-daemon tests in
 tests/multirank/test_fencing.py check the same behaviour on the code.
 
-Mutations reintroduce the defects of issue 21: `apply_after_leave` (the join
+Mutations reintroduce the defects the model found: `apply_after_leave` (the join
 gives up after a time and the round is applied after the detach),
 `leave_first` (the stepper leaves before the engine is closed, so a round its
 peer completed and applied is discarded here), `pool_at_run_time` (jobs read

@@ -35,14 +35,14 @@ def test_attach_holds_when_the_store_restarts_anywhere(capsys):
 
 
 def test_it_finds_a_split_when_the_stores_decision_is_trusted_across_a_restart():
-    """Issue 21: the decision lives only in the store; a restarted store
+    """The decision lives only in the store; a restarted store
     forgets it, one rank has read "attached", its peer decides "missing"."""
     with pytest.raises(AssertionError, match="split"):
         check_scope(ranks=2, calls=1, restarts=1, confirm=False)
 
 
 def test_it_finds_a_stale_descriptor_when_descriptors_outlive_their_attempt(monkeypatch):
-    """Defect 3: one key per rank, replaced by each attach, never withdrawn
+    """One key per rank, replaced by each attach, never withdrawn
     after a refusal: a peer's refused descriptor matches a later attach."""
     monkeypatch.setattr(attach, "_published", lambda namespace, attempt, rank: f"{namespace}/attach/rank{rank}")
     monkeypatch.setattr(attach.Attempt, "publish", lambda self: self.store.set(
@@ -57,7 +57,7 @@ def test_it_finds_a_stale_descriptor_when_descriptors_outlive_their_attempt(monk
 
 
 def test_it_finds_a_split_when_a_deadline_decides_locally(monkeypatch):
-    """Defect 4: a rank whose deadline passes fails on its own, without the
+    """A rank whose deadline passes fails on its own, without the
     attempt's one decision; a peer publishing meanwhile is told attached."""
     look = attach.Attempt.look
 

@@ -1,7 +1,7 @@
 """The exhaustive check of leaving an epoch under a round in its collective
 and jobs in flight (DESIGN rule 10), and the defects it finds when
-reintroduced (issue 21, defects 1 and 2, and a round its peer applied
-discarded by the leaving rank)."""
+reintroduced (a round applied after the leave, jobs reading the pool when
+they run, and a round its peer applied discarded by the leaving rank)."""
 
 import time
 
@@ -29,8 +29,8 @@ def found(*mutations):
 def test_it_finds_a_round_applied_after_its_rank_left():
     violations = found("apply_after_leave")
     assert "a round was applied after its rank left" in violations, violations
-    # The session fence alone stops its copy; without it too (the issue's
-    # defects 1 and 2 together) the copy overwrites the next session's slot.
+    # The session fence alone stops its copy; without it too (both
+    # mutations together) the copy overwrites the next session's slot.
     both = found("apply_after_leave", "pool_at_run_time")
     assert "an old epoch's copy overwrote a slot the next session holds" in both, both
 

@@ -5,7 +5,7 @@ delay and failure the test controls. `Domain.step` drives one scheduler
 step in the stepper's order (check -> pack or rejected -> reduce -> settle;
 on agreement the rank's own `apply_round`; lag 0 to 3) and checks the
 invariants after it. The round itself is the rank's, never a copy of it
-(tests/test_one_round.py)."""
+(tests/unit/rank/test_one_round.py)."""
 
 from __future__ import annotations
 

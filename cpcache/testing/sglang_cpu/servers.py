@@ -48,7 +48,7 @@ CPU_FLAGS = ["--device", "cpu", "--skip-tokenizer-init", "--attention-backend", 
 # pool it never builds); storage prefetch through the daemon
 # (CPCACHE_HOST_FLAGS: the host tier only).
 # cpcache.integrations.sglang.server_flags.STORAGE_EXTRA_CONFIG (tools do not
-# import the integrations: tests/test_docs.py checks they are the same).
+# import the integrations: tests/packaging/test_docs.py checks they are the same).
 STORAGE_EXTRA_CONFIG = {"backend_name": "cpcache", "module_path": "cpcache.integrations.sglang.storage",
                         "class_name": "DaemonStorage"}
 CPCACHE_HOST_FLAGS = ["--radix-cache-backend", "cpcache", "--enable-hierarchical-cache", "--hicache-ratio", "1"]

@@ -1,0 +1,93 @@
+"""services/gpu-driver/run.sh on a host without CUDA fails at once, clearly,
+with its own exit code, having written only its small summary; and its
+dependency check takes the host's packages or carried wheels."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from packaging.requirements import Requirement
+
+from tests.support import gpu_driver
+
+pytestmark = pytest.mark.timeout(60)
+
+REPO = Path(__file__).resolve().parents[2]
+RUN = REPO / "services/gpu-driver/run.sh"
+NO_CUDA, USAGE = 3, 2
+
+
+def run_sh(*args: str, out: Path | None = None) -> tuple[subprocess.CompletedProcess, float]:
+    env = {**os.environ, "PYTHON": sys.executable}
+    env.pop("OUT", None)
+    if out is not None:
+        env["OUT"] = str(out)
+    start = time.monotonic()
+    done = subprocess.run(["bash", str(RUN), *args], env=env, capture_output=True, text=True, timeout=50)
+    return done, time.monotonic() - start
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the path of a host without CUDA")
+def test_without_cuda_it_fails_fast_and_clearly(tmp_path):
+    out = tmp_path / "out"
+    done, seconds = run_sh(out=out)
+    assert done.returncode == NO_CUDA, done.stdout + done.stderr
+    assert "no CUDA device" in done.stdout and "run this on a CUDA host" in done.stdout
+    assert seconds < 30
+    assert [p.name for p in out.iterdir()] == ["gpu-summary.json"]
+    assert (out / "gpu-summary.json").stat().st_size < 16 << 10
+    summary = json.loads((out / "gpu-summary.json").read_text())
+    assert (summary["ok"], summary["exit_code"]) == (False, NO_CUDA)
+    assert summary["cuda"]["available"] is False
+    assert list(summary["phases_s"]) == ["probe"]  # neither the tests nor the bench started
+    assert set(summary["versions"]) == {"grpcio", "protobuf", "torch"}
+    assert set(summary["gencode_minimums"]) == {"grpcio", "protobuf"}
+
+
+def test_without_a_folder_it_says_how_to_call_it():
+    done, _ = run_sh()
+    assert done.returncode == USAGE
+    assert "usage: run.sh OUT_DIR" in done.stderr
+
+
+@pytest.fixture(scope="module")
+def dependencies():
+    return gpu_driver.dependencies()
+
+
+def fake_wheel(folder: Path, name: str, version: str, requires: tuple[str, ...] = ()) -> Path:
+    path = folder / f"{name}-{version}-py3-none-any.whl"
+    meta = "".join(f"Requires-Dist: {r}\n" for r in requires)
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr(f"{name}/__init__.py", f"VERSION = {version!r}\n")
+        archive.writestr(f"{name}-{version}.dist-info/METADATA",
+                         f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n{meta}")
+    return path
+
+
+def test_the_host_first_then_carried_wheels_then_missing(dependencies, tmp_path):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    fake_wheel(wheels, "cpcache_fake_a", "1.0", requires=("cpcache-fake-b>=2", "pytest>=1"))
+    fake_wheel(wheels, "cpcache_fake_b", "1.5")
+    fake_wheel(wheels, "cpcache_fake_b", "2.1")
+    wanted = [Requirement("pytest>=1"), Requirement("cpcache-fake-a>=1"), Requirement("cpcache-fake-c")]
+    choices = {c.name: c for c in dependencies.resolve(wanted, dependencies.carried_wheels(wheels))}
+    assert choices["pytest"].origin == "host"
+    assert (choices["cpcache-fake-a"].origin, choices["cpcache-fake-a"].version) == ("carried", "1.0")
+    assert (choices["cpcache-fake-b"].origin, choices["cpcache-fake-b"].version) == ("carried", "2.1")
+    assert choices["cpcache-fake-c"].origin == "missing"
+    dependencies.unpack(list(choices.values()), tmp_path / "site")
+    assert sorted(p.name for p in (tmp_path / "site").iterdir() if not p.name.endswith(".dist-info")) == [
+        "cpcache_fake_a", "cpcache_fake_b"]
+
+
+def test_a_host_package_too_old_is_not_taken(dependencies, tmp_path):
+    (choice,) = dependencies.resolve([Requirement("pytest>=999")], {})
+    assert (choice.origin, choice.host) == ("missing", __import__("pytest").__version__)

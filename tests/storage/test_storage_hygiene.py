@@ -1,0 +1,235 @@
+"""Shared-storage hygiene, on real files and real processes:
+damaged pages are deleted and rewritten, killed writers' temp files are
+swept and counted, capacity holds for the whole shared root, pages are
+fsynced before they count as stored, and Mooncake objects are checked like
+files."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from cpcache.dataplane.movers import Tiers
+from cpcache.dataplane.pools import HostPool
+from cpcache.dataplane.storage import file as file_storage
+from cpcache.dataplane.storage import open_backend
+from cpcache.dataplane.storage.framing import HEADER, pack_header
+from cpcache.geometry import KVGeometry
+
+pytestmark = pytest.mark.timeout(90)
+
+GEOMETRY = KVGeometry(layers=2, kv_kind="mha", heads=1, head_dim=16, dtype="bfloat16", page_size=16)
+PAGE_FILE = HEADER.size + GEOMETRY.page_bytes
+
+
+def backend_at(root, **options):
+    return open_backend("file", root=str(root), geometry_fingerprint=GEOMETRY.fingerprint(),
+                        page_bytes=GEOMETRY.page_bytes, **options)
+
+
+def host_with_pages(n):
+    host = HostPool(GEOMETRY, pages=n)
+    host.tensor.view(-1).view(torch.uint8).copy_(torch.arange(host.nbytes) % 251)
+    return Tiers(host)
+
+
+def pages_on_disk(root):
+    return sorted(e.name for d in os.scandir(root) if d.is_dir() for e in os.scandir(d.path)
+                  if not e.name.startswith("."))
+
+
+# -- damaged pages -----------------------------------------------------------------------
+
+
+def test_a_truncated_page_is_no_hit_and_the_next_backup_rewrites_it(tmp_path):
+    """What power loss after a rename used to leave: the page and the rest
+    of its chain were a permanent miss while backups reported stored."""
+    tiers = host_with_pages(3)
+    backend = backend_at(tmp_path / "store")
+    keys = ["k0", "k1", "k2"]
+    assert backend.put_from(keys, tiers.host_buffers(range(3))) == [True] * 3
+    os.truncate(backend.path("k1"), PAGE_FILE // 2)
+    assert backend.exists_prefix(keys) == 1  # a lookup no longer promises it
+    assert backend.put_from(keys, tiers.host_buffers(range(3))) == [True] * 3  # put-if-absent does not skip it
+    assert os.path.getsize(backend.path("k1")) == PAGE_FILE
+    assert backend.get_into(keys, tiers.host_buffers(range(3))) == [True] * 3
+
+
+def test_a_corrupt_page_is_deleted_on_read_and_rewritten(tmp_path):
+    tiers = host_with_pages(2)
+    backend = backend_at(tmp_path / "store")
+    assert backend.put_from(["a", "b"], tiers.host_buffers([0, 1])) == [True, True]
+    with open(backend.path("b"), "r+b") as fh:  # one flipped bit in the payload
+        fh.seek(HEADER.size + 7)
+        byte = fh.read(1)[0]
+        fh.seek(HEADER.size + 7)
+        fh.write(bytes([byte ^ 1]))
+    with open(backend.path("a"), "r+b") as fh:  # a header that is not ours
+        fh.write(b"NOTAPAGE")
+    assert backend.get_into(["a", "b"], tiers.host_buffers([0, 1])) == [False, False]
+    assert not os.path.exists(backend.path("a")) and not os.path.exists(backend.path("b"))
+    assert backend.counters()["storage_damaged_pages_deleted"] == 2
+    assert backend.put_from(["a", "b"], tiers.host_buffers([0, 1])) == [True, True]
+    assert backend.get_into(["a", "b"], tiers.host_buffers([0, 1])) == [True, True]
+
+
+def test_a_page_is_fsynced_before_its_rename_and_its_directory_after(tmp_path, monkeypatch):
+    calls = []
+    for name in ("fdatasync", "fsync", "replace"):
+        real = getattr(os, name)
+        monkeypatch.setattr(file_storage.os, name, lambda *a, _real=real, _name=name: (calls.append(_name),
+                                                                                       _real(*a))[1])
+    tiers = host_with_pages(2)
+    backend = backend_at(tmp_path / "store")
+    assert backend.put_from(["pa0", "pa1"], tiers.host_buffers([0, 1])) == [True, True]
+    # Each page's data before its rename; one directory sync for the batch (same fan-out dir).
+    assert calls == ["fdatasync", "replace", "fdatasync", "replace", "fsync"]
+
+
+# -- temp files of killed writers ---------------------------------------------------------
+
+
+WRITER = textwrap.dedent("""
+    import os, sys, torch
+    from cpcache.dataplane.movers import Tiers
+    from cpcache.dataplane.pools import HostPool
+    from cpcache.dataplane.storage import file as file_storage, open_backend
+    from cpcache.geometry import KVGeometry
+
+    geometry = KVGeometry(layers=2, kv_kind="mha", heads=1, head_dim=16, dtype="bfloat16", page_size=16)
+    real_writev = os.writev
+
+    def half_then_hang(fd, buffers):  # a writer killed mid-page: half its bytes are on disk
+        written = os.write(fd, bytes(buffers[0])[:20])
+        print("writing", flush=True)
+        sys.stdin.read()
+        return written
+
+    file_storage.os.writev = half_then_hang
+    backend = open_backend("file", root=sys.argv[1], geometry_fingerprint=geometry.fingerprint())
+    host = HostPool(geometry, pages=1)
+    backend.put_from([sys.argv[2]], Tiers(host).host_buffers([0]))
+""")
+
+
+def start_writer(root, key):
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(root), key], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "writing\n"  # its temp file exists now
+    return proc
+
+
+def temp_files(root):
+    return sorted(e.name for d in os.scandir(root) if d.is_dir() for e in os.scandir(d.path)
+                  if e.name.endswith(".tmp"))
+
+
+def test_killed_writers_temp_files_are_swept_at_start_and_counted(tmp_path):
+    root = tmp_path / "store"
+    writers = [start_writer(root, key) for key in ("dead0", "dead1", "dead2", "live")]
+    killed, live = writers[:3], writers[3]
+    for proc in killed:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    try:
+        assert len(temp_files(root)) == 4
+        backend = backend_at(root)
+        counters = backend.counters()
+        assert counters["storage_tmp_swept_files"] == 3 and counters["storage_tmp_swept_bytes"] == 3 * 20
+        assert [name.split(".")[1] for name in temp_files(root)] == ["live"]  # a live writer's is kept
+    finally:
+        live.kill()
+        live.wait(timeout=30)
+        live.stdin.close()
+        live.stdout.close()
+    for proc in killed:
+        proc.stdin.close()
+        proc.stdout.close()
+
+
+def test_the_sweep_deletes_only_files_named_like_its_own_temp_files(tmp_path):
+    """A dot-file the daemon never wrote (a `.gitattributes`
+    beside the pages) is kept however old; an old temp file of its own name
+    pattern, from any host, is swept."""
+    root = tmp_path / "store"
+    (root / "ab").mkdir(parents=True)
+    foreign = root / "ab" / ".gitattributes"
+    foreign.write_text("*.bin filter=lfs\n")
+    old_tmp = root / "ab" / ".abkey.0badc0de-1-0123abcd.tmp"  # another host's, long dead
+    old_tmp.write_bytes(b"x" * 7)
+    hour_ago = os.stat(foreign).st_mtime - 3600
+    for path in (foreign, old_tmp):
+        os.utime(path, (hour_ago, hour_ago))
+    counters = backend_at(root).counters()
+    assert foreign.exists() and not old_tmp.exists()
+    assert counters["storage_tmp_swept_files"] == 1 and counters["storage_tmp_swept_bytes"] == 7
+
+
+# -- capacity for the whole shared root ------------------------------------------------------
+
+
+def test_capacity_holds_for_the_root_shared_by_two_daemons(tmp_path):
+    root = tmp_path / "store"
+    tiers = host_with_pages(20)
+    capacity = 20 * PAGE_FILE
+    a, b = backend_at(root, capacity_bytes=capacity), backend_at(root, capacity_bytes=capacity)
+    for i in range(20):  # the two ranks write alternately, 20 pages each
+        assert a.put_from([f"a{i}"], tiers.host_buffers([i])) == [True]
+        assert b.put_from([f"b{i}"], tiers.host_buffers([i])) == [True]
+    on_disk = pages_on_disk(root)
+    assert len(on_disk) * PAGE_FILE <= capacity + PAGE_FILE  # one page over at most, between rescans
+    assert {f"a{i}" for i in range(15, 20)} <= set(on_disk)  # the most recent of each survive
+    assert {f"b{i}" for i in range(15, 20)} <= set(on_disk)
+
+
+def test_a_restarted_rank_evicts_the_oldest_pages_not_the_other_ranks_recent_ones(tmp_path):
+    root = tmp_path / "store"
+    tiers = host_with_pages(20)
+    capacity = 20 * PAGE_FILE
+    a = backend_at(root, capacity_bytes=capacity)
+    assert all(a.put_from([f"a{i}"], tiers.host_buffers([i]))[0] for i in range(20))
+    recent = [f"a{i}" for i in range(5)]  # rank A's oldest writes, but it just read them: hot
+    assert a.get_into(recent, tiers.host_buffers(range(5))) == [True] * 5
+    restarted = backend_at(root, capacity_bytes=capacity)  # rank B, restarted, knows nothing of A's reads
+    assert all(restarted.put_from([f"b{i}"], tiers.host_buffers([i]))[0] for i in range(5))
+    on_disk = set(pages_on_disk(root))
+    assert set(recent) <= on_disk
+    assert not {f"a{i}" for i in range(5, 10)} & on_disk  # the coldest went
+    assert a.exists_prefix(recent) == 5
+
+
+# -- Mooncake objects are checked like files ---------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_mooncake_reads_check_header_geometry_and_checksum(mooncake_master):
+    tiers = host_with_pages(4)
+    host = tiers.host
+    store = open_backend("mooncake", master=mooncake_master.master, metadata_server=mooncake_master.metadata_server,
+                         buffers=[(host.tensor.data_ptr(), host.nbytes)], geometry_fingerprint=GEOMETRY.fingerprint())
+    other = KVGeometry(layers=2, kv_kind="mha", heads=1, head_dim=16, dtype="float16", page_size=16)
+    foreign = open_backend("mooncake", master=mooncake_master.master, metadata_server=mooncake_master.metadata_server,
+                           buffers=[(host.tensor.data_ptr(), host.nbytes)], geometry_fingerprint=other.fingerprint())
+    try:
+        pages = tiers.host_buffers(range(4))
+        assert store.put_from(["mc-good"], pages[:1]) == [True]
+        # An unframed object of exactly a page's size (what the old read path took as valid KV).
+        raw = store._store
+        assert raw.batch_put_from(["mc-raw"], [pages[2].address], [pages[2].nbytes]) == [0]
+        # A framed object whose payload does not match its checksum.
+        corrupt = bytearray(pack_header(GEOMETRY.fingerprint(), bytes(pages[3].nbytes)))
+        corrupt += bytes([1]) + bytes(pages[3].nbytes - 1)
+        assert raw.put("mc-flipped", bytes(corrupt)) == 0
+        assert store.get_into(["mc-good"], pages[1:2]) == [True]
+        assert store.get_into(["mc-raw"], pages[2:3]) == [False]
+        assert store.get_into(["mc-flipped"], pages[3:4]) == [False]
+        assert store.counters()["storage_damaged_pages_deleted"] == 1
+        assert store.exists_prefix(["mc-flipped"]) == 0  # removed: the next backup rewrites it
+        assert foreign.get_into(["mc-good"], pages[:1]) == [False]  # another geometry's reader
+    finally:
+        store.close()
+        foreign.close()

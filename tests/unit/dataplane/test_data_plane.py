@@ -1,0 +1,252 @@
+"""Pages move bit-exact device -> host -> storage -> host -> device, for
+every host layout, MHA and MLA, with the file backend (the same round trip
+with Mooncake Store on a real mooncake_master is
+tests/storage/test_mooncake_round_trip.py)."""
+
+import math
+import os
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from cpcache.dataplane.movers import DEVICE, HOST, STORAGE, Tiers, Transfers
+from cpcache.dataplane.pools import LAYOUTS, DevicePool, HostPool
+from cpcache.dataplane.storage import StorageBackend, open_backend
+from cpcache.dataplane.storage.faults import FaultyBackend, StorageFaults
+from cpcache.dataplane.storage.framing import HEADER
+from cpcache.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
+from cpcache.geometry import KVGeometry
+from cpcache.state.allocator import PageAllocator
+
+pytestmark = pytest.mark.timeout(60)
+
+GEOMETRIES = {
+    "mha": KVGeometry(layers=3, kv_kind="mha", heads=2, head_dim=8, dtype="bfloat16", page_size=4),
+    "mla": KVGeometry(layers=3, kv_kind="mla", heads=1, head_dim=24, dtype="float16", page_size=8),
+}
+
+
+def fill_random(pool: DevicePool, seed: int) -> None:
+    raw = pool.tensor.view(-1).view(torch.uint8)
+    raw.copy_(torch.from_numpy(np.random.default_rng(seed).integers(0, 256, raw.numel(), dtype=np.uint8)))
+
+
+def make_backend(kind, tmp_path, geometry, host, master=None) -> StorageBackend:
+    if kind == "file":
+        return open_backend("file", root=str(tmp_path / "store"), geometry_fingerprint=geometry.fingerprint())
+    return open_backend(
+        "mooncake", master=master.master, metadata_server=master.metadata_server,
+        buffers=[(host.tensor.data_ptr(), host.nbytes)],
+    )
+
+
+@pytest.fixture
+def backend_kind():
+    """The file backend here; tests/storage runs the same test with "mooncake"."""
+    return "file"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("kv", ["mha", "mla"])
+def test_round_trip_is_bit_exact(tmp_path, backend_kind, request, layout, kv):
+    geometry = GEOMETRIES[kv]
+    device = DevicePool.create_sealed(geometry, pages=16)
+    fill_random(device, seed=len(layout) + len(kv))
+    original = device.tensor.clone()
+    host = HostPool(geometry, pages=8, layout=layout)
+    master = request.getfixturevalue("mooncake_master") if backend_kind == "mooncake" else None
+    tiers = Tiers(host, device, make_backend(backend_kind, tmp_path, geometry, host, master))
+    transfers = Transfers(tiers, threads=2)
+    try:
+        keys = [f"k{backend_kind}_{layout}_{kv}_{i}" for i in range(5)]
+        device_pages, slots = [9, 2, 3, 4, 15], [7, 0, 1, 2, 5]
+        assert transfers.submit((DEVICE, HOST), device_pages, slots).result().success
+        assert transfers.submit((HOST, STORAGE), slots, keys).result().success
+        host.tensor.zero_()
+        assert tiers.storage.exists_prefix(keys + ["absent"]) == 5
+        back_slots = [3, 4, 5, 6, 0]
+        result = transfers.submit((STORAGE, HOST), keys, back_slots).result()
+        assert result.success and result.pages_done == 5
+        device.tensor.zero_()
+        assert transfers.submit((HOST, DEVICE), back_slots, device_pages).result().success
+        s = geometry.page_size
+        for p in device_pages:
+            assert torch.equal(device.tensor[:, :, p * s : (p + 1) * s].view(torch.uint8),
+                               original[:, :, p * s : (p + 1) * s].view(torch.uint8)), f"page {p} differs"
+        untouched = [p for p in range(16) if p not in device_pages]
+        assert all(device.tensor[:, :, p * s : (p + 1) * s].count_nonzero() == 0 for p in untouched)
+        assert transfers.pages_moved[(STORAGE, HOST)] == 5
+    finally:
+        transfers.close()
+
+
+def write_pages(tmp_path, keys, geometry=GEOMETRIES["mha"]):
+    host = HostPool(geometry, pages=len(keys))
+    host.tensor.view(-1).view(torch.uint8).copy_(torch.arange(host.nbytes) % 251)
+    backend = open_backend("file", root=str(tmp_path / "store"), geometry_fingerprint=geometry.fingerprint())
+    tiers = Tiers(host, storage=backend)
+    assert backend.put_from(keys, tiers.host_buffers(range(len(keys)))) == [True] * len(keys)
+    return backend, tiers
+
+
+def test_corrupt_truncated_and_foreign_pages_read_as_misses(tmp_path):
+    keys = ["good", "corrupt", "truncated", "foreign"]
+    backend, tiers = write_pages(tmp_path, keys)
+    with open(backend.path("corrupt"), "r+b") as fh:
+        fh.seek(100)
+        byte = fh.read(1)
+        fh.seek(100)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    with open(backend.path("truncated"), "r+b") as fh:
+        fh.truncate(os.path.getsize(backend.path("truncated")) - 1)
+    other = KVGeometry(layers=3, kv_kind="mha", heads=2, head_dim=8, dtype="float16", page_size=4)
+    foreign = open_backend("file", root=str(tmp_path / "store"), geometry_fingerprint=other.fingerprint())
+    assert foreign.get_into(["good"], tiers.host_buffers([0])) == [False]
+    assert backend.get_into(keys, tiers.host_buffers(range(4))) == [True, False, False, True]
+
+
+@pytest.mark.parametrize("key", ["../escape", "a/../../etc", "/etc/passwd", "..", ".hidden", "a/b", "", "x" * 300])
+def test_keys_that_could_escape_the_root_are_refused(tmp_path, key):
+    backend, tiers = write_pages(tmp_path, ["ok"])
+    with pytest.raises(InvalidArgument, match="not a plain name"):
+        backend.put_from([key], tiers.host_buffers([0]))
+    assert sorted(os.listdir(tmp_path)) == ["store"]
+
+
+def test_capacity_evicts_least_recently_used(tmp_path):
+    keys = [f"p{i}" for i in range(4)]
+    geometry = GEOMETRIES["mha"]
+    host = HostPool(geometry, pages=4)
+    page_file = geometry.page_bytes + 40
+    backend = open_backend("file", root=str(tmp_path / "s"), geometry_fingerprint=geometry.fingerprint(),
+                           capacity_bytes=3 * page_file)
+    tiers = Tiers(host, storage=backend)
+    backend.put_from(keys[:3], tiers.host_buffers([0, 1, 2]))
+    backend.get_into(["p0"], tiers.host_buffers([0]))  # p0 is now the most recent
+    backend.put_from(["p3"], tiers.host_buffers([3]))
+    assert [backend.exists_prefix([k]) for k in keys] == [1, 0, 1, 1]
+    assert backend.used_bytes == 3 * page_file
+
+
+def test_unreachable_mooncake_master_is_a_clear_error():
+    with pytest.raises(Unavailable, match="master at 127.0.0.1:1 cannot be reached"):
+        open_backend("mooncake", master="127.0.0.1:1", metadata_server="http://127.0.0.1:1/metadata", buffers=[],
+                     connect_timeout_s=1)
+
+
+def test_allocator_is_deterministic_and_never_hands_out_retiring_slots():
+    a, b = PageAllocator(8), PageAllocator(8)
+    handed_out = []
+    for alloc in (a, b):
+        first = alloc.allocate(3)
+        alloc.retire(first[:2])
+        handed_out.append(alloc.allocate(2))
+        alloc.reclaim([first[0]])
+    assert handed_out == [[3, 4], [3, 4]]  # slot 1 still retiring: never handed out
+    assert a.allocate(1) == b.allocate(1) == [0]  # reclaimed, lowest first
+    with pytest.raises(ResourceExhausted, match="4 pages asked, 3 of 8 free"):
+        a.allocate(4)
+
+
+def test_slow_read_keeps_its_slot_out_of_reuse_until_it_ends(tmp_path):
+    """A read into slot 0 is slow; its owner gives the slot up meanwhile. The
+    slot is not handed out again until the read has ended."""
+    backend, tiers = write_pages(tmp_path, ["slow"])
+    release = threading.Event()
+
+    class Gate(StorageBackend):  # the slow storage: a real backend behind an event
+        name = "gate"
+
+        def exists_prefix(self, keys):
+            return backend.exists_prefix(keys)
+
+        def get_into(self, keys, pages):
+            release.wait(30)
+            return backend.get_into(keys, pages)
+
+        def put_from(self, keys, pages):
+            return backend.put_from(keys, pages)
+
+    tiers.storage = FaultyBackend(Gate(), StorageFaults(delay_ms=5, seed=1))
+    transfers = Transfers(tiers, threads=1)
+    allocator = PageAllocator(1)
+    slot = allocator.allocate(1)
+    pending = transfers.submit((STORAGE, HOST), ["slow"], slot)
+    allocator.retire(slot)  # e.g. the prefetch was revoked
+    assert transfers.in_flight.busy(slot)
+    with pytest.raises(ResourceExhausted):
+        allocator.allocate(1)
+    release.set()
+    assert pending.result().success
+    assert transfers.in_flight.wait_idle(slot, timeout_s=5)
+    allocator.reclaim(slot)
+    assert allocator.allocate(1) == slot
+    transfers.close()
+
+
+def test_a_pool_of_the_wrong_size_unsealed_or_read_only_is_refused(tmp_path):
+    g = GEOMETRIES["mha"]
+    small = DevicePool.create_sealed(g, pages=2)
+    with pytest.raises(InvalidArgument, match="need .* bytes, but the pool holds"):
+        DevicePool.from_fd(os.dup(small.fd), g, pages=4)
+    path = tmp_path / "pool"
+    path.write_bytes(b"\0" * g.page_bytes * 4)  # a plain file: it could shrink under the daemon (SIGBUS)
+    with pytest.raises(FailedPrecondition, match="shmem memfd|sealed against shrinking"):
+        DevicePool.from_fd(os.open(path, os.O_RDWR), g, pages=4)
+    pool = DevicePool.create_sealed(g, pages=4)
+    with pytest.raises(InvalidArgument, match="reading and writing"):
+        DevicePool.from_fd(os.open(f"/proc/self/fd/{pool.fd}", os.O_RDONLY), g, pages=4)
+    with pytest.raises(PermissionError):  # sealed: nobody can shrink it, its creator included
+        os.ftruncate(pool.fd, 0)
+    mapped = DevicePool.from_fd(os.dup(pool.fd), g, pages=4)
+    pool.page_view(1).fill_(3)
+    assert torch.equal(mapped.page_view(1), pool.page_view(1))  # the same memory
+
+
+# SGLang's host buffer shapes (pool_host/mha.py and mla.py, init_kv_buffer),
+# for `pages` pages: the component leads, and MLA has none.
+def sglang_host_shape(g: KVGeometry, layout: str, pages: int) -> tuple[int, ...]:
+    size = pages * g.page_size
+    if g.kv_kind == "mla":
+        return {"layer_first": (g.layers, size, 1, g.head_dim), "page_first": (size, g.layers, 1, g.head_dim),
+                "page_first_direct": (pages, g.layers, g.page_size, 1, g.head_dim)}[layout]
+    return {"layer_first": (2, g.layers, size, g.heads, g.head_dim),
+            "page_first": (2, size, g.layers, g.heads, g.head_dim),
+            "page_first_direct": (2, pages, g.layers, g.page_size, g.heads, g.head_dim)}[layout]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("kv", ["mha", "mla"])
+def test_host_pages_sit_where_sglang_puts_them_and_are_stored_in_its_order(tmp_path, layout, kv):
+    geometry = GEOMETRIES[kv]
+    g = geometry
+    device = DevicePool.create_sealed(geometry, pages=4)
+    fill_random(device, seed=7)
+    host = HostPool(geometry, pages=4, layout=layout)
+    assert host.tensor.numel() == math.prod(sglang_host_shape(geometry, layout, 4))
+    sglang = host.tensor.view(sglang_host_shape(geometry, layout, 4))
+    store = open_backend("file", root=str(tmp_path / "store"), geometry_fingerprint=g.fingerprint())
+    tiers = Tiers(host, device, store)
+    transfers = Transfers(tiers, threads=1)
+    try:
+        assert transfers.submit((DEVICE, HOST), [2], [3]).result(10).success  # device page 2 -> host slot 3
+        assert transfers.submit((HOST, STORAGE), [3], ["stored-page"]).result(10).success
+    finally:
+        transfers.close()
+    page = device.tensor[:, :, 2 * g.page_size : 3 * g.page_size]  # [L, C, ps, H, D]
+    tokens = slice(3 * g.page_size, 4 * g.page_size)
+    views = {  # where SGLang reads component c of host slot 3, as [layers, page_size, heads, head_dim]
+        "layer_first": lambda c: sglang[c, :, tokens] if kv == "mha" else sglang[:, tokens],
+        "page_first": lambda c: (sglang[c, tokens] if kv == "mha" else sglang[tokens]).transpose(0, 1),
+        "page_first_direct": lambda c: sglang[c, 3] if kv == "mha" else sglang[3],
+    }
+    for c in range(g.components):
+        expected = page[:, c]  # [L, ps, H, D]
+        found = views[layout](c).reshape(expected.shape)
+        assert torch.equal(found.view(torch.uint8), expected.view(torch.uint8)), (layout, kv, c)
+    (stored,) = [p for p in (tmp_path / "store").rglob("stored-page") if p.is_file()]
+    payload = stored.read_bytes()[HEADER.size:]
+    # [components, layers, page_size, heads, head_dim], SGLang's page_first_direct order.
+    assert payload == page.transpose(0, 1).contiguous().view(-1).view(torch.uint8).numpy().tobytes()

@@ -1,0 +1,77 @@
+"""The round exists once (DESIGN section 10: `rank/` is what the replica
+harness runs N copies of): the stepper and the replica harness both apply
+a round through `CacheRuntime.apply_round`, and the harness keeps no copy of
+its logic nor reaches into private fields."""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from cpcache.agreement.rounds import Questions
+from cpcache.config import CacheConfig
+from cpcache.keys import ShardingSpec
+from cpcache.rank.runtime import CacheRuntime
+from cpcache.rank.stepper import Stepper
+from cpcache.state.allocator import PageAllocator
+from cpcache.state.machine import CacheState
+from cpcache.state.requests import StepOps, WriteRequest
+from tests.replicas.harness import Domain
+from tests.support.fakes import FakeIO, IOPlan, OneRankEngine
+
+HARNESS = Path(__file__).resolve().parents[2] / "replicas" / "harness.py"
+# What applying a round does to the state: only `apply_round` may call these.
+ROUND_STEPS = {"open", "open_each", "apply", "questions", "take_changes", "take_closed", "forget"}
+A_WRITE = StepOps(writes=(WriteRequest(1, (b"\x01" * 32,), (0,)),))
+
+
+@pytest.fixture
+def rounds(monkeypatch) -> list[int]:
+    """The round numbers applied through `CacheRuntime.apply_round`."""
+    applied: list[int] = []
+    original = CacheRuntime.apply_round
+
+    def counting(self, number, *args, **kwargs):
+        applied.append(number)
+        return original(self, number, *args, **kwargs)
+
+    monkeypatch.setattr(CacheRuntime, "apply_round", counting)
+    return applied
+
+
+def test_the_harness_applies_rounds_through_the_ranks_apply_round(rounds):
+    domain = Domain([IOPlan(max_delay=0), IOPlan(max_delay=0)], CacheConfig())
+    domain.step(A_WRITE)
+    domain.step(StepOps())
+    assert rounds == [1, 1, 2, 2]  # each round once per replica
+    assert domain.lead.by_op_id == {}  # the write opened and was acknowledged, through it
+
+
+def test_the_stepper_applies_rounds_through_the_same_apply_round(rounds):
+    async def two_steps() -> None:
+        stepper = Stepper(OneRankEngine())  # type: ignore[arg-type]
+        state = CacheState(CacheConfig(), PageAllocator(4), ShardingSpec(), 16, 64)
+        stepper.cache = CacheRuntime(state, FakeIO(IOPlan(max_delay=0)))  # type: ignore[arg-type]
+        await stepper.step(1, Questions.empty(), A_WRITE)
+        await stepper.step(2, Questions.empty(), StepOps())
+
+    asyncio.run(two_steps())
+    assert rounds == [1, 2]
+
+
+def test_the_harness_keeps_no_copy_of_the_round_and_touches_no_private_field():
+    tree = ast.parse(HARNESS.read_text())
+    imported = {(node.module, alias.name) for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                for alias in node.names}
+    assert ("cpcache.rank.runtime", "CacheRuntime") in imported
+    offenders = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ROUND_STEPS:
+            offenders.append(f"line {node.lineno}: calls .{node.func.attr}(), a step of the round")
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            if not (isinstance(node.value, ast.Name) and node.value.id == "self"):
+                offenders.append(f"line {node.lineno}: reads the private field .{node.attr}")
+    assert not offenders, "\n".join(offenders)
