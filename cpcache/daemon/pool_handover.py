@@ -20,7 +20,8 @@ it (the kernel drops them, closing them in the closer's thread). So every
 connection is shut for reading and drained before it is closed, with room
 for the most descriptors one message can carry; received TCP sockets are
 un-lingered and memfds closed at once (neither can block); anything else
-goes to `_Closer`'s threads. Closes pending are counted per uid: a uid
+goes to the closer's threads. `pool_fds` receives descriptors and closes
+them without blocking; `pool_tickets` keeps the table of tickets. Closes pending are counted per uid: a uid
 over its share is refused, nobody else. A failed accept (EMFILE above all)
 is waited out, never taken for a shutdown.
 """
@@ -33,16 +34,14 @@ import errno
 import grp
 import logging
 import os
-import queue
-import secrets
 import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 
 from cpcache.daemon import budget
+from cpcache.daemon.pool_fds import Closer, close_now, drain, named_memfd, receive
+from cpcache.daemon.pool_tickets import Tickets
 from cpcache.dataplane.memfd import check_kind
 from cpcache.errors import CacheError, PermissionDenied
 
@@ -51,64 +50,10 @@ log = logging.getLogger("cpcached")
 SUFFIX = ".pools"
 TICKET_TTL_S = budget.POOLS_TICKET_TTL_S
 _UCRED = struct.Struct("3i")  # pid, uid, gid
-_LINGER_OFF = struct.pack("ii", 1, 0)  # close at once (RST), whatever linger the sender set
 # accept() failures that pass: out of descriptors or memory, or a peer gone before it was accepted.
 _TEMPORARY = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED, errno.EPROTO,
               errno.EPERM}
 _BACKOFF_S = (0.01, 1.0)
-_FD = struct.Struct("i")
-# Room for the most descriptors one message can carry (SCM_MAX_FD): with
-# less, the kernel drops the rest, and the receiving thread closes them.
-_CONTROL = socket.CMSG_SPACE(253 * _FD.size)
-
-
-@dataclass
-class _Handed:
-    fd: int
-    uid: int
-    pid: int
-    at: float
-
-
-class _Closer:
-    """Closes descriptors on its own threads, counting per uid those not
-    closed yet: a uid whose closes block is refused, not everyone."""
-
-    def __init__(self, threads: int) -> None:
-        self._queue: queue.SimpleQueue[tuple[int, tuple[socket.socket | int, ...]]] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._pending: collections.Counter[int] = collections.Counter()
-        for i in range(threads):
-            threading.Thread(target=self._run, name=f"pool-closer-{i}", daemon=True).start()
-
-    @property
-    def pending(self) -> int:
-        with self._lock:  # the closer threads change it meanwhile
-            return sum(self._pending.values())
-
-    def pending_for(self, uid: int) -> int:
-        return self._pending[uid]
-
-    def close(self, uid: int, *items: socket.socket | int) -> None:
-        if not items:
-            return
-        with self._lock:
-            self._pending[uid] += 1
-        self._queue.put((uid, items))
-
-    def _run(self) -> None:
-        while True:
-            uid, items = self._queue.get()
-            for item in items:
-                with contextlib.suppress(OSError):
-                    if isinstance(item, socket.socket):
-                        item.close()
-                    else:
-                        os.close(item)
-            with self._lock:
-                self._pending[uid] -= 1
-                if self._pending[uid] <= 0:
-                    del self._pending[uid]
 
 
 class _Sometimes:
@@ -135,12 +80,12 @@ class PoolHandover:
     def __init__(self, path: str, socket_group: str = "") -> None:
         self.path = path
         self._group = socket_group
-        self._tickets: dict[str, _Handed] = {}
+        self._tickets = Tickets()
         self._serving: collections.Counter[int] = collections.Counter()  # uid -> connections served now
-        self._lock = threading.Lock()  # the two above; nothing that can block runs under it
+        self._lock = threading.Lock()  # `_serving` and `counters`; nothing that can block runs under it
         self._slots = threading.BoundedSemaphore(budget.POOLS_SERVED)
         self._stop = threading.Event()
-        self._closer: _Closer | None = None
+        self._closer: Closer | None = None
         self._listener: socket.socket | None = None
         self._identity: tuple[int, int] | None = None
         self._warnings = _Sometimes()
@@ -163,7 +108,7 @@ class PoolHandover:
         listener.listen(budget.POOLS_BACKLOG)
         listener.settimeout(0.5)  # the acceptor looks at `_stop` this often
         self._listener = listener
-        self._closer = _Closer(budget.POOLS_CLOSERS)
+        self._closer = Closer(budget.POOLS_CLOSERS)
         threading.Thread(target=self._accept_loop, args=(listener,), name="pool-handover", daemon=True).start()
         threading.Thread(target=self._expire_loop, name="pool-tickets", daemon=True).start()
 
@@ -264,7 +209,7 @@ class PoolHandover:
         try:
             conn.shutdown(socket.SHUT_RD)
             conn.setblocking(False)
-            for fds in _drain(conn):  # each message's at once: a long queue never piles up here
+            for fds in drain(conn):  # each message's at once: a long queue never piles up here
                 self._release_fds(fds, uid)
         except OSError:
             pass
@@ -275,43 +220,30 @@ class PoolHandover:
         """Close received descriptors: those whose close cannot block here,
         the rest on the closer's threads, counted against `uid`."""
         assert self._closer is not None
-        slow = [fd for fd in fds if not _close_now(fd)]
+        slow = [fd for fd in fds if not close_now(fd)]
         self._closer.close(uid, *slow)
 
     def _exchange(self, conn: socket.socket, uid: int, pid: int, received: list[int]) -> bytes:
         """The answer to one connection. Descriptors read land in `received`
         (closed by the caller); a kept one is taken out of it."""
-        _, fds = _receive(conn, 0)
+        _, fds = receive(conn, 0)
         received.extend(fds)
         if len(fds) != 1:
             return _refusal("INVALID_ARGUMENT", "send exactly one descriptor, the pool's")
-        if not _named_memfd(fds[0]):
+        if not named_memfd(fds[0]):
             return _refusal("FAILED_PRECONDITION", "attach: the pool must be a shmem memfd (memfd_create); "
                                                    "DevicePool.create_sealed makes one")
         try:
             check_kind(fds[0])
         except CacheError as exc:
             return _refusal(exc.status, str(exc))
-        ticket = secrets.token_hex(16)
-        with self._lock:
-            full = self._full(uid)
-            if not full:
-                self._tickets[ticket] = _Handed(fds[0], uid, pid, time.monotonic())
+        ticket, full = self._tickets.issue(fds[0], uid, pid)
         if full:
             self._count("refused_tickets")
             self._warnings.warn("tickets", "uid %d: %s", uid, full)
             return _refusal("RESOURCE_EXHAUSTED", full)
         received.remove(fds[0])
         return ticket.encode()
-
-    def _full(self, uid: int) -> str:
-        """Why `uid` may hold no more tickets ("" if it may). Under `_lock`."""
-        mine = sum(1 for h in self._tickets.values() if h.uid == uid)
-        if mine >= budget.POOLS_TICKETS_PER_UID or len(self._tickets) >= budget.POOLS_TICKETS:
-            return (f"too many pool tickets held (this uid: {mine} of {budget.POOLS_TICKETS_PER_UID}, all: "
-                    f"{len(self._tickets)} of {budget.POOLS_TICKETS}); attach with them, or wait "
-                    f"{budget.POOLS_TICKET_TTL_S:.0f}s for unused ones to expire")
-        return ""
 
     def _served(self, uid: int) -> None:
         with self._lock:
@@ -331,9 +263,8 @@ class PoolHandover:
             self._expire()
 
     def _expire(self) -> None:
-        now = time.monotonic()
+        expired = self._tickets.expire(TICKET_TTL_S)
         with self._lock:
-            expired = [self._tickets.pop(t) for t, h in list(self._tickets.items()) if now - h.at > TICKET_TTL_S]
             self.counters["expired"] += len(expired)
         if expired and self._closer is not None:
             self._release_fds([h.fd for h in expired], -1)
@@ -341,8 +272,7 @@ class PoolHandover:
     def take(self, ticket: str) -> tuple[int, int, int]:
         """The descriptor a ticket stands for (once), with the uid and pid
         that handed it over."""
-        with self._lock:
-            handed = self._tickets.pop(ticket, None)
+        handed = self._tickets.take(ticket)
         if handed is not None and time.monotonic() - handed.at > TICKET_TTL_S:
             if self._closer is not None:
                 self._release_fds([handed.fd], handed.uid)
@@ -369,9 +299,7 @@ class PoolHandover:
         if listener is not None:
             with contextlib.suppress(OSError):
                 listener.shutdown(socket.SHUT_RDWR)  # wakes the acceptor, which closes it
-        with self._lock:
-            held = [h.fd for h in self._tickets.values()]
-            self._tickets.clear()
+        held = [h.fd for h in self._tickets.clear()]
         if held and self._closer is not None:
             self._release_fds(held, -1)
         with contextlib.suppress(FileNotFoundError):
@@ -383,78 +311,6 @@ class PoolHandover:
 def _refusal(status: str, message: str) -> bytes:
     """`ERR <STATUS> <message>`: the client raises the error of that status."""
     return f"ERR {status} {message}".encode()[:4000]
-
-
-def _named_memfd(fd: int) -> bool:
-    """Whether the kernel names `fd` a memfd (`/memfd:<name> (deleted)`).
-    Asked of /proc, which answers from the kernel's own tables: fstat or
-    fstatfs of a FUSE file would wait for its server, which may never
-    answer. Without /proc, `check_kind` alone decides."""
-    try:
-        return os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")
-    except FileNotFoundError:
-        return not os.path.isdir("/proc/self/fd")
-    except OSError:
-        return False
-
-
-def _receive(conn: socket.socket, flags: int) -> tuple[bytes, list[int]]:
-    """One message and every descriptor it carries (room for the most a
-    message can carry: the kernel drops none)."""
-    data, ancillary, _, _ = conn.recvmsg(16, _CONTROL, flags | socket.MSG_CMSG_CLOEXEC)
-    fds: list[int] = []
-    for level, kind, payload in ancillary:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.extend(fd for (fd,) in _FD.iter_unpack(payload[: len(payload) - len(payload) % _FD.size]))
-    return data, fds
-
-
-def _drain(conn: socket.socket) -> Iterator[list[int]]:
-    """The descriptors still queued on `conn`, message by message, until it
-    is empty (shut for reading: the queue only shrinks)."""
-    while True:
-        try:
-            data, fds = _receive(conn, socket.MSG_DONTWAIT)
-        except (BlockingIOError, InterruptedError):
-            return
-        yield fds
-        if not data and not fds:
-            return  # end of stream: nothing more is queued
-
-
-def _fd_kind(fd: int) -> str:
-    """What the kernel names `fd` in /proc ("" if it cannot be read): read
-    from its own tables, no call into the file's file system (fstat of a
-    FUSE file waits for its server, which may never answer)."""
-    try:
-        return os.readlink(f"/proc/self/fd/{fd}")
-    except OSError:
-        return ""
-
-
-def _close_now(fd: int) -> bool:
-    """Close `fd` here if that cannot block: a memfd, or a TCP socket once
-    un-lingered. False (`fd` still open) for anything else."""
-    kind = _fd_kind(fd)
-    if (kind.startswith("socket:[") and _unlinger(fd)) or kind.startswith("/memfd:"):
-        with contextlib.suppress(OSError):
-            os.close(fd)
-        return True
-    return False
-
-
-def _unlinger(fd: int) -> bool:
-    """Make a received socket close at once (RST), not after the linger its
-    sender set. True for an IP socket: its close cannot block then (a unix
-    socket may still hold descriptors queued on it)."""
-    sock = socket.socket(fileno=fd)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_OFF)
-        return sock.getsockopt(socket.SOL_SOCKET, socket.SO_DOMAIN) in (socket.AF_INET, socket.AF_INET6)
-    except OSError:
-        return False
-    finally:
-        sock.detach()
 
 
 def _stale(path: str) -> bool:

@@ -59,10 +59,6 @@ class Store:
     page_slots: tuple[int, ...]
     sharding: ShardingSpec
 
-    @property
-    def has_pages(self) -> bool:  # whether the backup has pages at all (some rank writes them)
-        return bool(self.pages)
-
     @functools.cached_property
     def _share(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
         return self.sharding.share(self.pages, self.page_slots)

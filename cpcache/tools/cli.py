@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return asyncio.run(soak.main(args))
         if args.command == "fuzz":
-            from cpcache.tools import fuzz as fuzz_module
+            from cpcache.testing import fuzz as fuzz_module
 
             return asyncio.run(fuzz_module.main(args))
         if args.command == "bench" and args.name == "sglang":

@@ -5,8 +5,9 @@ by a hand-kept list.
     tools -> daemon -> rank -> dataplane -> state -> agreement -> vocabulary
     client -> vocabulary (and the generated wire code)
     integrations -> client -> vocabulary (what runs inside an inference server)
-    tools -> testing -> daemon, dataplane, client, vocabulary (the test and
-             measurement kits: the CLI runs them, they never import the CLI)
+    tools -> testing -> daemon, dataplane, integrations, client, vocabulary
+             (the test and measurement kits: the CLI runs them, they never
+             import the CLI)
 
 The core (agreement, state, dataplane, rank and the vocabulary) never imports
 gRPC nor reads the environment: it can be embedded and tested without either.
@@ -22,7 +23,7 @@ VOCABULARY = "vocabulary"  # the top-level modules: errors, values, config, topo
 ORDER = ["vocabulary", "agreement", "state", "dataplane", "rank", "daemon", "tools"]
 # Rooms outside the chain, and what each may import besides itself.
 SIDE_ROOMS = {"client": {"vocabulary", "v1"}, "integrations": {"client", "vocabulary", "v1"}, "v1": set(),
-              "testing": {"daemon", "dataplane", "client", "vocabulary", "v1"}}
+              "testing": {"daemon", "dataplane", "integrations", "client", "vocabulary", "v1"}}
 CORE = {"vocabulary", "agreement", "state", "dataplane", "rank"}
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, fields
-from typing import Any
 
 ENV = "CPCACHE_SGLANG_CONFIG"
 
@@ -56,6 +55,3 @@ class Settings:
             return None
         with open(self.token_file) as fh:
             return fh.read().strip() or None
-
-    def with_(self, **changes: Any) -> Settings:
-        return Settings(**{**{f.name: getattr(self, f.name) for f in fields(self)}, **changes})

@@ -14,13 +14,15 @@ Every wait is on an event: a process's own readiness line on its output
 or its exit.
 
 Used by the SGLang suite (tests/sglang) and `cpcache bench sglang`; both need
-a checkout with SGLang's environment built (`make setup`: .venv-sglang, or
-the interpreter named by CPCACHE_SGLANG_PYTHON).
+SGLang's environment (`sglang_python`): the interpreter named by
+CPCACHE_SGLANG_PYTHON, or the `.venv-sglang` that `make setup` builds beside
+the running environment, or the running interpreter itself when it has SGLang.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import os
 import signal
@@ -34,8 +36,36 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
-SGLANG_PYTHON = Path(os.environ.get("CPCACHE_SGLANG_PYTHON", ROOT / ".venv-sglang" / "bin" / "python"))
+from cpcache.errors import Unavailable
+from cpcache.integrations.sglang.server_flags import STORAGE_EXTRA_CONFIG
+
+
+def sglang_python() -> Path:
+    """The interpreter of SGLang's environment: CPCACHE_SGLANG_PYTHON when
+    set; else `.venv-sglang` beside the environment running this one (where
+    `make setup` puts it); else this interpreter when it can import SGLang
+    (cpcache installed into SGLang's environment). When none is found, the
+    `.venv-sglang` path, which does not exist (`sglang_interpreter` says so;
+    the suites skip on it)."""
+    named = os.environ.get("CPCACHE_SGLANG_PYTHON")
+    if named:
+        return Path(named)
+    beside = Path(sys.prefix).parent / ".venv-sglang" / "bin" / "python"
+    if beside.exists() or importlib.util.find_spec("sglang") is None:
+        return beside
+    return Path(sys.executable)
+
+
+SGLANG_PYTHON = sglang_python()
+
+
+def sglang_interpreter() -> str:
+    """SGLANG_PYTHON, or an error that says how to provide it."""
+    if not SGLANG_PYTHON.exists():
+        raise Unavailable(f"SGLang's environment is not found ({SGLANG_PYTHON} is missing): set "
+                          "CPCACHE_SGLANG_PYTHON to an interpreter with SGLang 0.5.23 and cpcache installed, or run "
+                          "`make setup` in a checkout of cpcache (it builds .venv-sglang beside .venv)")
+    return str(SGLANG_PYTHON)
 CPCACHE = Path(sys.executable).parent / "cpcache"
 # On PYTHONPATH of every SGLang process here: stand-ins for two GPU-only packages.
 CPU_HOST = Path(__file__).resolve().parent / "cpu_host"
@@ -46,11 +76,7 @@ CPU_FLAGS = ["--device", "cpu", "--skip-tokenizer-init", "--attention-backend", 
 # What the cpcache backend needs (docs/sglang.md, "The flags"): the backend; the
 # per-iteration hook (with a fixed host ratio, so SGLang does not size a host
 # pool it never builds); storage prefetch through the daemon
-# (CPCACHE_HOST_FLAGS: the host tier only).
-# cpcache.integrations.sglang.server_flags.STORAGE_EXTRA_CONFIG (tools do not
-# import the integrations: tests/packaging/test_docs.py checks they are the same).
-STORAGE_EXTRA_CONFIG = {"backend_name": "cpcache", "module_path": "cpcache.integrations.sglang.storage",
-                        "class_name": "DaemonStorage"}
+# (CPCACHE_HOST_FLAGS: the host tier only), named as the backend checks it.
 CPCACHE_HOST_FLAGS = ["--radix-cache-backend", "cpcache", "--enable-hierarchical-cache", "--hicache-ratio", "1"]
 CPCACHE_FLAGS = [*CPCACHE_HOST_FLAGS, "--hicache-storage-backend", "dynamic",
                  "--hicache-storage-backend-extra-config", json.dumps(STORAGE_EXTRA_CONFIG)]
@@ -112,7 +138,7 @@ def make_tiny_model(path: Path, family: str = "llama") -> Path:
         f"cfg = {config}(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,\n"
         f"               max_position_embeddings=4096, {extra})\n"
         f"{model}(cfg).save_pretrained(sys.argv[1])\n")
-    subprocess.run([str(SGLANG_PYTHON), "-c", script, str(path)], check=True, capture_output=True, timeout=300)
+    subprocess.run([sglang_interpreter(), "-c", script, str(path)], check=True, capture_output=True, timeout=300)
     return path
 
 
@@ -265,7 +291,7 @@ class Server:
     process: Watched | None = None
 
     def argv(self) -> list[str]:
-        return [str(SGLANG_PYTHON), "-m", "sglang.launch_server", "--model-path", str(self.model),
+        return [sglang_interpreter(), "-m", "sglang.launch_server", "--model-path", str(self.model),
                 *CPU_FLAGS, "--tp", str(self.tp), "--page-size", str(self.page_size),
                 "--max-total-tokens", str(self.device_tokens), "--host", "127.0.0.1", "--port", str(self.port),
                 *(["--attn-cp-size", str(self.cp)] if self.cp > 1 else []), *self.flags]
