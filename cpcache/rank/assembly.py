@@ -41,10 +41,10 @@ def open_storage(config: DaemonConfig, geometry: KVGeometry, host: HostPool) -> 
         buffers=[(host.tensor.data_ptr(), host.nbytes)],
     )
     faults = StorageFaults(
-        delay_ms=config.fault_storage_delay_ms,
-        fail_rate=config.fault_storage_fail_rate,
-        truncate_rate=config.fault_storage_truncate_rate,
-        seed=config.fault_seed * 1000 + config.rank,
+        delay_ms=config.faults.storage_delay_ms,
+        fail_rate=config.faults.storage_fail_rate,
+        truncate_rate=config.faults.storage_truncate_rate,
+        seed=config.faults.seed * 1000 + config.rank,
     )
     return FaultyBackend(backend, faults) if faults.active else backend
 
@@ -65,8 +65,8 @@ def open_cache(config: DaemonConfig, geometry: KVGeometry, device: DevicePool, m
     coords = topology.coordinates(config.rank)
     host = HostPool(geometry, config.host_pool_pages, config.host_layout)
     storage = open_storage(config, geometry, host)
-    copy_faults = CopyFaults(config.fault_copy_delay_ms, config.fault_copy_fail_rate,
-                             seed=config.fault_seed * 1000 + config.rank + 500)
+    copy_faults = CopyFaults(config.faults.copy_delay_ms, config.faults.copy_fail_rate,
+                             seed=config.faults.seed * 1000 + config.rank + 500)
     # The device pool is not one of the tiers: each session's jobs bind theirs.
     transfers = Transfers(Tiers(host, storage=storage), threads=config.io_threads, copy_faults=copy_faults)
     sharding = ShardingSpec(

@@ -32,7 +32,7 @@ from torch.distributed import TCPStore
 
 from cpcache.agreement.bounded import StoreTimeout, bounded_async
 from cpcache.agreement.collective import Reducer, Rendezvous, build_reducer, confirmation_reducer, host_store
-from cpcache.agreement.engine import AgreementEngine, DivergenceExchange, FaultInjection, peer_lost
+from cpcache.agreement.engine import AgreementEngine, DivergenceExchange, RoundFaults, peer_lost
 from cpcache.agreement.epochs import Epochs
 from cpcache.agreement.liveness import Heartbeat, diagnose
 from cpcache.config import DaemonConfig
@@ -196,7 +196,7 @@ class Formation:
                                config.agreement_timeout_s),
             functools.partial(self._diagnose, formed.diagnosis_store),
             heartbeat=self._heartbeat,
-            faults=FaultInjection(config.fault_delay_ms, config.fault_seed + config.rank),
+            faults=RoundFaults(config.faults.delay_ms, config.faults.seed + config.rank),
             on_failure=lambda failure: loop.call_soon_threadsafe(self._on_failure, failure, engine),
         )
         self.engine = engine
