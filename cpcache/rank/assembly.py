@@ -68,7 +68,7 @@ def check_host_budget(config: DaemonConfig, geometry: KVGeometry) -> None:
             f"more than host_pool_max_bytes ({config.host_pool_max_bytes}); raise it or send a smaller geometry")
 
 
-def open_cache(config: DaemonConfig, geometry: KVGeometry, device: DevicePool, model_id: str = "") -> CacheRuntime:
+def open_runtime(config: DaemonConfig, geometry: KVGeometry, device: DevicePool, model_id: str = "") -> CacheRuntime:
     check_host_budget(config, geometry)
     topology = config.topology
     coords = topology.coordinates(config.rank)

@@ -283,9 +283,9 @@ class Formation:
         """Keep the cache of the ending epoch for the scheduler's next attach,
         once this rank's I/O has drained (DESIGN rule 5); what it may offer."""
         held: Held | None = None
-        if stepper is not None and stepper.cache is not None and self.attached_with is not None:
-            held = Held(stepper.cache, self.attached_with)
-        elif stepper is None or stepper.cache is None:
+        if stepper is not None and stepper.runtime is not None and self.attached_with is not None:
+            held = Held(stepper.runtime, self.attached_with)
+        elif stepper is None or stepper.runtime is None:
             held = self.kept
         if held is None:
             return b""
@@ -361,8 +361,8 @@ class Formation:
             await asyncio.to_thread(self.engine.close)
         if self.confirmer is not None:
             await asyncio.to_thread(self.confirmer.close)
-        if self.stepper is not None and self.stepper.cache is not None:
-            await close_storage(self.stepper.cache, "closing the storage backend")
+        if self.stepper is not None and self.stepper.runtime is not None:
+            await close_storage(self.stepper.runtime, "closing the storage backend")
         if self.kept is not None:
             await close_storage(self.kept.runtime, "closing the kept storage backend")
         if self._heartbeat is not None:
