@@ -7,7 +7,7 @@ it runs with the system's python3 beside podman-compose.
    knows no profiles and does not wait on `service_healthy`, so the driver
    waits on each daemon's health itself, and this script runs each
    container's own healthcheck once the driver saw every rank serving).
-2. Follows the driver's JSON lines (cpcache/tools/compose_driver.py):
+2. Follows the driver's JSON lines (cpcache/testing/compose_driver.py):
    `serving`, `replay` (0 divergences, identical decision logs, 0 corrupt
    loads, some hits from storage: pages one container wrote, another
    found), `ready-for-kill`. With Mooncake storage (the default), the

@@ -20,7 +20,7 @@ def run_dir():
 @pytest.fixture(scope="session")
 def mooncake_master(tmp_path_factory):
     """A real mooncake_master on loopback for the whole session."""
-    from cpcache.tools.mooncake_master import MooncakeMaster
+    from cpcache.testing.mooncake_master import MooncakeMaster
 
     with MooncakeMaster(tmp_path_factory.mktemp("mooncake") / "master.log") as master:
         yield master

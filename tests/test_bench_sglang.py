@@ -147,7 +147,7 @@ def test_prompts_share_a_prefix_within_a_block_and_differ_between_blocks():
 
 
 def test_without_sglangs_environment_it_says_so_and_fails(monkeypatch, capsys, tmp_path):
-    from cpcache.tools.sglang_cpu import servers
+    from cpcache.testing.sglang_cpu import servers
 
     monkeypatch.setattr(servers, "SGLANG_PYTHON", tmp_path / "no-such-python")
     assert cli_main(["bench", "sglang", "--repeat", "1"]) == 1

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
-from cpcache.tools.sglang_cpu.servers import CPU_HOST
+from cpcache.testing.sglang_cpu.servers import CPU_HOST
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -13,8 +13,8 @@ from grpc_health.v1 import health_pb2
 
 from cpcache import errors
 from cpcache.client import AsyncClient, core
+from cpcache.daemon.launcher import DomainSpec, LocalDomain
 from cpcache.daemon.server import ExitCode
-from cpcache.tools.launcher import DomainSpec, LocalDomain
 from cpcache.topology import Topology
 from cpcache.v1 import daemon_pb2 as pb
 from cpcache.v1 import daemon_pb2_grpc as pb_grpc

@@ -63,8 +63,8 @@ def _command(text: str, program: str) -> list[str]:
 
 def test_the_documented_sglang_command_is_the_one_the_suite_runs():
     from cpcache.integrations.sglang import server_flags
-    from cpcache.tools.sglang_cpu import servers
-    from cpcache.tools.sglang_cpu.servers import CPCACHE_FLAGS
+    from cpcache.testing.sglang_cpu import servers
+    from cpcache.testing.sglang_cpu.servers import CPCACHE_FLAGS
 
     assert servers.STORAGE_EXTRA_CONFIG == server_flags.STORAGE_EXTRA_CONFIG
 

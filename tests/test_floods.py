@@ -24,10 +24,10 @@ import pytest
 from cpcache import errors
 from cpcache.client import AsyncClient, Ops
 from cpcache.daemon import budget
+from cpcache.daemon.launcher import DomainSpec, LocalDomain
 from cpcache.daemon.server import ExitCode
 from cpcache.dataplane.pools import DevicePool
 from cpcache.geometry import KVGeometry
-from cpcache.tools.launcher import DomainSpec, LocalDomain
 from cpcache.topology import Topology
 
 pytestmark = pytest.mark.timeout(120)

@@ -5,6 +5,8 @@ by a hand-kept list.
     tools -> daemon -> rank -> dataplane -> state -> agreement -> vocabulary
     client -> vocabulary (and the generated wire code)
     integrations -> client -> vocabulary (what runs inside an inference server)
+    tools -> testing -> daemon, dataplane, client, vocabulary (the test and
+             measurement kits: the CLI runs them, they never import the CLI)
 
 The core (agreement, state, dataplane, rank and the vocabulary) never imports
 gRPC nor reads the environment: it can be embedded and tested without either.
@@ -19,7 +21,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "cpcache"
 VOCABULARY = "vocabulary"  # the top-level modules: errors, values, config, topology, keys, geometry, hashing
 ORDER = ["vocabulary", "agreement", "state", "dataplane", "rank", "daemon", "tools"]
 # Rooms outside the chain, and what each may import besides itself.
-SIDE_ROOMS = {"client": {"vocabulary", "v1"}, "integrations": {"client", "vocabulary", "v1"}, "v1": set()}
+SIDE_ROOMS = {"client": {"vocabulary", "v1"}, "integrations": {"client", "vocabulary", "v1"}, "v1": set(),
+              "testing": {"daemon", "dataplane", "client", "vocabulary", "v1"}}
 CORE = {"vocabulary", "agreement", "state", "dataplane", "rank"}
 
 
@@ -40,6 +43,8 @@ def allowed(room: str) -> set[str]:
     below = set(ORDER[: ORDER.index(room) + 1])
     if room in ("daemon", "tools"):
         below |= {"v1", "client"}
+    if room == "tools":
+        below |= {"testing"}
     return below
 
 

@@ -24,6 +24,7 @@ from cpcache import errors
 from cpcache.client import AsyncClient, Ops
 from cpcache.config import HOST_LAYOUTS, SETTINGS, DaemonConfig
 from cpcache.daemon import settings
+from cpcache.daemon.launcher import DomainSpec, LocalDomain
 from cpcache.daemon.listeners import check_listener_settings, keepalive_options
 from cpcache.daemon.main import main
 from cpcache.daemon.metrics import DaemonCollector, rank_labels
@@ -31,7 +32,6 @@ from cpcache.daemon.server import ExitCode
 from cpcache.dataplane.pools import LAYOUTS, DevicePool
 from cpcache.geometry import KVGeometry
 from cpcache.rank.stats import RankStats
-from cpcache.tools.launcher import DomainSpec, LocalDomain
 from cpcache.topology import Topology
 
 REPO = Path(__file__).resolve().parents[1]

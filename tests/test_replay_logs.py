@@ -1,7 +1,7 @@
 """How a replay compares its schedulers' decision logs: identical, except
 that at lag >= 1 a scheduler whose daemon died may lack the last replies."""
 
-from cpcache.tools.sim.replay import agreeing_logs
+from cpcache.testing.sim.replay import agreeing_logs
 
 
 def test_identical_logs_agree_with_nothing_lost():

@@ -4,10 +4,10 @@ back, prefetch from storage and release, one flush per iteration."""
 import pytest
 
 from cpcache.client import Client, SchedulerSession
+from cpcache.daemon.launcher import DomainSpec, LocalDomain
 from cpcache.dataplane.pools import DevicePool
 from cpcache.geometry import KVGeometry
 from cpcache.keys import chain
-from cpcache.tools.launcher import DomainSpec, LocalDomain
 from cpcache.topology import Topology
 
 pytestmark = pytest.mark.timeout(60)

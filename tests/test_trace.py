@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cpcache.tools.sim.replay import route
-from cpcache.tools.sim.trace import (
+from cpcache.testing.sim.replay import route
+from cpcache.testing.sim.trace import (
     BLOCK_TOKENS,
     VOCAB,
     PageHasher,

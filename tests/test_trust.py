@@ -18,12 +18,12 @@ from grpc_health.v1 import health_pb2
 
 from cpcache import errors
 from cpcache.client import AsyncClient, Ops
+from cpcache.daemon.launcher import DomainSpec, LocalDomain
 from cpcache.daemon.server import ExitCode
 from cpcache.dataplane import memfd
 from cpcache.dataplane.pools import DevicePool
 from cpcache.errors import InvalidArgument
 from cpcache.geometry import KVGeometry
-from cpcache.tools.launcher import DomainSpec, LocalDomain
 from cpcache.topology import Topology
 from cpcache.v1 import daemon_pb2 as pb
 from cpcache.v1 import daemon_pb2_grpc as pb_grpc

@@ -18,7 +18,7 @@ from cpcache.config import WRITE_POLICIES
 from cpcache.topology import MODES, Topology
 
 if TYPE_CHECKING:
-    from cpcache.tools.launcher import LocalDomain
+    from cpcache.daemon.launcher import LocalDomain
 
 
 def add_topology_flags(p: argparse.ArgumentParser, tp: int = 4, cp: int = 2) -> None:
@@ -68,7 +68,7 @@ def _daemon_settings(path: str | None) -> tuple[dict, dict[int, dict]]:
 
 
 async def _launch(args: argparse.Namespace) -> int:
-    from cpcache.tools.launcher import DomainSpec, LocalDomain
+    from cpcache.daemon.launcher import DomainSpec, LocalDomain
 
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="cpcache-"))
     every_rank, per_rank = _daemon_settings(args.config)
@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--new-tokens", type=int, default=32, help="sglang: tokens each request generates")
     bench.add_argument("--work-dir", help="sglang, sglang-soak: where the model, logs and daemons go (kept; "
                        "default: a temp dir, removed after a run that succeeded)")
-    from cpcache.tools.bench.sglang_soak import add_flags as add_soak_flags
+    from cpcache.testing.sglang_soak import add_flags as add_soak_flags
 
     add_soak_flags(bench)
 
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return asyncio.run(ranks.main(args))
         if args.command == "bench" and args.name == "soak":
-            from cpcache.tools.bench import soak
+            from cpcache.testing import soak
 
             return asyncio.run(soak.main(args))
         if args.command == "fuzz":
@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return sglang.main(args)
         if args.command == "bench" and args.name == "sglang-soak":
-            from cpcache.tools.bench import sglang_soak
+            from cpcache.testing import sglang_soak
 
             return sglang_soak.main(args)
         if args.command == "bench" and args.name == "movers":

@@ -6,7 +6,7 @@ infinite-cache ceiling, pages moved, round latency.
 
 With attention DP (`--dp N`) the ranks form N agreement domains; each request
 is routed to one of them (round robin by its position in the trace, as
-SGLang's DP attention does by default: `cpcache.tools.sim.replay.route`), and
+SGLang's DP attention does by default: `cpcache.testing.sim.replay.route`), and
 the report gives each domain's figures as well as the totals (`--json`: under
 "domains")."""
 
@@ -18,12 +18,12 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cpcache.tools.sim.breakdown import breakdown_lines
-from cpcache.tools.sim.restarts import RESTARTS
+from cpcache.testing.sim.breakdown import breakdown_lines
+from cpcache.testing.sim.restarts import RESTARTS
 from cpcache.topology import Topology
 
 if TYPE_CHECKING:
-    from cpcache.tools.sim.replay import ReplayConfig
+    from cpcache.testing.sim.replay import ReplayConfig
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
@@ -54,7 +54,7 @@ def add_flags(p: argparse.ArgumentParser) -> None:
 
 
 def config_from(args: argparse.Namespace) -> ReplayConfig:
-    from cpcache.tools.sim.replay import ReplayConfig
+    from cpcache.testing.sim.replay import ReplayConfig
 
     trace = Path(args.trace)
     if not trace.exists():
@@ -175,7 +175,7 @@ def plot(report: dict, path: str) -> None:
 
 
 async def main(args: argparse.Namespace) -> int:
-    from cpcache.tools.sim.replay import replay
+    from cpcache.testing.sim.replay import replay
 
     report = await replay(config_from(args), progress=None if args.json else show_progress)
     if args.plot:

@@ -46,9 +46,9 @@ from grpc_health.v1 import health_pb2
 
 from cpcache.client import AsyncClient
 from cpcache.client.core import error_info
+from cpcache.daemon.launcher import DomainSpec, LocalDomain
 from cpcache.dataplane.pools import DevicePool
 from cpcache.geometry import KVGeometry
-from cpcache.tools.launcher import DomainSpec, LocalDomain
 from cpcache.topology import Topology
 from cpcache.v1 import daemon_pb2 as pb
 

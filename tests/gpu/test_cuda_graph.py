@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from cpcache.client import AsyncClient
-from cpcache.tools.launcher import DomainSpec, LocalDomain
+from cpcache.daemon.launcher import DomainSpec, LocalDomain
 from cpcache.topology import Topology
 from tests.gpu.cuda import GEOMETRY, ipc_handle, start_load, write_pages
 

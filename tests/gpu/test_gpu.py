@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from cpcache.client import AsyncClient
+from cpcache.daemon.launcher import DomainSpec, LocalDomain
 from cpcache.dataplane.movers import DEVICE, HOST, Tiers, Transfers
 from cpcache.dataplane.pools import LAYOUTS, DevicePool, HostPool
-from cpcache.tools.launcher import DomainSpec, LocalDomain
 from cpcache.topology import Topology
 from tests.gpu.cuda import GEOMETRY, cuda_pool, ipc_handle, start_load, write_pages
 

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from cpcache.client import AsyncClient
-from cpcache.tools.launcher import DomainSpec, LocalDomain
+from cpcache.daemon.launcher import DomainSpec, LocalDomain
 from cpcache.topology import Topology
 from cpcache.values import Reduce
 

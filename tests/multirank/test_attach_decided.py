@@ -11,7 +11,7 @@ import pytest
 
 from cpcache import errors
 from cpcache.agreement.collective import Rendezvous
-from cpcache.tools.launcher import LocalDomain
+from cpcache.daemon.launcher import LocalDomain
 from cpcache.values import split_host_port
 
 from .attacks.common import GEOMETRY, OTHER_GEOMETRY, TIMEOUT_S, attach_all, close_all, make, spec, step_all

@@ -8,12 +8,12 @@ import torch
 
 from cpcache import errors
 from cpcache.client import AsyncClient, Ops
+from cpcache.daemon.launcher import DomainSpec, LocalDomain
 from cpcache.dataplane.pools import DevicePool
 from cpcache.dataplane.storage import PageBuffer, open_backend
 from cpcache.geometry import KVGeometry
 from cpcache.keys import ShardingSpec, chain, tenant_of
-from cpcache.tools.launcher import DomainSpec, LocalDomain
-from cpcache.tools.sim.scheduler import page_content
+from cpcache.testing.sim.scheduler import page_content
 from cpcache.topology import Topology
 
 pytestmark = [pytest.mark.multirank, pytest.mark.timeout(120)]
@@ -230,7 +230,7 @@ async def test_a_storage_that_does_not_answer_is_an_agreed_miss_in_bounded_time(
 
 
 async def test_killed_mooncake_master_gives_agreed_misses_and_failures(run_dir):
-    from cpcache.tools.mooncake_master import MooncakeMaster
+    from cpcache.testing.mooncake_master import MooncakeMaster
 
     with MooncakeMaster(run_dir / "master.log") as master:
         spec = DomainSpec(Topology(tp=2), run_dir, extra=dict(

@@ -9,8 +9,8 @@ import pytest
 
 from cpcache import errors
 from cpcache.client import AsyncClient
+from cpcache.daemon.launcher import DomainSpec, LocalDomain
 from cpcache.daemon.server import ExitCode
-from cpcache.tools.launcher import DomainSpec, LocalDomain
 from cpcache.topology import Topology
 from cpcache.values import Reduce
 

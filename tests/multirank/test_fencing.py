@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from cpcache.client import Ops
-from cpcache.tools.launcher import LocalDomain
+from cpcache.daemon.launcher import LocalDomain
 
 from .attacks.common import PAGE_HASHES, PAGES, attach_all, close_all, make, spec, step_all, write_through
 

@@ -9,8 +9,8 @@ import grpc
 import pytest
 
 from cpcache.client.core import error_info
+from cpcache.daemon.launcher import DomainSpec, LocalDomain
 from cpcache.tools import fuzz
-from cpcache.tools.launcher import DomainSpec, LocalDomain
 from cpcache.topology import Topology
 from cpcache.v1 import daemon_pb2 as pb
 

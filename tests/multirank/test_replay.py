@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from cpcache.tools.sim.lru_model import model_hit_rates
-from cpcache.tools.sim.replay import ReplayConfig, arrivals, replay
-from cpcache.tools.sim.trace import PageHasher, load
+from cpcache.testing.sim.lru_model import model_hit_rates
+from cpcache.testing.sim.replay import ReplayConfig, arrivals, replay
+from cpcache.testing.sim.trace import PageHasher, load
 from cpcache.topology import Topology
 
 pytestmark = [pytest.mark.multirank, pytest.mark.timeout(240)]

@@ -16,7 +16,7 @@ from cpcache import errors
 from cpcache.agreement.collective import Rendezvous
 from cpcache.agreement.epochs import Epochs
 from cpcache.client import AsyncClient, Ops
-from cpcache.tools.launcher import LocalDomain
+from cpcache.daemon.launcher import LocalDomain
 from cpcache.values import Reduce, split_host_port
 
 from .attacks.common import GEOMETRY, PAGE_HASHES, PAGES, attach_all, make, spec, write_through

@@ -11,9 +11,9 @@ import pytest
 
 from cpcache import errors
 from cpcache.client import AsyncClient, Ops
+from cpcache.daemon.launcher import DomainSpec, LocalDomain
 from cpcache.dataplane.pools import DevicePool
-from cpcache.tools.launcher import DomainSpec, LocalDomain
-from cpcache.tools.sim.scheduler import page_content
+from cpcache.testing.sim.scheduler import page_content
 from cpcache.topology import Topology
 from cpcache.v1 import daemon_pb2 as pb
 from cpcache.v1 import daemon_pb2_grpc as pb_grpc

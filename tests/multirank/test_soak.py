@@ -5,7 +5,7 @@ nothing may hang, and every page loaded back must hold the bytes written."""
 
 import pytest
 
-from cpcache.tools.bench.soak import SoakConfig, soak
+from cpcache.testing.soak import SoakConfig, soak
 
 pytestmark = [pytest.mark.multirank, pytest.mark.timeout(180)]
 

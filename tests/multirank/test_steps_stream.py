@@ -7,8 +7,8 @@ import asyncio
 import pytest
 
 from cpcache.client import AsyncClient
+from cpcache.daemon.launcher import DomainSpec, LocalDomain
 from cpcache.errors import FailedPrecondition, InvalidArgument, RejectedByPeer
-from cpcache.tools.launcher import DomainSpec, LocalDomain
 from cpcache.topology import Topology
 from cpcache.values import Reduce
 

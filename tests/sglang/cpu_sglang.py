@@ -1,5 +1,5 @@
 """SGLang 0.5.23 on a host without CUDA, for a test process that was not
-started with cpu_host/ (cpcache/tools/sglang_cpu/cpu_host) on its PYTHONPATH
+started with cpu_host/ (cpcache/testing/sglang_cpu/cpu_host) on its PYTHONPATH
 (the worker of test_backend.py): the same stand-ins for its GPU-only imports.
 Import this module before SGLang."""
 
@@ -11,7 +11,7 @@ import warnings
 from pathlib import Path
 
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "cpcache" / "tools" / "sglang_cpu" / "cpu_host"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "cpcache" / "testing" / "sglang_cpu" / "cpu_host"))
 
 import gpu_stubs  # noqa: E402
 

@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from cpcache.tools.sglang_cpu.servers import (
+from cpcache.testing.sglang_cpu.servers import (
     HICACHE_ENV,
     HICACHE_FLAGS,
     PLAIN_FLAGS,

@@ -1,4 +1,4 @@
-"""The SGLang suites' own checks over a `cpcache.tools.sglang_cpu.stacks`
+"""The SGLang suites' own checks over a `cpcache.testing.sglang_cpu.stacks`
 Stack: SGLang's idle leak check waited for, pages planted in storage, and a
 daemon killed mid-run."""
 
@@ -15,8 +15,8 @@ import numpy as np
 from cpcache.client import Client
 from cpcache.dataplane.storage import framing
 from cpcache.keys import chain, generation_seed
-from cpcache.tools.sglang_cpu.servers import Reply, Server, same_outputs
-from cpcache.tools.sglang_cpu.stacks import DOCS, PAGE, Stack, idle_seconds, prompt, workload
+from cpcache.testing.sglang_cpu.servers import Reply, Server, same_outputs
+from cpcache.testing.sglang_cpu.stacks import DOCS, PAGE, Stack, idle_seconds, prompt, workload
 
 
 def wait_idle_checks(server: Server, ranks: int, idle_s: float, attempts: int = 100_000) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from cpcache.tools.launcher import DomainSpec, LocalDomain
+from cpcache.daemon.launcher import DomainSpec, LocalDomain
 from cpcache.topology import Topology
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -25,14 +25,14 @@ from pathlib import Path
 import pytest
 
 from cpcache.client import Client
-from cpcache.tools.sglang_cpu.servers import (
+from cpcache.testing.sglang_cpu.servers import (
     CPCACHE_FLAGS,
     SGLANG_PYTHON,
     Daemons,
     Server,
     make_tiny_model,
 )
-from cpcache.tools.sglang_cpu.stacks import Shape, Stack, prompt, started, workload
+from cpcache.testing.sglang_cpu.stacks import Shape, Stack, prompt, started, workload
 from tests.sglang.stacks import (
     a_wrong_stored_page_breaks_the_match,
     flush_with_writes_in_flight_serves_no_wrong_bytes,

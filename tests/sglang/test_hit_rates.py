@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from cpcache.tools.sglang_cpu.servers import (
+from cpcache.testing.sglang_cpu.servers import (
     HICACHE_ENV,
     HICACHE_FLAGS,
     SGLANG_PYTHON,
@@ -33,7 +33,7 @@ from cpcache.tools.sglang_cpu.servers import (
     make_tiny_model,
     same_outputs,
 )
-from cpcache.tools.sglang_cpu.stacks import DEVICE_TOKENS, HOST_PAGES, PAGE, Shape, Stack, prompt, workload
+from cpcache.testing.sglang_cpu.stacks import DEVICE_TOKENS, HOST_PAGES, PAGE, Shape, Stack, prompt, workload
 
 pytestmark = [
     pytest.mark.sglang,

@@ -27,8 +27,8 @@ import urllib.request
 
 import pytest
 
-from cpcache.tools.sglang_cpu.servers import SGLANG_PYTHON, make_tiny_model
-from cpcache.tools.sglang_cpu.stacks import Shape, Stack, prompt, started, workload
+from cpcache.testing.sglang_cpu.servers import SGLANG_PYTHON, make_tiny_model
+from cpcache.testing.sglang_cpu.stacks import Shape, Stack, prompt, started, workload
 from tests.sglang.stacks import (
     a_wrong_stored_page_breaks_the_match,
     flush_with_writes_in_flight_serves_no_wrong_bytes,

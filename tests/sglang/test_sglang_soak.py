@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cpcache.tools.sglang_cpu.servers import SGLANG_PYTHON
+from cpcache.testing.sglang_cpu.servers import SGLANG_PYTHON
 
 pytestmark = [
     pytest.mark.sglang,

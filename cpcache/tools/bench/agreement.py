@@ -26,8 +26,8 @@ from pathlib import Path
 
 from cpcache.agreement.collective import host_store
 from cpcache.client import AsyncClient
-from cpcache.tools.bench.stats import block_summary, percentiles_us
-from cpcache.tools.launcher import DomainSpec, LocalDomain
+from cpcache.daemon.launcher import DomainSpec, LocalDomain
+from cpcache.testing.stats import block_summary, percentiles_us
 from cpcache.topology import Topology
 
 TOPOLOGY = Topology(tp=4, cp=2)

@@ -31,8 +31,8 @@ from cpcache.dataplane.movers import DEVICE, HOST, STORAGE, Tiers, Transfers
 from cpcache.dataplane.pools import LAYOUTS, DevicePool, HostPool
 from cpcache.dataplane.storage import open_backend
 from cpcache.geometry import KVGeometry
-from cpcache.tools.bench.stats import block_summary
-from cpcache.tools.mooncake_master import MooncakeMaster
+from cpcache.testing.mooncake_master import MooncakeMaster
+from cpcache.testing.stats import block_summary
 
 PAGE_SIZES = {64 << 10: 4, 1 << 20: 64, 4 << 20: 256}  # page bytes -> tokens per page
 BATCH_BYTES = 64 << 20

@@ -41,12 +41,12 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from cpcache.agreement.collective import ALLTOALL_MAX_GROUP, host_store
+from cpcache.daemon.launcher import DomainSpec, LocalDomain
+from cpcache.testing.stats import block_summary, percentiles_us
 from cpcache.tools.bench.agreement import Workers
 from cpcache.tools.bench.scheduler import WARMUP_STEPS
 from cpcache.tools.bench.sizes import expected_bytes, parse_ss, per_round, round_vector_length, topology_for
-from cpcache.tools.bench.stats import block_summary, percentiles_us
 from cpcache.tools.bench.vector_baseline import WARMUP as BASELINE_WARMUP
-from cpcache.tools.launcher import DomainSpec, LocalDomain
 
 QUESTIONS = 1  # a round of one question: the smallest step a scheduler sends
 BYTE_ROUNDS = 20  # measured rounds (plus warm-up) in the byte-count block

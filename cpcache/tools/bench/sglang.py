@@ -51,7 +51,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cpcache.tools.bench.stats import block_summary
+from cpcache.testing.stats import block_summary
 
 SERVERS = ("radix", "hicache", "cpcache")
 TP = 2
@@ -244,7 +244,7 @@ def measure(streams: list[Stream], seconds: float) -> dict:
 
 class Bench:
     def __init__(self, work: Path, workload: Workload) -> None:
-        from cpcache.tools.sglang_cpu.servers import (
+        from cpcache.testing.sglang_cpu.servers import (
             CPCACHE_HOST_FLAGS,
             HICACHE_ENV,
             HICACHE_FLAGS,
@@ -268,7 +268,7 @@ class Bench:
         }
 
     def start(self) -> float:
-        from cpcache.tools.sglang_cpu.servers import make_tiny_model
+        from cpcache.testing.sglang_cpu.servers import make_tiny_model
 
         started = time.monotonic()
         make_tiny_model(self.model)
@@ -437,7 +437,7 @@ def run(workload: Workload, repeat: int, keep: Path | None = None) -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
-    from cpcache.tools.sglang_cpu.servers import SGLANG_PYTHON
+    from cpcache.testing.sglang_cpu.servers import SGLANG_PYTHON
 
     if not SGLANG_PYTHON.exists():
         print(f"cpcache bench sglang: SGLang's environment is not built ({SGLANG_PYTHON} is missing). It runs in a "

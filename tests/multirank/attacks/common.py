@@ -5,9 +5,9 @@ import numpy as np
 import torch
 
 from cpcache.client import AsyncClient, Ops
+from cpcache.daemon.launcher import DomainSpec
 from cpcache.dataplane.pools import DevicePool
 from cpcache.geometry import KVGeometry
-from cpcache.tools.launcher import DomainSpec
 from cpcache.topology import Topology
 from cpcache.values import Reduce
 

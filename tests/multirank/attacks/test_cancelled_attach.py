@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from cpcache.tools.launcher import LocalDomain
+from cpcache.daemon.launcher import LocalDomain
 from cpcache.values import Reduce
 
 from .common import GEOMETRY, close_all, make, spec

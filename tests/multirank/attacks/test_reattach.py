@@ -3,7 +3,7 @@
 import pytest
 
 from cpcache import errors
-from cpcache.tools.launcher import LocalDomain
+from cpcache.daemon.launcher import LocalDomain
 
 from .common import OTHER_GEOMETRY, PAGE_HASHES, attach_all, close_all, make, spec, step_all, write_through
 

@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from cpcache.client import Client, SchedulerSession
-from cpcache.tools.launcher import LocalDomain
+from cpcache.daemon.launcher import LocalDomain
 
 from .common import PAGE_HASHES, PAGES, attach_all, close_all, make, spec, step_all, write_through
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import collections
 
-from cpcache.tools.sim.trace import PageHasher, Request
+from cpcache.testing.sim.trace import PageHasher, Request
 
 
 class LRU:

@@ -49,11 +49,11 @@ import torch
 
 from cpcache import errors
 from cpcache.client import AsyncClient, Ops, StepResult
+from cpcache.daemon.launcher import DomainSpec, LocalDomain
 from cpcache.dataplane.pools import DevicePool
 from cpcache.geometry import KVGeometry
 from cpcache.keys import ShardingSpec
-from cpcache.tools.launcher import DomainSpec, LocalDomain
-from cpcache.tools.sim.scheduler import page_content
+from cpcache.testing.sim.scheduler import page_content
 from cpcache.topology import Topology
 from cpcache.values import Reduce
 

@@ -26,16 +26,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cpcache.client import AsyncClient, StepResult
+from cpcache.daemon.launcher import DomainSpec, LocalDomain
 from cpcache.dataplane.pools import DevicePool
 from cpcache.errors import CacheError
 from cpcache.geometry import KVGeometry
 from cpcache.keys import ShardingSpec
-from cpcache.tools.bench.stats import percentiles_us
-from cpcache.tools.launcher import DomainSpec, LocalDomain
-from cpcache.tools.mooncake_master import MooncakeMaster
-from cpcache.tools.sim.breakdown import step_breakdown
-from cpcache.tools.sim.scheduler import SimScheduler, Tally
-from cpcache.tools.sim.trace import PageHasher, Request, ceiling_hit_rate, load
+from cpcache.testing.mooncake_master import MooncakeMaster
+from cpcache.testing.sim.breakdown import step_breakdown
+from cpcache.testing.sim.scheduler import SimScheduler, Tally
+from cpcache.testing.sim.trace import PageHasher, Request, ceiling_hit_rate, load
+from cpcache.testing.stats import percentiles_us
 from cpcache.topology import Topology
 
 GEOMETRY = KVGeometry(layers=2, kv_kind="mha", heads=1, head_dim=16, dtype="bfloat16", page_size=256)

@@ -23,7 +23,7 @@ from cpcache.client import AsyncClient, Ops, StepResult
 from cpcache.dataplane.pools import DevicePool
 from cpcache.geometry import KVGeometry
 from cpcache.keys import ShardingSpec
-from cpcache.tools.sim.trace import PageHasher, Request
+from cpcache.testing.sim.trace import PageHasher, Request
 
 # A step's operations being gathered, by `Ops` field name (tuples as `Ops` takes them).
 StepOpLists = dict[str, list[Any]]

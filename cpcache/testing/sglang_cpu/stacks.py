@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cpcache.tools.sglang_cpu.servers import (
+from cpcache.testing.sglang_cpu.servers import (
     CPCACHE_FLAGS,
     PLAIN_FLAGS,
     ZIGZAG_ENV,
@@ -152,7 +152,7 @@ def started(work: Path, model: Path, shape: Shape, **options: Any) -> Iterator[S
     with contextlib.ExitStack() as stack:
         storage = None
         if shape.storage == "mooncake":
-            from cpcache.tools.mooncake_master import MooncakeMaster
+            from cpcache.testing.mooncake_master import MooncakeMaster
 
             master = stack.enter_context(MooncakeMaster(work / "mooncake-master.log"))
             storage = dict(storage="mooncake", storage_master=master.master,

@@ -32,8 +32,8 @@ import urllib.error
 from pathlib import Path
 
 from cpcache.client import Client
-from cpcache.tools.sglang_cpu.servers import make_tiny_model, same_outputs
-from cpcache.tools.sglang_cpu.stacks import DOCS, SLOW_RANK, Shape, Stack, prompt, started, workload
+from cpcache.testing.sglang_cpu.servers import make_tiny_model, same_outputs
+from cpcache.testing.sglang_cpu.stacks import DOCS, SLOW_RANK, Shape, Stack, prompt, started, workload
 
 TURNS = 4  # distinct turns per document: the reference answers each prompt once
 

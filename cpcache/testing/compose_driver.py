@@ -1,4 +1,4 @@
-"""The driver of compose's `cpu` profile: `python -m cpcache.tools.compose_driver`.
+"""The driver of compose's `cpu` profile: `python -m cpcache.testing.compose_driver`.
 
 It runs in its own container beside one container per daemon and reaches
 each daemon through its unix socket on a shared volume (the daemons reduce
@@ -6,7 +6,7 @@ over gloo across the bridge network). Two phases, each ending in one JSON
 line on stdout (progress goes to stderr):
 
 1. `replay`: waits until every rank serves, replays a trace slice through
-   one simulated scheduler per rank (`cpcache.tools.sim.replay`: the same
+   one simulated scheduler per rank (`cpcache.testing.sim.replay`: the same
    schedulers and checks as `cpcache demo`) and reports it. It passes when
    there are 0 divergences, every rank's decision log is identical and no
    load-back brought a wrong byte.
@@ -35,9 +35,9 @@ from typing import Any
 
 from cpcache import errors
 from cpcache.client import AsyncClient
-from cpcache.tools.launcher import private_run_dir
-from cpcache.tools.sim.replay import ReplayConfig, _drive
-from cpcache.tools.sim.trace import load
+from cpcache.daemon.launcher import private_run_dir
+from cpcache.testing.sim.replay import ReplayConfig, _drive
+from cpcache.testing.sim.trace import load
 from cpcache.topology import Topology
 
 
@@ -138,7 +138,7 @@ async def main(args: argparse.Namespace) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m cpcache.tools.compose_driver", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m cpcache.testing.compose_driver", description=__doc__.split("\n\n")[0])
     p.add_argument("--trace", required=True, help="a Mooncake-format trace (JSON lines)")
     p.add_argument("--requests", type=int, default=200, help="how many requests to replay")
     p.add_argument("--skip", type=int, default=0, help="start this many requests into the trace")
