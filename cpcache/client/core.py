@@ -106,10 +106,6 @@ def error_from(exc: grpc.RpcError) -> errors.CacheError:
 
 # -- calls ------------------------------------------------------------------------------
 
-__all__ = ["AsyncClient", "AsyncStepStream", "Client", "Ops", "StepResult", "attach_request", "error_from",
-           "error_info", "step_request", "step_result"]
-
-
 @dataclass(frozen=True)
 class Call(Generic[T]):
     """One unary call, ready to send: the RPC, its request, how to read the
