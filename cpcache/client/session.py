@@ -68,6 +68,9 @@ class _Prefetch:
 
 
 class SchedulerSession:
+    """One rank's scheduler-side session: the operations collected for the
+    next step, the ones open at the daemon, and what the replies agreed."""
+
     def __init__(self, client: Client | None = None, first_step: int = 1, *, load_timeout_s: float = 30.0,
                  decisions: DecisionLog | None = None) -> None:
         """`client`: for the synchronous calls (`iterate`, `flush`,
