@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from cpcache.integrations.sglang.connector import SchedulerTime
+from cpcache.integrations.sglang.timing import SchedulerTime
 from cpcache.tools.bench import sglang
 from cpcache.tools.bench.sglang import (
     SERVERS,
