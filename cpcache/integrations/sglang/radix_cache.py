@@ -345,11 +345,12 @@ class CpcacheRadixCache(UnifiedRadixCache):
     def check_hicache_events(self) -> None:
         """Once per scheduler iteration, on every rank: the iteration's step."""
         started = time.perf_counter()
+        quiet = self.connector is None or not self.connector.in_flight()
         try:
             self._iterate()
         finally:
-            self.clock.iterations += 1
-            self.clock.hook_s += time.perf_counter() - started
+            quiet = quiet and (self.connector is None or not self.connector.in_flight())
+            self.clock.tick(time.perf_counter() - started, idle=quiet)
 
     def _iterate(self) -> None:
         self._iteration += 1
