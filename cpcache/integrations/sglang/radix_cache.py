@@ -345,23 +345,25 @@ class CpcacheRadixCache(UnifiedRadixCache):
     def check_hicache_events(self) -> None:
         """Once per scheduler iteration, on every rank: the iteration's step."""
         started = time.perf_counter()
-        quiet = self.connector is None or not self.connector.in_flight()
+        stepped = True
         try:
-            self._iterate()
+            stepped = self._iterate()
         finally:
-            quiet = quiet and (self.connector is None or not self.connector.in_flight())
-            self.clock.tick(time.perf_counter() - started, idle=quiet)
+            self.clock.tick(time.perf_counter() - started, idle=not stepped)
 
-    def _iterate(self) -> None:
+    def _iterate(self) -> bool:
+        """-> whether the daemon was called (a reply taken, a step sent, an attach tried)."""
         self._iteration += 1
         if self.connector is None:
             if self._next_attach is not None and self._iteration >= self._next_attach:
                 self._try_attach_again()
-            return
+                return True
+            return False
         try:
-            self.connector.iterate()
+            return self.connector.iterate()
         except CacheError as exc:
             self._fall_back(exc)
+            return True
 
     def scheduler_time(self) -> SchedulerTime:
         """The clock, with the steps of every connector so far."""
