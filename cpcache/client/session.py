@@ -286,24 +286,36 @@ class SchedulerSession:
     # -- the synchronous scheduler's iteration ---------------------------------------------
 
     def busy(self) -> bool:
-        """Whether a step is in flight, or the next one has anything to send or wait for."""
+        """Whether a step is in flight, or the next one has anything to send or wait for.
+
+        Its inputs are this scheduler's own calls since the last step and what
+        agreed replies left open (writes a step carried, not yet decided; open
+        prefetches): alike on every rank at the same iteration, never local I/O
+        progress or timing. So every rank skips the same iterations, and the
+        number of rounds stays a function of the scheduler's iterations
+        (DESIGN.md, section 2, rule 2)."""
         return self._in_flight is not None or self.has_unsent() or bool(self._writes) or bool(self._prefetches)
 
     def in_flight(self) -> bool:
         return self._in_flight is not None
 
-    def iterate(self) -> None:
+    def iterate(self) -> bool:
         """Once per scheduler iteration, on every rank: take the reply of the
         step sent at the last iteration, then send this iteration's step if
         anything waits for one, without waiting for its round: its decisions
         are taken at the next iteration (or before anything else that needs
         them), alike on every rank. What the reply changes was built on, at
         the earliest, after it was taken: every step is checked by the daemon
-        against the state the scheduler last read."""
+        against the state the scheduler last read. An iteration with nothing
+        to say (`busy`) costs no call and no round. -> whether a reply was
+        taken or a step sent."""
+        if not self.busy():
+            return False
         self.settle()
         if self.busy():
             with self._timed():
                 self._send()
+        return True
 
     def settle(self) -> StepResult | None:
         """Take the reply of the step in flight, if any (waiting for it)."""

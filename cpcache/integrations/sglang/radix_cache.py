@@ -23,6 +23,7 @@ the host pages the re-formed domain carried over and with storage.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -331,19 +332,26 @@ class CpcacheRadixCache(UnifiedRadixCache):
 
     def check_hicache_events(self) -> None:
         """Once per scheduler iteration, on every rank: the iteration's step."""
-        with self.clock.hook():
-            self._iterate()
+        started = time.perf_counter()
+        stepped = True
+        try:
+            stepped = self._iterate()
+        finally:
+            self.clock.tick(time.perf_counter() - started, idle=not stepped)
 
-    def _iterate(self) -> None:
+    def _iterate(self) -> bool:
+        """-> whether the daemon was called (a reply taken, a step sent, an attach tried)."""
         self._iteration += 1
         if self.daemon_session is None:
             if self._next_attach is not None and self._iteration >= self._next_attach:
                 self._try_attach_again()
-            return
+                return True
+            return False
         try:
-            self.daemon_session.iterate()
+            return self.daemon_session.iterate()
         except CacheError as exc:
             self._fall_back(exc)
+            return True
 
     def scheduler_time(self) -> SchedulerTime:
         """The clock, with the steps of every session so far."""
