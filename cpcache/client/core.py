@@ -25,7 +25,7 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cpcache import errors
-from cpcache.client.messages import Ops, StepResult, attach_request, step_request, step_result
+from cpcache.client.messages import CacheRequests, StepResult, attach_request, step_request, step_result
 from cpcache.client.pools import hand_over
 from cpcache.topology import Topology
 from cpcache.v1 import daemon_pb2 as pb
@@ -118,7 +118,7 @@ class Call(Generic[T]):
     service: str = "daemon"  # or "health"
 
 
-def _step_call(step: int, votes: Iterable[tuple[int, Reduce, int]], ops: Ops | None) -> Call[StepResult]:
+def _step_call(step: int, votes: Iterable[tuple[int, Reduce, int]], ops: CacheRequests | None) -> Call[StepResult]:
     return Call("Step", step_request(step, votes, ops), step_result)
 
 
@@ -193,7 +193,7 @@ class _Face:
     def _send(self, build: Callable[..., Call[Any]], *args: Any) -> Any:
         raise NotImplementedError
 
-    def step(self, step: int, votes: Iterable[tuple[int, Reduce, int]] = (), ops: Ops | None = None) -> Any:
+    def step(self, step: int, votes: Iterable[tuple[int, Reduce, int]] = (), ops: CacheRequests | None = None) -> Any:
         """One scheduler iteration: -> StepResult."""
         return self._send(_step_call, step, votes, ops)
 
@@ -294,7 +294,7 @@ class AsyncStepStream:
         self._call: Any = None
         self._lock: asyncio.Lock | None = None  # made on first use, inside the loop
 
-    async def step(self, step: int, votes: Iterable[tuple[int, Reduce, int]] = (), ops: Ops | None = None
+    async def step(self, step: int, votes: Iterable[tuple[int, Reduce, int]] = (), ops: CacheRequests | None = None
                    ) -> StepResult:
         """One scheduler iteration: -> StepResult."""
         call = _step_call(step, votes, ops)
@@ -357,7 +357,7 @@ class Client(_Face):
         return call.read(reply)
 
     def step_later(self, step: int, votes: Iterable[tuple[int, Reduce, int]] = (),
-                   ops: Ops | None = None) -> Callable[[], StepResult]:
+                   ops: CacheRequests | None = None) -> Callable[[], StepResult]:
         """Send step `step` now and return at once: -> what waits for its
         reply (raising as `step` would). The round runs meanwhile."""
         call = _step_call(step, votes, ops)

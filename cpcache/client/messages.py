@@ -1,5 +1,5 @@
 """The messages of a scheduler iteration: the operations a `Step` carries
-(`Ops`), the reply as the scheduler reads it (`StepResult`), and the
+(`CacheRequests`), the reply as the scheduler reads it (`StepResult`), and the
 requests built from them."""
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ class StepResult:
 
 
 @dataclass(frozen=True)
-class Ops:
-    """Cache operations for one step (the daemon reads them as `CacheRequests`, cpcache.state.requests)."""
+class CacheRequests:
+    """Cache operations for one step (the client side of the daemon's `CacheRequests`, cpcache.state.requests)."""
 
     prefetches: tuple = ()  # (op_id, pages, tokens[, parent])
     polls: tuple = ()  # prefetch op ids
@@ -49,7 +49,8 @@ class Ops:
     loads: tuple = ()  # (op_id, pages, device_pages)
 
 
-def step_request(step: int, votes: Iterable[tuple[int, Reduce, int]] = (), ops: Ops | None = None) -> pb.StepRequest:
+def step_request(step: int, votes: Iterable[tuple[int, Reduce, int]] = (),
+                 ops: CacheRequests | None = None) -> pb.StepRequest:
     request = pb.StepRequest(step=step)
     if ops is not None:
         for op_id, pages, tokens, *parent in ops.prefetches:

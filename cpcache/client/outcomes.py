@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
-from cpcache.client.messages import Ops, StepResult
+from cpcache.client.messages import CacheRequests, StepResult
 
 
 @dataclass
@@ -36,7 +36,7 @@ class Tally:
     backups_stored: int = 0  # host -> storage, by the daemon's write policy
     backups_failed: int = 0
 
-    def carried(self, ops: Ops, sign: int = 1) -> None:
+    def carried(self, ops: CacheRequests, sign: int = 1) -> None:
         """Count what a step carries (`sign` -1: a step not taken after all)."""
         self.writes += sign * len(ops.writes)
         self.written_pages += sign * sum(len(w[1]) for w in ops.writes)

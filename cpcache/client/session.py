@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from cpcache.client.core import Client
-from cpcache.client.messages import Ops, StepResult
+from cpcache.client.messages import CacheRequests, StepResult
 from cpcache.client.outcomes import DecisionLog, HostMirror, Tally
 from cpcache.errors import Unavailable
 
@@ -45,7 +45,7 @@ Brought = Callable[[int], None]  # a prefetch's end: pages it brought to the hos
 
 @dataclass
 class _Unsent:
-    """The operations collected since the last step, in `Ops` field order."""
+    """The operations collected since the last step, in `CacheRequests` field order."""
 
     prefetches: list = field(default_factory=list)
     polls: list = field(default_factory=list)
@@ -53,8 +53,8 @@ class _Unsent:
     writes: list = field(default_factory=list)
     loads: list = field(default_factory=list)
 
-    def ops(self) -> Ops:
-        return Ops(tuple(self.prefetches), tuple(self.polls), tuple(self.revokes), tuple(self.writes),
+    def ops(self) -> CacheRequests:
+        return CacheRequests(tuple(self.prefetches), tuple(self.polls), tuple(self.revokes), tuple(self.writes),
                    tuple(self.loads))
 
     def any(self) -> bool:
@@ -212,14 +212,14 @@ class SchedulerSession:
         """Operations collected since the last step, which the next one carries."""
         return self._unsent.any()
 
-    def next_step(self) -> tuple[int, Ops]:
+    def next_step(self) -> tuple[int, CacheRequests]:
         """The next step's number and the operations collected for it."""
         self._step += 1
         ops, self._unsent = self._unsent.ops(), _Unsent()
         self.tally.carried(ops)
         return self._step, ops
 
-    def not_taken(self, ops: Ops) -> None:
+    def not_taken(self, ops: CacheRequests) -> None:
         """The step that carried `ops` was taken by no rank (refused, or
         failed everywhere): what it opened ends as not done, uncounted."""
         self.tally.carried(ops, sign=-1)

@@ -51,7 +51,7 @@ from pathlib import Path
 import numpy as np
 
 from cpcache import errors
-from cpcache.client import AsyncClient, Ops, SchedulerSession, StepResult, Tally
+from cpcache.client import AsyncClient, CacheRequests, SchedulerSession, StepResult, Tally
 from cpcache.daemon.launcher import DomainSpec, LocalDomain
 from cpcache.dataplane.pools import DevicePool
 from cpcache.geometry import KVGeometry
@@ -288,7 +288,8 @@ class Driver:
 
     # -- one step -------------------------------------------------------------------
 
-    async def _retrying(self, rank: int, step: int, votes: list[tuple[int, Reduce, int]], ops: Ops) -> StepResult:
+    async def _retrying(self, rank: int, step: int, votes: list[tuple[int, Reduce, int]],
+                        ops: CacheRequests) -> StepResult:
         """A call cancelled by its deadline, then the same request again."""
         try:
             return await self.hasty[rank].step(step, votes, ops)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cpcache import errors
-from cpcache.client import AsyncClient, Ops
+from cpcache.client import AsyncClient, CacheRequests
 from cpcache.daemon.launcher import DomainSpec, LocalDomain
 from cpcache.dataplane.pools import DevicePool
 from cpcache.dataplane.storage import PageBuffer, open_backend
@@ -70,7 +70,7 @@ async def test_revoked_prefetch_keeps_its_slots_until_the_slow_rank_is_done(run_
             assert backend.put_from(keys, buffers) == [True] * PAGES
         hashes = [bytes.fromhex(p) for p in pages]
         step = 1
-        await step_all(clients, step, Ops(prefetches=((1, hashes, PAGES * GEOMETRY.page_size),)))
+        await step_all(clients, step, CacheRequests(prefetches=((1, hashes, PAGES * GEOMETRY.page_size),)))
         hit = None
         while hit is None:  # each step is a round; the hit is agreed once both ranks have looked
             step += 1
@@ -78,7 +78,7 @@ async def test_revoked_prefetch_keeps_its_slots_until_the_slow_rank_is_done(run_
         assert hit == PAGES
         # Rank 1's reads into the 8 host slots are slow. Revoke now.
         step += 1
-        reply = await step_all(clients, step, Ops(revokes=(1,)))
+        reply = await step_all(clients, step, CacheRequests(revokes=(1,)))
         assert 1 in reply.prefetch_revoked
         stats = [await c.stats() for c in clients]
         assert stats[1]["in_flight_slots"] == PAGES
@@ -92,7 +92,7 @@ async def test_revoked_prefetch_keeps_its_slots_until_the_slow_rank_is_done(run_
                 write_page(pool, i, c)
             contents.append(new)
         fresh = [bytes([9]) * 31 + bytes([i]) for i in range(PAGES)]
-        write = Ops(writes=((2, fresh, list(range(PAGES))),))
+        write = CacheRequests(writes=((2, fresh, list(range(PAGES))),))
         refused = 0
         while True:
             step += 1
@@ -113,7 +113,7 @@ async def test_revoked_prefetch_keeps_its_slots_until_the_slow_rank_is_done(run_
             acked = (await step_all(clients, step)).write_acks
         # The late reads did not overwrite the new pages: load them back and compare.
         step += 1
-        await step_all(clients, step, Ops(loads=((3, fresh, list(range(16, 16 + PAGES))),)))
+        await step_all(clients, step, CacheRequests(loads=((3, fresh, list(range(16, 16 + PAGES))),)))
         for c in clients:
             await c.wait_loads([3], timeout_s=10)
         for rank, pool in enumerate(pools):
@@ -135,26 +135,26 @@ async def single(run_dir):
 async def test_every_error_status_leaves_the_daemon_serving_and_state_unchanged(single, run_dir):
     client = AsyncClient(single.sockets[0])
     with pytest.raises(errors.FailedPrecondition, match="no device pool is attached"):
-        await client.step(1, ops=Ops(revokes=(5,)))
+        await client.step(1, ops=CacheRequests(revokes=(5,)))
     pool = DevicePool.create_sealed(GEOMETRY, 4)
     with pytest.raises(errors.InvalidArgument, match="need .* bytes"):
         await client.attach("m", GEOMETRY, 64, pool_fd=pool.fd)  # the pool holds only 4 pages
     await client.attach("m", GEOMETRY, 4, pool_fd=pool.fd)
     page = bytes(32)
-    reply = await client.step(2, ops=Ops(writes=((1, [page], [0]),)))
+    reply = await client.step(2, ops=CacheRequests(writes=((1, [page], [0]),)))
     step = 2
     while 1 not in reply.write_acks:  # rounds until the write-through is agreed done
         step += 1
         reply = await client.step(step)
     before = await client.stats()
     bad = [
-        (Ops(writes=((7, [b"short"], [0]),)), errors.InvalidArgument, "32-byte"),
-        (Ops(writes=((7, [page], [0, 1]),)), errors.InvalidArgument, "device pages"),
-        (Ops(writes=((7, [page], [4]),)), errors.InvalidArgument, "outside the attached pool of 4 pages"),
-        (Ops(polls=(99,), revokes=(99,)), errors.InvalidArgument, "polled or revoked twice"),
-        (Ops(writes=((2**63, [page], [0]),)), errors.InvalidArgument, "outside \\[0, 2\\*\\*63\\)"),
-        (Ops(revokes=(99,)), errors.NotFound, "prefetch 99 is not open"),
-        (Ops(loads=((8, [bytes([1]) * 32], [1]),)), errors.NotFound, "is not in host"),
+        (CacheRequests(writes=((7, [b"short"], [0]),)), errors.InvalidArgument, "32-byte"),
+        (CacheRequests(writes=((7, [page], [0, 1]),)), errors.InvalidArgument, "device pages"),
+        (CacheRequests(writes=((7, [page], [4]),)), errors.InvalidArgument, "outside the attached pool of 4 pages"),
+        (CacheRequests(polls=(99,), revokes=(99,)), errors.InvalidArgument, "polled or revoked twice"),
+        (CacheRequests(writes=((2**63, [page], [0]),)), errors.InvalidArgument, "outside \\[0, 2\\*\\*63\\)"),
+        (CacheRequests(revokes=(99,)), errors.NotFound, "prefetch 99 is not open"),
+        (CacheRequests(loads=((8, [bytes([1]) * 32], [1]),)), errors.NotFound, "is not in host"),
     ]
     for ops, kind, words in bad:
         step += 1  # a refused step still takes its number: its round ran, rejected
@@ -164,14 +164,14 @@ async def test_every_error_status_leaves_the_daemon_serving_and_state_unchanged(
         assert after["cache_digest"] == before["cache_digest"], words
     # A full host pool is not an error: the write fails, alike on every rank, and nothing changes.
     step += 1
-    reply = await client.step(step, ops=Ops(writes=((9, [bytes([i]) * 32 for i in range(2, 2 + PAGES + 1)],
+    reply = await client.step(step, ops=CacheRequests(writes=((9, [bytes([i]) * 32 for i in range(2, 2 + PAGES + 1)],
                                                     [0] * (PAGES + 1)),)))
     assert reply.write_failures == (9,) and not reply.write_acks
     assert (await client.stats())["host_pages_used"] == before["host_pages_used"]
     with pytest.raises(errors.FailedPrecondition, match="already taken with different content"):
         await client.step(1)
     # Still serving, and the page written before is still there to load.
-    reply = await client.step(step + 1, ops=Ops(loads=((10, [page], [2]),)))
+    reply = await client.step(step + 1, ops=CacheRequests(loads=((10, [page], [2]),)))
     await client.wait_loads([10], timeout_s=10)
     assert (await client.match([page, bytes([5]) * 32])).host_pages == 1
     del reply
@@ -218,7 +218,7 @@ async def test_a_storage_that_does_not_answer_is_an_agreed_miss_in_bounded_time(
         import time
 
         started = time.monotonic()
-        reply = await step_all(clients, 1, Ops(prefetches=((1, [bytes(32)], GEOMETRY.page_size),)))
+        reply = await step_all(clients, 1, CacheRequests(prefetches=((1, [bytes(32)], GEOMETRY.page_size),)))
         step = 1
         while 1 not in reply.prefetch_revoked:
             step += 1
@@ -241,7 +241,7 @@ async def test_killed_mooncake_master_gives_agreed_misses_and_failures(run_dir):
             before = [bytes([1, i]) * 16 for i in range(2)]
             after = [bytes([2, i]) * 16 for i in range(2)]
             step = 1
-            reply = await step_all(clients, step, Ops(writes=((1, before, [0, 1]),)))
+            reply = await step_all(clients, step, CacheRequests(writes=((1, before, [0, 1]),)))
             stored = {}
             while not stored:  # write-through acked, then backed up to the store (backup ids are the daemon's)
                 step += 1
@@ -250,7 +250,7 @@ async def test_killed_mooncake_master_gives_agreed_misses_and_failures(run_dir):
             assert list(stored.values()) == [True]
             master.stop()  # the store is gone
             step += 1
-            await step_all(clients, step, Ops(writes=((2, after, [2, 3]),),
+            await step_all(clients, step, CacheRequests(writes=((2, after, [2, 3]),),
                                               prefetches=((3, [bytes([3]) * 32], GEOMETRY.page_size),)))
             revoked, backups = {}, {}
             while 3 not in revoked or len(backups) < 1:

@@ -9,7 +9,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from cpcache.client import Ops
+from cpcache.client import CacheRequests
 from cpcache.daemon.launcher import LocalDomain
 
 from .attacks.common import PAGE_HASHES, PAGES, attach_all, close_all, make, spec, step_all, write_through
@@ -36,7 +36,7 @@ async def test_a_round_a_peer_completes_while_this_rank_leaves_its_epoch_is_answ
         old = make(domain, run_dir, 1)
         await attach_all(old)
         step, _ = await write_through(old, 1)
-        late = Ops(writes=((2, [bytes([9]) * 32], [7]),))
+        late = CacheRequests(writes=((2, [bytes([9]) * 32], [7]),))
         waiting = asyncio.ensure_future(old[0].client.step(step + 1, [], ops=late))
 
         async def rank0_took_it():
@@ -67,7 +67,7 @@ async def test_a_round_a_peer_completes_while_this_rank_leaves_its_epoch_is_answ
 
 
 async def load_back_intact(schedulers, step, expected):
-    replies = await step_all(schedulers, step, Ops(loads=((50, PAGE_HASHES, list(range(8, 8 + PAGES))),)))
+    replies = await step_all(schedulers, step, CacheRequests(loads=((50, PAGE_HASHES, list(range(8, 8 + PAGES))),)))
     while 50 not in replies[0].loads:
         step += 1
         replies = await step_all(schedulers, step)
@@ -87,7 +87,7 @@ async def test_a_load_queued_when_its_session_ends_is_refused_and_never_lands_in
         loads = tuple((10 + i, [PAGE_HASHES[i % PAGES]], [4 + i]) for i in range(12))
         # The step's round opens the loads and issues their copies (a load
         # closes only once every rank's copy has ended: later).
-        await step_all(old, step + 1, Ops(loads=loads))
+        await step_all(old, step + 1, CacheRequests(loads=loads))
         # The schedulers restart with new pools while rank 0's loads still queue.
         new = make(domain, run_dir, 2)
         before = [s.read(page).copy() for s in new for page in range(16)]

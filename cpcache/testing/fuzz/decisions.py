@@ -14,7 +14,7 @@ import random
 from cpcache.client import AsyncClient
 from cpcache.testing.fuzz.generate import Gen
 from cpcache.testing.fuzz.report import Report
-from cpcache.testing.fuzz.wire import DECISIONS, MAX_STEP, Outcome, RankChannel, parse, short
+from cpcache.testing.fuzz.wire import DECISIONS, MAX_STEP, CallOutcome, RankChannel, parse, short
 from cpcache.v1 import daemon_pb2 as pb
 
 
@@ -31,7 +31,7 @@ class Decisions:
         self.gen = gen
         self.local_gen = local_gen
         self.step = 0  # the last step number any rank took
-        self.last_requests: list[tuple[str, bytes, Outcome] | None] = [None] * len(self.ranks)
+        self.last_requests: list[tuple[str, bytes, CallOutcome] | None] = [None] * len(self.ranks)
         self.digest: int | None = None
         self.recent: list[list[bytes]] = [[] for _ in self.ranks]  # requests of the last rounds, per rank
 
@@ -55,7 +55,7 @@ class Decisions:
     def benign(self, step: int) -> tuple[str, bytes]:
         return "Ack", pb.AckRequest(step=step).SerializeToString()
 
-    def check_round(self, sent: list[tuple[str, bytes]], outcomes: list[Outcome]) -> bool:
+    def check_round(self, sent: list[tuple[str, bytes]], outcomes: list[CallOutcome]) -> bool:
         """One round's answers; returns whether the step was refused everywhere."""
         detail = "; ".join(f"rank {i} {rpc} -> {o.code} {o.reason}: {short(o.message)[:300]}"
                            for i, ((rpc, _), o) in enumerate(zip(sent, outcomes)))
@@ -83,7 +83,7 @@ class Decisions:
             self.report.violation("divergence on some ranks only", sent[0][0], detail)
         return True
 
-    def learn(self, sent: list[tuple[str, bytes]], outcomes: list[Outcome]) -> None:
+    def learn(self, sent: list[tuple[str, bytes]], outcomes: list[CallOutcome]) -> None:
         """Remember what an accepted step opened, for later polls, revokes, loads and waits."""
         if not outcomes[0].ok:
             return
@@ -129,7 +129,7 @@ class Decisions:
         return self.step
 
     async def local_step_check(self, rank: int, rpc: str, data: bytes, expect: set[str], reason: str | None,
-                               raw: bool = False) -> Outcome:
+                               raw: bool = False) -> CallOutcome:
         outcome = await self.ranks[rank].call(rpc, data)
         self.report.count(rpc, outcome, raw)
         self.report.check_status(rpc, outcome, data)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
-from cpcache.testing.fuzz.wire import ALLOWED, RPCS, Outcome, short
+from cpcache.testing.fuzz.wire import ALLOWED, RPCS, CallOutcome, short
 
 
 @dataclass
@@ -22,7 +22,7 @@ class Report:
     accepted_rounds: int = 0
     wall_s: float = 0.0
 
-    def count(self, rpc: str, outcome: Outcome, raw: bool = False) -> None:
+    def count(self, rpc: str, outcome: CallOutcome, raw: bool = False) -> None:
         self.sent[rpc] += 1
         if raw:
             self.raw_sent[rpc] += 1
@@ -38,7 +38,7 @@ class Report:
             entry["request"] = request[:2048]
         self.violations.append(entry)
 
-    def check_status(self, rpc: str, outcome: Outcome, data: bytes, deadline_ok: bool = False) -> None:
+    def check_status(self, rpc: str, outcome: CallOutcome, data: bytes, deadline_ok: bool = False) -> None:
         """A violation unless `outcome` is a status `rpc` documents."""
         if outcome.code in ALLOWED[rpc]:
             return

@@ -35,7 +35,7 @@ CONCURRENCY = 32
 
 
 @dataclass
-class Outcome:
+class CallOutcome:
     """One call's answer: its status code, error reason and message, or the reply's bytes."""
 
     code: str
@@ -71,13 +71,13 @@ class RankChannel:
         self.methods = {rpc: self.channel.unary_unary(SERVICE + rpc, request_serializer=None,
                                                       response_deserializer=None) for rpc in RPCS}
 
-    async def call(self, rpc: str, data: bytes, deadline_s: float = DEADLINE_S) -> Outcome:
+    async def call(self, rpc: str, data: bytes, deadline_s: float = DEADLINE_S) -> CallOutcome:
         try:
             reply = await self.methods[rpc](data, timeout=deadline_s)
         except grpc.aio.AioRpcError as exc:
             info = error_info(exc)
-            return Outcome(exc.code().name, info.reason if info is not None else "", exc.details() or "")
-        return Outcome("OK", reply=reply)
+            return CallOutcome(exc.code().name, info.reason if info is not None else "", exc.details() or "")
+        return CallOutcome("OK", reply=reply)
 
     async def close(self) -> None:
         await self.channel.close()

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import pytest
 
 from cpcache.client import session as session_module
-from cpcache.client.messages import Ops, StepResult
+from cpcache.client.messages import CacheRequests, StepResult
 from cpcache.client.session import SchedulerSession
 
 pytestmark = pytest.mark.timeout(60)
@@ -40,8 +40,8 @@ class ModelDaemon:
         self._writes: dict[int, tuple[int, tuple[bytes, ...]]] = {}  # op -> (round it is decided in, pages)
         self._prefetches: dict[int, int] = {}  # op -> round it ends in
 
-    def step_later(self, step: int, votes: object = (), ops: Ops | None = None) -> Callable[[], StepResult]:
-        ops = ops or Ops()
+    def step_later(self, step: int, votes: object = (), ops: CacheRequests | None = None) -> Callable[[], StepResult]:
+        ops = ops or CacheRequests()
         self.steps.append(step)
         for op, pages, _device, _parent in ops.writes:
             self._writes[op] = (step + 1, tuple(pages))
