@@ -186,7 +186,7 @@ async def run(sizes: tuple[int, ...], steps: int, repeat: int) -> dict:
 
 
 def table(report: dict) -> list[str]:
-    """The figures as a Markdown table (the one BENCHMARKS.md shows)."""
+    """The figures as a Markdown table (the one docs/benchmarks.md shows)."""
     lines = ["| ranks | topology | round p50 ms | bare all-reduce p50 ms | bare exchange p50 ms "
              "| round / all-reduce (min-max) | round / exchange (min-max) "
              "| round: bytes sent per rank, payload / wire / measured "
