@@ -23,8 +23,8 @@ from cpcache.config import CacheConfig
 from cpcache.keys import ShardingSpec
 from cpcache.rank.runtime import CacheRuntime
 from cpcache.state.allocator import PageAllocator
-from cpcache.state.machine import CacheState
 from cpcache.state.intents import Intent
+from cpcache.state.machine import CacheState
 from cpcache.state.questions import BackupOutcome, CopyOutcome
 from cpcache.state.requests import CacheRequests, LoadRequest, WriteRequest
 
