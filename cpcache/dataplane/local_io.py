@@ -15,14 +15,18 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from cpcache.dataplane.movers import DEVICE, HOST, STORAGE, TransferResult, Transfers
+from cpcache.dataplane.pools import DevicePool
 from cpcache.dataplane.sessions import Session
+from cpcache.dataplane.storage import StorageBackend
 from cpcache.state.intents import CopyToDevice, CopyToHost, Fetch, Intent, Lookup, Store
 from cpcache.state.questions import NOT_YET, BackupOutcome, CopyOutcome
 
 FETCH_CHUNK_PAGES = 16  # a fetch reports progress chunk by chunk
 LOAD_JOBS_KEPT = 1 << 16  # finished loads WaitLoads still knows
+T = TypeVar("T")
 
 
 @dataclass
@@ -232,6 +236,45 @@ class LocalIO:
         for serial in closed_serials:
             for table in (self._exists, self._fetches, self._writes, self._backups, self._loads):
                 table.pop(serial, None)
+
+    # -- for the rank's attach, epochs, match and stats: the movers stay behind this door --
+
+    @property
+    def storage(self) -> StorageBackend | None:
+        return self.transfers.tiers.storage
+
+    def run_storage_call(self, fn: Callable[[], T]) -> Future[T]:
+        """A blocking storage call that is not a transfer, on the storage executor."""
+        return self.transfers.run_storage_call(fn)
+
+    def begin_session(self, epoch: int, number: int, device: DevicePool) -> None:
+        """Issue every job in a new session from now on: each binds `device` when issued."""
+        self.session = Session(epoch, number, device)
+
+    def end_session(self) -> Session:
+        """End the current session (its jobs not started yet are refused);
+        -> it, to wait until none of its jobs touches the device pool."""
+        self.session.end()
+        return self.session
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Until no host slot has I/O in flight (True), or `timeout_s` passes (False)."""
+        return self.transfers.in_flight.wait_all_idle(timeout_s)
+
+    def busy_slots(self) -> list[int]:
+        """The host slots with I/O in flight now."""
+        return self.transfers.in_flight.slots()
+
+    def transfer_counters(self) -> dict[str, dict[tuple[str, str], int]]:
+        return self.transfers.counters()
+
+    def renewed(self, storage_timeout_s: float) -> LocalIO:
+        """A fresh record of this rank's I/O over the same movers (a new epoch's)."""
+        return LocalIO(self.transfers, storage_timeout_s, self._clock)
+
+    def close(self) -> None:
+        """Stop the movers and close the storage."""
+        self.transfers.close()
 
 
 def _ended_session() -> Session:

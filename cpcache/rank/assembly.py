@@ -10,7 +10,6 @@ from cpcache.dataplane.copy_faults import CopyFaults
 from cpcache.dataplane.local_io import LocalIO
 from cpcache.dataplane.movers import Tiers, Transfers
 from cpcache.dataplane.pools import DevicePool, HostPool
-from cpcache.dataplane.sessions import Session
 from cpcache.dataplane.storage import StorageBackend
 from cpcache.dataplane.storage.faults import FaultyBackend, StorageFaults
 from cpcache.dataplane.storage.file import FileBackend
@@ -94,7 +93,7 @@ def open_runtime(config: DaemonConfig, geometry: KVGeometry, device: DevicePool,
 def start_session(runtime: CacheRuntime, epoch: int, number: int, device: DevicePool) -> CacheRuntime:
     """Issue `runtime`'s jobs in a new session from now on: each binds the
     session's device pool when it is issued (DESIGN rule 10)."""
-    runtime.io.session = Session(epoch, number, device)
+    runtime.io.begin_session(epoch, number, device)
     return runtime
 
 
@@ -107,4 +106,4 @@ def carry_over(runtime: CacheRuntime, kept: list[KeptPage], busy: list[int], sto
     state = CacheState(old.config, PageAllocator(old.allocator.pages), old.sharding, old.page_size, old.device_pages)
     restore(kept, state.index, state.allocator)
     state.carried_over(kept, busy)
-    return CacheRuntime(state, LocalIO(runtime.io.transfers, storage_timeout_s))
+    return CacheRuntime(state, runtime.io.renewed(storage_timeout_s))

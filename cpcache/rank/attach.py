@@ -146,7 +146,7 @@ class Attacher:
                 raise Unavailable("the domain formed again while this Attach was agreed; attach again")
         except BaseException:
             if runtime is not None and kept is None:
-                runtime.io.transfers.close()
+                runtime.io.close()
             raise  # a kept runtime stays kept, for the next attempt: no session was opened on it
         if kept is None and formation.kept is not None:  # another model or geometry, agreed: start clean
             old, formation.kept = formation.kept, None
@@ -162,7 +162,7 @@ class Attacher:
         key_seed = namespace_seed(model_id, geometry.dtype, config.host_layout, geometry.page_size)
         log.info("attached %r in epoch %d: %d device pages of %d bytes (%s), %d host pages resumed", model_id,
                  formation.epoch, device.pages, geometry.page_bytes, kind, resumed)
-        storage = runtime.io.transfers.tiers.storage
+        storage = runtime.io.storage
         attached = Attached(geometry.page_bytes, config.host_pool_pages, config.host_layout,
                             storage.name if storage else "none", key_seed, resumed)
         self._last = _LastAttach(stepper, descriptor, device.identity, stepper.last_step, attached)

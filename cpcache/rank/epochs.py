@@ -90,7 +90,7 @@ class RankHost(Protocol):
 async def close_storage(runtime: CacheRuntime, what: str) -> None:
     """Close a cache's storage; one that hangs does not hold the caller."""
     try:
-        await bounded_async(runtime.io.transfers.close, CLOSE_S, what)
+        await bounded_async(runtime.io.close, CLOSE_S, what)
     except StoreTimeout:
         log.warning("%s did not finish within %.0fs; going on without it", what, CLOSE_S)
 
@@ -293,14 +293,13 @@ class Formation:
         # The session ends: its jobs not yet started are refused from now on,
         # and its pool is let go only once none of its jobs touches it
         # (counted: only copies already running remain, and they end).
-        session = runtime.io.session
-        session.end()
+        session = runtime.io.end_session()
         await bounded_async(session.wait_device_quiet, None, "device-quiet")
         drain_s = 2 * self.config.storage_timeout_s + 5.0
-        idle = await asyncio.to_thread(runtime.io.transfers.in_flight.wait_all_idle, drain_s)
+        idle = await asyncio.to_thread(runtime.io.wait_idle, drain_s)
         self.kept, self.attached_with = held, None
         if not idle:
-            busy = runtime.io.transfers.in_flight.slots()
+            busy = runtime.io.busy_slots()
             log.warning("I/O still in flight after %.0fs on %d slots: this rank carries no pages over, and "
                         "those slots stay out of use until it ends", drain_s, len(busy))
             return carryover.encode([], busy)

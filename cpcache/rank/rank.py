@@ -128,7 +128,7 @@ class Rank:
         if any(len(p) != 32 for p in pages):
             raise InvalidArgument("match: page hashes are 32-byte sha256 digests")
         host = runtime.state.match(pages)
-        backend = runtime.io.transfers.tiers.storage
+        backend = runtime.io.storage
         if backend is None or not pages or host_only:
             return host, 0
         keys = list(runtime.state.sharding.storage_keys(pages))
@@ -137,7 +137,7 @@ class Rank:
             # On the storage executor (never the loop's default pool, which
             # exit waits for); a call still queued at the deadline is dropped.
             storage = await bounded_async(lambda: backend.exists_prefix(keys), timeout_s, "match",
-                                          start=runtime.io.transfers.run_storage_call)
+                                          start=runtime.io.run_storage_call)
         except StoreTimeout:
             raise Unavailable(f"match: storage did not answer within storage_timeout_s ({timeout_s:g}s)") from None
         except RuntimeError as exc:  # the storage executor is shut down: the daemon is stopping

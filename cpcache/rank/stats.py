@@ -117,8 +117,7 @@ class RankStats:
 
 
 def _cache_stats(runtime: CacheRuntime) -> CacheStats:
-    transfers = runtime.io.transfers
-    storage = transfers.tiers.storage
+    storage = runtime.io.storage
     return CacheStats(dict(runtime.state.stats()), runtime.state.digest, dict(runtime.state.hit_pages),
-                      transfers.in_flight.count(), transfers.counters(),
+                      len(runtime.io.busy_slots()), runtime.io.transfer_counters(),
                       storage.counters() if storage is not None else {})

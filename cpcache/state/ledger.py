@@ -81,7 +81,7 @@ class Ledger:
         # scheduler cannot avoid at lag >= 1 (it learns of the end later), so
         # it is taken and ignored rather than refused.
         self.ended_prefetches: collections.OrderedDict[int, None] = collections.OrderedDict()
-        self.closed: list[int] = []  # serials closed since the data plane last forgot them
+        self._closed: list[int] = []  # serials closed since the data plane last forgot them
         self.stores: list[Store] = []  # backups queued in the round being applied, started at its end
         self.digest = 0
         self.step = 0  # the step whose operations opened last
@@ -114,9 +114,14 @@ class Ledger:
 
     def close(self, op: Operation, op_id: int | None = None) -> None:
         del self.open_ops[op.serial]
-        self.closed.append(op.serial)
+        self._closed.append(op.serial)
         if op_id is not None:
             del self.by_op_id[op_id]
+
+    def take_closed(self) -> list[int]:
+        """The serials closed since the last call (each told once)."""
+        closed, self._closed = self._closed, []
+        return closed
 
     def find(self, op_id: int, kind: type[OpT]) -> OpT | None:
         """The open operation of `kind` the scheduler calls `op_id`, if any."""

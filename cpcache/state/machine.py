@@ -73,10 +73,6 @@ class CacheState:
         return self.ledger.by_op_id
 
     @property
-    def closed(self) -> list[int]:
-        return self.ledger.closed
-
-    @property
     def digest(self) -> int:
         return self.ledger.digest
 
@@ -204,9 +200,7 @@ class CacheState:
 
     def take_closed(self) -> list[int]:
         """The serials closed since the last call: the data plane forgets them."""
-        closed = list(self.ledger.closed)
-        self.ledger.closed.clear()
-        return closed
+        return self.ledger.take_closed()
 
     def open_questions(self) -> int:
         """Operations the next rounds may ask about."""

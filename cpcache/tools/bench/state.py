@@ -2,10 +2,12 @@
 in process, with nothing else on the thread: one `CacheState` driven the way
 a replay drives a daemon's (write-throughs of new page chains with the host
 pool full, so every write evicts; a load of a resident chain; the backups
-the write policy queues), every I/O ended at once. It times `open` and
-`apply` with the thread's CPU clock, in blocks, and reports the median block
-per step and per page written: the part of a step's `open` + `apply` phases
-that is the state machine's own Python, free of a shared host's noise."""
+the write policy queues), every I/O ended at once. Each round is applied
+by the rank's own `CacheRuntime.apply_round`, the one the stepper runs. It
+times its `open` and `apply` phases with the thread's CPU clock, in blocks,
+and reports the median block per step and per page written: the part of a
+step's `open` + `apply` phases that is the state machine's own Python, free
+of a shared host's noise."""
 
 from __future__ import annotations
 
@@ -16,10 +18,12 @@ import statistics
 import sys
 import time
 
-from cpcache.agreement.rounds import MIN_CAPACITY, RoundInput
+from cpcache.agreement.rounds import MIN_CAPACITY, Questions
 from cpcache.config import CacheConfig
 from cpcache.keys import ShardingSpec
+from cpcache.rank.runtime import CacheRuntime
 from cpcache.state.allocator import PageAllocator
+from cpcache.state.intents import Intent
 from cpcache.state.machine import CacheState
 from cpcache.state.questions import BackupOutcome, CopyOutcome
 from cpcache.state.requests import CacheRequests, LoadRequest, WriteRequest
@@ -32,7 +36,17 @@ LOAD_PAGES = 20
 
 
 class _AllDone:
-    """Every rank's I/O has ended well the moment it starts."""
+    """Every rank's I/O has ended well the moment it starts: nothing to
+    start, drain or forget."""
+
+    def start(self, intents: list[Intent]) -> None:
+        pass
+
+    def drain(self) -> None:
+        pass
+
+    def forget(self, closed_serials: list[int]) -> None:
+        pass
 
     def exists(self, serial: int) -> int:
         return 0
@@ -67,7 +81,7 @@ class Driver:
     def __init__(self, write_policy: str = "write_through", host_pages: int = HOST_PAGES) -> None:
         self.state = CacheState(CacheConfig(write_policy=write_policy), PageAllocator(host_pages), ShardingSpec(), 16,
                                 DEVICE_PAGES)
-        self.io = _AllDone()
+        self.runtime = CacheRuntime(self.state, _AllDone())  # type: ignore[arg-type]
         self.capacity = MIN_CAPACITY
         self.op = 0
         self.next_page = 0
@@ -91,22 +105,35 @@ class Driver:
         return CacheRequests(writes=tuple(writes), loads=tuple(loads))
 
     def step(self) -> tuple[float, float]:
-        """One step: its round (one rank: the MIN is its own vector), then
-        open and apply as the stepper does. -> CPU seconds (open, apply)."""
+        """One step: its round (one rank: the MIN is its own vector), applied
+        as the stepper applies it. -> CPU seconds (open, apply)."""
         self.number += 1
         requests = self.requests()
-        self.state.check(requests)
-        questions, labels = self.state.questions(self.io)
-        round_input = RoundInput.pack(self.number, questions, self.state.digest, 0, labels)
+        self.runtime.check(requests)
+        round_input = self.runtime.pack(self.number, Questions.empty(), self.runtime.digest, requests)
         vector, self.capacity = round_input.reduce(lambda v: None, self.capacity)
         result = round_input.settle(vector)
-        started = time.thread_time()
-        self.state.open(self.number, requests)
-        opened = time.thread_time()
-        self.state.apply(result)
-        self.state.index.take_changes()
-        self.state.closed.clear()
-        return opened - started, time.thread_time() - opened
+        clock = _CPULaps()
+        self.runtime.apply_round(self.number, requests, result, _no_io, clock)
+        clock.lap("end")
+        return clock.between(None, "open"), clock.between("io", "end")
+
+
+def _no_io(intents: list[Intent]) -> None:
+    pass
+
+
+class _CPULaps:
+    """The thread's CPU clock at each phase `apply_round` ends."""
+
+    def __init__(self) -> None:
+        self.at: dict[str | None, float] = {None: time.thread_time()}
+
+    def lap(self, phase: str) -> None:
+        self.at[phase] = time.thread_time()
+
+    def between(self, start: str | None, end: str) -> float:
+        return self.at[end] - self.at[start]
 
 
 def run(steps: int, repeat: int, write_policy: str = "write_through", host_pages: int = HOST_PAGES) -> dict:
