@@ -109,10 +109,10 @@ class SimScheduler:
             session.poll(op)
         for request in arrivals:
             await self._admit(request)
-        step, ops = session.next_step()
+        step, requests = session.next_step()
         started = time.perf_counter()
         # A full host pool is not an error: such writes come back in write_failures.
-        reply = await self.client.step(step, ops=ops)
+        reply = await self.client.step(step, requests=requests)
         self.round_latencies.append(time.perf_counter() - started)
         session.follow(reply)  # prefetches ended here queue their loads for the next step
         self._finish_ready()
