@@ -110,7 +110,7 @@ class SoakReport:
     cancelled_calls: int = 0
     cancelled_mid_round: int = 0  # of which: cancelled while the daemon held the step in its round
     retried_steps: int = 0
-    loaded_pages_verified: int = 0
+    verified_pages: int = 0
     cache: Tally = field(default_factory=Tally)  # the cache operations of the steps taken, and their outcomes
     votes_per_step: float = 0.0  # mean, over the steps sent
     max_votes_per_step: int = 0
@@ -140,7 +140,7 @@ def rank_spec(run_dir: Path, seed: int, host_pool_pages: int) -> DomainSpec:
                       per_rank=per_rank)
 
 
-class Driver:
+class ReplicatedScheduler:
     """The replicated scheduler: one model of the cache operations, sent
     alike to every rank; per-rank device pools with per-rank page bytes."""
 
@@ -402,7 +402,7 @@ class Driver:
                     if not np.array_equal(read_page(self.pools[rank], d), self._content(rank, page)):
                         t.wrong_bytes += 1
                         t.note(f"load {op_id}: rank {rank} device page {d} holds wrong bytes")
-                    t.loaded_pages_verified += 1
+                    t.verified_pages += 1
             self.free.extend(targets)
             self.busy.difference_update(chain)
 
@@ -413,7 +413,7 @@ async def soak(cfg: SoakConfig, progress: Callable[[SoakReport, float], None] | 
     run_dir = Path(tempfile.mkdtemp(prefix="cpsoak-")) if cfg.run_dir is None else cfg.run_dir
     started = time.perf_counter()
     async with LocalDomain(rank_spec(run_dir, cfg.seed, cfg.host_pool_pages)) as domain:
-        driver = Driver(cfg, domain, run_dir)
+        driver = ReplicatedScheduler(cfg, domain, run_dir)
         await driver.attach()
         t = driver.t
         loop_started = time.perf_counter()

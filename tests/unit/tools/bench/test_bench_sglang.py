@@ -17,8 +17,8 @@ from cpcache.integrations.sglang.timing import SchedulerTime
 from cpcache.tools.bench import sglang
 from cpcache.tools.bench.sglang import (
     SERVERS,
+    PromptWaves,
     Stream,
-    Workload,
     backend_delta,
     backend_lines,
     block_ratios,
@@ -115,7 +115,7 @@ def test_ratios_are_taken_per_block_and_reported_as_the_median_with_spread():
 
 
 def test_the_report_has_every_server_ratio_target_and_the_backends_time():
-    workload = Workload(requests=4, waves=2, new_tokens=32)
+    workload = PromptWaves(requests=4, waves=2, new_tokens=32)
     report = summarize(fake_blocks(), 0, workload, 250.0, {"start": [1.0], "end": [2.0]}, 400.0)
     json.dumps(report)  # serializable as --json prints it
     assert set(report["servers"]) == set(SERVERS)
@@ -161,7 +161,7 @@ def test_cpu_seconds_sum_a_process_group_and_named_pids(monkeypatch):
 
 
 def test_prompts_share_a_prefix_within_a_block_and_differ_between_blocks():
-    workload = Workload(requests=3, waves=2, new_tokens=8)
+    workload = PromptWaves(requests=3, waves=2, new_tokens=8)
     waves = workload.prompts(0)
     assert len(waves) == 2 and all(len(w) == 3 for w in waves)
     flat = [p for w in waves for p in w]
