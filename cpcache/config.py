@@ -141,9 +141,11 @@ class DaemonConfig:
                                       "UNAVAILABLE.")
     kv_cp_sharding: str = setting("cp_replicated", "How CP ranks hold a page: cp_replicated or cp_sharded.",
                                   choices=KV_CP_SHARDINGS)
-    prefetch_policy: str = setting(_CACHE.prefetch_policy, "When a prefetch may end: best_effort, wait_complete, timeout.",
+    prefetch_policy: str = setting(_CACHE.prefetch_policy,
+                                   "When a prefetch may end: best_effort, wait_complete, timeout.",
                                    choices=PREFETCH_POLICIES)
-    prefetch_threshold_tokens: int = setting(_CACHE.prefetch_threshold_tokens, "Prefetches whose storage hit is below this are revoked.")
+    prefetch_threshold_tokens: int = setting(_CACHE.prefetch_threshold_tokens,
+                                             "Prefetches whose storage hit is below this are revoked.")
     prefetch_timeout_base_s: float = setting(_CACHE.prefetch_timeout_base_s, "timeout policy: base seconds.")
     prefetch_timeout_per_ki_token_s: float = setting(_CACHE.prefetch_timeout_per_ki_token_s,
                                                      "timeout policy: seconds per 1024 tokens.")

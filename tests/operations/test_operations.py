@@ -255,6 +255,8 @@ CPCACHE_FAMILIES = {
     "cpcache_transfer_failures_total": "counter",
     "cpcache_late_transfers_refused_total": "counter",
     "cpcache_host_pages": "gauge",
+    "cpcache_pool_handover_events_total": "counter",
+    "cpcache_pool_tickets_held": "gauge",
     "grpc_server_started_total": "counter",
     "grpc_server_handled_total": "counter",
     "grpc_server_handling_seconds": "histogram",
@@ -407,6 +409,10 @@ def test_scrapes_read_daemon_values_on_its_event_loop():
         config = DaemonConfig(rank=0)
         rank = Rank()
 
+        def handover_stats(self):
+            readers.append(threading.get_ident())
+            return {}
+
     collector = DaemonCollector(Daemon())
     loop = asyncio.new_event_loop()
     loop_thread = threading.Thread(target=loop.run_forever, daemon=True)
@@ -418,7 +424,7 @@ def test_scrapes_read_daemon_values_on_its_event_loop():
         loop.call_soon_threadsafe(loop.stop)
         loop_thread.join(10)
         loop.close()
-    assert readers == [loop_thread.ident]
+    assert readers == [loop_thread.ident] * 2
     assert {"cpcache_build_info", "grpc_server_handled", "grpc_server_handling_seconds"} <= families
     collector.bind(loop)  # a closed loop: the scrape shows what needs no loop
     assert [m.name for m in collector.collect()] == ["cpcache_build_info"]
