@@ -55,6 +55,9 @@ class CacheConfig:
         )
 
 
+_CACHE = CacheConfig()  # the cache settings' defaults: DaemonConfig's are these
+
+
 def setting(default: T, help: str, **kwargs: object) -> T:
     return field(default=default, metadata={"help": help, **kwargs})
 
@@ -138,13 +141,16 @@ class DaemonConfig:
                                       "UNAVAILABLE.")
     kv_cp_sharding: str = setting("cp_replicated", "How CP ranks hold a page: cp_replicated or cp_sharded.",
                                   choices=KV_CP_SHARDINGS)
-    prefetch_policy: str = setting("best_effort", "When a prefetch may end: best_effort, wait_complete, timeout.",
+    prefetch_policy: str = setting(_CACHE.prefetch_policy,
+                                   "When a prefetch may end: best_effort, wait_complete, timeout.",
                                    choices=PREFETCH_POLICIES)
-    prefetch_threshold_tokens: int = setting(256, "Prefetches whose storage hit is below this are revoked.")
-    prefetch_timeout_base_s: float = setting(2.0, "timeout policy: base seconds.")
-    prefetch_timeout_per_ki_token_s: float = setting(0.1, "timeout policy: seconds per 1024 tokens.")
-    prefetch_timeout_max_s: float = setting(30.0, "timeout policy: upper bound in seconds.")
-    write_policy: str = setting("write_through",
+    prefetch_threshold_tokens: int = setting(_CACHE.prefetch_threshold_tokens,
+                                             "Prefetches whose storage hit is below this are revoked.")
+    prefetch_timeout_base_s: float = setting(_CACHE.prefetch_timeout_base_s, "timeout policy: base seconds.")
+    prefetch_timeout_per_ki_token_s: float = setting(_CACHE.prefetch_timeout_per_ki_token_s,
+                                                     "timeout policy: seconds per 1024 tokens.")
+    prefetch_timeout_max_s: float = setting(_CACHE.prefetch_timeout_max_s, "timeout policy: upper bound in seconds.")
+    write_policy: str = setting(_CACHE.write_policy,
                                 "Backups to storage: write_through, write_through_selective, write_back.",
                                 choices=WRITE_POLICIES)
     metrics_address: str = setting("", "Serve Prometheus metrics on host:port (port 0: any free port); empty: off.")
@@ -159,8 +165,6 @@ class DaemonConfig:
         if self.rank < 0:
             raise bad("rank", "is required and must be >= 0")
         self.topology.check_rank(self.rank)
-        if self.mode not in MODES:
-            raise bad("mode", f"must be one of {', '.join(MODES)}")
         if self.agreement_lag < 0:
             raise bad("agreement_lag", "must be >= 0")
         for name in ("agreement_timeout_s", "rendezvous_timeout_s", "heartbeat_interval_s", "storage_timeout_s",
@@ -181,18 +185,14 @@ class DaemonConfig:
             raise bad("tls_cert", "tls_cert and tls_key go together")
         if not self.socket:
             raise bad("socket", "must be a path")
-        if self.storage not in ("none", "file", "mooncake"):
-            raise bad("storage", "must be none, file or mooncake")
         if self.max_concurrent_rpcs < 1:
             raise bad("max_concurrent_rpcs", "must be >= 1")
         if self.host_pool_max_bytes < 1:
             raise bad("host_pool_max_bytes", "must be >= 1")
         if self.host_pool_pages < 1 or self.io_threads < 1:
             raise bad("host_pool_pages" if self.host_pool_pages < 1 else "io_threads", "must be >= 1")
-        if self.kv_cp_sharding not in ("cp_replicated", "cp_sharded"):
-            raise bad("kv_cp_sharding", "must be cp_replicated or cp_sharded")
         _ = self.cache_config  # validates the policies, naming them
-        for f in dataclasses.fields(self):  # every other setting with a fixed set of values
+        for f in dataclasses.fields(self):  # every setting with a fixed set of values (mode, storage, ...)
             choices = f.metadata.get("choices")
             value = getattr(self, f.name)
             if choices and (value.upper() if f.name == "log_level" else value) not in choices:
@@ -206,14 +206,9 @@ class DaemonConfig:
 
     @property
     def cache_config(self) -> CacheConfig:
-        return CacheConfig(
-            prefetch_policy=self.prefetch_policy,
-            prefetch_threshold_tokens=self.prefetch_threshold_tokens,
-            prefetch_timeout_base_s=self.prefetch_timeout_base_s,
-            prefetch_timeout_per_ki_token_s=self.prefetch_timeout_per_ki_token_s,
-            prefetch_timeout_max_s=self.prefetch_timeout_max_s,
-            write_policy=self.write_policy,
-        )
+        # The cache settings a daemon takes are the CacheConfig fields of the same name.
+        return CacheConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(CacheConfig)
+                              if f.name in PRODUCTION_SETTINGS})
 
     @property
     def socket_path(self) -> str:

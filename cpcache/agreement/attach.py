@@ -38,13 +38,16 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from cpcache.agreement.bounded import bounded
 from cpcache.errors import FailedPrecondition, Unavailable
 from cpcache.hashing import hash62
+
+if TYPE_CHECKING:  # the collective module imports torch; a confirmation needs only its vector MIN
+    from cpcache.agreement.collective import Reducer
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +71,6 @@ def _decision(namespace: str, attempt: int) -> str:
 
 def _decided(namespace: str) -> str:
     return f"{_prefix(namespace)}/decided"  # the highest attempt with a decision
-
-
-class Reducer(Protocol):
-    def min_inplace(self, vector: np.ndarray) -> None: ...
 
 
 class Unconfirmed(Unavailable):

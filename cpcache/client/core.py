@@ -118,8 +118,8 @@ class Call(Generic[T]):
     service: str = "daemon"  # or "health"
 
 
-def _step_call(step: int, votes: Iterable[tuple[int, Reduce, int]], ops: CacheRequests | None) -> Call[StepResult]:
-    return Call("Step", step_request(step, votes, ops), step_result)
+def _step_call(step: int, votes: Iterable[tuple[int, Reduce, int]], requests: CacheRequests | None) -> Call[StepResult]:
+    return Call("Step", step_request(step, votes, requests), step_result)
 
 
 def _attach_call(model_id: str, geometry: KVGeometry, device_pages: int, shm_ticket: str,
@@ -193,9 +193,10 @@ class _Face:
     def _send(self, build: Callable[..., Call[Any]], *args: Any) -> Any:
         raise NotImplementedError
 
-    def step(self, step: int, votes: Iterable[tuple[int, Reduce, int]] = (), ops: CacheRequests | None = None) -> Any:
+    def step(self, step: int, votes: Iterable[tuple[int, Reduce, int]] = (),
+             requests: CacheRequests | None = None) -> Any:
         """One scheduler iteration: -> StepResult."""
-        return self._send(_step_call, step, votes, ops)
+        return self._send(_step_call, step, votes, requests)
 
     def attach(self, model_id: str, geometry: KVGeometry, device_pages: int, pool_fd: int = -1,
                cuda_ipc: dict[str, Any] | None = None, placement: tuple[Topology, int] | None = None) -> Any:
@@ -294,10 +295,10 @@ class AsyncStepStream:
         self._call: Any = None
         self._lock: asyncio.Lock | None = None  # made on first use, inside the loop
 
-    async def step(self, step: int, votes: Iterable[tuple[int, Reduce, int]] = (), ops: CacheRequests | None = None
+    async def step(self, step: int, votes: Iterable[tuple[int, Reduce, int]] = (), requests: CacheRequests | None = None
                    ) -> StepResult:
         """One scheduler iteration: -> StepResult."""
-        call = _step_call(step, votes, ops)
+        call = _step_call(step, votes, requests)
         _, kwargs = self._client._prepare(call)  # refuses an oversized request, unsent
         if self._lock is None:
             self._lock = asyncio.Lock()
@@ -357,10 +358,10 @@ class Client(_Face):
         return call.read(reply)
 
     def step_later(self, step: int, votes: Iterable[tuple[int, Reduce, int]] = (),
-                   ops: CacheRequests | None = None) -> Callable[[], StepResult]:
+                   requests: CacheRequests | None = None) -> Callable[[], StepResult]:
         """Send step `step` now and return at once: -> what waits for its
         reply (raising as `step` would). The round runs meanwhile."""
-        call = _step_call(step, votes, ops)
+        call = _step_call(step, votes, requests)
         method, kwargs = self._prepare(call)
         future = method.future(call.request, **kwargs)  # type: ignore[attr-defined]  # a grpc multi-callable
 

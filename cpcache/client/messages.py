@@ -43,24 +43,24 @@ class CacheRequests:
     """Cache operations for one step (the client side of the daemon's `CacheRequests`, cpcache.state.requests)."""
 
     prefetches: tuple = ()  # (op_id, pages, tokens[, parent])
-    polls: tuple = ()  # prefetch op ids
+    prefetch_polls: tuple = ()  # prefetch op ids
     revokes: tuple = ()  # prefetch op ids
     writes: tuple = ()  # (op_id, pages, device_pages[, parent])
     loads: tuple = ()  # (op_id, pages, device_pages)
 
 
 def step_request(step: int, votes: Iterable[tuple[int, Reduce, int]] = (),
-                 ops: CacheRequests | None = None) -> pb.StepRequest:
+                 requests: CacheRequests | None = None) -> pb.StepRequest:
     request = pb.StepRequest(step=step)
-    if ops is not None:
-        for op_id, pages, tokens, *parent in ops.prefetches:
+    if requests is not None:
+        for op_id, pages, tokens, *parent in requests.prefetches:
             request.prefetches.add(op_id=op_id, pages=pages, tokens=tokens, parent=parent[0] if parent else b"")
-        request.prefetch_polls.extend(ops.polls)
-        request.revokes.extend(ops.revokes)
-        for op_id, pages, device_pages, *parent in ops.writes:
+        request.prefetch_polls.extend(requests.prefetch_polls)
+        request.revokes.extend(requests.revokes)
+        for op_id, pages, device_pages, *parent in requests.writes:
             request.writes.add(op_id=op_id, pages=pages, device_pages=device_pages,
                                parent=parent[0] if parent and parent[0] else b"")
-        for op_id, pages, device_pages in ops.loads:
+        for op_id, pages, device_pages in requests.loads:
             request.loads.add(op_id=op_id, pages=pages, device_pages=device_pages)
     votes = list(votes)
     if votes:

@@ -31,19 +31,19 @@ class Tally:
     prefetch_done: int = 0
     prefetched_pages: int = 0  # pages the ended prefetches brought to the host pool
     prefetch_revoked: int = 0
-    polls: int = 0
+    prefetch_polls: int = 0
     revokes: int = 0
     backups_stored: int = 0  # host -> storage, by the daemon's write policy
     backups_failed: int = 0
 
-    def carried(self, ops: CacheRequests, sign: int = 1) -> None:
+    def carried(self, requests: CacheRequests, sign: int = 1) -> None:
         """Count what a step carries (`sign` -1: a step not taken after all)."""
-        self.writes += sign * len(ops.writes)
-        self.written_pages += sign * sum(len(w[1]) for w in ops.writes)
-        self.loads += sign * len(ops.loads)
-        self.prefetches += sign * len(ops.prefetches)
-        self.polls += sign * len(ops.polls)
-        self.revokes += sign * len(ops.revokes)
+        self.writes += sign * len(requests.writes)
+        self.written_pages += sign * sum(len(w[1]) for w in requests.writes)
+        self.loads += sign * len(requests.loads)
+        self.prefetches += sign * len(requests.prefetches)
+        self.prefetch_polls += sign * len(requests.prefetch_polls)
+        self.revokes += sign * len(requests.revokes)
 
     def followed(self, reply: StepResult) -> None:
         """Count what a reply agreed that is not about one open operation."""

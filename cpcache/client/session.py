@@ -48,17 +48,17 @@ class _Unsent:
     """The operations collected since the last step, in `CacheRequests` field order."""
 
     prefetches: list = field(default_factory=list)
-    polls: list = field(default_factory=list)
+    prefetch_polls: list = field(default_factory=list)
     revokes: list = field(default_factory=list)
     writes: list = field(default_factory=list)
     loads: list = field(default_factory=list)
 
-    def ops(self) -> CacheRequests:
-        return CacheRequests(tuple(self.prefetches), tuple(self.polls), tuple(self.revokes), tuple(self.writes),
-                   tuple(self.loads))
+    def requests(self) -> CacheRequests:
+        return CacheRequests(tuple(self.prefetches), tuple(self.prefetch_polls), tuple(self.revokes),
+                             tuple(self.writes), tuple(self.loads))
 
     def any(self) -> bool:
-        return bool(self.prefetches or self.polls or self.revokes or self.writes or self.loads)
+        return bool(self.prefetches or self.prefetch_polls or self.revokes or self.writes or self.loads)
 
 
 @dataclass
@@ -157,15 +157,15 @@ class SchedulerSession:
 
     def poll(self, op: int) -> None:
         """Ask the next step whether this prefetch may end now (once per step)."""
-        if op not in self._unsent.polls and all(p[0] != op for p in self._unsent.prefetches):
-            self._unsent.polls.append(op)
+        if op not in self._unsent.prefetch_polls and all(p[0] != op for p in self._unsent.prefetches):
+            self._unsent.prefetch_polls.append(op)
 
     def revoke(self, op: int) -> None:
         """Ask the next step to end this prefetch; it stays open until agreed."""
         self._unsent.revokes.append(op)
 
     def open_prefetches(self) -> list[int]:
-        """The prefetch ops sent and not ended, oldest first."""
+        """The prefetches sent and not ended, oldest first."""
         unsent = {p[0] for p in self._unsent.prefetches}
         return [op for op in self._prefetches if op not in unsent]
 
@@ -203,7 +203,7 @@ class SchedulerSession:
         if unsent:  # never sent: nothing to revoke
             self._unsent.prefetches.remove(unsent[0])
         else:
-            self._unsent.polls = [p for p in self._unsent.polls if p != op]
+            self._unsent.prefetch_polls = [p for p in self._unsent.prefetch_polls if p != op]
             self._unsent.revokes.append(op)
 
     # -- the step: taken, sent by the caller, followed ----------------------------------
@@ -215,21 +215,21 @@ class SchedulerSession:
     def next_step(self) -> tuple[int, CacheRequests]:
         """The next step's number and the operations collected for it."""
         self._step += 1
-        ops, self._unsent = self._unsent.ops(), _Unsent()
-        self.tally.carried(ops)
-        return self._step, ops
+        requests, self._unsent = self._unsent.requests(), _Unsent()
+        self.tally.carried(requests)
+        return self._step, requests
 
-    def not_taken(self, ops: CacheRequests) -> None:
-        """The step that carried `ops` was taken by no rank (refused, or
+    def not_taken(self, requests: CacheRequests) -> None:
+        """The step that carried `requests` was taken by no rank (refused, or
         failed everywhere): what it opened ends as not done, uncounted."""
-        self.tally.carried(ops, sign=-1)
-        for write in ops.writes:
+        self.tally.carried(requests, sign=-1)
+        for write in requests.writes:
             self._end_write(write[0], False)
-        for load in ops.loads:
+        for load in requests.loads:
             _, done = self._loads.pop(load[0])
             if done is not None:
                 done(False)
-        for prefetch in ops.prefetches:
+        for prefetch in requests.prefetches:
             self._end_prefetch(prefetch[0], 0)
 
     def follow(self, reply: StepResult) -> StepResult:
@@ -336,8 +336,8 @@ class SchedulerSession:
 
     def _send(self) -> None:
         assert self.client is not None, "a session without a client: its caller sends each step (next_step)"
-        step, ops = self.next_step()
-        self._in_flight = self.client.step_later(step, ops=ops)
+        step, requests = self.next_step()
+        self._in_flight = self.client.step_later(step, requests=requests)
 
     @contextlib.contextmanager
     def _timed(self) -> Iterator[None]:

@@ -42,10 +42,10 @@ from cpcache.values import split_host_port
 
 log = logging.getLogger(__name__)
 
-RANK_LABELS = ("rank", "tp_rank", "pp_rank", "dp_rank", "cp_rank")
 # Unary calls on a unix socket take well under a millisecond; Attach and
 # steps that wait for peers take seconds.
 RPC_BOUNDS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+HANDOVER_PREFIX = "pool_handover_"  # the handover's counters in `Daemon.handover_stats`
 SNAPSHOT_TIMEOUT_S = 5.0  # a loop that cannot answer a scrape in this long: the scrape gets what is safe
 
 
@@ -170,12 +170,14 @@ class Snapshot:
     rpcs: tuple[dict[tuple[str, str, str], int], dict[tuple[str, str, str, str], int],
                 dict[tuple[str, str, str], tuple[list[int], float]]]
     rank: RankStats
+    handover: dict[str, int]  # `Daemon.handover_stats`: the pool handover's counters
 
 
 class DaemonCollector:
     def __init__(self, daemon: Any) -> None:
-        """`daemon`: the running `server.Daemon`. Its rank's stats are read
-        on its event loop only (`bind`), never from the metrics thread."""
+        """`daemon`: the running `server.Daemon`. Its rank's stats and the
+        pool handover's are read on its event loop only (`bind`), never from
+        the metrics thread."""
         self._daemon = daemon
         config = daemon.config
         self.labels = rank_labels(config.topology, config.rank)
@@ -188,7 +190,7 @@ class DaemonCollector:
 
     def snapshot(self) -> Snapshot:
         """Runs on the event loop."""
-        return Snapshot(self.rpc.snapshot(), self._daemon.rank.stats())
+        return Snapshot(self.rpc.snapshot(), self._daemon.rank.stats(), self._daemon.handover_stats())
 
     def _snapshot_from_loop(self) -> Snapshot | None:
         loop = self._loop
@@ -224,6 +226,7 @@ class DaemonCollector:
             return
         yield from _rpc_families(*snap.rpcs)
         yield from _rank_families(snap.rank, names, values)
+        yield from _handover_families(snap.handover, names, values)
 
 
 def _rank_families(stats: RankStats, names: list[str], values: list[str]) -> Iterator[Metric]:
@@ -275,6 +278,22 @@ def _rank_families(stats: RankStats, names: list[str], values: list[str]) -> Ite
     for name in ("used", "free", "retiring"):
         occupancy.add_metric(values + [name], cache.state[f"host_pages_{name}"])
     yield from (hits, pages, moved, errors, refused, occupancy)
+
+
+def _handover_families(stats: dict[str, int], names: list[str], values: list[str]) -> Iterator[Metric]:
+    """The `pool_handover_*` counters and `pool_tickets_held`, as the `Stats` RPC names them."""
+    if not stats:
+        return  # the handover has not started
+    events = CounterMetricFamily("cpcache_pool_handover_events",
+                                 "What the pool handover refused or waited out, by kind (docs/security.md)",
+                                 labels=names + ["event"])
+    for key, n in sorted(stats.items()):
+        if key.startswith(HANDOVER_PREFIX):
+            events.add_metric(values + [key.removeprefix(HANDOVER_PREFIX)], n)
+    held = GaugeMetricFamily("cpcache_pool_tickets_held", "Pool tickets handed over and not yet taken by an Attach",
+                             labels=names)
+    held.add_metric(values, stats.get("pool_tickets_held", 0))
+    yield from (events, held)
 
 
 def _rpc_families(started: dict[tuple[str, str, str], int], handled: dict[tuple[str, str, str, str], int],

@@ -119,9 +119,14 @@ class Daemon:
         log.info("attach: pool of %d pages handed over by pid %d (uid %d)", device_pages, pid, uid)
         return device
 
+    def handover_stats(self) -> dict[str, int]:
+        """What the pool handover refused or waited out, and the tickets it
+        holds (docs/security.md, "Resource budget"); none before it starts.
+        The `Stats` RPC and the metrics both read it here."""
+        return self._pools.stats() if self._pools is not None else {}
+
     def stats(self) -> dict[str, int]:
-        # With what the pool handover refused (docs/security.md, "Resource budget").
-        return {**self.rank.stats().counters(), **(self._pools.stats() if self._pools is not None else {})}
+        return {**self.rank.stats().counters(), **self.handover_stats()}
 
     def status(self) -> DaemonStatus:
         rank, stats, failure = self.rank, self.rank.stats(), self.rank.failure

@@ -92,7 +92,7 @@ class Rank:
         """The stepper deciding now; `Unavailable` (or the engine's failure) if none is."""
         return self.formation.admit()
 
-    def runtime(self) -> CacheRuntime:
+    def attached_runtime(self) -> CacheRuntime:
         """The attached cache, while decisions are taken."""
         runtime = self.admit().runtime
         if runtime is None:
@@ -123,7 +123,7 @@ class Rank:
         """How many leading `pages` the host pool holds, and storage (0
         when `host_only`): a storage that does not answer within
         `storage_timeout_s` is `Unavailable`."""
-        runtime = self.runtime()
+        runtime = self.attached_runtime()
         pages = list(pages)
         if any(len(p) != 32 for p in pages):
             raise InvalidArgument("match: page hashes are 32-byte sha256 digests")
@@ -147,7 +147,7 @@ class Rank:
     async def wait_loads(self, op_ids: Sequence[int], timeout_s: float) -> None:
         """Wait until this rank's copies of the loads `op_ids` have ended
         (0: no limit); `Unavailable` if one failed or the time ran out."""
-        runtime = self.runtime()
+        runtime = self.attached_runtime()
         if not (math.isfinite(timeout_s) and 0 <= timeout_s <= MAX_WAIT_S):
             raise InvalidArgument(f"timeout_s must be between 0 and {MAX_WAIT_S:.0f} seconds")
         futures = []

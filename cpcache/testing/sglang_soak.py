@@ -38,7 +38,7 @@ from cpcache.testing.sglang_cpu.stacks import DOCS, SLOW_RANK, Shape, Stack, pro
 TURNS = 4  # distinct turns per document: the reference answers each prompt once
 
 
-class Traffic:
+class HttpTraffic:
     """What the HTTP clients sent and got back (the server's cache decisions
     are in its ranks' decision logs)."""
 
@@ -55,7 +55,7 @@ class Traffic:
                     "first_wrong": self.first_wrong[:3]}
 
 
-def client_loop(stack: Stack, traffic: Traffic, seed: int, deadline: float, hang_s: float,
+def client_loop(stack: Stack, traffic: HttpTraffic, seed: int, deadline: float, hang_s: float,
                 system: list[int], docs: list[list[int]]) -> None:
     rng = random.Random(seed)
     while time.monotonic() < deadline:
@@ -116,7 +116,7 @@ def run(args: argparse.Namespace, work: Path) -> dict:
                  per_rank=perturbed) as stack:
         ready_s = time.monotonic() - began
         system, docs = workload(seed=args.seed, docs=DOCS)
-        traffic = Traffic()
+        traffic = HttpTraffic()
         deadline = time.monotonic() + args.minutes * 60
         clients = [threading.Thread(target=client_loop, daemon=True,
                                     args=(stack, traffic, args.seed * 100 + c, deadline, args.hang_s, system, docs))

@@ -110,7 +110,7 @@ class SoakReport:
     cancelled_calls: int = 0
     cancelled_mid_round: int = 0  # of which: cancelled while the daemon held the step in its round
     retried_steps: int = 0
-    loaded_pages_verified: int = 0
+    verified_pages: int = 0
     cache: Tally = field(default_factory=Tally)  # the cache operations of the steps taken, and their outcomes
     votes_per_step: float = 0.0  # mean, over the steps sent
     max_votes_per_step: int = 0
@@ -140,7 +140,7 @@ def rank_spec(run_dir: Path, seed: int, host_pool_pages: int) -> DomainSpec:
                       per_rank=per_rank)
 
 
-class Driver:
+class ReplicatedScheduler:
     """The replicated scheduler: one model of the cache operations, sent
     alike to every rank; per-rank device pools with per-rank page bytes."""
 
@@ -289,14 +289,14 @@ class Driver:
     # -- one step -------------------------------------------------------------------
 
     async def _retrying(self, rank: int, step: int, votes: list[tuple[int, Reduce, int]],
-                        ops: CacheRequests) -> StepResult:
+                        requests: CacheRequests) -> StepResult:
         """A call cancelled by its deadline, then the same request again."""
         try:
-            return await self.hasty[rank].step(step, votes, ops)
+            return await self.hasty[rank].step(step, votes, requests)
         except errors.Unavailable:
             self.t.cancelled_calls += 1
         self.t.retried_steps += 1
-        return await self.clients[rank].step(step, votes, ops)
+        return await self.clients[rank].step(step, votes, requests)
 
     async def step(self) -> None:
         cfg, rng, t = self.cfg, self.rng, self.t
@@ -306,14 +306,14 @@ class Driver:
         cancel_rank = rng.randrange(self.ranks) if reject_rank is None and inject % cfg.cancel_every == 1 else None
         if reject_rank is None:  # a rejected step opens nothing: the cache work waits for later steps
             await self._plan_ops()
-        step, ops = self.session.next_step()
+        step, requests = self.session.next_step()
         votes, expected = self._votes()
         if cancel_rank is not None and rng.randrange(2):
             # This rank's call goes first, alone: its daemon enters the round and
             # waits for peers that have not been sent anything, until the
             # call's deadline cancels it. Then every rank, that one retrying.
             try:
-                early = await self.mid_round[cancel_rank].step(step, votes[cancel_rank], ops)
+                early = await self.mid_round[cancel_rank].step(step, votes[cancel_rank], requests)
                 t.unexpected_errors += 1
                 t.note(f"step {step}: rank {cancel_rank} answered round {early.round} before its peers had the step")
             except errors.Unavailable:
@@ -327,9 +327,9 @@ class Driver:
             if rank == reject_rank:
                 mine = mine + [mine[0]]  # a vote id twice: this rank refuses the step
             if rank == cancel_rank:
-                calls.append(self._retrying(rank, step, mine, ops))
+                calls.append(self._retrying(rank, step, mine, requests))
             else:
-                calls.append(client.step(step, mine, ops))
+                calls.append(client.step(step, mine, requests))
         try:
             results = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), HANG_S * 2)
         except TimeoutError:
@@ -349,7 +349,7 @@ class Driver:
                 else:
                     t.unexpected_errors += 1
                 t.note(f"step {step} rank {rank}: {type(exc).__name__}: {exc}")
-            self.session.not_taken(ops)
+            self.session.not_taken(requests)
             return
         replies = [r for r in results if isinstance(r, StepResult)]
         if len({r.wire for r in replies}) != 1:
@@ -402,7 +402,7 @@ class Driver:
                     if not np.array_equal(read_page(self.pools[rank], d), self._content(rank, page)):
                         t.wrong_bytes += 1
                         t.note(f"load {op_id}: rank {rank} device page {d} holds wrong bytes")
-                    t.loaded_pages_verified += 1
+                    t.verified_pages += 1
             self.free.extend(targets)
             self.busy.difference_update(chain)
 
@@ -413,7 +413,7 @@ async def soak(cfg: SoakConfig, progress: Callable[[SoakReport, float], None] | 
     run_dir = Path(tempfile.mkdtemp(prefix="cpsoak-")) if cfg.run_dir is None else cfg.run_dir
     started = time.perf_counter()
     async with LocalDomain(rank_spec(run_dir, cfg.seed, cfg.host_pool_pages)) as domain:
-        driver = Driver(cfg, domain, run_dir)
+        driver = ReplicatedScheduler(cfg, domain, run_dir)
         await driver.attach()
         t = driver.t
         loop_started = time.perf_counter()

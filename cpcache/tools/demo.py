@@ -91,7 +91,7 @@ def text_report(r: dict) -> str:
         f"  agreed decisions      {r['decisions']}",
         f"  divergences           {r['divergences']}",
         f"  identical logs        {'yes' if r['identical_decision_logs'] else 'NO'}",
-        f"  corrupt loads         {r['corrupt_loads']} of {r['loaded_pages']} pages loaded",
+        f"  corrupt loads         {r['corrupt_loads']} of {r['verified_pages']} pages loaded",
         f"  hit rate              device {hit['device']:.1%}  host {hit['host']:.1%}  "
         f"storage {hit['storage']:.1%}  total {hit['total']:.1%}",
         f"  infinite-cache ceiling {r['hit_rate_ceiling']:.1%}",

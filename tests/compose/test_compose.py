@@ -58,7 +58,7 @@ def test_cpu_profile_replays_across_containers_and_names_a_killed_daemon(mooncak
     assert replay["storage"] == "mooncake", report  # compose's default
     assert replay["divergences"] == 0, report
     assert replay["identical_decision_logs"], report
-    assert replay["corrupt_loads"] == 0 and replay["loaded_pages"] > 0, report  # load-backs happened, all intact
+    assert replay["corrupt_loads"] == 0 and replay["verified_pages"] > 0, report  # load-backs happened, all intact
     # Pages written by one container are found by the others: each daemon
     # mounted its Mooncake segment at its own container's name.
     assert replay["hit_rate"]["storage"] > 0 and summary["storage_hits"], report

@@ -185,12 +185,12 @@ async def test_a_long_prompt_fits_a_step_and_an_oversized_request_is_invalid_arg
         async with AsyncClient(domain.sockets[0]) as client:
             await client.attach("long", geometry, 16, pool_fd=pool.fd)
             pages = [i.to_bytes(32, "little") for i in range(128 * 1024)]
-            reply = await client.step(1, ops=CacheRequests(prefetches=((1, pages, len(pages)),)))
+            reply = await client.step(1, requests=CacheRequests(prefetches=((1, pages, len(pages)),)))
             assert reply.step == 1
             huge = CacheRequests(prefetches=tuple((op, pages, len(pages)) for op in range(2, 20)))
             with pytest.raises(errors.InvalidArgument, match="split it over several steps"):
-                await client.step(2, ops=huge)
-            request = core.step_request(2, ops=huge)
+                await client.step(2, requests=huge)
+            request = core.step_request(2, requests=huge)
             assert MAX_MESSAGE_BYTES < request.ByteSize() < 2 * MAX_MESSAGE_BYTES
             async with grpc.aio.insecure_channel("unix:" + domain.sockets[0],
                                                  options=[("grpc.max_send_message_length", -1)]) as channel:

@@ -42,8 +42,8 @@ def read_page(pool: DevicePool, device_page: int) -> np.ndarray:
     return pool.page_view(device_page).contiguous().view(-1).view(torch.uint8).numpy()
 
 
-async def step_all(clients, step, ops=None):
-    replies = [await_ for await_ in [c.step(step, ops=ops) for c in clients]]
+async def step_all(clients, step, requests=None):
+    replies = [await_ for await_ in [c.step(step, requests=requests) for c in clients]]
     import asyncio
 
     results = await asyncio.gather(*replies)
@@ -135,13 +135,13 @@ async def single(run_dir):
 async def test_every_error_status_leaves_the_daemon_serving_and_state_unchanged(single, run_dir):
     client = AsyncClient(single.sockets[0])
     with pytest.raises(errors.FailedPrecondition, match="no device pool is attached"):
-        await client.step(1, ops=CacheRequests(revokes=(5,)))
+        await client.step(1, requests=CacheRequests(revokes=(5,)))
     pool = DevicePool.create_sealed(GEOMETRY, 4)
     with pytest.raises(errors.InvalidArgument, match="need .* bytes"):
         await client.attach("m", GEOMETRY, 64, pool_fd=pool.fd)  # the pool holds only 4 pages
     await client.attach("m", GEOMETRY, 4, pool_fd=pool.fd)
     page = bytes(32)
-    reply = await client.step(2, ops=CacheRequests(writes=((1, [page], [0]),)))
+    reply = await client.step(2, requests=CacheRequests(writes=((1, [page], [0]),)))
     step = 2
     while 1 not in reply.write_acks:  # rounds until the write-through is agreed done
         step += 1
@@ -151,27 +151,27 @@ async def test_every_error_status_leaves_the_daemon_serving_and_state_unchanged(
         (CacheRequests(writes=((7, [b"short"], [0]),)), errors.InvalidArgument, "32-byte"),
         (CacheRequests(writes=((7, [page], [0, 1]),)), errors.InvalidArgument, "device pages"),
         (CacheRequests(writes=((7, [page], [4]),)), errors.InvalidArgument, "outside the attached pool of 4 pages"),
-        (CacheRequests(polls=(99,), revokes=(99,)), errors.InvalidArgument, "polled or revoked twice"),
+        (CacheRequests(prefetch_polls=(99,), revokes=(99,)), errors.InvalidArgument, "polled or revoked twice"),
         (CacheRequests(writes=((2**63, [page], [0]),)), errors.InvalidArgument, "outside \\[0, 2\\*\\*63\\)"),
         (CacheRequests(revokes=(99,)), errors.NotFound, "prefetch 99 is not open"),
         (CacheRequests(loads=((8, [bytes([1]) * 32], [1]),)), errors.NotFound, "is not in host"),
     ]
-    for ops, kind, words in bad:
+    for requests, kind, words in bad:
         step += 1  # a refused step still takes its number: its round ran, rejected
         with pytest.raises(kind, match=words):
-            await client.step(step, ops=ops)
+            await client.step(step, requests=requests)
         after = await client.stats()
         assert after["cache_digest"] == before["cache_digest"], words
     # A full host pool is not an error: the write fails, alike on every rank, and nothing changes.
     step += 1
-    reply = await client.step(step, ops=CacheRequests(writes=((9, [bytes([i]) * 32 for i in range(2, 2 + PAGES + 1)],
-                                                    [0] * (PAGES + 1)),)))
+    overflow = [bytes([i]) * 32 for i in range(2, 2 + PAGES + 1)]
+    reply = await client.step(step, requests=CacheRequests(writes=((9, overflow, [0] * (PAGES + 1)),)))
     assert reply.write_failures == (9,) and not reply.write_acks
     assert (await client.stats())["host_pages_used"] == before["host_pages_used"]
     with pytest.raises(errors.FailedPrecondition, match="already taken with different content"):
         await client.step(1)
     # Still serving, and the page written before is still there to load.
-    reply = await client.step(step + 1, ops=CacheRequests(loads=((10, [page], [2]),)))
+    reply = await client.step(step + 1, requests=CacheRequests(loads=((10, [page], [2]),)))
     await client.wait_loads([10], timeout_s=10)
     assert (await client.match([page, bytes([5]) * 32])).host_pages == 1
     del reply

@@ -37,7 +37,7 @@ async def test_a_round_a_peer_completes_while_this_rank_leaves_its_epoch_is_answ
         await attach_all(old)
         step, _ = await write_through(old, 1)
         late = CacheRequests(writes=((2, [bytes([9]) * 32], [7]),))
-        waiting = asyncio.ensure_future(old[0].client.step(step + 1, [], ops=late))
+        waiting = asyncio.ensure_future(old[0].client.step(step + 1, [], requests=late))
 
         async def rank0_took_it():
             return (await old[0].client.stats())["last_step"] == step + 1
@@ -50,7 +50,7 @@ async def test_a_round_a_peer_completes_while_this_rank_leaves_its_epoch_is_answ
         await until(rank0_left, "rank 0 leaves epoch 0")
         # Rank 1's old scheduler sends the same step late; rank 1 has not yet
         # seen the epoch move (rank 0 moves it only once it has left).
-        peer = await old[1].client.step(step + 1, [], ops=late)
+        peer = await old[1].client.step(step + 1, [], requests=late)
         assert peer.epoch == 0
         mine = await waiting
         assert mine.wire == peer.wire  # one decision, applied on both ranks before their I/O drained

@@ -55,7 +55,7 @@ async def test_policies_agree_under_per_rank_faults(run_dir, storage, prefetch_p
         # The second pass comes back from storage. (best_effort ends a prefetch
         # at the scheduler's first poll, with whatever has arrived by then.)
         assert report["hit_rate"]["storage"] > 0
-        assert report["loaded_pages"] > 0
+        assert report["verified_pages"] > 0
 
 
 async def test_replay_with_faults_that_differ_per_rank_still_agrees(run_dir):

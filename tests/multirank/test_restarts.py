@@ -30,9 +30,9 @@ async def start_sessions(domain, run_dir, life):
     return schedulers, await attach_all(schedulers)
 
 
-async def step_all(schedulers, step, ops=None):
+async def step_all(schedulers, step, requests=None):
     """One step on every rank; the replies must be the same bytes."""
-    replies = await step_all_ranks(schedulers, step, ops)
+    replies = await step_all_ranks(schedulers, step, requests)
     assert len({r.wire for r in replies}) == 1
     return replies[0]
 

@@ -246,10 +246,10 @@ async def test_a_cache_operation_sent_to_one_rank_only_diverges_everywhere_in_bo
         clients, _ = await attach_pools(domain, run_dir)
         page, step = bytes([4]) * 32, 0
 
-        async def agreed(ops=None):
+        async def agreed(requests=None):
             nonlocal step
             step += 1
-            replies = await both(clients, step, [((), ops)] * 2)
+            replies = await both(clients, step, [((), requests)] * 2)
             assert not any(isinstance(r, Exception) for r in replies), replies
             return replies[0]
 
@@ -258,7 +258,7 @@ async def test_a_cache_operation_sent_to_one_rank_only_diverges_everywhere_in_bo
         while 6 not in (await agreed()).write_acks:
             pass
         odd = {"prefetch": CacheRequests(prefetches=((7, [bytes([8]) * 32], GEOMETRY.page_size),)),
-               "poll": CacheRequests(polls=(5,)),
+               "poll": CacheRequests(prefetch_polls=(5,)),
                "revoke": CacheRequests(revokes=(5,)), "write": CacheRequests(writes=((7, [bytes([7]) * 32], [1]),)),
                "load": CacheRequests(loads=((7, [page], [2]),))}[kind]
         before = [(await c.stats())["cache_digest"] for c in clients]

@@ -255,6 +255,8 @@ CPCACHE_FAMILIES = {
     "cpcache_transfer_failures_total": "counter",
     "cpcache_late_transfers_refused_total": "counter",
     "cpcache_host_pages": "gauge",
+    "cpcache_pool_handover_events_total": "counter",
+    "cpcache_pool_tickets_held": "gauge",
     "grpc_server_started_total": "counter",
     "grpc_server_handled_total": "counter",
     "grpc_server_handling_seconds": "histogram",
@@ -348,13 +350,13 @@ async def test_metrics_move_while_the_cache_works(run_dir):
                 pool = DevicePool.create_sealed(geometry, 8)
                 await client.attach("m", geometry, 8, pool_fd=pool.fd)
                 pages = [bytes([i]) * 32 for i in range(3)]
-                await client.step(1, ops=CacheRequests(writes=((1, pages, [0, 1, 2]),)))
+                await client.step(1, requests=CacheRequests(writes=((1, pages, [0, 1, 2]),)))
                 step = 1
                 while True:  # steps until the write-through is agreed done
                     step += 1
                     if 1 in (await client.step(step)).write_acks:
                         break
-                await client.step(step + 1, ops=CacheRequests(loads=((2, pages, [3, 4, 5]),)))
+                await client.step(step + 1, requests=CacheRequests(loads=((2, pages, [3, 4, 5]),)))
                 with pytest.raises(errors.FailedPrecondition):
                     await client.step(1)  # an old step with other content: counted as FAILED_PRECONDITION
             finally:
@@ -407,6 +409,10 @@ def test_scrapes_read_daemon_values_on_its_event_loop():
         config = DaemonConfig(rank=0)
         rank = Rank()
 
+        def handover_stats(self):
+            readers.append(threading.get_ident())
+            return {}
+
     collector = DaemonCollector(Daemon())
     loop = asyncio.new_event_loop()
     loop_thread = threading.Thread(target=loop.run_forever, daemon=True)
@@ -418,7 +424,7 @@ def test_scrapes_read_daemon_values_on_its_event_loop():
         loop.call_soon_threadsafe(loop.stop)
         loop_thread.join(10)
         loop.close()
-    assert readers == [loop_thread.ident]
+    assert readers == [loop_thread.ident] * 2
     assert {"cpcache_build_info", "grpc_server_handled", "grpc_server_handling_seconds"} <= families
     collector.bind(loop)  # a closed loop: the scrape shows what needs no loop
     assert [m.name for m in collector.collect()] == ["cpcache_build_info"]

@@ -23,7 +23,6 @@ the host pages the re-formed domain carried over and with storage.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +38,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 )
 from sglang.srt.mem_cache.unified_radix_cache import NodeId, UnifiedRadixCache
 
-from cpcache.client.outcomes import DecisionLog
+from cpcache.client.outcomes import DecisionLog, Tally
 from cpcache.client.session import SchedulerSession
 from cpcache.errors import CacheError
 from cpcache.integrations.sglang.pool import SharedPool
@@ -81,7 +80,7 @@ class CpcacheRadixCache(UnifiedRadixCache):
         # Device slots of loads never decided (their step failed): quarantine.py.
         self._quarantined = Quarantine()
         self.clock = SchedulerTime()
-        self._steps_before = (0, 0.0)  # steps and their seconds of the sessions left behind
+        self._past_tallies: list[Tally] = []  # of the sessions left behind (the logged line counts their steps)
         self._generation = 0  # flushes since start: seeds the page hashes
         self.shared_pool = pool
         self.storage_prefetch = storage_prefetch
@@ -116,8 +115,7 @@ class CpcacheRadixCache(UnifiedRadixCache):
         self.fallback_reason = str(exc)
         self.fallbacks += 1
         if self.daemon_session is not None:
-            tally = self.daemon_session.tally
-            self._steps_before = (self._steps_before[0] + tally.steps, self._steps_before[1] + tally.step_seconds)
+            self._past_tallies.append(self.daemon_session.tally)
         self.daemon_session = None
         self._host_hits.clear()
         self._release_write_locks()
@@ -332,12 +330,8 @@ class CpcacheRadixCache(UnifiedRadixCache):
 
     def check_hicache_events(self) -> None:
         """Once per scheduler iteration, on every rank: the iteration's step."""
-        started = time.perf_counter()
-        stepped = True
-        try:
-            stepped = self._iterate()
-        finally:
-            self.clock.tick(time.perf_counter() - started, idle=not stepped)
+        with self.clock.hook() as iteration:
+            iteration.idle = not self._iterate()
 
     def _iterate(self) -> bool:
         """-> whether the daemon was called (a reply taken, a step sent, an attach tried)."""
@@ -353,17 +347,9 @@ class CpcacheRadixCache(UnifiedRadixCache):
             self._fall_back(exc)
             return True
 
-    def scheduler_time(self) -> SchedulerTime:
-        """The clock, with the steps of every session so far."""
-        steps, seconds = self._steps_before
-        if self.daemon_session is not None:
-            steps += self.daemon_session.tally.steps
-            seconds += self.daemon_session.tally.step_seconds
-        self.clock.steps, self.clock.step_s = steps, seconds
-        return self.clock
-
     def log_scheduler_time(self) -> None:
-        log.info("%s", self.scheduler_time().line(self.rank))
+        current = [self.daemon_session.tally] if self.daemon_session is not None else []
+        log.info("%s", self.clock.line(self.rank, [*self._past_tallies, *current]))
         if self.decisions is not None:
             log.info("cpcache: rank %d decision log: %d steps, digest %s; since the last attach %d steps, digest %s",
                      self.rank, len(self.decisions.entries), self.decisions.digest(), *self.decisions.session())

@@ -18,7 +18,7 @@ from cpcache.testing.fuzz.wire import DECISIONS, MAX_STEP, CallOutcome, RankChan
 from cpcache.v1 import daemon_pb2 as pb
 
 
-class Decisions:
+class DecisionRounds:
     """The decision rounds of one fuzz run, and what they left open (ids
     that later polls, revokes, loads and waits aim at)."""
 

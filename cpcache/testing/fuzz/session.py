@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2
 from cpcache.client import AsyncClient
 from cpcache.daemon.launcher import DomainSpec, LocalDomain
 from cpcache.dataplane.pools import DevicePool
-from cpcache.testing.fuzz.decisions import Decisions
+from cpcache.testing.fuzz.decisions import DecisionRounds
 from cpcache.testing.fuzz.generate import Gen
 from cpcache.testing.fuzz.report import Report, print_report
 from cpcache.testing.fuzz.wire import (
@@ -52,7 +52,7 @@ class Fuzz:
         self.local_gen = Gen(random.Random(seed + 2), run_dir)
         self.ranks = [RankChannel(s) for s in domain.sockets]
         self.clients = [AsyncClient(s, timeout_s=DEADLINE_S) for s in domain.sockets]
-        self.decisions = Decisions(self.ranks, self.clients, self.report, seed,
+        self.decisions = DecisionRounds(self.ranks, self.clients, self.report, seed,
                                    Gen(random.Random(seed + 1), run_dir), self.local_gen)
         self.pools: list[DevicePool] = []  # the valid attach's device pools, held for the run
 

@@ -34,7 +34,7 @@ from cpcache.geometry import KVGeometry
 from cpcache.keys import ShardingSpec
 from cpcache.testing.mooncake_master import MooncakeMaster
 from cpcache.testing.sim.breakdown import step_breakdown
-from cpcache.testing.sim.scheduler import SimScheduler, Workload
+from cpcache.testing.sim.scheduler import ServingCounts, SimScheduler
 from cpcache.testing.sim.trace import PageHasher, Request, ceiling_hit_rate, load
 from cpcache.testing.stats import percentiles_us
 from cpcache.topology import Topology
@@ -145,9 +145,9 @@ class _Domain:
         return [*((life, i in self.outage_lives) for i, life in enumerate(self.past)), (self.schedulers, False)]
 
     @property
-    def workload(self) -> Workload:
+    def served(self) -> ServingCounts:
         # Every rank of a domain sees the same requests and replies: rank 0's counts are the domain's.
-        return merged([self.schedulers[0].workload, *(life[0].workload for life in self.past)])
+        return merged([self.schedulers[0].served, *(life[0].served for life in self.past)])
 
     @property
     def cache(self) -> Tally:
@@ -158,7 +158,7 @@ class _Domain:
         return [*self.schedulers, *(s for life in self.past for s in life)]
 
 
-Counts = TypeVar("Counts", Workload, Tally)
+Counts = TypeVar("Counts", ServingCounts, Tally)
 
 
 def merged(counts: list[Counts]) -> Counts:
@@ -183,11 +183,11 @@ async def _drive(cfg: ReplayConfig, domain: LocalDomain, requests: list[Request]
     hit_series: list[float] = []
     steps = 0
     started = time.monotonic()
-    halfway: Workload | None = None
+    halfway: ServingCounts | None = None
     restart: dict = {"kind": cfg.restart}
 
-    def total_tally() -> Workload:
-        return merged([d.workload for d in domains])
+    def total_served() -> ServingCounts:
+        return merged([d.served for d in domains])
 
     async def restart_schedulers(life: int) -> list[Request]:
         """Every scheduler process dies and starts again: new clients, new
@@ -227,18 +227,18 @@ async def _drive(cfg: ReplayConfig, domain: LocalDomain, requests: list[Request]
             mine = results[at : at + len(d.schedulers)]
             at += len(d.schedulers)
             d.divergences += len({r.wire for r in mine}) > 1
-        hit_series.append(total_tally().hit_rates()["total"])
+        hit_series.append(total_served().hit_rates()["total"])
 
     def summary() -> dict:
-        return {"requests": total_tally().requests, "of": len(requests), "steps": steps,
+        return {"requests": total_served().requests, "of": len(requests), "steps": steps,
                 "divergences": sum(d.divergences for d in domains),
-                "hit_rate": total_tally().hit_rates()["total"], "elapsed_s": time.monotonic() - started}
+                "hit_rate": total_served().hit_rates()["total"], "elapsed_s": time.monotonic() - started}
 
     batches = list(arrivals(requests, cfg))
     split = int(len(batches) * cfg.restart_at)
     for i, batch in enumerate(batches):
         if i == split:
-            halfway = copy.deepcopy(total_tally())
+            halfway = copy.deepcopy(total_served())
             if cfg.restart == "schedulers":
                 batch = await restart_schedulers(2) + batch
             elif cfg.restart in ("daemon-kill", "daemon-stop"):
@@ -265,12 +265,12 @@ async def _drive(cfg: ReplayConfig, domain: LocalDomain, requests: list[Request]
 
     per_domain = []
     for d in domains:
-        tally, cache = d.workload, d.cache
+        served, cache = d.served, d.cache
         per_domain.append({
             "domain": d.index,
             "dp": d.dp,
             "ranks": list(d.ranks),
-            "requests": tally.requests,
+            "requests": served.requests,
             "decisions": stats[d.ranks[0]].get("decisions", 0),
             "divergences": d.divergences,
             # Only a life that ended in a lost daemon may lack replies (see `agreeing_logs`).
@@ -279,9 +279,9 @@ async def _drive(cfg: ReplayConfig, domain: LocalDomain, requests: list[Request]
                                            for life, outage in d.lives()),
             "replies_lost_with_a_daemon": sum(agreeing_logs([s.log.entries for s in life], cfg.lag)[1]
                                               for life, outage in d.lives() if outage),
-            "corrupt_loads": sum(s.workload.corrupt_loads for s in d.every_scheduler),
-            "loaded_pages": sum(s.workload.loaded_pages for s in d.every_scheduler),
-            "hit_rate": {k: round(v, 4) for k, v in tally.hit_rates().items()},
+            "corrupt_loads": sum(s.served.corrupt_loads for s in d.every_scheduler),
+            "verified_pages": sum(s.served.verified_pages for s in d.every_scheduler),
+            "hit_rate": {k: round(v, 4) for k, v in served.hit_rates().items()},
             # An infinite cache that saw only this domain's requests. Storage is
             # shared by every domain, so a domain may beat it with pages another wrote.
             "hit_rate_ceiling": round(ceiling_hit_rate(d.requests, GEOMETRY.page_size), 4),
@@ -289,7 +289,7 @@ async def _drive(cfg: ReplayConfig, domain: LocalDomain, requests: list[Request]
             "prefetch_revoked": cache.prefetch_revoked,
             "pages_moved": moved(d.ranks[0]),
         })
-    tally, cache = total_tally(), merged([d.cache for d in domains])
+    served, cache = total_served(), merged([d.cache for d in domains])
     return {
         "ranks": topology.world_size,
         "topology": topology.describe(),
@@ -297,22 +297,22 @@ async def _drive(cfg: ReplayConfig, domain: LocalDomain, requests: list[Request]
         "lag": cfg.lag,
         "storage": cfg.storage,
         "routing": "round robin by trace position (request index mod dp)",
-        "requests": tally.requests,
+        "requests": served.requests,
         "steps": steps,
         "decisions": sum(d["decisions"] for d in per_domain),
         "divergences": sum(d["divergences"] for d in per_domain),
         "identical_decision_logs": all(d["identical_decision_logs"] for d in per_domain),
         "replies_lost_with_a_daemon": sum(d["replies_lost_with_a_daemon"] for d in per_domain),
         "corrupt_loads": sum(d["corrupt_loads"] for d in per_domain),
-        "loaded_pages": sum(d["loaded_pages"] for d in per_domain),
-        "hit_rate": {k: round(v, 4) for k, v in tally.hit_rates().items()},
+        "verified_pages": sum(d["verified_pages"] for d in per_domain),
+        "hit_rate": {k: round(v, 4) for k, v in served.hit_rates().items()},
         # An infinite cache shared by every domain (one storage tier is).
         "hit_rate_ceiling": round(ceiling_hit_rate(requests, GEOMETRY.page_size), 4),
         "prefetches": cache.prefetches,
         "prefetch_revoked": cache.prefetch_revoked,
         "pages_moved_rank0": moved(0),
         "epoch": statuses[0].epoch,
-        "halves": _halves(halfway, tally),
+        "halves": _halves(halfway, served),
         "restart": restart,
         "round_latency_us": percentiles_us([t for d in domains for s in d.every_scheduler for t in s.round_latencies]),
         "round_latency_mean_ms": _mean_ms([t for d in domains for s in d.every_scheduler for t in s.round_latencies]),
@@ -399,12 +399,12 @@ def _mean_ms(seconds: list[float]) -> float:
     return round(1000 * sum(seconds) / len(seconds), 3) if seconds else 0.0
 
 
-def _halves(halfway: Workload | None, total: Workload) -> dict:
+def _halves(halfway: ServingCounts | None, total: ServingCounts) -> dict:
     """Hit rates before and after the split point (the restart, if any)."""
     if halfway is None:
         return {}
-    second = Workload()
-    for name in Workload.__dataclass_fields__:
+    second = ServingCounts()
+    for name in ServingCounts.__dataclass_fields__:
         setattr(second, name, getattr(total, name) - getattr(halfway, name))
     return {"first": {k: round(v, 4) for k, v in halfway.hit_rates().items()},
             "second": {k: round(v, 4) for k, v in second.hit_rates().items()}}

@@ -28,7 +28,7 @@ from cpcache.testing.sim.trace import PageHasher, Request
 
 
 @dataclass
-class Workload:
+class ServingCounts:
     """What the requests found and what the forward passes checked; the cache
     operations' outcomes are the session's `Tally`."""
 
@@ -39,7 +39,7 @@ class Workload:
     storage_hit: int = 0
     computed: int = 0
     corrupt_loads: int = 0
-    loaded_pages: int = 0  # loaded pages checked by a forward pass
+    verified_pages: int = 0  # loaded pages a forward pass checked
 
     def hit_rates(self) -> dict[str, float]:
         t = max(1, self.tokens)
@@ -75,7 +75,7 @@ class SimScheduler:
         self.free = list(range(device_pages - 1, -1, -1))
         self.pinned: collections.Counter[int] = collections.Counter()
         self.active: list[Active] = []
-        self.workload = Workload()
+        self.served = ServingCounts()
         self.log = DecisionLog(whole_replies=True)  # every reply as received: ranks compare them byte for byte
         self.session = SchedulerSession(decisions=self.log)
         self.round_latencies: list[float] = []  # each Step call, as this scheduler saw it
@@ -109,10 +109,10 @@ class SimScheduler:
             session.poll(op)
         for request in arrivals:
             await self._admit(request)
-        step, ops = session.next_step()
+        step, requests = session.next_step()
         started = time.perf_counter()
         # A full host pool is not an error: such writes come back in write_failures.
-        reply = await self.client.step(step, ops=ops)
+        reply = await self.client.step(step, requests=requests)
         self.round_latencies.append(time.perf_counter() - started)
         session.follow(reply)  # prefetches ended here queue their loads for the next step
         self._finish_ready()
@@ -121,8 +121,8 @@ class SimScheduler:
     async def _admit(self, request: Request) -> None:
         pages = self.hasher.pages(request)
         page_tokens = self.geometry.page_size
-        self.workload.requests += 1
-        self.workload.tokens += len(pages) * page_tokens
+        self.served.requests += 1
+        self.served.tokens += len(pages) * page_tokens
         active = Active(request, pages)
         on_device = 0
         for page in pages:
@@ -131,14 +131,14 @@ class SimScheduler:
             self.lru.move_to_end(page)
             active.device.append(self.lru[page])
             on_device += 1
-        self.workload.device_hit += on_device * page_tokens
+        self.served.device_hit += on_device * page_tokens
         for d in active.device:
             self.pinned[d] += 1
         rest = pages[on_device:]
         host = (await self.client.match(rest)).host_pages if rest else 0
         if host and not self._load(active, on_device, host):
             host = 0  # no device room now: fetch them like the rest (a later load must not assume them)
-        self.workload.host_hit += host * page_tokens
+        self.served.host_hit += host * page_tokens
         remaining = pages[on_device + host :]
         if remaining:
             parent = pages[on_device + host - 1] if on_device + host else None
@@ -167,7 +167,7 @@ class SimScheduler:
         """A prefetch ended (0 pages: revoked): load what it brought."""
         active.prefetch = None
         if pages and self._load(active, len(active.device), pages):
-            self.workload.storage_hit += pages * self.geometry.page_size
+            self.served.storage_hit += pages * self.geometry.page_size
 
     def _finish_ready(self) -> None:
         """Requests with nothing left to wait for run their forward pass."""
@@ -183,8 +183,8 @@ class SimScheduler:
         for index, device_page in active.verify:
             expected = page_content(self._key(active.pages[index]), self.geometry.page_bytes)
             if not np.array_equal(read_page(self.device, device_page), expected):
-                self.workload.corrupt_loads += 1
-            self.workload.loaded_pages += 1
+                self.served.corrupt_loads += 1
+            self.served.verified_pages += 1
         known = len(active.device)
         missing = active.pages[known:]
         targets = self._allocate(len(missing)) if missing else []
@@ -193,7 +193,7 @@ class SimScheduler:
             missing = []
         for page, d in zip(missing, targets):
             write_page(self.device, d, page_content(self._key(page), self.geometry.page_bytes))
-        self.workload.computed += (len(active.pages) - known) * self.geometry.page_size
+        self.served.computed += (len(active.pages) - known) * self.geometry.page_size
         if missing:
             parent = active.pages[known - 1] if known else None
             # The daemon copies these device pages later: keep them until decided.

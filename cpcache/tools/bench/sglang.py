@@ -164,7 +164,7 @@ def target_rows(ratios: dict[str, dict]) -> dict[str, dict]:
 
 
 @dataclass(frozen=True)
-class Workload:
+class PromptWaves:
     requests: int
     waves: int
     new_tokens: int
@@ -219,7 +219,7 @@ def measure(streams: list[Stream], seconds: float) -> dict:
 
 
 class Bench:
-    def __init__(self, work: Path, workload: Workload) -> None:
+    def __init__(self, work: Path, workload: PromptWaves) -> None:
         from cpcache.testing.sglang_cpu.servers import (
             CPCACHE_HOST_FLAGS,
             HICACHE_ENV,
@@ -304,7 +304,7 @@ class Bench:
         return figures, [s.output_ids for s in streams]
 
 
-def summarize(blocks: list[dict[str, dict]], mismatches: int, workload: Workload, start_s: float,
+def summarize(blocks: list[dict[str, dict]], mismatches: int, workload: PromptWaves, start_s: float,
               load: dict, wall_s: float) -> dict:
     servers = {name: {figure: block_summary([b[name][figure] for b in blocks], digits=2)
                       for figure in ("tpot_ms", "throughput_tok_s", "ttft_ms", "cpu_ms_per_token")}
@@ -370,7 +370,7 @@ def table(report: dict) -> list[str]:
     return out
 
 
-def run(workload: Workload, repeat: int, keep: Path | None = None) -> dict:
+def run(workload: PromptWaves, repeat: int, keep: Path | None = None) -> dict:
     work = keep or Path(tempfile.mkdtemp(prefix="cpcache-bench-sglang-"))
     work.mkdir(parents=True, exist_ok=True)
     bench = Bench(work, workload)
@@ -410,7 +410,7 @@ def main(args: argparse.Namespace) -> int:
               "checkout of cpcache: `make setup` builds .venv-sglang there (or set CPCACHE_SGLANG_PYTHON to an "
               "interpreter with SGLang 0.5.23 and cpcache installed).", file=sys.stderr)
         return 1
-    workload = Workload(requests=args.requests, waves=args.waves, new_tokens=args.new_tokens)
+    workload = PromptWaves(requests=args.requests, waves=args.waves, new_tokens=args.new_tokens)
     report = run(workload, args.repeat, Path(args.work_dir) if args.work_dir else None)
     if args.json:
         print(json.dumps(report))

@@ -57,7 +57,7 @@ def round_vector_length(questions: int) -> int:
 
 
 @dataclass(frozen=True)
-class Traffic:
+class GlooTraffic:
     """What one rank moves in one collective over gloo's TCP transport:
     payload bytes and point-to-point messages, each way. Every message costs
     three 48-byte preambles (gloo/transport/tcp/pair.h `Op`): the sender's
@@ -80,13 +80,13 @@ class Traffic:
             GLOO_PREAMBLE_BYTES * self.messages_sent
 
 
-def exchange_traffic(ranks: int, length: int) -> Traffic:
+def exchange_traffic(ranks: int, length: int) -> GlooTraffic:
     """One rank's share of the daemons' reduction up to
     `collective.ALLTOALL_MAX_GROUP` ranks (an all-to-all exchange, then a
     local MIN): its whole vector to every other rank, theirs back; its own
     copy never leaves the process."""
     payload = (ranks - 1) * length * INT64_BYTES
-    return Traffic(payload, payload, ranks - 1, ranks - 1)
+    return GlooTraffic(payload, payload, ranks - 1, ranks - 1)
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -94,7 +94,7 @@ def _round_up(value: int, multiple: int) -> int:
 
 
 def ring_allreduce_traffic(ranks: int, length: int, rank: int,
-                           max_segment_bytes: int = GLOO_MAX_SEGMENT_BYTES) -> Traffic:
+                           max_segment_bytes: int = GLOO_MAX_SEGMENT_BYTES) -> GlooTraffic:
     """`rank`'s share of gloo's ring all-reduce of `length` int64s
     (gloo/allreduce.cc `ring`): the buffer is cut into segments (at least 2
     per rank, a multiple of the ranks); reduce-scatter, then all-gather, pass
@@ -116,10 +116,10 @@ def ring_allreduce_traffic(ranks: int, length: int, rank: int,
     for i in range(segments - per_rank):
         sends += [size(rank + 1, i), size(rank, i)]  # reduce-scatter, then all-gather: to rank - 1
         receives += [size(rank + 2, i), size(rank + 1, i)]  # the same, from rank + 1
-    return Traffic(sum(sends), sum(receives), sum(1 for n in sends if n), sum(1 for n in receives if n))
+    return GlooTraffic(sum(sends), sum(receives), sum(1 for n in sends if n), sum(1 for n in receives if n))
 
 
-def _summary(traffic: list[Traffic]) -> dict:
+def _summary(traffic: list[GlooTraffic]) -> dict:
     """Mean over the ranks of each figure, with the extremes of wire bytes sent."""
     def mean(values: Iterable[int]) -> float:
         return round(statistics.mean(values), 1)

@@ -50,8 +50,8 @@ async def attach_all(schedulers, model="m", return_exceptions=False):
                                 return_exceptions=return_exceptions)
 
 
-async def step_all(schedulers, step, ops=None, return_exceptions=False):
-    return await asyncio.gather(*(s.client.step(step, [(1, Reduce.MIN, 1)], ops=ops) for s in schedulers),
+async def step_all(schedulers, step, requests=None, return_exceptions=False):
+    return await asyncio.gather(*(s.client.step(step, [(1, Reduce.MIN, 1)], requests=requests) for s in schedulers),
                                 return_exceptions=return_exceptions)
 
 

@@ -40,25 +40,26 @@ class ModelDaemon:
         self._writes: dict[int, tuple[int, tuple[bytes, ...]]] = {}  # op -> (round it is decided in, pages)
         self._prefetches: dict[int, int] = {}  # op -> round it ends in
 
-    def step_later(self, step: int, votes: object = (), ops: CacheRequests | None = None) -> Callable[[], StepResult]:
-        ops = ops or CacheRequests()
+    def step_later(self, step: int, votes: object = (),
+                   requests: CacheRequests | None = None) -> Callable[[], StepResult]:
+        requests = requests or CacheRequests()
         self.steps.append(step)
-        for op, pages, _device, _parent in ops.writes:
+        for op, pages, _device, _parent in requests.writes:
             self._writes[op] = (step + 1, tuple(pages))
-        for op, *_ in ops.prefetches:
+        for op, *_ in requests.prefetches:
             self._prefetches[op] = step + 2
         acks = tuple(op for op, (at, _) in self._writes.items() if at == step and op % 7)
         failures = tuple(op for op, (at, _) in self._writes.items() if at == step and not op % 7)
         entered = tuple(page for op in acks for page in self._writes[op][1])
         for op in acks + failures:
             del self._writes[op]
-        revoked = {op: "revoked" for op in ops.revokes if self._prefetches.pop(op, None) is not None}
+        revoked = {op: "revoked" for op in requests.revokes if self._prefetches.pop(op, None) is not None}
         done = {op: 1 for op, at in self._prefetches.items() if at == step}
         for op in done:
             del self._prefetches[op]
         reply = StepResult(step=step, round=step, decisions={}, digest=step, wire=b"", write_acks=acks,
                            write_failures=failures, prefetch_done=done, prefetch_revoked=revoked,
-                           loads={op: len(pages) for op, pages, _device in ops.loads}, host_entered=entered)
+                           loads={op: len(pages) for op, pages, _device in requests.loads}, host_entered=entered)
 
         return _Waiting(reply, self.work, ready=self.ready)
 

@@ -29,6 +29,9 @@ def test_flags_round_trip():
         ([], {}, "setting rank: is required"),
         # (a flag with a bad value is refused by argparse, which lists the choices)
         (["--rank", "0"], {"CPCACHE_MODE": "ring"}, "setting mode: must be one of domain, grid"),
+        (["--rank", "0"], {"CPCACHE_STORAGE": "s3"}, "setting storage: must be one of none, file, mooncake"),
+        (["--rank", "0"], {"CPCACHE_KV_CP_SHARDING": "halves"},
+         "setting kv_cp_sharding: must be one of cp_replicated, cp_sharded"),
         (["--rank", "0"], {"CPCACHE_TP": "four"}, "setting tp from CPCACHE_TP: 'four' is not a valid int"),
         (["--rank", "0", "--agreement-lag", "-1"], {}, "setting agreement_lag: must be >= 0"),
         (["--rank", "0", "--rendezvous", "nowhere"], {}, "setting rendezvous: must be host:port"),

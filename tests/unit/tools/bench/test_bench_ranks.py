@@ -8,7 +8,7 @@ import pytest
 
 from cpcache.tools.bench.sizes import (
     DEFAULT_RANKS,
-    Traffic,
+    GlooTraffic,
     exchange_traffic,
     expected_bytes,
     parse_ranks,
@@ -44,7 +44,7 @@ def test_a_one_question_round_travels_at_the_minimum_capacity():
 
 
 def test_the_exchange_sends_the_whole_vector_to_every_peer():
-    assert exchange_traffic(16, 71) == Traffic(15 * 568, 15 * 568, 15, 15)
+    assert exchange_traffic(16, 71) == GlooTraffic(15 * 568, 15 * 568, 15, 15)
     # one message each way per peer, three 48-byte preambles per message
     assert exchange_traffic(2, 71).wire_sent == 568 + 144
 

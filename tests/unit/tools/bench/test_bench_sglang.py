@@ -13,12 +13,13 @@ import json
 
 import pytest
 
+from cpcache.client.outcomes import Tally
 from cpcache.integrations.sglang.timing import SchedulerTime
 from cpcache.tools.bench import sglang
 from cpcache.tools.bench.sglang import (
     SERVERS,
+    PromptWaves,
     Stream,
-    Workload,
     backend_delta,
     backend_lines,
     block_ratios,
@@ -61,9 +62,11 @@ def test_tpot_is_the_time_from_the_first_token_to_the_last_over_the_tokens_betwe
 
 
 def test_the_backends_line_is_read_back_and_two_lines_give_a_block():
-    before = SchedulerTime(iterations=100, hook_s=0.01, calls_s=0.002, steps=3, step_s=0.009)
-    after = SchedulerTime(iterations=160, hook_s=0.04, calls_s=0.005, steps=9, step_s=0.033)
-    log = [f"[2026-12-03 06:09:42 TP{r}] {t.line(r)}\n" for t in (before, after) for r in (0, 1)]
+    before = (SchedulerTime(iterations=100, hook_s=0.01, calls_s=0.002), [Tally(steps=3, step_seconds=0.009)])
+    # the steps of a session left behind and of the current one, read from their tallies
+    after = (SchedulerTime(iterations=160, hook_s=0.04, calls_s=0.005),
+             [Tally(steps=4, step_seconds=0.013), Tally(steps=5, step_seconds=0.02)])
+    log = [f"[2026-12-03 06:09:42 TP{r}] {t.line(r, sessions)}\n" for t, sessions in (before, after) for r in (0, 1)]
     log.insert(1, "[TP0] Decode batch, #running-req: 4\n")
     read = backend_lines(log)
     assert sorted(read) == [0, 1]
@@ -91,6 +94,18 @@ def test_idle_iterations_are_counted_and_timed_apart_from_those_that_step():
     assert backend_lines([old_line])[1]["idle"] == 0  # a backend that counts none apart
 
 
+def test_the_hook_times_an_iteration_idle_only_when_its_caller_marks_it_so():
+    clock = SchedulerTime()
+    with clock.hook() as iteration:
+        iteration.idle = True
+    with clock.hook():
+        pass
+    with pytest.raises(RuntimeError), clock.hook() as iteration:
+        raise RuntimeError("a hook that failed counts, and not as idle")
+    assert (clock.iterations, clock.idle) == (3, 1)
+    assert clock.hook_s >= clock.idle_s > 0.0
+
+
 def fake_blocks() -> list[dict[str, dict]]:
     blocks = []
     for radix, hicache, cpcache in [(80.0, 200.0, 84.0), (90.0, 180.0, 90.0), (100.0, 300.0, 130.0)]:
@@ -115,7 +130,7 @@ def test_ratios_are_taken_per_block_and_reported_as_the_median_with_spread():
 
 
 def test_the_report_has_every_server_ratio_target_and_the_backends_time():
-    workload = Workload(requests=4, waves=2, new_tokens=32)
+    workload = PromptWaves(requests=4, waves=2, new_tokens=32)
     report = summarize(fake_blocks(), 0, workload, 250.0, {"start": [1.0], "end": [2.0]}, 400.0)
     json.dumps(report)  # serializable as --json prints it
     assert set(report["servers"]) == set(SERVERS)
@@ -161,7 +176,7 @@ def test_cpu_seconds_sum_a_process_group_and_named_pids(monkeypatch):
 
 
 def test_prompts_share_a_prefix_within_a_block_and_differ_between_blocks():
-    workload = Workload(requests=3, waves=2, new_tokens=8)
+    workload = PromptWaves(requests=3, waves=2, new_tokens=8)
     waves = workload.prompts(0)
     assert len(waves) == 2 and all(len(w) == 3 for w in waves)
     flat = [p for w in waves for p in w]
