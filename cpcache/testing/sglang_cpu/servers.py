@@ -298,7 +298,9 @@ class Server:
 
     def start(self) -> Server:
         self.port = self.port or free_port()
-        env = {"PYTHONPATH": str(CPU_HOST), "SGLANG_USE_CPU_ENGINE": "1", **self.env}
+        # The stand-ins first, then what this process imports from (the cpcache under test).
+        path = os.pathsep.join(p for p in (str(CPU_HOST), os.environ.get("PYTHONPATH", "")) if p)
+        env = {"PYTHONPATH": path, "SGLANG_USE_CPU_ENGINE": "1", **self.env}
         if self.tp > 1:
             env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1))
                                                                   for i in range(self.tp)))
