@@ -1,15 +1,19 @@
 """Typed daemon configuration.
 
-One dataclass, one docstring per setting (`help` metadata), checks that name
-the setting. The library only takes a `DaemonConfig`; reading flags, the
-environment and files happens once, at the edge (`cpcache.daemon.settings`).
+One dataclass for production, one for fault injection (testing only, held as
+`DaemonConfig.faults`), one docstring per setting (`help` metadata), checks
+that name the setting. The library only takes a `DaemonConfig`; reading
+flags, the environment and files happens once, at the edge
+(`cpcache.daemon.settings`), by setting name (`SETTINGS`,
+`DaemonConfig.from_settings`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from cpcache.errors import InvalidArgument
 from cpcache.topology import MODES, Topology
@@ -53,6 +57,32 @@ class CacheConfig:
 
 def setting(default: T, help: str, **kwargs: object) -> T:
     return field(default=default, metadata={"help": help, **kwargs})
+
+
+FAULT_PREFIX = "fault_"
+
+
+@dataclass(frozen=True)
+class FaultInjection:
+    """For testing only: faults a daemon injects into its own rounds,
+    storage calls and copies, so that tests and soaks show the ranks still
+    agree under them; all off by default. Each is the setting `fault_` + its
+    field name (flag `--fault-...`, `CPCACHE_FAULT_...`), the only settings
+    that may differ between the ranks of one domain."""
+
+    delay_ms: float = setting(0.0, "Fault injection: each round waits uniform(0, this) ms first.")
+    storage_delay_ms: float = setting(0.0, "Fault injection: each storage batch waits uniform(0, this) ms.")
+    storage_fail_rate: float = setting(0.0, "Fault injection: probability that a page's storage I/O fails.")
+    storage_truncate_rate: float = setting(0.0, "Fault injection: probability that a storage batch stops early.")
+    copy_delay_ms: float = setting(0.0, "Fault injection: each device <-> host copy waits uniform(0, this) ms.")
+    copy_fail_rate: float = setting(0.0, "Fault injection: probability that a device <-> host copy fails.")
+    seed: int = setting(0, "Seed of the fault injection.")
+
+    def __post_init__(self) -> None:
+        for name in ("storage_fail_rate", "storage_truncate_rate", "copy_fail_rate"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise InvalidArgument(f"setting {FAULT_PREFIX}{name}: must be between 0 and 1 "
+                                      f"(got {getattr(self, name)!r})")
 
 
 @dataclass(frozen=True)
@@ -117,15 +147,9 @@ class DaemonConfig:
     write_policy: str = setting("write_through",
                                 "Backups to storage: write_through, write_through_selective, write_back.",
                                 choices=WRITE_POLICIES)
-    fault_delay_ms: float = setting(0.0, "Fault injection: each round waits uniform(0, this) ms first.")
-    fault_storage_delay_ms: float = setting(0.0, "Fault injection: each storage batch waits uniform(0, this) ms.")
-    fault_storage_fail_rate: float = setting(0.0, "Fault injection: probability that a page's storage I/O fails.")
-    fault_storage_truncate_rate: float = setting(0.0, "Fault injection: probability that a storage batch stops early.")
-    fault_copy_delay_ms: float = setting(0.0, "Fault injection: each device <-> host copy waits uniform(0, this) ms.")
-    fault_copy_fail_rate: float = setting(0.0, "Fault injection: probability that a device <-> host copy fails.")
-    fault_seed: int = setting(0, "Seed of the fault injection.")
     metrics_address: str = setting("", "Serve Prometheus metrics on host:port (port 0: any free port); empty: off.")
     log_level: str = setting("INFO", "Logging level (any case).", choices=LOG_LEVELS)
+    faults: FaultInjection = field(default_factory=FaultInjection)  # for testing only: the fault_* settings
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> InvalidArgument:
@@ -167,9 +191,6 @@ class DaemonConfig:
             raise bad("host_pool_pages" if self.host_pool_pages < 1 else "io_threads", "must be >= 1")
         if self.kv_cp_sharding not in ("cp_replicated", "cp_sharded"):
             raise bad("kv_cp_sharding", "must be cp_replicated or cp_sharded")
-        for name in ("fault_storage_fail_rate", "fault_storage_truncate_rate", "fault_copy_fail_rate"):
-            if not 0 <= getattr(self, name) <= 1:
-                raise bad(name, "must be between 0 and 1")
         _ = self.cache_config  # validates the policies, naming them
         for f in dataclasses.fields(self):  # every other setting with a fixed set of values
             choices = f.metadata.get("choices")
@@ -202,5 +223,21 @@ class DaemonConfig:
     def drain_s(self) -> float:
         return self.drain_timeout_s or self.agreement_timeout_s + 1.0
 
+    @classmethod
+    def from_settings(cls, values: Mapping[str, Any]) -> DaemonConfig:
+        """The config of settings by name (as flags, the environment, TOML
+        files and the launcher name them): the `fault_*` ones make `faults`."""
+        faults = {name.removeprefix(FAULT_PREFIX): v for name, v in values.items() if name in FAULT_SETTINGS}
+        production = {name: v for name, v in values.items() if name not in FAULT_SETTINGS}
+        return cls(**production, faults=FaultInjection(**faults))
 
-SETTINGS = {f.name: f for f in dataclasses.fields(DaemonConfig)}
+    def settings(self) -> dict[str, Any]:
+        """Every setting by name: what `from_settings` takes back."""
+        faults = {FAULT_PREFIX + f.name: getattr(self.faults, f.name) for f in dataclasses.fields(FaultInjection)}
+        return {**{name: getattr(self, name) for name in PRODUCTION_SETTINGS}, **faults}
+
+
+# Every setting by name, as flags, the environment and files spell it.
+PRODUCTION_SETTINGS = {f.name: f for f in dataclasses.fields(DaemonConfig) if f.name != "faults"}
+FAULT_SETTINGS = {FAULT_PREFIX + f.name: f for f in dataclasses.fields(FaultInjection)}
+SETTINGS = {**PRODUCTION_SETTINGS, **FAULT_SETTINGS}

@@ -1,6 +1,8 @@
 """Generate docs/settings.md from the daemon's setting definitions
-(`cpcache.config.DaemonConfig`: name, default, `help` metadata; flags and
-environment names as `cpcache.daemon.settings` derives them).
+(`cpcache.config.SETTINGS`: name, default, `help` metadata; flags and
+environment names as `cpcache.daemon.settings` derives them). The fault
+injection settings (`cpcache.config.FAULT_SETTINGS`) get a section of their
+own, for testing only.
 
     python scripts/docs_settings.py            # write docs/settings.md
     python scripts/docs_settings.py --check    # exit 1 if docs/settings.md is stale
@@ -33,8 +35,22 @@ What each security setting answers: [security.md](security.md), "Settings and
 the threat each answers". The SGLang backend's own settings (a JSON file
 named by `CPCACHE_SGLANG_CONFIG`) are in [sglang.md](sglang.md).
 
+"""
+
+TABLE = """\
 | setting | flag | environment | default | meaning |
 |---|---|---|---|---|
+"""
+
+FAULTS = """
+## Fault injection: for testing only
+
+These make a daemon inject faults into its own rounds, storage calls and
+copies, so that tests, the demo and the soaks show the ranks still agree
+under them. Leave them at their defaults (off) in production. They are the
+only settings a `[rank.N]` table of `cpcache launch --config` may set, so
+that one rank alone is slowed or fails.
+
 """
 
 
@@ -46,14 +62,20 @@ def _flag(name: str, default: object) -> str:
 
 
 def render() -> str:
-    from cpcache.config import SETTINGS
+    from cpcache.config import FAULT_SETTINGS, SETTINGS
     from cpcache.daemon.settings import ENV_PREFIX, env_name
 
-    rows = []
-    for name, f in SETTINGS.items():
-        meaning = f.metadata["help"].replace("|", "\\|")
-        rows.append(f"| `{name}` | {_flag(name, f.default)} | `{env_name(name)}` | `{f.default!r}` | {meaning} |")
-    return HEADER.format(prefix=ENV_PREFIX) + "\n".join(rows) + "\n"
+    def table(names: list[str]) -> str:
+        rows = []
+        for name in names:
+            f = SETTINGS[name]
+            meaning = f.metadata["help"].replace("|", "\\|")
+            rows.append(f"| `{name}` | {_flag(name, f.default)} | `{env_name(name)}` | `{f.default!r}` | {meaning} |")
+        return TABLE + "\n".join(rows) + "\n"
+
+    production = [name for name in SETTINGS if name not in FAULT_SETTINGS]
+    faults = [name for name in SETTINGS if name in FAULT_SETTINGS]
+    return HEADER.format(prefix=ENV_PREFIX) + table(production) + FAULTS + table(faults)
 
 
 def main() -> int:

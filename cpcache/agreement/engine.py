@@ -45,7 +45,7 @@ ROUND_BOUNDS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5,
 
 
 @dataclass(frozen=True)
-class FaultInjection:
+class RoundFaults:
     """Per-rank perturbation of round timing, for tests and demos."""
 
     delay_ms: float = 0.0  # each round waits uniform(0, delay_ms) before reducing
@@ -59,7 +59,7 @@ class AgreementEngine:
         exchange: DivergenceExchange | None,
         diagnose: Callable[[int, BaseException], CacheError],
         heartbeat: Heartbeat | None = None,
-        faults: FaultInjection = FaultInjection(),
+        faults: RoundFaults = RoundFaults(),
         on_failure: Callable[[CacheError], object] | None = None,
     ) -> None:
         """`reducer` has `min_inplace(vector)` and `close()`; `diagnose(round,

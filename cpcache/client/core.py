@@ -1,8 +1,8 @@
 """Scheduler-side clients of one rank's daemon: `AsyncClient` for asyncio
 schedulers, `Client` for synchronous scheduler loops.
 
-One core serves both: the functions here build each request and read each
-reply (`Call`), and `error_from` rebuilds the typed error the daemon raised
+One core serves both: the functions here build each call from the messages
+of `messages.py` and read each reply (`Call`), and `error_from` rebuilds the typed error the daemon raised
 from the `google.rpc.ErrorInfo` in its status, so a scheduler handles
 `PeerLost` or `Divergence` without knowing gRPC. The two faces differ only in
 how they send a `Call`: `_Face` holds every public method once.
@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import grpc
@@ -25,6 +25,7 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cpcache import errors
+from cpcache.client.messages import Ops, StepResult, attach_request, step_request, step_result
 from cpcache.client.pools import hand_over
 from cpcache.topology import Topology
 from cpcache.v1 import daemon_pb2 as pb
@@ -39,8 +40,6 @@ T = TypeVar("T")
 
 DEFAULT_TIMEOUT_S = 30.0
 WAIT_MARGIN_S = 5.0  # wait_loads' deadline: its own timeout plus this, for the daemon to answer
-
-_REDUCE_TO_WIRE = {Reduce.MIN: pb.REDUCE_MIN, Reduce.MAX: pb.REDUCE_MAX}
 
 # Reconnect quickly: the daemon is local and may be restarting.
 CHANNEL_OPTIONS = [
@@ -106,112 +105,7 @@ def error_from(exc: grpc.RpcError) -> errors.CacheError:
     return fallback(message)
 
 
-# -- values ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class StepResult:
-    step: int
-    round: int  # the step whose round these decisions come from; 0: none yet
-    decisions: dict[int, int]  # vote op id -> agreed value
-    digest: int
-    wire: bytes  # the reply as sent, for byte-for-byte comparisons across ranks
-    prefetch_hits: dict[int, int] = field(default_factory=dict)  # op -> pages in storage
-    prefetch_done: dict[int, int] = field(default_factory=dict)  # op -> pages now in host
-    prefetch_revoked: dict[int, str] = field(default_factory=dict)  # op -> why
-    write_acks: tuple[int, ...] = ()
-    backups: dict[int, bool] = field(default_factory=dict)
-    loads: dict[int, int] = field(default_factory=dict)
-    write_failures: tuple[int, ...] = ()  # nothing of these entered the host pool (a failed copy, a full pool)
-    load_failures: tuple[int, ...] = ()  # the device pages of these hold no agreed data
-    epoch: int = 0  # the domain's epoch: it moves when the domain re-forms after losing a rank
-    host_entered: tuple[bytes, ...] = ()  # pages that entered the host pool in `round`
-    host_left: tuple[bytes, ...] = ()  # pages evicted from it in `round`
-
-
-@dataclass(frozen=True)
-class Ops:
-    """Cache operations for one step (see `StepOps` in cpcache.state.requests)."""
-
-    prefetches: tuple = ()  # (op_id, pages, tokens[, parent])
-    polls: tuple = ()  # prefetch op ids
-    revokes: tuple = ()  # prefetch op ids
-    writes: tuple = ()  # (op_id, pages, device_pages[, parent])
-    loads: tuple = ()  # (op_id, pages, device_pages)
-
-
-def step_request(step: int, votes: Iterable[tuple[int, Reduce, int]] = (), ops: Ops | None = None) -> pb.StepRequest:
-    request = pb.StepRequest(step=step)
-    if ops is not None:
-        for op_id, pages, tokens, *parent in ops.prefetches:
-            request.prefetches.add(op_id=op_id, pages=pages, tokens=tokens, parent=parent[0] if parent else b"")
-        request.prefetch_polls.extend(ops.polls)
-        request.revokes.extend(ops.revokes)
-        for op_id, pages, device_pages, *parent in ops.writes:
-            request.writes.add(op_id=op_id, pages=pages, device_pages=device_pages,
-                               parent=parent[0] if parent and parent[0] else b"")
-        for op_id, pages, device_pages in ops.loads:
-            request.loads.add(op_id=op_id, pages=pages, device_pages=device_pages)
-    votes = list(votes)
-    if votes:
-        op_ids, reduces, values = zip(*votes)
-        request.votes.op_ids.extend(op_ids)
-        request.votes.reduces.extend(_REDUCE_TO_WIRE[Reduce(r)] for r in reduces)
-        request.votes.values.extend(values)
-    return request
-
-
-def step_result(reply: pb.StepReply) -> StepResult:
-    hits: dict[int, int] = {}
-    done: dict[int, int] = {}
-    revoked: dict[int, str] = {}
-    pages_by_outcome = {pb.PrefetchDecision.HIT: hits, pb.PrefetchDecision.DONE: done}
-    for d in reply.prefetches:
-        if d.outcome == pb.PrefetchDecision.REVOKED:
-            revoked[d.op_id] = d.reason
-        else:
-            pages_by_outcome[d.outcome][d.op_id] = d.pages
-    return StepResult(
-        step=reply.step,
-        round=reply.round,
-        decisions=dict(zip(reply.decisions.op_ids, reply.decisions.values)),
-        digest=reply.state_digest,
-        wire=reply.SerializeToString(deterministic=True),
-        prefetch_hits=hits,
-        prefetch_done=done,
-        prefetch_revoked=revoked,
-        write_acks=tuple(reply.write_acks),
-        backups={b.op_id: b.stored for b in reply.backups},
-        loads={x.op_id: x.pages for x in reply.loads},
-        write_failures=tuple(reply.write_failures),
-        load_failures=tuple(reply.load_failures),
-        epoch=reply.epoch,
-        host_entered=tuple(reply.host_entered),
-        host_left=tuple(reply.host_left),
-    )
-
-
-def attach_request(model_id: str, geometry: KVGeometry, device_pages: int, shm_ticket: str = "",
-                   cuda_ipc: dict[str, Any] | None = None,
-                   placement: tuple[Topology, int] | None = None,
-                   regions: Sequence[Region] = ()) -> pb.AttachRequest:
-    request = pb.AttachRequest(model_id=model_id, device_pages=device_pages, geometry=pb.Geometry(
-        layers=geometry.layers, kv_kind=geometry.kv_kind, heads=geometry.heads, head_dim=geometry.head_dim,
-        dtype=geometry.dtype, page_size=geometry.page_size))
-    if placement is not None:
-        topology, rank = placement
-        request.topology.CopyFrom(pb.SchedulerTopology(tp=topology.tp, cp=topology.cp, dp=topology.dp,
-                                                       pp=topology.pp, rank=rank))
-    for region in regions:
-        wire = request.regions.add(offset=region.offset, strides=region.strides)
-        if region.cuda_ipc is not None:
-            wire.cuda_ipc.CopyFrom(pb.CudaIpcHandle(**region.cuda_ipc))
-    if cuda_ipc is not None:
-        request.cuda_ipc.CopyFrom(pb.CudaIpcHandle(**cuda_ipc))
-    elif shm_ticket:
-        request.shm_ticket = shm_ticket
-    return request
-
+# -- calls ------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Call(Generic[T]):

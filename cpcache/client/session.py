@@ -1,28 +1,52 @@
-"""A scheduler-side API with the shape of SGLang's HiRadixCache calls, over
-the blocking client, so an SGLang-style scheduler can adopt cpcache with
-small changes.
+"""One rank's scheduler side of its daemon: the one session that the SGLang
+backend, the simulator and the soak drive.
 
-The one change in habit: calls made during a scheduler iteration are
-collected and sent together by `flush()`, once per iteration (one Step, one
-agreement round). Checks (`check_prefetch_progress`, `writing_check`,
-`loading_check`) answer from agreed decisions already received, so every
-rank's scheduler sees the same answers at the same iteration, by
-construction, and no call issues a collective of its own.
+The cache operations of a scheduler iteration are collected here and sent
+together as one `Step` (one agreement round); its reply is followed here:
+the operations it decided are closed (each with its `done` callback), the
+mirror of the host pool moves, the tally and the decision log grow. Every
+rank's scheduler makes the same calls in the same order and reads the same
+agreed replies, so every rank's session holds the same state at the same
+iteration, by construction, and nothing here runs a collective.
 
-Each HiRadixCache call and its counterpart here: docs/sglang.md (the call table).
+Each operation names its tiers: `write_through` copies device pages into
+the host pool (device -> host; the daemon backs them up to storage by its
+`write_policy`), `load` copies host pages into device pages (host ->
+device), `prefetch` brings storage pages into the host pool (storage ->
+host).
+
+Two ways to send. A synchronous scheduler gives the session its blocking
+`Client` and calls `iterate` once per iteration: it takes the reply of the
+step sent at the last iteration (its round ran meanwhile) and sends this
+iteration's step without waiting for it. An asyncio scheduler, or a driver
+of several ranks, takes `next_step()`, sends it itself, and hands the
+reply to `follow`.
+
+Each SGLang call and its counterpart here: docs/sglang.md (the call table).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from cpcache.client.core import Client, Ops, StepResult
+from cpcache.client.core import Client
+from cpcache.client.messages import Ops, StepResult
+from cpcache.client.outcomes import DecisionLog, HostMirror, Tally
+from cpcache.errors import Unavailable
+
+Stored = Callable[[bool], None]  # a write's end: did its pages enter the host pool?
+Landed = Callable[[bool], None]  # a load's end: are its pages on every rank's device?
+Brought = Callable[[int], None]  # a prefetch's end: pages it brought to the host pool (0: revoked)
 
 
 @dataclass
-class _Pending:
+class _Unsent:
+    """The operations collected since the last step, in `Ops` field order."""
+
     prefetches: list = field(default_factory=list)
     polls: list = field(default_factory=list)
     revokes: list = field(default_factory=list)
@@ -33,42 +57,127 @@ class _Pending:
         return Ops(tuple(self.prefetches), tuple(self.polls), tuple(self.revokes), tuple(self.writes),
                    tuple(self.loads))
 
+    def any(self) -> bool:
+        return bool(self.prefetches or self.polls or self.revokes or self.writes or self.loads)
 
-class HiCacheSession:
-    def __init__(self, client: Client, first_step: int = 1) -> None:
-        self._client = client
+
+@dataclass
+class _Prefetch:
+    rid: str | None
+    done: Brought | None
+
+
+class SchedulerSession:
+    """One rank's scheduler-side session: the operations collected for the
+    next step, the ones open at the daemon, and what the replies agreed."""
+
+    def __init__(self, client: Client | None = None, first_step: int = 1, *, load_timeout_s: float = 30.0,
+                 decisions: DecisionLog | None = None) -> None:
+        """`client`: for the synchronous calls (`iterate`, `flush`,
+        `load_now`, `drain_writes`); None when the caller sends each step.
+        `decisions`: where the agreed decisions are logged, if kept."""
+        self.client = client
+        self.load_timeout_s = load_timeout_s
+        self.tally = Tally()
+        self.host = HostMirror()
+        self.decisions = decisions
         self._step = first_step - 1
         self._ids = itertools.count(1)
-        self._pending = _Pending()
-        self._prefetch_of: dict[str, int] = {}  # request id -> open prefetch op
-        self._ended: dict[str, int] = {}  # request id -> pages prefetched (0 if revoked)
-        self._acked: list[int] = []
-        self._write_failed: list[int] = []
-        self._loaded: list[int] = []
-        self._load_failed: list[int] = []
+        self._unsent = _Unsent()
+        self._prefetches: dict[int, _Prefetch] = {}  # open prefetch op -> its request and end
+        self._prefetch_of: dict[str, int] = {}  # request id -> its open prefetch op
+        self._brought: dict[str, int] = {}  # request id -> pages its ended prefetch brought (0: revoked)
+        self._writes: dict[int, tuple[int, Stored | None]] = {}  # open write op -> (pages, its end)
+        self._loads: dict[int, tuple[int, Landed | None]] = {}  # open load op -> (pages, its end)
+        self._in_flight: Callable[[], StepResult] | None = None  # a step sent, its reply not yet taken
 
-    # -- prefetch ------------------------------------------------------------------
+    # -- device -> host --------------------------------------------------------------
 
-    def prefetch_from_storage(self, rid: str, pages: list[bytes], tokens: int, parent: bytes | None = None) -> int:
-        """A new prefetch for `rid` replaces any earlier one (revoked if open)."""
-        if rid in self._prefetch_of:
-            self.release_aborted_request(rid)
-        self._ended.pop(rid, None)
-        op_id = next(self._ids)
-        self._pending.prefetches.append((op_id, pages, tokens, parent or b""))
-        self._prefetch_of[rid] = op_id
-        return op_id
+    def write_through(self, pages: list[bytes], device_pages: list[int], parent: bytes | None = None,
+                      done: Stored | None = None) -> int:
+        """Copy device pages into the host pool: -> the op id. `done(stored)`
+        once agreed; until then the device pages must stay as they are."""
+        op = next(self._ids)
+        self._unsent.writes.append((op, pages, device_pages, parent or b""))
+        self._writes[op] = (len(pages), done)
+        return op
 
-    def check_prefetch_progress(self, rid: str) -> bool:
-        """True once the prefetch of `rid` has ended (agreed); otherwise asks
-        the next flush whether it may end now."""
-        if rid in self._ended:
+    def hold_writes(self) -> list:
+        """Take the write-throughs not sent yet out of the next step (their
+        KV may still be being computed): -> what `release_writes` puts back."""
+        held, self._unsent.writes = self._unsent.writes, []
+        return held
+
+    def release_writes(self, held: list) -> None:
+        self._unsent.writes = held + self._unsent.writes
+
+    def cancel_unsent_writes(self) -> int:
+        """Drop the write-throughs no step has carried yet (their device pages
+        are being freed): each ends as not stored. -> how many. Sent ones are
+        decided by the daemon and must be waited for (`drain_writes`)."""
+        cancelled, self._unsent.writes = self._unsent.writes, []
+        for write in cancelled:
+            self.tally.writes_cancelled += 1
+            self._end_write(write[0], False)
+        return len(cancelled)
+
+    def writes_in_flight(self) -> int:
+        return len(self._writes)
+
+    # -- host -> device ---------------------------------------------------------------
+
+    def match(self, pages: list[bytes]) -> int:
+        """Pages of `pages`, from the first, resident in the host pool (the
+        agreed state as of the last reply, the same on every rank)."""
+        return self.host.prefix(pages)
+
+    def load(self, pages: list[bytes], device_pages: list[int], done: Landed | None = None) -> int:
+        """Copy host pages into device pages: -> the op id. `done(landed)`
+        once agreed (then `Client.wait_loads` waits for this rank's copy)."""
+        op = next(self._ids)
+        self._unsent.loads.append((op, pages, device_pages))
+        self._loads[op] = (len(pages), done)
+        return op
+
+    # -- storage -> host ----------------------------------------------------------------
+
+    def prefetch(self, pages: list[bytes], tokens: int, parent: bytes | None = None, *, rid: str | None = None,
+                 done: Brought | None = None) -> int:
+        """Bring storage pages into the host pool: -> the op id. `done(pages)`
+        once ended (0: revoked). A new prefetch for request `rid` replaces its
+        earlier one (released if open)."""
+        if rid is not None:
+            self.release(rid)
+        op = next(self._ids)
+        self._unsent.prefetches.append((op, pages, tokens, parent or b""))
+        self._prefetches[op] = _Prefetch(rid, done)
+        if rid is not None:
+            self._prefetch_of[rid] = op
+        return op
+
+    def poll(self, op: int) -> None:
+        """Ask the next step whether this prefetch may end now (once per step)."""
+        if op not in self._unsent.polls and all(p[0] != op for p in self._unsent.prefetches):
+            self._unsent.polls.append(op)
+
+    def revoke(self, op: int) -> None:
+        """Ask the next step to end this prefetch; it stays open until agreed."""
+        self._unsent.revokes.append(op)
+
+    def open_prefetches(self) -> list[int]:
+        """The prefetch ops sent and not ended, oldest first."""
+        unsent = {p[0] for p in self._unsent.prefetches}
+        return [op for op in self._prefetches if op not in unsent]
+
+    def prefetch_ended(self, rid: str) -> bool:
+        """Whether the prefetch of request `rid` has ended (agreed; True if it
+        has none); if not, the next step asks whether it may end now."""
+        if rid in self._brought:
             return True
-        op_id = self._prefetch_of.get(rid)
-        if op_id is None:
+        op = self._prefetch_of.get(rid)
+        if op is None:
             return True  # nothing was prefetched for this request
-        if op_id not in self._pending.polls and all(p[0] != op_id for p in self._pending.prefetches):
-            self._pending.polls.append(op_id)
+        self.poll(op)
         return False
 
     def prefetch_open(self, rid: str) -> bool:
@@ -76,115 +185,200 @@ class HiCacheSession:
         return rid in self._prefetch_of
 
     def prefetched_pages(self, rid: str) -> int:
-        return self._ended.get(rid, 0)
+        return self._brought.get(rid, 0)
 
     def take_prefetched(self, rid: str) -> int:
         """Pages the ended prefetch of `rid` brought, forgetting it."""
-        return self._ended.pop(rid, 0)
+        return self._brought.pop(rid, 0)
 
-    def release_aborted_request(self, rid: str) -> None:
-        op_id = self._prefetch_of.pop(rid, None)
-        self._ended.pop(rid, None)
-        if op_id is None:
+    def release(self, rid: str) -> None:
+        """The request is gone: forget its prefetch now; one a step carried
+        is revoked by the next step, one never sent is dropped."""
+        op = self._prefetch_of.pop(rid, None)
+        self._brought.pop(rid, None)
+        if op is None:
             return
-        unsent = [p for p in self._pending.prefetches if p[0] == op_id]
+        del self._prefetches[op]
+        unsent = [p for p in self._unsent.prefetches if p[0] == op]
         if unsent:  # never sent: nothing to revoke
-            self._pending.prefetches.remove(unsent[0])
+            self._unsent.prefetches.remove(unsent[0])
         else:
-            self._pending.polls = [p for p in self._pending.polls if p != op_id]
-            self._pending.revokes.append(op_id)
+            self._unsent.polls = [p for p in self._unsent.polls if p != op]
+            self._unsent.revokes.append(op)
 
-    # -- write-through and load-back ---------------------------------------------------
+    # -- the step: taken, sent by the caller, followed ----------------------------------
 
-    def write_backup(self, pages: list[bytes], device_pages: list[int], parent: bytes | None = None) -> int:
-        op_id = next(self._ids)
-        self._pending.writes.append((op_id, pages, device_pages, parent or b""))
-        return op_id
+    def has_unsent(self) -> bool:
+        """Operations collected since the last step, which the next one carries."""
+        return self._unsent.any()
 
-    def hold_writes(self) -> list:
-        """Take the write-throughs not sent yet out of the next flush (their
-        KV may still be being computed): -> what `release_writes` puts back."""
-        held, self._pending.writes = self._pending.writes, []
-        return held
+    def next_step(self) -> tuple[int, Ops]:
+        """The next step's number and the operations collected for it."""
+        self._step += 1
+        ops, self._unsent = self._unsent.ops(), _Unsent()
+        self.tally.carried(ops)
+        return self._step, ops
 
-    def release_writes(self, held: list) -> None:
-        self._pending.writes = held + self._pending.writes
+    def not_taken(self, ops: Ops) -> None:
+        """The step that carried `ops` was taken by no rank (refused, or
+        failed everywhere): what it opened ends as not done, uncounted."""
+        self.tally.carried(ops, sign=-1)
+        for write in ops.writes:
+            self._end_write(write[0], False)
+        for load in ops.loads:
+            _, done = self._loads.pop(load[0])
+            if done is not None:
+                done(False)
+        for prefetch in ops.prefetches:
+            self._end_prefetch(prefetch[0], 0)
 
-    def cancel_unsent_writes(self) -> list[int]:
-        """Drop the write-throughs no flush has sent yet (their device pages
-        are about to be freed): -> their op ids. Sent ones are decided by the
-        daemon and must be waited for."""
-        cancelled = [w[0] for w in self._pending.writes]
-        self._pending.writes = []
-        return cancelled
+    def follow(self, reply: StepResult) -> StepResult:
+        """Take an agreed reply: close what it decided, in the order the
+        reply lists it (prefetches, writes, loads)."""
+        self.tally.followed(reply)
+        self.host.follow(reply)
+        if self.decisions is not None:
+            self.decisions.add(reply)
+        for op, pages in reply.prefetch_done.items():
+            self._end_prefetch(op, pages)
+        for op in reply.prefetch_revoked:
+            self._end_prefetch(op, 0)
+        for op in reply.write_acks:
+            self.tally.write_acks += 1
+            self._end_write(op, True)
+        for op in reply.write_failures:
+            self.tally.write_failures += 1
+            self.tally.failed_write_pages += self._writes[op][0]
+            self._end_write(op, False)
+        for op in reply.loads:
+            self._end_load(op, True)
+        for op in reply.load_failures:
+            self._end_load(op, False)
+        return reply
 
-    def writing_check(self) -> list[int]:
-        acked, self._acked = self._acked, []
-        return acked
+    def _end_prefetch(self, op: int, pages: int) -> None:
+        prefetch = self._prefetches.pop(op, None)
+        if prefetch is None:
+            return  # released meanwhile
+        if prefetch.rid is not None:
+            del self._prefetch_of[prefetch.rid]
+            self._brought[prefetch.rid] = pages
+        if prefetch.done is not None:
+            prefetch.done(pages)
 
-    def write_failures_check(self) -> list[int]:
-        """Write-throughs that failed on some rank (agreed): nothing of them
-        entered the host pool."""
-        failed, self._write_failed = self._write_failed, []
-        return failed
+    def _end_write(self, op: int, stored: bool) -> None:
+        _, done = self._writes.pop(op)
+        if done is not None:
+            done(stored)
 
-    def load_back(self, pages: list[bytes], device_pages: list[int]) -> int:
-        op_id = next(self._ids)
-        self._pending.loads.append((op_id, pages, device_pages))
-        return op_id
+    def _end_load(self, op: int, landed: bool) -> None:
+        if op not in self._loads:
+            return
+        pages, done = self._loads.pop(op)
+        if landed:
+            self.tally.load_acks += 1
+            self.tally.loaded_pages += pages
+        else:
+            self.tally.load_failures += 1
+        if done is not None:
+            done(landed)
 
-    def loading_check(self) -> list[int]:
-        loaded, self._loaded = self._loaded, []
-        return loaded
+    # -- the synchronous scheduler's iteration ---------------------------------------------
 
-    def load_failures_check(self) -> list[int]:
-        """Load-backs that failed on some rank (agreed): their device pages
-        hold no agreed data."""
-        failed, self._load_failed = self._load_failed, []
-        return failed
+    def busy(self) -> bool:
+        """Whether a step is in flight, or the next one has anything to send or wait for.
 
-    def has_pending(self) -> bool:
-        """Calls made since the last flush, which the next flush sends."""
-        p = self._pending
-        return bool(p.prefetches or p.polls or p.revokes or p.writes or p.loads)
+        Its inputs are this scheduler's own calls since the last step and what
+        agreed replies left open (writes a step carried, not yet decided; open
+        prefetches): alike on every rank at the same iteration, never local I/O
+        progress or timing. So every rank skips the same iterations, and the
+        number of rounds stays a function of the scheduler's iterations
+        (DESIGN.md, section 2, rule 2)."""
+        return self._in_flight is not None or self.has_unsent() or bool(self._writes) or bool(self._prefetches)
 
-    def open_prefetches(self) -> int:
-        return len(self._prefetch_of)
+    def in_flight(self) -> bool:
+        return self._in_flight is not None
 
-    def wait_loads(self, op_ids: list[int], timeout_s: float = 30.0) -> None:
-        """Block until this rank's copies have reached the device (local)."""
-        self._client.wait_loads(op_ids, timeout_s)
+    def iterate(self) -> bool:
+        """Once per scheduler iteration, on every rank: take the reply of the
+        step sent at the last iteration, then send this iteration's step if
+        anything waits for one, without waiting for its round: its decisions
+        are taken at the next iteration (or before anything else that needs
+        them), alike on every rank. What the reply changes was built on, at
+        the earliest, after it was taken: every step is checked by the daemon
+        against the state the scheduler last read. An iteration with nothing
+        to say (`busy`) costs no call and no round. -> whether a reply was
+        taken or a step sent."""
+        if not self.busy():
+            return False
+        self.settle()
+        if self.busy():
+            with self._timed():
+                self._send()
+        return True
 
-    def match_prefix(self, pages: list[bytes]) -> tuple[int, int]:
-        reply = self._client.match(pages)
-        return reply.host_pages, reply.storage_pages
-
-    # -- the iteration boundary --------------------------------------------------------
+    def settle(self) -> StepResult | None:
+        """Take the reply of the step in flight, if any (waiting for it)."""
+        if self._in_flight is None:
+            return None
+        receive, self._in_flight = self._in_flight, None
+        with self._timed():
+            return self.follow(receive())
 
     def flush(self) -> StepResult:
-        """Send everything this iteration asked for as one step."""
-        return self.send()()
+        """One step, waited for (after the one in flight)."""
+        self.settle()
+        with self._timed():
+            self._send()
+            receive, self._in_flight = self._in_flight, None
+            assert receive is not None
+            return self.follow(receive())
 
-    def send(self) -> Callable[[], StepResult]:
-        """`flush` in two halves: send the step now, -> what waits for its
-        reply and takes its decisions (called before anything else is sent)."""
-        self._step += 1
-        ops, self._pending = self._pending.ops(), _Pending()
-        waiting = self._client.step_later(self._step, ops=ops)
-        return lambda: self._take(waiting())
+    def _send(self) -> None:
+        assert self.client is not None, "a session without a client: its caller sends each step (next_step)"
+        step, ops = self.next_step()
+        self._in_flight = self.client.step_later(step, ops=ops)
 
-    def _take(self, reply: StepResult) -> StepResult:
-        by_op = {op: rid for rid, op in self._prefetch_of.items()}
-        for op_id, pages in reply.prefetch_done.items():
-            if op_id in by_op:
-                self._ended[by_op[op_id]] = pages
-                del self._prefetch_of[by_op[op_id]]
-        for op_id in reply.prefetch_revoked:
-            if op_id in by_op:
-                self._ended[by_op[op_id]] = 0
-                del self._prefetch_of[by_op[op_id]]
-        self._acked += reply.write_acks
-        self._write_failed += reply.write_failures
-        self._loaded += list(reply.loads)
-        self._load_failed += reply.load_failures
-        return reply
+    @contextlib.contextmanager
+    def _timed(self) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.tally.step_seconds += time.perf_counter() - started
+
+    def load_now(self, pages: list[bytes], device_pages: list[int]) -> bool:
+        """Load host pages into device pages and return once every rank has
+        them (True) or the load failed on some rank (False), as agreed."""
+        self.settle()
+        if self.host.prefix(pages) < len(pages):
+            # The step that was in flight when the pages were matched evicted
+            # some of them: known alike on every rank, so a failure like any.
+            self.tally.loads += 1
+            self.tally.load_failures += 1
+            return False
+        ended: list[bool] = []
+        self.load(pages, device_pages, done=ended.append)
+        deadline = time.monotonic() + self.load_timeout_s
+        # Writes queued since this iteration's step wait for the next one: on
+        # an overlapping scheduler their KV (a chunk just launched) may not be
+        # computed yet, and their step is where the scheduler has synchronized.
+        held = self.hold_writes()
+        try:
+            while not ended:
+                if time.monotonic() > deadline:
+                    raise Unavailable(f"load of {len(pages)} pages not decided in {self.load_timeout_s} s")
+                self.flush()
+        finally:
+            self.release_writes(held)
+        return ended[0]
+
+    def drain_writes(self) -> None:
+        """Step until every write a step carried is decided: only then may
+        their device pages be freed (the daemon may still be copying them)."""
+        self.settle()
+        deadline = time.monotonic() + self.load_timeout_s
+        while self._writes:
+            if time.monotonic() > deadline:
+                raise Unavailable(f"{len(self._writes)} writes not decided in {self.load_timeout_s} s")
+            self.flush()

@@ -64,8 +64,8 @@ class DomainSpec:
     agreement_timeout_s: float = 10.0
     fault_delay_ms: float = 0.0
     seed: int = 0
-    extra: dict = field(default_factory=dict)  # any other DaemonConfig setting, for every rank
-    per_rank: dict = field(default_factory=dict)  # rank -> settings for that rank only (fault injection)
+    extra: dict = field(default_factory=dict)  # any other setting by name (`config.SETTINGS`), for every rank
+    per_rank: dict = field(default_factory=dict)  # rank -> settings for that rank only (fault_* settings)
 
     def config(self, rank: int, store_port: int, deployment: str) -> DaemonConfig:
         settings = dict(
@@ -83,7 +83,7 @@ class DomainSpec:
             fault_delay_ms=self.fault_delay_ms,
             fault_seed=self.seed,
         )
-        return DaemonConfig(**{**settings, **self.extra, **self.per_rank.get(rank, {})})
+        return DaemonConfig.from_settings({**settings, **self.extra, **self.per_rank.get(rank, {})})
 
 
 class ExitWatch:

@@ -19,10 +19,10 @@ from cpcache.daemon.wire import (
     DaemonStatus,
     attach_reply,
     cuda_ipc_from_wire,
-    ops_from_wire,
     prefetches_from_wire,
     regions_from_wire,
     request_digest,
+    requests_from_wire,
     status_reply,
     step_reply,
     votes_from_wire,
@@ -32,7 +32,7 @@ from cpcache.errors import CacheError, InvalidArgument, PermissionDenied
 from cpcache.geometry import KVGeometry
 from cpcache.rank.attach import Attached
 from cpcache.rank.rank import Rank
-from cpcache.state.requests import StepOps
+from cpcache.state.requests import CacheRequests
 from cpcache.topology import Topology
 from cpcache.v1 import daemon_pb2 as pb
 from cpcache.v1 import daemon_pb2_grpc as pb_grpc
@@ -58,8 +58,8 @@ class DaemonPort(Protocol):
     def status(self) -> DaemonStatus: ...
 
 
-def _step_parts(request: pb.StepRequest) -> tuple[Questions, StepOps]:
-    return votes_from_wire(request.votes), ops_from_wire(request)
+def _step_parts(request: pb.StepRequest) -> tuple[Questions, CacheRequests]:
+    return votes_from_wire(request.votes), requests_from_wire(request)
 
 
 class CacheDaemonServicer(pb_grpc.CacheDaemonServicer):
@@ -67,19 +67,19 @@ class CacheDaemonServicer(pb_grpc.CacheDaemonServicer):
         self._daemon = daemon
 
     async def _step(self, method: str, request: StepLike,
-                    parse: Callable[[Any], tuple[Questions, StepOps]]) -> pb.StepReply:
+                    parse: Callable[[Any], tuple[Questions, CacheRequests]]) -> pb.StepReply:
         """One step. A request that cannot be read still takes part in its
         round (rejected), so the other ranks are never left waiting."""
         started = time.perf_counter()
         invalid: CacheError | None = None
         try:
-            votes, ops = parse(request)
+            votes, requests = parse(request)
         except CacheError as exc:
-            votes, ops, invalid = Questions.empty(), StepOps(), exc
+            votes, requests, invalid = Questions.empty(), CacheRequests(), exc
         except Exception as exc:  # a request this daemon cannot read still takes part in its round
-            votes, ops, invalid = Questions.empty(), StepOps(), InvalidArgument(f"unreadable step: {exc}")
+            votes, requests, invalid = Questions.empty(), CacheRequests(), InvalidArgument(f"unreadable step: {exc}")
         with self._daemon.in_flight():
-            taken = await self._daemon.rank.step(request.step, votes, ops, invalid=invalid,
+            taken = await self._daemon.rank.step(request.step, votes, requests, invalid=invalid,
                                                  request_digest=request_digest(method, request))
         built = time.perf_counter()
         reply = step_reply(taken.outcome)
@@ -93,7 +93,7 @@ class CacheDaemonServicer(pb_grpc.CacheDaemonServicer):
     async def Step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> pb.StepReply:
         return await self._step("Step", request, _step_parts)
 
-    async def Steps(self, requests: Any, context: grpc.aio.ServicerContext) -> None:
+    async def Steps(self, request_stream: Any, context: grpc.aio.ServicerContext) -> None:
         """`Step` over one stream: each request is one step, answered in
         order with exactly what `Step` answers (a retry, by either call, is
         told apart by the same digest). A step that fails ends the stream
@@ -113,15 +113,17 @@ class CacheDaemonServicer(pb_grpc.CacheDaemonServicer):
     @guarded
     async def Prefetch(self, request: pb.PrefetchRequest, context: grpc.aio.ServicerContext) -> pb.StepReply:
         return await self._step("Prefetch", request, lambda r: (
-            Questions.empty(), StepOps(prefetches=prefetches_from_wire(r.prefetches), prefetch_polls=tuple(r.polls))))
+            Questions.empty(),
+            CacheRequests(prefetches=prefetches_from_wire(r.prefetches), prefetch_polls=tuple(r.polls))))
 
     @guarded
     async def Revoke(self, request: pb.RevokeRequest, context: grpc.aio.ServicerContext) -> pb.StepReply:
-        return await self._step("Revoke", request, lambda r: (Questions.empty(), StepOps(revokes=tuple(r.op_ids))))
+        return await self._step("Revoke", request,
+                                lambda r: (Questions.empty(), CacheRequests(revokes=tuple(r.op_ids))))
 
     @guarded
     async def Ack(self, request: pb.AckRequest, context: grpc.aio.ServicerContext) -> pb.StepReply:
-        return await self._step("Ack", request, lambda r: (Questions.empty(), StepOps()))
+        return await self._step("Ack", request, lambda r: (Questions.empty(), CacheRequests()))
 
     @guarded
     async def Attach(self, request: pb.AttachRequest, context: grpc.aio.ServicerContext) -> pb.AttachReply:

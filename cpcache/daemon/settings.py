@@ -5,7 +5,6 @@ over the file. The only place that reads the environment."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import tomllib
 from collections.abc import Mapping, Sequence
@@ -82,19 +81,18 @@ def resolve(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None
         flag_value = getattr(args, name)
         if flag_value is not None:
             values[name] = _convert(name, flag_value, "--" + name.replace("_", "-"))
-    return DaemonConfig(**values)
+    return DaemonConfig.from_settings(values)
 
 
 def as_flags(config: DaemonConfig) -> list[str]:
     """The flags that reproduce `config` (used by the local launcher)."""
     flags = []
-    for f in dataclasses.fields(config):
-        value = getattr(config, f.name)
-        if value == f.default:
+    for name, value in config.settings().items():
+        if value == SETTINGS[name].default:
             continue
-        flag = "--" + f.name.replace("_", "-")
+        flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
-            flags.append(flag if value else "--no-" + f.name.replace("_", "-"))
+            flags.append(flag if value else "--no-" + name.replace("_", "-"))
         else:
             flags += [flag, str(value)]
     return flags

@@ -16,7 +16,7 @@ from cpcache.errors import InvalidArgument
 from cpcache.hashing import hash62
 from cpcache.rank.attach import Attached
 from cpcache.rank.stepper import StepOutcome
-from cpcache.state.requests import LoadRequest, PrefetchRequest, StepOps, WriteRequest
+from cpcache.state.requests import CacheRequests, LoadRequest, PrefetchRequest, WriteRequest
 from cpcache.v1 import daemon_pb2 as pb
 
 
@@ -36,8 +36,8 @@ def prefetches_from_wire(prefetches: Iterable[pb.PrefetchOp]) -> tuple[PrefetchR
     return tuple(PrefetchRequest(p.op_id, tuple(p.pages), p.tokens, _parent(p.parent)) for p in prefetches)
 
 
-def ops_from_wire(request: pb.StepRequest) -> StepOps:
-    return StepOps(
+def requests_from_wire(request: pb.StepRequest) -> CacheRequests:
+    return CacheRequests(
         prefetches=prefetches_from_wire(request.prefetches),
         prefetch_polls=tuple(request.prefetch_polls),
         revokes=tuple(request.revokes),
@@ -66,7 +66,7 @@ def step_reply(outcome: StepOutcome) -> pb.StepReply:
     reply = pb.StepReply(step=outcome.step, round=outcome.round, state_digest=outcome.digest)
     reply.decisions.op_ids.extend(outcome.op_ids.tolist())
     reply.decisions.values.extend(outcome.values.tolist())
-    d = outcome.cache
+    d = outcome.decided
     for op_id, pages in d.prefetch_hits:
         reply.prefetches.add(op_id=op_id, outcome=pb.PrefetchDecision.HIT, pages=pages)
     for op_id, pages in d.prefetch_done:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from cpcache.dataplane.movers import DEVICE, HOST, STORAGE, TransferResult, Transfers
 from cpcache.dataplane.sessions import Session
 from cpcache.state.intents import CopyToDevice, CopyToHost, Fetch, Intent, Lookup, Store
-from cpcache.state.questions import NOT_YET, BackupOutcome, Outcome
+from cpcache.state.questions import NOT_YET, BackupOutcome, CopyOutcome
 
 FETCH_CHUNK_PAGES = 16  # a fetch reports progress chunk by chunk
 LOAD_JOBS_KEPT = 1 << 16  # finished loads WaitLoads still knows
@@ -58,9 +58,9 @@ class LocalIO:
         self._events: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._exists: dict[int, tuple[int, float]] = {}  # serial -> (pages or NOT_YET, asked at)
         self._fetches: dict[int, FetchProgress] = {}
-        self._writes: dict[int, Outcome] = {}
+        self._writes: dict[int, CopyOutcome] = {}
         self._backups: dict[int, tuple[BackupOutcome, float]] = {}  # serial -> (outcome, started)
-        self._loads: dict[int, Outcome] = {}
+        self._loads: dict[int, CopyOutcome] = {}
         # The scheduler's load op id -> this rank's copy; kept after the load
         # closes, so a WaitLoads after the step that reported it still answers.
         self._load_jobs: collections.OrderedDict[int, Future] = collections.OrderedDict()
@@ -144,7 +144,7 @@ class LocalIO:
         progress.finished += 1
 
     def _copy_to_host(self, intent: CopyToHost) -> None:
-        self._writes[intent.serial] = Outcome.PENDING
+        self._writes[intent.serial] = CopyOutcome.PENDING
         job = self.transfers.submit((DEVICE, HOST), intent.device_pages, intent.slots, session=self.session)
         job.add_done_callback(lambda f: self._post(lambda: self._ended(self._writes, intent.serial, _result(f))))
 
@@ -170,7 +170,7 @@ class LocalIO:
             self._backups[serial] = (outcome, self._backups[serial][1])
 
     def _copy_to_device(self, intent: CopyToDevice) -> None:
-        self._loads[intent.serial] = Outcome.PENDING
+        self._loads[intent.serial] = CopyOutcome.PENDING
         job = self.transfers.submit((HOST, DEVICE), intent.slots, intent.device_pages, session=self.session)
         self._load_jobs[intent.op_id] = job
         self._load_jobs.move_to_end(intent.op_id)
@@ -179,9 +179,9 @@ class LocalIO:
         job.add_done_callback(lambda f: self._post(lambda: self._ended(self._loads, intent.serial, _result(f))))
 
     @staticmethod
-    def _ended(table: dict[int, Outcome], serial: int, result: TransferResult) -> None:
+    def _ended(table: dict[int, CopyOutcome], serial: int, result: TransferResult) -> None:
         if serial in table:
-            table[serial] = Outcome.OK if result.success else Outcome.FAILED
+            table[serial] = CopyOutcome.OK if result.success else CopyOutcome.FAILED
 
     # -- LocalProgress ------------------------------------------------------------
 
@@ -207,8 +207,8 @@ class LocalIO:
         progress = self._fetches.get(serial)
         return self._clock() - progress.started if progress else 0.0
 
-    def write_outcome(self, serial: int) -> Outcome:
-        return self._writes.get(serial, Outcome.PENDING)
+    def write_outcome(self, serial: int) -> CopyOutcome:
+        return self._writes.get(serial, CopyOutcome.PENDING)
 
     def backup_outcome(self, serial: int) -> BackupOutcome:
         outcome, started = self._backups.get(serial, (BackupOutcome.PENDING, self._clock()))
@@ -216,8 +216,8 @@ class LocalIO:
             return BackupOutcome.TIMED_OUT
         return outcome
 
-    def load_outcome(self, serial: int) -> Outcome:
-        return self._loads.get(serial, Outcome.PENDING)
+    def load_outcome(self, serial: int) -> CopyOutcome:
+        return self._loads.get(serial, CopyOutcome.PENDING)
 
     def idle(self, slots: list[int]) -> bool:
         return not self.transfers.in_flight.busy(slots)

@@ -11,8 +11,9 @@ from cpcache.dataplane.local_io import LocalIO
 from cpcache.dataplane.movers import Tiers, Transfers
 from cpcache.dataplane.pools import DevicePool, HostPool
 from cpcache.dataplane.sessions import Session
-from cpcache.dataplane.storage import StorageBackend, open_backend
+from cpcache.dataplane.storage import StorageBackend
 from cpcache.dataplane.storage.faults import FaultyBackend, StorageFaults
+from cpcache.dataplane.storage.file import FileBackend
 from cpcache.errors import ResourceExhausted
 from cpcache.geometry import KVGeometry
 from cpcache.keys import ShardingSpec, tenant_of
@@ -23,28 +24,36 @@ from cpcache.state.machine import CacheState
 
 
 def open_storage(config: DaemonConfig, geometry: KVGeometry, host: HostPool) -> StorageBackend | None:
+    """The chosen backend, given its own settings only."""
+    backend: StorageBackend
     if config.storage == "none":
         return None
-    backend = open_backend(
-        config.storage,
-        root=config.storage_root,
-        geometry_fingerprint=geometry.fingerprint(),
-        page_bytes=geometry.page_bytes,
-        capacity_bytes=config.storage_capacity_bytes,
-        io_threads=config.io_threads,
-        master=config.storage_master,
-        metadata_server=config.storage_metadata_server,
-        protocol=config.storage_protocol,
-        device_name=config.storage_device,
-        local_hostname=config.storage_local_hostname,
-        global_segment_size=config.storage_segment_bytes,
-        buffers=[(host.tensor.data_ptr(), host.nbytes)],
-    )
+    if config.storage == "file":
+        backend = FileBackend(
+            root=config.storage_root,
+            geometry_fingerprint=geometry.fingerprint(),
+            capacity_bytes=config.storage_capacity_bytes,
+            io_threads=config.io_threads,
+            page_bytes=geometry.page_bytes,
+        )
+    else:
+        from cpcache.dataplane.storage.mooncake import MooncakeBackend  # imported only when chosen
+
+        backend = MooncakeBackend(
+            master=config.storage_master,
+            metadata_server=config.storage_metadata_server,
+            buffers=[(host.tensor.data_ptr(), host.nbytes)],
+            protocol=config.storage_protocol,
+            local_hostname=config.storage_local_hostname,
+            device_name=config.storage_device,
+            global_segment_size=config.storage_segment_bytes,
+            geometry_fingerprint=geometry.fingerprint(),
+        )
     faults = StorageFaults(
-        delay_ms=config.fault_storage_delay_ms,
-        fail_rate=config.fault_storage_fail_rate,
-        truncate_rate=config.fault_storage_truncate_rate,
-        seed=config.fault_seed * 1000 + config.rank,
+        delay_ms=config.faults.storage_delay_ms,
+        fail_rate=config.faults.storage_fail_rate,
+        truncate_rate=config.faults.storage_truncate_rate,
+        seed=config.faults.seed * 1000 + config.rank,
     )
     return FaultyBackend(backend, faults) if faults.active else backend
 
@@ -59,14 +68,14 @@ def check_host_budget(config: DaemonConfig, geometry: KVGeometry) -> None:
             f"more than host_pool_max_bytes ({config.host_pool_max_bytes}); raise it or send a smaller geometry")
 
 
-def open_cache(config: DaemonConfig, geometry: KVGeometry, device: DevicePool, model_id: str = "") -> CacheRuntime:
+def open_runtime(config: DaemonConfig, geometry: KVGeometry, device: DevicePool, model_id: str = "") -> CacheRuntime:
     check_host_budget(config, geometry)
     topology = config.topology
     coords = topology.coordinates(config.rank)
     host = HostPool(geometry, config.host_pool_pages, config.host_layout)
     storage = open_storage(config, geometry, host)
-    copy_faults = CopyFaults(config.fault_copy_delay_ms, config.fault_copy_fail_rate,
-                             seed=config.fault_seed * 1000 + config.rank + 500)
+    copy_faults = CopyFaults(config.faults.copy_delay_ms, config.faults.copy_fail_rate,
+                             seed=config.faults.seed * 1000 + config.rank + 500)
     # The device pool is not one of the tiers: each session's jobs bind theirs.
     transfers = Transfers(Tiers(host, storage=storage), threads=config.io_threads, copy_faults=copy_faults)
     sharding = ShardingSpec(

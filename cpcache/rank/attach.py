@@ -22,7 +22,7 @@ from cpcache.dataplane.pools import DevicePool
 from cpcache.errors import Unavailable
 from cpcache.geometry import KVGeometry
 from cpcache.keys import namespace_seed
-from cpcache.rank.assembly import CacheRuntime, check_host_budget, open_cache, start_session
+from cpcache.rank.assembly import CacheRuntime, check_host_budget, open_runtime, start_session
 from cpcache.rank.epochs import Formation, Held, close_storage
 from cpcache.rank.stepper import Stepper
 from cpcache.state import carryover
@@ -92,10 +92,10 @@ class Attacher:
         descriptor = attach_descriptor(self.config, model_id, geometry, device_pages)
         stepper = formation.admit()
         last = self._last
-        if (stepper.cache is not None and last is not None and last.stepper is stepper
+        if (stepper.runtime is not None and last is not None and last.stepper is stepper
                 and last.descriptor == descriptor and last.pool == device.identity and stepper.last_step == last.step):
             return last.attached  # a retry of the attach that began this session: the same answer
-        if stepper.cache is not None:
+        if stepper.runtime is not None:
             # A scheduler attached again (it restarted): its old session ends
             # on every rank the same way, by forming the domain again; what
             # the host pool holds is carried over.
@@ -116,7 +116,7 @@ class Attacher:
             resumes = carryover.digest(kept.runtime.state.index)
         confirmer = formation.confirmer
         try:
-            runtime = await asyncio.to_thread(self._open_cache, model_id, geometry, device, kept)
+            runtime = await asyncio.to_thread(self._open_runtime, model_id, geometry, device, kept)
             if kept is None:
                 runtime.state.carried_over([], formation.busy)
             # From here the domain decides, once, for every rank alike: nothing
@@ -156,7 +156,7 @@ class Attacher:
         # The session's jobs bind this pool when they are issued; the previous
         # session of this runtime ended (and its device jobs with it) on detach.
         self._sessions += 1
-        stepper.cache = start_session(runtime, formation.epoch, self._sessions, device)
+        stepper.runtime = start_session(runtime, formation.epoch, self._sessions, device)
         formation.kept, formation.attached_with = None, descriptor
         resumed = len(runtime.state.index) if kept is not None else 0
         key_seed = namespace_seed(model_id, geometry.dtype, config.host_layout, geometry.page_size)
@@ -168,8 +168,8 @@ class Attacher:
         self._last = _LastAttach(stepper, descriptor, device.identity, stepper.last_step, attached)
         return attached
 
-    def _open_cache(self, model_id: str, geometry: KVGeometry, device: DevicePool, kept: Held | None) -> CacheRuntime:
+    def _open_runtime(self, model_id: str, geometry: KVGeometry, device: DevicePool, kept: Held | None) -> CacheRuntime:
         check_host_budget(self.config, geometry)
         if kept is not None:  # the same model and geometry: the host pool and its pages go on
             return kept.runtime
-        return open_cache(self.config, geometry, device, model_id)
+        return open_runtime(self.config, geometry, device, model_id)

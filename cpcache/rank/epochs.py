@@ -32,7 +32,7 @@ from torch.distributed import TCPStore
 
 from cpcache.agreement.bounded import StoreTimeout, bounded_async
 from cpcache.agreement.collective import Reducer, Rendezvous, build_reducer, confirmation_reducer, host_store
-from cpcache.agreement.engine import AgreementEngine, DivergenceExchange, FaultInjection, peer_lost
+from cpcache.agreement.engine import AgreementEngine, DivergenceExchange, RoundFaults, peer_lost
 from cpcache.agreement.epochs import Epochs
 from cpcache.agreement.liveness import Heartbeat, diagnose
 from cpcache.config import DaemonConfig
@@ -196,7 +196,7 @@ class Formation:
                                config.agreement_timeout_s),
             functools.partial(self._diagnose, formed.diagnosis_store),
             heartbeat=self._heartbeat,
-            faults=FaultInjection(config.fault_delay_ms, config.fault_seed + config.rank),
+            faults=RoundFaults(config.faults.delay_ms, config.faults.seed + config.rank),
             on_failure=lambda failure: loop.call_soon_threadsafe(self._on_failure, failure, engine),
         )
         self.engine = engine
@@ -283,9 +283,9 @@ class Formation:
         """Keep the cache of the ending epoch for the scheduler's next attach,
         once this rank's I/O has drained (DESIGN rule 5); what it may offer."""
         held: Held | None = None
-        if stepper is not None and stepper.cache is not None and self.attached_with is not None:
-            held = Held(stepper.cache, self.attached_with)
-        elif stepper is None or stepper.cache is None:
+        if stepper is not None and stepper.runtime is not None and self.attached_with is not None:
+            held = Held(stepper.runtime, self.attached_with)
+        elif stepper is None or stepper.runtime is None:
             held = self.kept
         if held is None:
             return b""
@@ -361,8 +361,8 @@ class Formation:
             await asyncio.to_thread(self.engine.close)
         if self.confirmer is not None:
             await asyncio.to_thread(self.confirmer.close)
-        if self.stepper is not None and self.stepper.cache is not None:
-            await close_storage(self.stepper.cache, "closing the storage backend")
+        if self.stepper is not None and self.stepper.runtime is not None:
+            await close_storage(self.stepper.runtime, "closing the storage backend")
         if self.kept is not None:
             await close_storage(self.kept.runtime, "closing the kept storage backend")
         if self._heartbeat is not None:

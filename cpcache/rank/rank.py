@@ -26,7 +26,7 @@ from cpcache.rank.epochs import Formation, Formed, RankHost, Standing
 from cpcache.rank.phases import StepPhases
 from cpcache.rank.stats import RankStats
 from cpcache.rank.stepper import StepOutcome, Stepper
-from cpcache.state.requests import StepOps
+from cpcache.state.requests import CacheRequests
 from cpcache.topology import Topology
 
 MAX_WAIT_S = 3600.0  # the longest a WaitLoads may ask to wait
@@ -68,7 +68,7 @@ class Rank:
     @property
     def attached(self) -> bool:
         stepper = self.formation.stepper
-        return stepper is not None and stepper.cache is not None
+        return stepper is not None and stepper.runtime is not None
 
     # -- what the daemon's lifecycle drives ------------------------------------
 
@@ -94,16 +94,16 @@ class Rank:
 
     def runtime(self) -> CacheRuntime:
         """The attached cache, while decisions are taken."""
-        runtime = self.admit().cache
+        runtime = self.admit().runtime
         if runtime is None:
             raise FailedPrecondition("no device pool is attached: call Attach first")
         return runtime
 
-    async def step(self, step: int, votes: Questions, ops: StepOps = StepOps(), *,
+    async def step(self, step: int, votes: Questions, requests: CacheRequests = CacheRequests(), *,
                    invalid: CacheError | None = None, request_digest: int = 0) -> StepTaken:
         """One scheduler step (`Stepper.step`), in the current epoch."""
         stepper = self.admit()
-        outcome = await stepper.step(step, votes, ops, invalid=invalid, request_digest=request_digest)
+        outcome = await stepper.step(step, votes, requests, invalid=invalid, request_digest=request_digest)
         return StepTaken(outcome, stepper.epoch, stepper.phases)
 
     def check_scheduler(self, scheduler: Topology, scheduler_rank: int) -> None:

@@ -23,7 +23,7 @@ from cpcache.dataplane.local_io import LocalIO
 from cpcache.errors import CacheError, InvalidArgument
 from cpcache.state.intents import CopyToDevice, Decisions, Intent
 from cpcache.state.machine import CacheState
-from cpcache.state.requests import StepOps
+from cpcache.state.requests import CacheRequests
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,8 @@ class CacheRuntime:
     def open_questions(self) -> int:
         return self.state.open_questions()
 
-    def check(self, ops: StepOps, in_pipeline: Iterable[StepOps] = (), loads_resident: bool = True) -> None:
+    def check(self, requests: CacheRequests, in_pipeline: Iterable[CacheRequests] = (),
+              loads_resident: bool = True) -> None:
         """Raise the error this rank refuses the step with. `in_pipeline`:
         the steps this rank took whose rounds are not applied yet (lag >= 1):
         they may open what this step polls, and nothing they open may open
@@ -73,21 +74,21 @@ class CacheRuntime:
         for earlier in in_pipeline:
             prefetches.update(r.op_id for r in earlier.prefetches)
             opened.update(r.op_id for r in earlier.opened())
-        clash = sorted(opened.intersection(r.op_id for r in ops.opened()))
+        clash = sorted(opened.intersection(r.op_id for r in requests.opened()))
         if clash:
             raise InvalidArgument(f"operation {clash[0]} is already opened by a step still in the pipeline")
-        self.state.check(ops, expected_prefetches=prefetches, loads_resident=loads_resident)
+        self.state.check(requests, expected_prefetches=prefetches, loads_resident=loads_resident)
 
-    def pack(self, number: int, votes: Questions, digest: int, ops: StepOps) -> RoundInput:
+    def pack(self, number: int, votes: Questions, digest: int, requests: CacheRequests) -> RoundInput:
         """Round `number`'s input: the step's votes and the cache's questions,
         with this rank's I/O progress as it stands now."""
         self.io.drain()
         asked, labels = self.state.questions(self.io)
-        return RoundInput.pack(number, votes.concat(asked), digest, ops.fingerprint(), labels, describe(ops))
+        return RoundInput.pack(number, votes.concat(asked), digest, requests.fingerprint(), labels, describe(requests))
 
-    def apply_round(self, number: int, ops: StepOps | None, result: RoundResult,
+    def apply_round(self, number: int, requests: CacheRequests | None, result: RoundResult,
                     start: Callable[[list[Intent]], None], clock: Lap | None = None) -> AppliedRound:
-        """Apply agreed round `number` (not rejected): open its step's `ops`
+        """Apply agreed round `number` (not rejected): open its step's `requests`
         (None: this rank has nothing of it to open), then its answers.
         `start` is given at once the I/O that cannot wait for the step's
         answer (loads: a scheduler may wait for one as soon as it is told it
@@ -96,16 +97,16 @@ class CacheRuntime:
         clock = clock or _NoClock()
         applied = AppliedRound()
         state = self.state
-        if ops is not None and not ops.empty():
+        if requests is not None and not requests.empty():
             try:
-                intents, applied.decided = state.open(number, ops)
+                intents, applied.decided = state.open(number, requests)
             except CacheError as exc:
                 # The state moved since the step was checked (lag >= 1): the same
                 # on every rank, so each operation opens or fails on its own,
                 # answered by op id, and the round's answers still apply.
                 log.info("step %d no longer opens as a whole (%s); opening its operations one by one", number, exc)
                 applied.refused = exc
-                intents, applied.decided = state.open_each(number, ops)
+                intents, applied.decided = state.open_each(number, requests)
             clock.lap("open")
             start([i for i in intents if isinstance(i, CopyToDevice)])
             applied.later += [i for i in intents if not isinstance(i, CopyToDevice)]
@@ -126,8 +127,8 @@ class CacheRuntime:
         self.io.start(intents)
 
 
-def describe(ops: StepOps) -> tuple[str, ...]:
+def describe(requests: CacheRequests) -> tuple[str, ...]:
     """What a step opens, by op id, for naming differences in a divergence."""
-    return (*(f"prefetch {r.op_id}" for r in ops.prefetches), *(f"poll {i}" for i in ops.prefetch_polls),
-            *(f"revoke {i}" for i in ops.revokes), *(f"write {r.op_id}" for r in ops.writes),
-            *(f"load {r.op_id}" for r in ops.loads))
+    return (*(f"prefetch {r.op_id}" for r in requests.prefetches), *(f"poll {i}" for i in requests.prefetch_polls),
+            *(f"revoke {i}" for i in requests.revokes), *(f"write {r.op_id}" for r in requests.writes),
+            *(f"load {r.op_id}" for r in requests.loads))

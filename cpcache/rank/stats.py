@@ -68,8 +68,8 @@ class RankStats:
             step_stats = StepStats(
                 stepper.last_step, stepper.decision_count, stepper.rejected_steps, stepper.open_questions,
                 {name: Buckets.of(h) for name, h in stepper.phases.histograms.items()}, dict(stepper.phases.cpu_s))
-            if stepper.cache is not None:
-                cache_stats = _cache_stats(stepper.cache)
+            if stepper.runtime is not None:
+                cache_stats = _cache_stats(stepper.runtime)
         return cls(engine_stats, step_stats, cache_stats)
 
     def counters(self) -> dict[str, int]:

@@ -50,7 +50,7 @@ from cpcache.hashing import hash62
 from cpcache.rank.phases import StepPhases
 from cpcache.rank.runtime import AppliedRound, CacheRuntime, describe
 from cpcache.state.intents import Decisions, Intent
-from cpcache.state.requests import StepOps
+from cpcache.state.requests import CacheRequests
 from cpcache.values import ID_LIMIT
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ class StepOutcome:
     op_ids: np.ndarray  # decided votes, by op id
     values: np.ndarray  # their agreed values
     digest: int
-    cache: Decisions = field(default_factory=Decisions)
+    decided: Decisions = field(default_factory=Decisions)
 
 
 @dataclass
@@ -74,7 +74,7 @@ class _Submitted:
     """A round on its way, and what its step carried."""
 
     number: int
-    ops: StepOps | None  # None when this rank rejected the step
+    requests: CacheRequests | None  # None when this rank rejected the step
     round: asyncio.Future
     rejection: CacheError | None  # this rank's own reason
 
@@ -92,7 +92,7 @@ class Stepper:
         self._applied_chain = 0  # hash chain of every agreed vote result applied here
         self.epoch = epoch  # the domain epoch this stepper decides in (one stepper per epoch)
         self._left: str | None = None  # why this stepper's epoch was left
-        self.cache: CacheRuntime | None = None
+        self.runtime: CacheRuntime | None = None
         self.last_step = 0
         self.decision_count = 0
         self.rejected_steps = 0
@@ -116,16 +116,16 @@ class Stepper:
 
     @property
     def open_questions(self) -> int:
-        return self.cache.open_questions() if self.cache else 0
+        return self.runtime.open_questions() if self.runtime else 0
 
     @property
     def digest(self) -> int:
         """Digest of the shared state: identical on every rank of the domain."""
-        if self.cache is None:
+        if self.runtime is None:
             return self._applied_chain
-        return hash62(np.array([self._applied_chain, self.cache.digest], dtype=np.int64).tobytes())
+        return hash62(np.array([self._applied_chain, self.runtime.digest], dtype=np.int64).tobytes())
 
-    async def step(self, step: int, votes: Questions, ops: StepOps = StepOps(), *,
+    async def step(self, step: int, votes: Questions, requests: CacheRequests = CacheRequests(), *,
                    invalid: CacheError | None = None, request_digest: int = 0) -> StepOutcome:
         """Take step `step` (or answer a retry of it). `invalid`: the request
         could not even be read; the step still enters its round, rejected.
@@ -137,7 +137,7 @@ class Stepper:
         self.last_step = step
         answer: asyncio.Future[StepOutcome] = asyncio.get_running_loop().create_future()
         answer.add_done_callback(_observe)
-        task = asyncio.ensure_future(self._take(step, votes, ops, invalid, self._tail, answer))
+        task = asyncio.ensure_future(self._take(step, votes, requests, invalid, self._tail, answer))
         task.add_done_callback(_observe)
         self._tail = task
         self._replies[step] = (request_digest, answer)
@@ -159,7 +159,7 @@ class Stepper:
                                      f"repeat the request byte for byte")
         return await asyncio.shield(task)
 
-    async def _take(self, step: int, votes: Questions, ops: StepOps, invalid: CacheError | None,
+    async def _take(self, step: int, votes: Questions, requests: CacheRequests, invalid: CacheError | None,
                     previous: asyncio.Future | None, answer: asyncio.Future[StepOutcome]) -> None:
         """Take the step: its round is submitted, whatever happens (peers
         wait in it), and `answer` gets what the step answers."""
@@ -168,7 +168,7 @@ class Stepper:
             if previous is not None:
                 await asyncio.wait([previous])  # rounds are packed in step order
             if not self._lag:  # the step answers its own round
-                self._submit(step, votes, ops, invalid)
+                self._submit(step, votes, requests, invalid)
                 submitted = True
             carried: StepOutcome | CacheError | None = None  # None while the pipeline fills
             later: list[Intent] = []
@@ -181,7 +181,7 @@ class Stepper:
             await asyncio.sleep(0)
             self._start_later(later)
             if not submitted:
-                self._submit(step, votes, ops, invalid)
+                self._submit(step, votes, requests, invalid)
                 submitted = True
         except BaseException as exc:  # the loop is shutting down (cancelled), or a bug
             if not submitted:
@@ -190,14 +190,14 @@ class Stepper:
                 answer.set_exception(Unavailable(f"step {step} did not complete: {type(exc).__name__}"))
             raise
 
-    def _submit(self, step: int, votes: Questions, ops: StepOps, invalid: CacheError | None) -> None:
+    def _submit(self, step: int, votes: Questions, requests: CacheRequests, invalid: CacheError | None) -> None:
         clock = self.phases.clock()
-        rejection = invalid or self._refusal(votes, ops)
+        rejection = invalid or self._refusal(votes, requests)
         clock.lap("check")
         round_input: RoundInput
         if rejection is None:
             try:
-                round_input = self._pack(step, votes, ops)
+                round_input = self._pack(step, votes, requests)
             except Exception as exc:  # a bug while packing still enters the round, as a rejection
                 log.exception("packing round %d failed", step)
                 rejection = CacheError(f"internal error packing the step: {type(exc).__name__}: {exc}")
@@ -206,29 +206,29 @@ class Stepper:
             round_input = RoundInput.rejected(step, self._rank, rejection.status, str(rejection))
         clock.lap("pack")
         future = asyncio.wrap_future(self._engine.submit(round_input))
-        self._pipeline.append(_Submitted(step, None if rejection else ops, future, rejection))
+        self._pipeline.append(_Submitted(step, None if rejection else requests, future, rejection))
         clock.lap("submit")
 
-    def _pack(self, step: int, votes: Questions, ops: StepOps) -> RoundInput:
-        if self.cache is None:
-            return RoundInput.pack(step, votes, self.digest, ops.fingerprint(), {}, describe(ops))
-        return self.cache.pack(step, votes, self.digest, ops)
+    def _pack(self, step: int, votes: Questions, requests: CacheRequests) -> RoundInput:
+        if self.runtime is None:
+            return RoundInput.pack(step, votes, self.digest, requests.fingerprint(), {}, describe(requests))
+        return self.runtime.pack(step, votes, self.digest, requests)
 
-    def _refusal(self, votes: Questions, ops: StepOps) -> CacheError | None:
+    def _refusal(self, votes: Questions, requests: CacheRequests) -> CacheError | None:
         """Why this rank refuses the step, or None. Never raises: a refusal
         is carried into the round, not thrown past it."""
         try:
             if len(votes) > MAX_VOTES_PER_STEP:
                 raise InvalidArgument(f"a step carries at most {MAX_VOTES_PER_STEP} votes, got {len(votes)}")
-            if self.cache is None:
-                if not ops.empty():
+            if self.runtime is None:
+                if not requests.empty():
                     raise FailedPrecondition("no device pool is attached: call Attach before cache operations")
             else:
                 # At lag >= 1 the state moves between the scheduler's view and its step's
                 # round (an eviction the scheduler hears of later): a load that finds its pages
                 # gone then fails alone, alike on every rank, when its step opens.
-                in_pipeline = (s.ops for s in self._pipeline if s.ops is not None)
-                self.cache.check(ops, in_pipeline, loads_resident=not self._lag)
+                in_pipeline = (s.requests for s in self._pipeline if s.requests is not None)
+                self.runtime.check(requests, in_pipeline, loads_resident=not self._lag)
         except CacheError as exc:
             return exc
         except Exception as exc:  # a bug in a check still must not skip the round
@@ -238,9 +238,9 @@ class Stepper:
     def _start(self, intents: list[Intent]) -> None:
         """Start this rank's I/O. The shared state has already changed: a
         failure here must not also skip the rest of the round."""
-        assert self.cache is not None
+        assert self.runtime is not None
         try:
-            self.cache.start(intents)
+            self.runtime.start(intents)
         except Exception as exc:
             _never(exc)
 
@@ -287,8 +287,8 @@ class Stepper:
         chain = np.array([self._applied_chain, result.number], dtype=np.int64)
         self._applied_chain = hash62(chain.tobytes() + op_ids.tobytes() + values.tobytes())
         applied = AppliedRound()
-        if self.cache is not None:
-            applied = self.cache.apply_round(submitted.number, submitted.ops, result, self._start, clock)
+        if self.runtime is not None:
+            applied = self.runtime.apply_round(submitted.number, submitted.requests, result, self._start, clock)
         decided = applied.decided
         self.decision_count += len(op_ids) + decided.count()
         return StepOutcome(0, result.number, op_ids, values, result.digest, decided), applied.later
@@ -307,7 +307,7 @@ def _answer(answer: asyncio.Future[StepOutcome], step: int, carried: StepOutcome
         answer.set_exception(carried)
     else:
         answer.set_result(StepOutcome(step, carried.round, carried.op_ids, carried.values, carried.digest,
-                                      carried.cache))
+                                      carried.decided))
 
 
 def _never(exc: BaseException) -> None:

@@ -21,7 +21,7 @@ from cpcache.state.allocator import PageAllocator
 from cpcache.state.host_index import HostIndex
 from cpcache.state.intents import Decisions, Intent, Store
 from cpcache.state.policies import prefetch_policy, write_policy
-from cpcache.state.questions import BackupOutcome, Outcome
+from cpcache.state.questions import BackupOutcome, CopyOutcome
 
 Asked = list[tuple[QuestionKind, int]]
 
@@ -37,11 +37,11 @@ class LocalProgress(Protocol):
 
     def elapsed_s(self, serial: int) -> float: ...
 
-    def write_outcome(self, serial: int) -> Outcome: ...
+    def write_outcome(self, serial: int) -> CopyOutcome: ...
 
     def backup_outcome(self, serial: int) -> BackupOutcome: ...
 
-    def load_outcome(self, serial: int) -> Outcome: ...
+    def load_outcome(self, serial: int) -> CopyOutcome: ...
 
     def idle(self, slots: list[int]) -> bool: ...
 
@@ -75,7 +75,7 @@ class Ledger:
         self.sharding = sharding
         self.page_size = page_size
         self.index = HostIndex(track_unbacked=self.write_policy.backup_before_evict)
-        self.ops: dict[int, Operation] = {}  # by serial; insertion order is serial order
+        self.open_ops: dict[int, Operation] = {}  # by serial; insertion order is serial order
         self.by_op_id: dict[int, int] = {}  # the scheduler's op id -> serial, for open prefetches, writes, loads
         # Prefetches that ended lately: a poll or revoke of one is a race the
         # scheduler cannot avoid at lag >= 1 (it learns of the end later), so
@@ -108,20 +108,20 @@ class Ledger:
 
     def add(self, op: Operation, op_id: int | None = None) -> None:
         """Open `op`; `op_id`: the scheduler's id for it, if it has one."""
-        self.ops[op.serial] = op
+        self.open_ops[op.serial] = op
         if op_id is not None:
             self.by_op_id[op_id] = op.serial
 
     def close(self, op: Operation, op_id: int | None = None) -> None:
-        del self.ops[op.serial]
+        del self.open_ops[op.serial]
         self.closed.append(op.serial)
         if op_id is not None:
             del self.by_op_id[op_id]
 
     def find(self, op_id: int, kind: type[OpT]) -> OpT | None:
         """The open operation of `kind` the scheduler calls `op_id`, if any."""
-        op = self.ops.get(self.by_op_id.get(op_id, 0))
+        op = self.open_ops.get(self.by_op_id.get(op_id, 0))
         return op if isinstance(op, kind) else None
 
     def of_kind(self, kind: type[OpT]) -> list[OpT]:
-        return [op for op in self.ops.values() if isinstance(op, kind)]
+        return [op for op in self.open_ops.values() if isinstance(op, kind)]

@@ -34,7 +34,7 @@ from cpcache.state.ops.load import Load, open_load
 from cpcache.state.ops.prefetch import Prefetch
 from cpcache.state.ops.retirement import Retirement, retire
 from cpcache.state.ops.write import Write, open_write
-from cpcache.state.requests import LoadRequest, StepOps, WriteRequest, check_shape
+from cpcache.state.requests import CacheRequests, LoadRequest, WriteRequest, check_shape
 
 
 class CacheState:
@@ -65,8 +65,8 @@ class CacheState:
         return self.ledger.index
 
     @property
-    def ops(self) -> dict[int, Operation]:
-        return self.ledger.ops
+    def open_ops(self) -> dict[int, Operation]:
+        return self.ledger.open_ops
 
     @property
     def by_op_id(self) -> dict[int, int]:
@@ -96,7 +96,7 @@ class CacheState:
 
     # -- a scheduler step ----------------------------------------------------------
 
-    def check(self, ops: StepOps, expected_prefetches: set[int] | frozenset[int] = frozenset(),
+    def check(self, requests: CacheRequests, expected_prefetches: set[int] | frozenset[int] = frozenset(),
               loads_resident: bool = True) -> None:
         """Raise the error this step would be refused with; change nothing.
         `expected_prefetches`: prefetches that steps still in the pipeline
@@ -104,59 +104,61 @@ class CacheState:
         `loads_resident`, a load of pages no longer resident is not the
         step's fault (at lag >= 1 the scheduler learns of evictions late):
         it fails on its own when its step opens."""
-        check_shape(ops, self.device_pages)
-        for req in ops.opened():
+        check_shape(requests, self.device_pages)
+        for req in requests.opened():
             if req.op_id in self.by_op_id:
                 raise InvalidArgument(f"operation {req.op_id} is already open")
-        for op_id in (*ops.prefetch_polls, *ops.revokes):
+        for op_id in (*requests.prefetch_polls, *requests.revokes):
             if prefetch.find(self.ledger, op_id) is None and op_id not in self.ledger.ended_prefetches \
                     and op_id not in expected_prefetches:
                 raise NotFound(f"prefetch {op_id} is not open")
-        for load in ops.loads if loads_resident else ():
+        for load in requests.loads if loads_resident else ():
             resident = self.index.prefix(list(load.pages))
             if resident < len(load.pages):
                 raise NotFound(f"load {load.op_id}: page {resident} ({load.pages[resident].hex()[:16]}) is not in host")
 
-    def _keep(self, ops: StepOps) -> set[bytes]:
+    def _keep(self, requests: CacheRequests) -> set[bytes]:
         # The pages a write found resident, and every page a load reads, stay.
-        reqs: tuple[WriteRequest | LoadRequest, ...] = (*ops.writes, *ops.loads)
+        reqs: tuple[WriteRequest | LoadRequest, ...] = (*requests.writes, *requests.loads)
         return {p for req in reqs for p in req.pages}
 
-    def open(self, step: int, ops: StepOps, keep: set[bytes] | None = None) -> tuple[list[Intent], Decisions]:
+    def open(self, step: int, requests: CacheRequests,
+             keep: set[bytes] | None = None) -> tuple[list[Intent], Decisions]:
         """Open a step's operations, all or none. Returns this rank's I/O to
         start and what the step decided by itself (scheduler revokes).
         `keep`: pages no eviction may take (default: the step's own)."""
-        self.check(ops)
+        self.check(requests)
         ledger = self.ledger
         ledger.step = step
-        keep = self._keep(ops) if keep is None else keep
+        keep = self._keep(requests) if keep is None else keep
         intents: list[Intent] = []
         decided = Decisions()
-        for load in ops.loads:
+        for load in requests.loads:
             intents += open_load(ledger, load)
-        for op_id in ops.revokes:
+        for op_id in requests.revokes:
             if (pf := prefetch.find(ledger, op_id)) is not None:
                 prefetch.revoke(ledger, pf, "revoked by the scheduler", decided)
-        for req in ops.prefetches:
+        for req in requests.prefetches:
             intents += prefetch.open_prefetch(ledger, req)
-        for op_id in ops.prefetch_polls:
+        for op_id in requests.prefetch_polls:
             prefetch.poll(ledger, op_id, step)
-        for write in ops.writes:
+        for write in requests.writes:
             intents += open_write(ledger, write, keep, decided)
         return intents, decided
 
-    def open_each(self, step: int, ops: StepOps) -> tuple[list[Intent], Decisions]:
+    def open_each(self, step: int, requests: CacheRequests) -> tuple[list[Intent], Decisions]:
         """Open a step's operations one at a time, in `open`'s order; one that
         cannot open fails on its own, by op id (a load in load_failures, a
         write in write_failures, a prefetch revoked with the reason). The
         whole step's pages stay, as when it opens as a whole."""
         intents: list[Intent] = []
         decided = Decisions()
-        keep = self._keep(ops)
-        singles = ([StepOps(loads=(r,)) for r in ops.loads] + [StepOps(revokes=(i,)) for i in ops.revokes]
-                   + [StepOps(prefetches=(r,)) for r in ops.prefetches]
-                   + [StepOps(prefetch_polls=(i,)) for i in ops.prefetch_polls]
-                   + [StepOps(writes=(r,)) for r in ops.writes])
+        keep = self._keep(requests)
+        singles = ([CacheRequests(loads=(r,)) for r in requests.loads]
+                   + [CacheRequests(revokes=(i,)) for i in requests.revokes]
+                   + [CacheRequests(prefetches=(r,)) for r in requests.prefetches]
+                   + [CacheRequests(prefetch_polls=(i,)) for i in requests.prefetch_polls]
+                   + [CacheRequests(writes=(r,)) for r in requests.writes])
         for single in singles:
             try:
                 opened, decisions = self.open(step, single, keep)
@@ -185,7 +187,7 @@ class CacheState:
         values: list[int] = []
         asking: dict[int, Operation] = {}
         backups = 0
-        for op in self.ops.values():
+        for op in self.open_ops.values():
             if isinstance(op, Backup):
                 backups += 1
                 if backups > self.config.backup_window:
@@ -208,7 +210,7 @@ class CacheState:
 
     def open_questions(self) -> int:
         """Operations the next rounds may ask about."""
-        return len(self.ops)
+        return len(self.open_ops)
 
     def apply(self, result: RoundResult) -> tuple[Decisions, list[Intent]]:
         """Apply an agreed round, operation by operation in serial order.
@@ -221,7 +223,7 @@ class CacheState:
                 answers.setdefault(serial, {})[kind] = value
         decisions, intents = Decisions(), []
         for serial in sorted(answers):
-            op = ledger.ops.get(serial)
+            op = ledger.open_ops.get(serial)
             if op is not None:
                 intents += op.settle(ledger, answers[serial], decisions)
         backup.relieve_pressure(ledger)

@@ -15,7 +15,7 @@ from cpcache.values import Reduce
 NOT_YET = -1  # a storage lookup that has not answered; MIN keeps the question open
 
 
-class Outcome(enum.IntEnum):
+class CopyOutcome(enum.IntEnum):
     """A copy (write-through, load-back) as one rank saw it."""
 
     PENDING = 0
@@ -36,7 +36,7 @@ class BackupOutcome(enum.IntEnum):
 PREFETCH_HIT = register(10, "prefetch hit", Reduce.MIN, "prefetch")  # pages in storage, from the first
 PREFETCH_DONE = register(11, "prefetch done", Reduce.MIN, "prefetch")  # pages fetched, from the first
 PREFETCH_MAY_END = register(12, "prefetch may end", Reduce.MIN, "prefetch")  # the policy lets it end (0/1)
-WRITE_OUTCOME = register(20, "write outcome", Reduce.MIN, "write")  # Outcome of the device -> host copy
+WRITE_OUTCOME = register(20, "write outcome", Reduce.MIN, "write")  # CopyOutcome of the device -> host copy
 BACKUP_OUTCOME = register(30, "backup outcome", Reduce.MIN, "backup")  # BackupOutcome of the host -> storage write
-LOAD_OUTCOME = register(40, "load outcome", Reduce.MIN, "load")  # Outcome of the host -> device copy
+LOAD_OUTCOME = register(40, "load outcome", Reduce.MIN, "load")  # CopyOutcome of the host -> device copy
 RECLAIM = register(50, "reclaim", Reduce.MIN, "retirement")  # no I/O is left on these retired slots (0/1)

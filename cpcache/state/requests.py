@@ -15,7 +15,7 @@ from cpcache.hashing import hash62
 from cpcache.values import check_id
 
 MAX_PAGES_PER_OP = 1 << 18  # a 256k-token prompt at page size 1
-MAX_OPS_PER_STEP = 4096
+MAX_REQUESTS_PER_STEP = 4096
 PAGE_HASH_BYTES = 32
 
 
@@ -43,7 +43,7 @@ class LoadRequest:
 
 
 @dataclass(frozen=True)
-class StepOps:
+class CacheRequests:
     prefetches: tuple[PrefetchRequest, ...] = ()
     prefetch_polls: tuple[int, ...] = ()
     revokes: tuple[int, ...] = ()
@@ -78,14 +78,14 @@ class StepOps:
         return hash62(b"\x1f".join(parts))
 
 
-def check_shape(ops: StepOps, device_pages: int) -> None:
+def check_shape(requests: CacheRequests, device_pages: int) -> None:
     """Refuse a malformed step: ids out of range or repeated, empty or
     oversized operations, hashes of the wrong size, device pages outside the
     attached pool of `device_pages` pages."""
-    if ops.count() > MAX_OPS_PER_STEP:
-        raise InvalidArgument(f"a step carries at most {MAX_OPS_PER_STEP} operations, got {ops.count()}")
+    if requests.count() > MAX_REQUESTS_PER_STEP:
+        raise InvalidArgument(f"a step carries at most {MAX_REQUESTS_PER_STEP} operations, got {requests.count()}")
     seen: set[int] = set()
-    for req in ops.opened():
+    for req in requests.opened():
         check_id(req.op_id, "operation id")
         if req.op_id in seen:
             raise InvalidArgument(f"operation {req.op_id} appears twice in one step")
@@ -110,7 +110,7 @@ def check_shape(ops: StepOps, device_pages: int) -> None:
             raise InvalidArgument(
                 f"operation {req.op_id}: device page {bad[0]} is outside the attached pool of {device_pages} pages")
     named: set[int] = set()
-    for op_id in (*ops.prefetch_polls, *ops.revokes):
+    for op_id in (*requests.prefetch_polls, *requests.revokes):
         check_id(op_id, "prefetch id")
         if op_id in named:
             raise InvalidArgument(f"prefetch {op_id} is polled or revoked twice in one step")

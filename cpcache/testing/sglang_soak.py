@@ -38,7 +38,10 @@ from cpcache.testing.sglang_cpu.stacks import DOCS, SLOW_RANK, Shape, Stack, pro
 TURNS = 4  # distinct turns per document: the reference answers each prompt once
 
 
-class Tally:
+class Traffic:
+    """What the HTTP clients sent and got back (the server's cache decisions
+    are in its ranks' decision logs)."""
+
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.requests = self.wrong = self.hangs = self.errors = self.reference_errors = 0
@@ -52,7 +55,7 @@ class Tally:
                     "first_wrong": self.first_wrong[:3]}
 
 
-def client_loop(stack: Stack, tally: Tally, seed: int, deadline: float, hang_s: float,
+def client_loop(stack: Stack, traffic: Traffic, seed: int, deadline: float, hang_s: float,
                 system: list[int], docs: list[list[int]]) -> None:
     rng = random.Random(seed)
     while time.monotonic() < deadline:
@@ -61,34 +64,34 @@ def client_loop(stack: Stack, tally: Tally, seed: int, deadline: float, hang_s: 
         try:
             want = stack.reference(ids)
         except (urllib.error.URLError, OSError):  # the reference server's trouble, not cpcache's
-            with tally.lock:
-                tally.reference_errors += 1
+            with traffic.lock:
+                traffic.reference_errors += 1
             continue
         try:
             got = stack.cpcache.generate(ids, timeout_s=hang_s)
         except TimeoutError:
-            with tally.lock:
-                tally.hangs += 1
+            with traffic.lock:
+                traffic.hangs += 1
             continue
         except (urllib.error.URLError, ConnectionError, OSError) as exc:
             if isinstance(getattr(exc, "reason", None), TimeoutError):
-                with tally.lock:
-                    tally.hangs += 1
+                with traffic.lock:
+                    traffic.hangs += 1
                 continue
-            with tally.lock:
-                tally.errors += 1
+            with traffic.lock:
+                traffic.errors += 1
             if stack.cpcache.process is not None and stack.cpcache.process.proc.poll() is not None:
                 return  # the server is gone: reported as errors, nothing more to send
             continue
-        with tally.lock:
-            tally.requests += 1  # every one checked
-            tally.tokens["prompt"] += len(ids)
-            tally.tokens["device"] += got.device
-            tally.tokens["host"] += got.host
-            tally.tokens["storage"] += got.storage
+        with traffic.lock:
+            traffic.requests += 1  # every one checked
+            traffic.tokens["prompt"] += len(ids)
+            traffic.tokens["device"] += got.device
+            traffic.tokens["host"] += got.host
+            traffic.tokens["storage"] += got.storage
             if not same_outputs(got, want):
-                tally.wrong += 1
-                tally.first_wrong.append(f"doc {d} turn {turn}: {got} != {want}")
+                traffic.wrong += 1
+                traffic.first_wrong.append(f"doc {d} turn {turn}: {got} != {want}")
 
 
 def daemon_counters(stack: Stack) -> list[dict[str, int]]:
@@ -113,10 +116,10 @@ def run(args: argparse.Namespace, work: Path) -> dict:
                  per_rank=perturbed) as stack:
         ready_s = time.monotonic() - began
         system, docs = workload(seed=args.seed, docs=DOCS)
-        tally = Tally()
+        traffic = Traffic()
         deadline = time.monotonic() + args.minutes * 60
-        clients = [threading.Thread(target=client_loop, args=(stack, tally, args.seed * 100 + c, deadline, args.hang_s,
-                                                              system, docs), daemon=True)
+        clients = [threading.Thread(target=client_loop, daemon=True,
+                                    args=(stack, traffic, args.seed * 100 + c, deadline, args.hang_s, system, docs))
                    for c in range(args.clients)]
         for c in clients:
             c.start()
@@ -128,14 +131,14 @@ def run(args: argparse.Namespace, work: Path) -> dict:
             assert stack.cpcache.process is not None
             stack.cpcache.process.wait_lines("decision log:", stack.ranks, timeout_s=120)
         except (RuntimeError, OSError, urllib.error.URLError) as exc:
-            tally.hangs += 1
+            traffic.hangs += 1
             print(f"sglang-soak: the server did not flush at the end: {exc}", file=sys.stderr)
         logs = stack.decision_logs()
         counters = daemon_counters(stack)
         fell_back = stack.cpcache.log_lines("fell back to the device tree")
     report = {
         "shape": shape.name, "minutes": args.minutes, "clients": args.clients, "ready_s": round(ready_s, 1),
-        "served_s": round(served_s, 1), **tally.as_dict(),
+        "served_s": round(served_s, 1), **traffic.as_dict(),
         "decision_logs": logs, "decision_logs_agree": len(logs) == shape.tp and len(set(logs.values())) == 1,
         # A step that diverged fails on every rank, and the backend leaves the daemon.
         "diverged_steps": sum("diverge" in line.lower() for line in fell_back),

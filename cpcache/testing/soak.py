@@ -25,7 +25,10 @@ agreed values equal to the MIN/MAX of what the ranks sent
 acknowledged load and `WaitLoads`, the target device pages of every rank
 hold exactly the bytes that rank wrote (`wrong_bytes`, in pages). Copy and
 storage failures come back as `write_failures` / `load_failures` / short
-prefetches: legitimate, counted.
+prefetches: legitimate, counted in the cache operations' tally (`cache`),
+which the one scheduler-side session keeps (`cpcache.client.SchedulerSession`:
+the driver collects each step's operations there and follows the agreed
+reply there).
 
 Exit status 0 iff divergences, hangs, wrong bytes, wrong decisions and
 unexpected errors are all 0.
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import hashlib
 import json
 import random
@@ -45,15 +49,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from cpcache import errors
-from cpcache.client import AsyncClient, Ops, StepResult
+from cpcache.client import AsyncClient, Ops, SchedulerSession, StepResult, Tally
 from cpcache.daemon.launcher import DomainSpec, LocalDomain
 from cpcache.dataplane.pools import DevicePool
 from cpcache.geometry import KVGeometry
 from cpcache.keys import ShardingSpec
-from cpcache.testing.sim.scheduler import page_content
+from cpcache.testing.sim.pages import page_content, read_page, write_page
 from cpcache.topology import Topology
 from cpcache.values import Reduce
 
@@ -93,7 +96,7 @@ class SoakConfig:
 
 
 @dataclass
-class Tally:
+class SoakReport:
     decisions: int = 0
     injected_rejections: int = 0
     divergences: int = 0
@@ -107,22 +110,8 @@ class Tally:
     cancelled_calls: int = 0
     cancelled_mid_round: int = 0  # of which: cancelled while the daemon held the step in its round
     retried_steps: int = 0
-    writes: int = 0
-    write_acks: int = 0
-    write_failures: int = 0
-    loads: int = 0
-    load_acks: int = 0
-    load_failures: int = 0
     loaded_pages_verified: int = 0
-    prefetches: int = 0
-    prefetch_hits: int = 0
-    prefetch_done: int = 0
-    prefetch_done_pages: int = 0
-    prefetch_revoked: int = 0
-    polls: int = 0
-    revokes: int = 0
-    backups_stored: int = 0
-    backups_failed: int = 0
+    cache: Tally = field(default_factory=Tally)  # the cache operations of the steps taken, and their outcomes
     votes_per_step: float = 0.0  # mean, over the steps sent
     max_votes_per_step: int = 0
     decisions_per_s: float = 0.0
@@ -161,7 +150,9 @@ class Driver:
         self.run_dir = run_dir
         self.rng = random.Random(cfg.seed)
         self.nprng = np.random.default_rng(cfg.seed)
-        self.t = Tally()
+        self.t = SoakReport()
+        self.session = SchedulerSession()  # one model of the cache operations, sent alike to every rank
+        self.t.cache = self.session.tally
         self.votes_sent = 0
         self.ranks = domain.size
         self.clients: list[AsyncClient] = []
@@ -169,13 +160,10 @@ class Driver:
         self.mid_round: list[AsyncClient] = []
         self.pools: list[DevicePool] = []
         self.suffixes: list[str] = []
-        self.step_no = 0
-        self.next_op = 0
         self.next_chain = 0
         self.free = list(range(cfg.device_pages - 1, -1, -1))
-        self.writing: dict[int, tuple[list[bytes], list[int]]] = {}  # write op -> (pages, source device pages)
-        self.loading: dict[int, tuple[list[bytes], list[int], list[bytes]]] = {}  # load op -> (pages, targets, chain)
-        self.prefetching: dict[int, list[bytes]] = {}  # open prefetch op -> pages
+        # Loads the last reply agreed, to check: (op, pages, targets, chain).
+        self.landed: list[tuple[int, list[bytes], list[int], list[bytes]]] = []
         self.known: list[list[bytes]] = []  # chains acknowledged once (host, then perhaps storage)
         self.busy: set[bytes] = set()  # pages of chains an open operation names
         op_ids = np.arange(1, BIG_VOTES[1] + 1, dtype=np.int64)
@@ -208,38 +196,25 @@ class Driver:
     def _content(self, rank: int, page: bytes) -> np.ndarray:
         return page_content(f"{page.hex()}_{self.suffixes[rank]}", GEOMETRY.page_bytes)
 
-    def _write_device(self, rank: int, device_page: int, content: np.ndarray) -> None:
-        view = self.pools[rank].page_view(device_page)
-        view.copy_(torch.from_numpy(content.copy()).view(view.dtype).view(view.shape))
-
-    def _read_device(self, rank: int, device_page: int) -> np.ndarray:
-        return self.pools[rank].page_view(device_page).contiguous().view(-1).view(torch.uint8).numpy()
-
     def _scribble(self, rank: int, device_page: int) -> None:
         """Garbage in a load target, so a load that did not land shows."""
-        self._write_device(rank, device_page, np.full(GEOMETRY.page_bytes, 0xA5, dtype=np.uint8))
+        write_page(self.pools[rank], device_page, np.full(GEOMETRY.page_bytes, 0xA5, dtype=np.uint8))
 
     # -- one step's content --------------------------------------------------------------
-
-    def _op(self) -> int:
-        self.next_op += 1
-        return self.next_op
 
     def _new_chain(self) -> list[bytes]:
         self.next_chain += 1
         n = self.rng.randint(1, self.cfg.max_chain)
         return [hashlib.sha256(f"soak-{self.cfg.seed}-{self.next_chain}-{i}".encode()).digest() for i in range(n)]
 
-    async def _plan_ops(self) -> tuple[Ops, list]:
-        """This step's cache operations, and how to undo their bookkeeping if
-        the step is not taken."""
-        cfg, rng = self.cfg, self.rng
-        writes, loads, prefetches, polls, revokes = [], [], [], [], []
-        for op_id in list(self.prefetching):
+    async def _plan_ops(self) -> None:
+        """This step's cache operations, collected in the session."""
+        cfg, rng, session = self.cfg, self.rng, self.session
+        for op_id in session.open_prefetches():
             if rng.randrange(cfg.revoke_every) == 0:
-                revokes.append(op_id)
+                session.revoke(op_id)
             else:
-                polls.append(op_id)
+                session.poll(op_id)
         for _ in range(rng.randint(0, cfg.writes_per_step)):
             chain = self._new_chain()
             if len(self.free) < len(chain) + 8:
@@ -247,10 +222,8 @@ class Driver:
             sources = [self.free.pop() for _ in chain]
             for rank in range(self.ranks):
                 for page, d in zip(chain, sources):
-                    self._write_device(rank, d, self._content(rank, page))
-            op_id = self._op()
-            writes.append((op_id, chain, sources))
-            self.writing[op_id] = (chain, sources)
+                    write_page(self.pools[rank], d, self._content(rank, page))
+            session.write_through(chain, sources, done=functools.partial(self._written, chain, sources))
             self.busy.update(chain)
         candidates = [c for c in self.known[-64:] if not self.busy.intersection(c)]
         rng.shuffle(candidates)
@@ -264,9 +237,7 @@ class Driver:
             for rank in range(self.ranks):
                 for d in targets:
                     self._scribble(rank, d)
-            op_id = self._op()
-            loads.append((op_id, pages, targets))
-            self.loading[op_id] = (pages, targets, chain)
+            self._load(pages, targets, chain)
             self.busy.update(chain)
         candidates = [c for c in self.known[-256:] if not self.busy.intersection(c)]
         if candidates and rng.randrange(cfg.prefetch_every) == 0:
@@ -274,28 +245,30 @@ class Driver:
             host = (await self.clients[0].match(chain)).host_pages
             if host < len(chain):
                 rest = chain[host:]
-                parent = chain[host - 1] if host else b""
-                op_id = self._op()
-                prefetches.append((op_id, rest, len(rest) * GEOMETRY.page_size, parent))
-                self.prefetching[op_id] = chain
+                parent = chain[host - 1] if host else None
+                session.prefetch(rest, len(rest) * GEOMETRY.page_size, parent,
+                                 done=functools.partial(self._prefetched, chain))
                 self.busy.update(chain)
-        ops = Ops(prefetches=tuple(prefetches), polls=tuple(polls), revokes=tuple(revokes), writes=tuple(writes),
-                  loads=tuple(loads))
-        return ops, [w[0] for w in writes] + [x[0] for x in loads] + [p[0] for p in prefetches]
 
-    def _untake(self, opened: list[int]) -> None:
-        """The step was not taken: nothing of it opened anywhere."""
-        for op_id in opened:
-            if op_id in self.writing:
-                chain, sources = self.writing.pop(op_id)
-                self.free.extend(sources)
-                self.busy.difference_update(chain)
-            elif op_id in self.loading:
-                _, targets, chain = self.loading.pop(op_id)
+    def _load(self, pages: list[bytes], targets: list[int], chain: list[bytes]) -> None:
+        def landed(ok: bool) -> None:
+            if ok:  # checked once every rank's copy is waited for
+                self.landed.append((op, pages, targets, chain))
+            else:  # failed on some rank, or never taken
                 self.free.extend(targets)
                 self.busy.difference_update(chain)
-            elif op_id in self.prefetching:
-                self.busy.difference_update(self.prefetching.pop(op_id))
+
+        op = self.session.load(pages, targets, done=landed)
+
+    def _prefetched(self, chain: list[bytes], _pages: int) -> None:
+        self.busy.difference_update(chain)
+
+    def _written(self, chain: list[bytes], sources: list[int], stored: bool) -> None:
+        """A write-through ended (or was never taken): its device pages are free again."""
+        self.free.extend(sources)
+        self.busy.difference_update(chain)
+        if stored:
+            self.known.append(chain)
 
     def _votes(self) -> tuple[list[list], np.ndarray]:
         """This step's votes: the same questions on every rank, rank-dependent
@@ -326,16 +299,13 @@ class Driver:
 
     async def step(self) -> None:
         cfg, rng, t = self.cfg, self.rng, self.t
-        self.step_no += 1
-        step = self.step_no
         t.steps += 1
         inject = rng.randrange(cfg.cancel_every * cfg.reject_every)
         reject_rank = rng.randrange(self.ranks) if inject < cfg.cancel_every else None
         cancel_rank = rng.randrange(self.ranks) if reject_rank is None and inject % cfg.cancel_every == 1 else None
-        if reject_rank is not None:
-            ops, opened = Ops(), list[int]()  # a rejected step opens nothing: keep the cache work for later steps
-        else:
-            ops, opened = await self._plan_ops()
+        if reject_rank is None:  # a rejected step opens nothing: the cache work waits for later steps
+            await self._plan_ops()
+        step, ops = self.session.next_step()
         votes, expected = self._votes()
         if cancel_rank is not None and rng.randrange(2):
             # This rank's call goes first, alone: its daemon enters the round and
@@ -378,7 +348,7 @@ class Driver:
                 else:
                     t.unexpected_errors += 1
                 t.note(f"step {step} rank {rank}: {type(exc).__name__}: {exc}")
-            self._untake(opened)
+            self.session.not_taken(ops)
             return
         replies = [r for r in results if isinstance(r, StepResult)]
         if len({r.wire for r in replies}) != 1:
@@ -394,12 +364,8 @@ class Driver:
             t.wrong_decisions += wrong
             t.note(f"step {step}: {wrong} agreed values differ from MIN/MAX of the votes")
         t.decisions += len(reply.decisions)
-        t.writes += len(ops.writes)
-        t.loads += len(ops.loads)
-        t.prefetches += len(ops.prefetches)
-        t.polls += len(ops.polls)
-        t.revokes += len(ops.revokes)
-        await self._absorb(reply)
+        self.session.follow(reply)
+        await self._check_loads()
 
     def _check_rejection(self, step: int, rank: int, results: list[StepResult | BaseException]) -> None:
         t = self.t
@@ -419,56 +385,29 @@ class Driver:
         t.note(f"step {step}: rank {rank} rejected, answers: {[type(x).__name__ for x in results]} "
                f"{[str(x)[:200] for x in results if isinstance(x, BaseException)]}")
 
-    async def _absorb(self, reply: StepResult) -> None:
+    async def _check_loads(self) -> None:
+        """The loads the last reply agreed: once every rank's copy is waited
+        for, every rank's target pages must hold that rank's bytes."""
+        landed, self.landed = self.landed, []
+        if not landed:
+            return
+        done = [op for op, *_ in landed]
+        await asyncio.wait_for(asyncio.gather(*(c.wait_loads(done, timeout_s=HANG_S) for c in self.clients)),
+                               HANG_S + 10)
         t = self.t
-        for op_id in reply.write_acks:
-            chain, sources = self.writing.pop(op_id)
-            self.free.extend(sources)
-            self.busy.difference_update(chain)
-            self.known.append(chain)
-            t.write_acks += 1
-        for op_id in reply.write_failures:
-            chain, sources = self.writing.pop(op_id)
-            self.free.extend(sources)
-            self.busy.difference_update(chain)
-            t.write_failures += 1
-        t.prefetch_hits += len(reply.prefetch_hits)
-        for op_id, accepted in reply.prefetch_done.items():
-            self.busy.difference_update(self.prefetching.pop(op_id))
-            t.prefetch_done += 1
-            t.prefetch_done_pages += accepted
-        for op_id in reply.prefetch_revoked:
-            self.busy.difference_update(self.prefetching.pop(op_id))
-            t.prefetch_revoked += 1
-        for stored in reply.backups.values():
-            if stored:
-                t.backups_stored += 1
-            else:
-                t.backups_failed += 1
-        for op_id in reply.load_failures:
-            _, targets, chain = self.loading.pop(op_id)
+        for op_id, pages, targets, chain in landed:
+            for rank in range(self.ranks):
+                for page, d in zip(pages, targets):
+                    if not np.array_equal(read_page(self.pools[rank], d), self._content(rank, page)):
+                        t.wrong_bytes += 1
+                        t.note(f"load {op_id}: rank {rank} device page {d} holds wrong bytes")
+                    t.loaded_pages_verified += 1
             self.free.extend(targets)
             self.busy.difference_update(chain)
-            t.load_failures += 1
-        done = [op for op in reply.loads if op in self.loading]
-        if done:
-            await asyncio.wait_for(asyncio.gather(*(c.wait_loads(done, timeout_s=HANG_S) for c in self.clients)),
-                                   HANG_S + 10)
-            for op_id in done:
-                pages, targets, chain = self.loading.pop(op_id)
-                for rank in range(self.ranks):
-                    for page, d in zip(pages, targets):
-                        if not np.array_equal(self._read_device(rank, d), self._content(rank, page)):
-                            t.wrong_bytes += 1
-                            t.note(f"load {op_id}: rank {rank} device page {d} holds wrong bytes")
-                        t.loaded_pages_verified += 1
-                self.free.extend(targets)
-                self.busy.difference_update(chain)
-                t.load_acks += 1
 
 
-async def soak(cfg: SoakConfig, progress: Callable[[Tally, float], None] | None = None) -> Tally:
-    """Run the soak; returns its tally."""
+async def soak(cfg: SoakConfig, progress: Callable[[SoakReport, float], None] | None = None) -> SoakReport:
+    """Run the soak; returns its report."""
     own_dir = cfg.run_dir is None
     run_dir = Path(tempfile.mkdtemp(prefix="cpsoak-")) if cfg.run_dir is None else cfg.run_dir
     started = time.perf_counter()
@@ -504,12 +443,13 @@ async def soak(cfg: SoakConfig, progress: Callable[[Tally, float], None] | None 
     return t
 
 
-def _progress(t: Tally, elapsed: float) -> None:
+def _progress(t: SoakReport, elapsed: float) -> None:
     import sys
 
+    c = t.cache
     print(f"  {elapsed:6.0f}s  steps {t.steps}  decisions {t.decisions}  rejections {t.injected_rejections}  "
-          f"cancelled {t.cancelled_calls}  writes {t.write_acks}/{t.write_failures}  loads {t.load_acks}/"
-          f"{t.load_failures}  divergences {t.divergences}  wrong bytes {t.wrong_bytes}", file=sys.stderr, flush=True)
+          f"cancelled {t.cancelled_calls}  writes {c.write_acks}/{c.write_failures}  loads {c.load_acks}/"
+          f"{c.load_failures}  divergences {t.divergences}  wrong bytes {t.wrong_bytes}", file=sys.stderr, flush=True)
 
 
 async def main(args: argparse.Namespace) -> int:

@@ -41,16 +41,15 @@ def _daemon_settings(path: str | None) -> tuple[dict, dict[int, dict]]:
     sizes, rendezvous, socket) are not settable there."""
     if not path:
         return {}, {}
-    import dataclasses
     import tomllib
 
-    from cpcache.config import DaemonConfig
+    from cpcache.config import FAULT_SETTINGS, SETTINGS
 
     with open(path, "rb") as fh:
         settings = tomllib.load(fh)
     per_rank = settings.pop("rank") if isinstance(settings.get("rank"), dict) else {}
     own = {"rank", "tp", "pp", "dp", "cp", "rendezvous", "deployment", "socket"}
-    known = {f.name for f in dataclasses.fields(DaemonConfig)} - own
+    known = set(SETTINGS) - own
     unknown = sorted(set(settings) - known)
     if unknown:
         raise SystemExit(f"cpcache launch: {path}: unknown or launcher-owned settings {', '.join(unknown)}")
@@ -59,8 +58,7 @@ def _daemon_settings(path: str | None) -> tuple[dict, dict[int, dict]]:
     for rank, table in per_rank.items():
         # What a domain must hold alike (pools, storage, policies) is not a
         # rank's own: only fault injection may differ between ranks.
-        own_only = sorted(set(table) - {k for k in known if k.startswith("fault_")}) if isinstance(table, dict) \
-            else ["(not a table)"]
+        own_only = sorted(set(table) - set(FAULT_SETTINGS)) if isinstance(table, dict) else ["(not a table)"]
         if own_only:
             raise SystemExit(f"cpcache launch: {path}: [rank.{rank}] may set only fault_* settings, "
                              f"not {', '.join(own_only)}")

@@ -1,10 +1,9 @@
-"""The SGLang-shaped session over a real daemon: write-through, ack, load
+"""The scheduler-side session over a real daemon: write-through, ack, load
 back, prefetch from storage and release, one flush per iteration."""
 
 import pytest
 
-from cpcache.client import Client
-from cpcache.client.session import HiCacheSession
+from cpcache.client import Client, SchedulerSession
 from cpcache.daemon.launcher import DomainSpec, LocalDomain
 from cpcache.dataplane.pools import DevicePool
 from cpcache.geometry import KVGeometry
@@ -24,48 +23,52 @@ async def test_a_scheduler_iteration_maps_to_one_flush(run_dir):
         pool = DevicePool.create_sealed(GEOMETRY, 16)
         with Client(domain.sockets[0], timeout_s=10) as client:
             seed = client.attach("m", GEOMETRY, 16, pool_fd=pool.fd).key_seed
-            cache = HiCacheSession(client)
+            cache = SchedulerSession(client)
+
+            def match_prefix(pages: list[bytes]) -> tuple[int, int]:  # the daemon's answer: host, storage pages
+                reply = client.match(pages)
+                return reply.host_pages, reply.storage_pages
+
             pages = [bytes.fromhex(h) for h in chain(list(range(64)), 16, seed)]
-            write = cache.write_backup(pages[:2], [0, 1])
-            acked = []
+            acked: list[bool] = []
+            cache.write_through(pages[:2], [0, 1], done=acked.append)
             for _ in range(100):  # iterations until the write-through is agreed done
                 cache.flush()
-                acked += cache.writing_check()
-                if write in acked:
+                if acked:
                     break
-            assert acked == [write]
-            assert cache.match_prefix(pages)[0] == 2
-            load = cache.load_back(pages[:2], [4, 5])
+            assert acked == [True]
+            assert match_prefix(pages)[0] == 2 == cache.match(pages)
+            loaded: list[bool] = []
+            load = cache.load(pages[:2], [4, 5], done=loaded.append)
             cache.flush()
-            cache.wait_loads([load])
-            loaded = []
+            client.wait_loads([load])
             for _ in range(500):  # until the load and the backup of the first pages are agreed
                 cache.flush()
-                loaded += cache.loading_check()
-                if load in loaded and cache.match_prefix(pages[:2])[1] == 2:
+                if loaded and match_prefix(pages[:2])[1] == 2:
                     break
-            assert loaded == [load]
+            assert loaded == [True]
             cache.flush()  # a step later, the pages are no longer "just used"
             # Fill the host pool (6 pages) with another chain, so that the first
             # pages are evicted; wait until both chains are in storage.
             other = [bytes.fromhex(h) for h in chain(list(range(1000, 1096)), 16, seed)]
-            write2 = cache.write_backup(other, [6, 7, 8, 9, 10, 11])
+            cache.write_through(other, [6, 7, 8, 9, 10, 11], done=acked.append)
             for _ in range(500):
                 cache.flush()
-                if cache.match_prefix(other)[1] == 6 and cache.match_prefix(pages[:2])[1] == 2:
+                if match_prefix(other)[1] == 6 and match_prefix(pages[:2])[1] == 2:
                     break
-            assert write2 in cache.writing_check()
-            assert cache.match_prefix(pages[:2]) == (0, 2)
-            cache.prefetch_from_storage("req-1", pages[:2], 32)
+            assert acked == [True, True]
+            assert match_prefix(pages[:2]) == (0, 2)
+            cache.prefetch(pages[:2], 32, rid="req-1")
             for _ in range(200):
                 cache.flush()
-                if cache.check_prefetch_progress("req-1"):
+                if cache.prefetch_ended("req-1"):
                     break
             assert cache.prefetched_pages("req-1") == 2
-            aborted = cache.prefetch_from_storage("req-2", pages[2:], 32)
+            aborted = cache.prefetch(pages[2:], 32, rid="req-2")
             cache.flush()
-            cache.release_aborted_request("req-2")  # sent, not ended: revoked in the next flush
+            cache.release("req-2")  # sent, not ended: revoked in the next flush
             assert aborted in cache.flush().prefetch_revoked
-            cache.prefetch_from_storage("req-3", pages[2:], 32)
-            cache.release_aborted_request("req-3")  # never sent: dropped
+            cache.prefetch(pages[2:], 32, rid="req-3")
+            cache.release("req-3")  # never sent: dropped
             assert cache.flush().prefetch_revoked == {}
+            assert cache.tally.write_acks == 2 and cache.tally.load_acks == 1 and cache.tally.prefetch_done >= 1

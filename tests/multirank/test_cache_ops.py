@@ -13,7 +13,7 @@ from cpcache.dataplane.pools import DevicePool
 from cpcache.dataplane.storage import PageBuffer, open_backend
 from cpcache.geometry import KVGeometry
 from cpcache.keys import ShardingSpec, chain, tenant_of
-from cpcache.testing.sim.scheduler import page_content
+from cpcache.testing.sim.pages import page_content
 from cpcache.topology import Topology
 
 pytestmark = [pytest.mark.multirank, pytest.mark.timeout(120)]

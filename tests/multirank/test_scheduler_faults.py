@@ -13,7 +13,7 @@ from cpcache import errors
 from cpcache.client import AsyncClient, Ops
 from cpcache.daemon.launcher import DomainSpec, LocalDomain
 from cpcache.dataplane.pools import DevicePool
-from cpcache.testing.sim.scheduler import page_content
+from cpcache.testing.sim.pages import page_content
 from cpcache.topology import Topology
 from cpcache.v1 import daemon_pb2 as pb
 from cpcache.v1 import daemon_pb2_grpc as pb_grpc

@@ -23,5 +23,5 @@ async def test_a_short_soak_agrees_everywhere_and_loads_exact_bytes(run_dir):
     assert t.decisions >= 20_000
     # The faults were injected and the cache was exercised.
     assert t.injected_rejections > 0 and t.cancelled_calls > 0 and t.cancelled_mid_round > 0
-    assert t.write_acks > 0 and t.load_acks > 0 and t.loaded_pages_verified > 0
-    assert t.prefetches > 0 and t.max_votes_per_step >= 1024
+    assert t.cache.write_acks > 0 and t.cache.load_acks > 0 and t.loaded_pages_verified > 0
+    assert t.cache.prefetches > 0 and t.max_votes_per_step >= 1024

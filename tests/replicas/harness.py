@@ -22,7 +22,7 @@ from cpcache.state.allocator import PageAllocator
 from cpcache.state.intents import CopyToHost, Decisions, Fetch, Intent
 from cpcache.state.machine import CacheState
 from cpcache.state.ops.prefetch import Prefetch
-from cpcache.state.requests import StepOps
+from cpcache.state.requests import CacheRequests
 from tests.support.fakes import FakeIO, IOPlan
 
 
@@ -49,8 +49,8 @@ class Pending:
     """A round reduced but not yet applied (lag >= 1)."""
 
     number: int
-    ops: StepOps
-    taken: list[StepOps | None]  # by replica: the step as it took it, None where it refused it
+    requests: CacheRequests
+    taken: list[CacheRequests | None]  # by replica: the step as it took it, None where it refused it
     inputs: list[RoundInput]
     reduced: np.ndarray
 
@@ -80,7 +80,7 @@ class Domain:
         self.capacity = MIN_CAPACITY  # agreed: every replica computes the same
         self.pipeline: list[Pending] = []
         self.number = 0
-        self.history: list[tuple[int, StepOps, int | None]] = []  # (step, ops, injected rejecting rank)
+        self.history: list[tuple[int, CacheRequests, int | None]] = []  # (step, requests, injected rejecting rank)
         self.write_serials: dict[int, int] = {}  # write op id -> serial of its CopyToHost (latest)
         self.mirror: set[bytes] = set()  # the host pool as the replies tell it (what the SGLang backend keeps)
 
@@ -90,12 +90,12 @@ class Domain:
 
     # -- the round path -----------------------------------------------------------
 
-    def _pack(self, number: int, ops: StepOps, reject_rank: int | None) -> tuple[list[RoundInput], list]:
+    def _pack(self, number: int, requests: CacheRequests, reject_rank: int | None) -> tuple[list[RoundInput], list]:
         inputs, taken = [], []
         for rep in self.replicas:
             in_pipeline = [p.taken[rep.rank] for p in self.pipeline if p.taken[rep.rank] is not None]
             try:
-                rep.runtime.check(ops, in_pipeline, loads_resident=not self.lag)
+                rep.runtime.check(requests, in_pipeline, loads_resident=not self.lag)
                 refusal = None
             except CacheError as exc:
                 refusal = exc
@@ -105,8 +105,8 @@ class Domain:
             if refusal is not None:
                 inputs.append(RoundInput.rejected(number, rep.rank, refusal.status, str(refusal)))
             else:
-                inputs.append(rep.runtime.pack(number, Questions.empty(), rep.state.digest, ops))
-            taken.append(None if refusal else ops)
+                inputs.append(rep.runtime.pack(number, Questions.empty(), rep.state.digest, requests))
+            taken.append(None if refusal else requests)
         return inputs, taken
 
     def _reduce(self, inputs: list[RoundInput]) -> np.ndarray:
@@ -150,7 +150,7 @@ class Domain:
         new_intents: list[list[Intent]] = []
         for rep, result in zip(self.replicas, results):
             started: list[Intent] = []  # started by the harness below, once every replica's slots are checked
-            applied = rep.runtime.apply_round(pending.number, pending.ops, result, started.extend)
+            applied = rep.runtime.apply_round(pending.number, pending.requests, result, started.extend)
             refused = applied.refused
             errors.append(None if refused is None else f"{type(refused).__name__}: {refused}")
             new_intents.append(started + applied.later)
@@ -186,7 +186,7 @@ class Domain:
         busy = set().union(*(r.io.busy() for r in self.replicas))
         for intent in intents:
             if isinstance(intent, CopyToHost):
-                op = rep.state.ops.get(intent.serial)
+                op = rep.state.open_ops.get(intent.serial)
                 if op is not None:
                     self.write_serials[op.request.op_id] = intent.serial
             if isinstance(intent, (CopyToHost, Fetch)):
@@ -206,18 +206,18 @@ class Domain:
                 if job is None or not job.ended or job.fail:
                     raise InvariantViolation(f"write {op_id} acknowledged before replica {rep.rank}'s copy ended well")
 
-    def step(self, ops: StepOps, reject_rank: int | None = None) -> StepReport:
+    def step(self, requests: CacheRequests, reject_rank: int | None = None) -> StepReport:
         """One scheduler step on every replica."""
         self.number += 1
         number = self.number
-        self.history.append((number, ops, reject_rank))
+        self.history.append((number, requests, reject_rank))
         for rep in self.replicas:
             rep.io.tick()
         report = StepReport(number)
         if self.lag and len(self.pipeline) >= self.lag:
             self._apply(self.pipeline.pop(0), report)
-        inputs, taken = self._pack(number, ops, reject_rank)
-        self.pipeline.append(Pending(number, ops, taken, inputs, self._reduce(inputs)))
+        inputs, taken = self._pack(number, requests, reject_rank)
+        self.pipeline.append(Pending(number, requests, taken, inputs, self._reduce(inputs)))
         if not self.lag:
             self._apply(self.pipeline.pop(0), report)
         self.check_shared()
@@ -243,7 +243,7 @@ class Domain:
                 raise InvariantViolation(f"replica {rep.rank}: allocator lost slots")
 
     def open_prefetch_ids(self) -> list[int]:
-        return sorted(op.request.op_id for op in self.lead.ops.values() if isinstance(op, Prefetch))
+        return sorted(op.request.op_id for op in self.lead.open_ops.values() if isinstance(op, Prefetch))
 
     def settle_all(self, max_steps: int = 40) -> int:
         """Complete every I/O and step (polling every open prefetch) until no
@@ -251,17 +251,17 @@ class Domain:
         for rep in self.replicas:
             rep.io.end_all()
         for i in range(max_steps):
-            if not self.lead.ops and not any(p.ops.opened() for p in self.pipeline):
+            if not self.lead.open_ops and not any(p.requests.opened() for p in self.pipeline):
                 return i
-            self.step(StepOps(prefetch_polls=tuple(self.open_prefetch_ids())) if i % 2 == 0 else StepOps())
+            self.step(CacheRequests(prefetch_polls=tuple(self.open_prefetch_ids())) if i % 2 == 0 else CacheRequests())
         raise InvariantViolation(f"operations still open after {max_steps} idle steps with all I/O ended: "
-                                 f"{[op.label() for op in self.lead.ops.values()]}")
+                                 f"{[op.label() for op in self.lead.open_ops.values()]}")
 
     def check_quiescent(self) -> None:
         for rep in self.replicas:
             st = rep.state
-            if st.ops or st.by_op_id:
-                raise InvariantViolation(f"replica {rep.rank}: open operations remain: {list(st.ops)}")
+            if st.open_ops or st.by_op_id:
+                raise InvariantViolation(f"replica {rep.rank}: open operations remain: {list(st.open_ops)}")
             index_slots = {e.slot for _, e in st.index.items()}
             allocated, retiring = st.allocator.allocated, st.allocator.retiring
             if allocated != index_slots or retiring:

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cpcache.config import CacheConfig
-from cpcache.state.requests import LoadRequest, PrefetchRequest, StepOps, WriteRequest
+from cpcache.state.requests import CacheRequests, LoadRequest, PrefetchRequest, WriteRequest
 from tests.replicas.conftest import LONG, REPLICA_SETTINGS
 from tests.replicas.harness import Domain, InvariantViolation
 from tests.support.fakes import FakeIO, IOPlan
@@ -61,7 +61,7 @@ class Program:
     def device(self, n: int) -> tuple[int, ...]:
         return tuple(self.draw(st.lists(st.integers(0, DEVICE_PAGES - 1), min_size=n, max_size=n)))
 
-    def step_ops(self) -> StepOps:
+    def step_requests(self) -> CacheRequests:
         prefetches, polls, revokes, writes, loads = [], [], [], [], []
         open_pf = self.domain.open_prefetch_ids()
         resident = [p for p in UNIVERSE if self.domain.lead.match([p]) == 1]
@@ -108,7 +108,7 @@ class Program:
                     prefetches.append(PrefetchRequest(i, pages, 16))
                 elif bad == "empty":
                     writes.append(WriteRequest(self.new_id(), (), ()))
-        return StepOps(tuple(prefetches), tuple(polls), tuple(revokes), tuple(writes), tuple(loads))
+        return CacheRequests(tuple(prefetches), tuple(polls), tuple(revokes), tuple(writes), tuple(loads))
 
 
 def run_program(data, replicas: int, lag: int, steps: int = STEPS) -> Domain:
@@ -118,10 +118,10 @@ def run_program(data, replicas: int, lag: int, steps: int = STEPS) -> Domain:
     domain = Domain(io_plans, config, host_pages=host_pages, page_size=PAGE_SIZE, device_pages=DEVICE_PAGES, lag=lag)
     program = Program(data, domain)
     for _ in range(steps):
-        ops = program.step_ops()
+        requests = program.step_requests()
         pick = data.draw(st.integers(0, 8 * replicas - 1))  # one step in 8: one replica rejects it
         reject = pick if pick < replicas else None
-        domain.step(ops, reject)
+        domain.step(requests, reject)
     domain.settle_all()
     domain.check_quiescent()
     return domain
@@ -145,7 +145,7 @@ def test_harness_detects_an_early_ack():
     """The harness itself: a write acknowledged while a replica's copy still
     runs is caught."""
     domain = Domain([IOPlan(max_delay=0), IOPlan(max_delay=0)], CacheConfig())
-    domain.step(StepOps(writes=(WriteRequest(1, (UNIVERSE[0],), (0,)),)))
+    domain.step(CacheRequests(writes=(WriteRequest(1, (UNIVERSE[0],), (0,)),)))
     serial = domain.write_serials[1]
     domain.replicas[1].io.jobs[serial].ended = False
     from cpcache.state.intents import Decisions
@@ -155,14 +155,14 @@ def test_harness_detects_an_early_ack():
 
 def test_rejected_step_changes_nothing_and_settles():
     domain = Domain([IOPlan(seed=s, max_delay=3) for s in range(3)], CacheConfig(prefetch_threshold_tokens=0))
-    ops = StepOps(prefetches=(PrefetchRequest(7, tuple(UNIVERSE[:3]), 48),),
+    requests = CacheRequests(prefetches=(PrefetchRequest(7, tuple(UNIVERSE[:3]), 48),),
                   writes=(WriteRequest(8, (UNIVERSE[5],), (1,)),))
     digest = domain.lead.digest
-    report = domain.step(ops, reject_rank=2)
-    assert report.rejected and domain.lead.digest == digest and not domain.lead.ops
-    domain.step(ops)
+    report = domain.step(requests, reject_rank=2)
+    assert report.rejected and domain.lead.digest == digest and not domain.lead.open_ops
+    domain.step(requests)
     assert set(domain.lead.by_op_id) == {7, 8}
-    domain.step(StepOps(prefetch_polls=(7,)))
+    domain.step(CacheRequests(prefetch_polls=(7,)))
     domain.settle_all()
     domain.check_quiescent()
     assert isinstance(domain.replicas[0].io, FakeIO)
@@ -175,11 +175,11 @@ def test_eviction_of_suspect_pages_makes_room():
     pages (retired, not freed) and allocates 4 from 2 free slots."""
     domain = Domain([IOPlan(max_delay=0, timeout_rate=1.0), IOPlan(max_delay=0)],
                     CacheConfig(prefetch_threshold_tokens=0), host_pages=4)
-    domain.step(StepOps(writes=(WriteRequest(1, tuple(UNIVERSE[:2]), (0, 1)),)))
+    domain.step(CacheRequests(writes=(WriteRequest(1, tuple(UNIVERSE[:2]), (0, 1)),)))
     for _ in range(3):
-        domain.step(StepOps())  # ack, then the backup ends TIMED_OUT
-    domain.step(StepOps(prefetches=(PrefetchRequest(2, tuple(UNIVERSE[4:8]), 64),)))
+        domain.step(CacheRequests())  # ack, then the backup ends TIMED_OUT
+    domain.step(CacheRequests(prefetches=(PrefetchRequest(2, tuple(UNIVERSE[4:8]), 64),)))
     for _ in range(3):
-        domain.step(StepOps())  # the lookup answers: the hit is decided
+        domain.step(CacheRequests())  # the lookup answers: the hit is decided
     domain.settle_all()
     domain.check_quiescent()

@@ -37,5 +37,5 @@ def test_installed_in_sglangs_environment_cpcache_leaves_its_torch_alone():
     assert sglang_version == "0.5.23"
     assert torch_version.startswith("2.13.0"), f"SGLang's environment has torch {torch_version}"
     # What the integration imports loads there without the daemon's packages.
-    subprocess.run([str(SGLANG_PYTHON), "-c", "import cpcache.client, cpcache.integrations.sglang.connector"],
+    subprocess.run([str(SGLANG_PYTHON), "-c", "import cpcache.client.session, cpcache.integrations.sglang.timing"],
                    check=True, timeout=60)

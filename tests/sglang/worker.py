@@ -140,7 +140,7 @@ class Rank:
         record = {"rid": req.rid, "tokens": len(tokens)}
         cache.check_hicache_events()
         first = cache.match_prefix(MatchPrefixParams(key=key))
-        if hasattr(cache, "connector"):
+        if hasattr(cache, "daemon_session"):
             known = first.device_prefix_len
             cache.prefetch_from_storage(req.cache_request_handle, first.last_device_node, tokens[known:],
                                         matched_prefix_tokens=tokens[:known])
@@ -223,17 +223,17 @@ def main() -> None:
         rank.serve(number, tokens, abort=args.abort_every > 0 and number % args.abort_every == args.abort_every - 1)
     cache = rank.cache
     report: dict = {"records": rank.records, "wrong_bytes": rank.wrong_bytes, "checked_pages": rank.checked_pages}
-    if hasattr(cache, "connector"):
+    if hasattr(cache, "daemon_session"):
         drained = 0
         while cache.has_pending_cache_operations():
             cache.check_hicache_events()
             drained += 1
             if drained > 1000:
                 raise RuntimeError("pending cache operations never drained")
-        tally = cache.connector.tally
+        tally = cache.daemon_session.tally
         report["tally"] = dict(vars(tally))
-        report["decisions"] = cache.connector.decisions.entries
-        report["stats"] = cache.connector.client.stats()
+        report["decisions"] = cache.daemon_session.decisions.entries
+        report["stats"] = cache.daemon_session.client.stats()
     report["seconds"] = time.monotonic() - started
     Path(args.out).write_text(json.dumps(report, default=list))
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from cpcache.agreement.rounds import MIN_CAPACITY, RoundInput
 from cpcache.state.intents import CopyToDevice, CopyToHost, Fetch, Lookup, Store
-from cpcache.state.questions import NOT_YET, BackupOutcome, Outcome
+from cpcache.state.questions import NOT_YET, BackupOutcome, CopyOutcome
 
 
 @dataclass
@@ -144,16 +144,16 @@ class FakeIO:
         job = self.jobs.get(serial)
         return float(self.now - job.started) if job else 0.0
 
-    def _outcome(self, serial: int) -> Outcome:
+    def _outcome(self, serial: int) -> CopyOutcome:
         job = self.jobs.get(serial)
         if job is None or not job.ended:
-            return Outcome.PENDING
-        return Outcome.FAILED if job.fail else Outcome.OK
+            return CopyOutcome.PENDING
+        return CopyOutcome.FAILED if job.fail else CopyOutcome.OK
 
-    def write_outcome(self, serial: int) -> Outcome:
+    def write_outcome(self, serial: int) -> CopyOutcome:
         return self._outcome(serial)
 
-    def load_outcome(self, serial: int) -> Outcome:
+    def load_outcome(self, serial: int) -> CopyOutcome:
         return self._outcome(serial)
 
     def backup_outcome(self, serial: int) -> BackupOutcome:

@@ -89,6 +89,7 @@ def register(name: str) -> Callable[[BackendT], BackendT]:
 
 
 def open_backend(name: str, **options: object) -> StorageBackend:
+    """Backend `name`, given `options`: its constructor's own, no others."""
     if name not in BACKEND_MODULES:
         raise InvalidArgument(f"storage: unknown backend {name!r}; known: {', '.join(sorted(BACKEND_MODULES))}")
     importlib.import_module(BACKEND_MODULES[name])

@@ -93,7 +93,7 @@ class _Clock:
 class FileBackend(StorageBackend):
     def __init__(
         self, root: str, geometry_fingerprint: int, capacity_bytes: int = 0, io_threads: int = 4,
-        page_bytes: int = 0, **_ignored: object,
+        page_bytes: int = 0,
     ) -> None:
         """`page_bytes` (0: unknown) lets a lookup tell a whole page from a
         truncated one by its size."""

@@ -78,7 +78,6 @@ class MooncakeBackend(StorageBackend):
         local_buffer_size: int = 64 << 20,
         connect_timeout_s: float = 5.0,
         geometry_fingerprint: int = 0,
-        **_ignored: object,
     ) -> None:
         """`buffers`: (address, nbytes) of host memory to register (the host pool)."""
         self._geometry = geometry_fingerprint

@@ -1,16 +1,15 @@
 """Building the `cpcache` radix cache from SGLang's build context: check the
 server's flags, share the device pool, attach it to the rank's daemon
 (agreed by every rank, topology checked by the daemon), and hand the tree a
-connector."""
+scheduler-side session."""
 
 from __future__ import annotations
 
 import logging
 from typing import Any
 
-from cpcache.client.core import Client
+from cpcache.client import Client, DecisionLog, SchedulerSession
 from cpcache.integrations.sglang import server_flags
-from cpcache.integrations.sglang.connector import Connector, DecisionLog
 from cpcache.integrations.sglang.pool import SharedPool, check_in_place, layer_buffers, share_device_pool
 from cpcache.integrations.sglang.settings import Settings
 from cpcache.topology import Topology
@@ -110,18 +109,18 @@ def build_cache(context: Any, settings: Settings | None = None) -> Any:
 
     decisions = DecisionLog() if settings.record_decisions else None  # one log across attaches
 
-    def connect(step: int) -> Connector:
+    def connect(step: int) -> SchedulerSession:
         if decisions is not None:
             decisions.begin_session()
-        return Connector(client, first_step=step, load_timeout_s=settings.timeout_s, decisions=decisions)
+        return SchedulerSession(client, first_step=step, load_timeout_s=settings.timeout_s, decisions=decisions)
 
-    def attach_again() -> Connector:
+    def attach_again() -> SchedulerSession:
         check_in_place(pool, runner_pool)
         client.attach(model_id, pool.geometry, pool.device_pages, pool_fd=pool.fd, placement=(topology, rank),
                       regions=pool.regions)
         return connect(int(client.status().last_step) + 1)
 
-    return CpcacheRadixCache(params, connector=connect(first_step), pool=pool, attach_again=attach_again,
+    return CpcacheRadixCache(params, daemon_session=connect(first_step), pool=pool, attach_again=attach_again,
                              reattach_after=settings.reattach_after_iterations,
                              storage_prefetch=server_flags.storage_prefetch_enabled(context.server_args), rank=rank,
                              host_pages=attached.host_pages, decisions=decisions)

@@ -9,11 +9,12 @@ Evicting a device node needs no copy: its pages were written through, so a
 later match finds them in the host pool and loads them back.
 
 Between two steps nothing here asks the daemon: host matches come from the
-connector's mirror of the host pool (agreed state). So a daemon that cannot
-answer (it died, or its domain lost a peer) is found at a step, and a step
-fails alike on every rank (a lost peer is agreed within
-`agreement_timeout_s`): every rank falls back to SGLang's device-only tree at
-the same iteration, releasing the locks of writes in flight. Every rank then
+mirror of the host pool that the scheduler-side session keeps (agreed state,
+`cpcache/client/session.py`). So a daemon that cannot answer (it died, or
+its domain lost a peer) is found at a step, and a step fails alike on every
+rank (a lost peer is agreed within `agreement_timeout_s`): every rank falls
+back to SGLang's device-only tree at the same iteration, releasing the locks
+of writes in flight. Every rank then
 tries to attach again at the same later iterations (counted, never timed);
 Attach is agreed, so every rank comes back at the same iteration, warm with
 the host pages the re-formed domain carried over and with storage.
@@ -38,10 +39,12 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 )
 from sglang.srt.mem_cache.unified_radix_cache import NodeId, UnifiedRadixCache
 
+from cpcache.client.outcomes import DecisionLog
+from cpcache.client.session import SchedulerSession
 from cpcache.errors import CacheError
-from cpcache.integrations.sglang.connector import Connector, DecisionLog, SchedulerTime
 from cpcache.integrations.sglang.pool import SharedPool
 from cpcache.integrations.sglang.quarantine import Quarantine
+from cpcache.integrations.sglang.timing import SchedulerTime
 from cpcache.keys import chain, generation_seed, request_namespace_seed
 
 log = logging.getLogger(__name__)
@@ -66,20 +69,20 @@ class _HostHit:
 
 
 class CpcacheRadixCache(UnifiedRadixCache):
-    def __init__(self, params: Any, *, connector: Connector, pool: SharedPool,
-                 attach_again: Callable[[], Connector] | None = None, reattach_after: int = 64,
+    def __init__(self, params: Any, *, daemon_session: SchedulerSession, pool: SharedPool,
+                 attach_again: Callable[[], SchedulerSession] | None = None, reattach_after: int = 64,
                  storage_prefetch: bool = True, rank: int = 0, host_pages: int = 0,
                  decisions: DecisionLog | None = None) -> None:
-        # The parent constructor calls reset() before the connector exists.
-        self.connector: Connector | None = None
+        # Everything is set before the parent's constructor, which calls reset().
+        self._built = False  # that reset() has nothing of cpcache's to flush yet
+        # The rank's daemon (`self.session` is SGLang's own, its streaming sessions).
+        self.daemon_session: SchedulerSession | None = None  # None: fallen back to the device tree
         self._write_locks: dict[int, tuple[NodeId, Any]] = {}  # lock number -> (node, lock) while a write is open
         # Device slots of loads never decided (their step failed): quarantine.py.
         self._quarantined = Quarantine()
         self.clock = SchedulerTime()
-        self._steps_before = (0, 0.0)  # steps and their seconds of the connectors left behind
-        super().__init__(params)
+        self._steps_before = (0, 0.0)  # steps and their seconds of the sessions left behind
         self._generation = 0  # flushes since start: seeds the page hashes
-        self.connector = connector
         self.shared_pool = pool
         self.storage_prefetch = storage_prefetch
         self.rank = rank
@@ -96,6 +99,9 @@ class CpcacheRadixCache(UnifiedRadixCache):
         self._attach_wait = self._reattach_after
         self.host_pages = host_pages
         self.decisions = decisions
+        super().__init__(params)
+        self.daemon_session = daemon_session
+        self._built = True
 
     def _release_write_locks(self) -> None:
         for node, lock in self._write_locks.values():
@@ -109,10 +115,10 @@ class CpcacheRadixCache(UnifiedRadixCache):
                   self._iteration + self._reattach_after)
         self.fallback_reason = str(exc)
         self.fallbacks += 1
-        if self.connector is not None:
-            tally = self.connector.tally
+        if self.daemon_session is not None:
+            tally = self.daemon_session.tally
             self._steps_before = (self._steps_before[0] + tally.steps, self._steps_before[1] + tally.step_seconds)
-        self.connector = None
+        self.daemon_session = None
         self._host_hits.clear()
         self._release_write_locks()
         self._attach_wait = self._reattach_after
@@ -123,7 +129,7 @@ class CpcacheRadixCache(UnifiedRadixCache):
         every rank is attached again, or none is."""
         assert self._attach_again is not None
         try:
-            self.connector = self._attach_again()
+            self.daemon_session = self._attach_again()
         except CacheError as exc:
             self._attach_wait = min(self._attach_wait * 2, 64 * self._reattach_after)
             self._next_attach = self._iteration + self._attach_wait
@@ -156,15 +162,13 @@ class CpcacheRadixCache(UnifiedRadixCache):
 
     def insert(self, params: InsertParams) -> InsertResult:
         result = super().insert(params)
-        if self.connector is not None and not self._loading and not self.disable:
-            started = time.perf_counter()
-            self._write_through(params.key, result.prefix_len)
-            self.clock.calls_s += time.perf_counter() - started
+        if self.daemon_session is not None and not self._loading and not self.disable:
+            with self.clock.call():
+                self._write_through(self.daemon_session, params.key, result.prefix_len)
         return result
 
-    def _write_through(self, key: Any, known_tokens: int) -> None:
-        connector = self.connector
-        assert connector is not None
+    def _write_through(self, session: SchedulerSession, key: Any, known_tokens: int) -> None:
+        """Device -> host: the new full pages of `key`, their node locked until decided."""
         ps = self.page_size
         hashes = self.page_hashes(key)
         first = known_tokens // ps
@@ -185,39 +189,37 @@ class CpcacheRadixCache(UnifiedRadixCache):
             if held is not None:
                 self.dec_lock_ref(*held)
 
-        connector.write(hashes[first:], device_pages, hashes[first - 1] if first else None, done)
+        session.write_through(hashes[first:], device_pages, hashes[first - 1] if first else None, done)
 
     # -- host -> device ---------------------------------------------------------------
 
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         result = super().match_prefix(params)
-        started = time.perf_counter()
-        try:
+        with self.clock.call():
             return self._match_host(params, result)
-        finally:
-            self.clock.calls_s += time.perf_counter() - started
 
     def _match_host(self, params: MatchPrefixParams, result: MatchResult) -> MatchResult:
         """The host pages that follow SGLang's device match."""
         req = params.req
-        if req is None or self.connector is None or self.disable:
+        session = self.daemon_session
+        if req is None or session is None or self.disable:
             return result
         self._host_hits.pop(req.rid, None)
-        session = getattr(req, "session", None)
-        if session is not None and getattr(session, "streaming", False):
+        streaming = getattr(req, "session", None)  # SGLang's streaming session of the request, if any
+        if streaming is not None and getattr(streaming, "streaming", False):
             return result  # a streaming session's KV is its slot's, not the tree's: nothing to extend
         hashes = self.page_hashes(params.key)
         on_device = result.device_prefix_len // self.page_size
-        host = self.connector.match(hashes[on_device:])
-        if host and self.connector.in_flight():
+        host = session.match(hashes[on_device:])
+        if host and session.in_flight():
             # A hit is loaded in this iteration: take the step in flight first,
             # so that no round lands between the match and the load.
             try:
-                self.connector.settle()
+                session.settle()
             except CacheError as exc:
                 self._fall_back(exc)
                 return result
-            host = self.connector.match(hashes[on_device:])
+            host = session.match(hashes[on_device:])
         if host == 0:
             return result
         self._host_hits[req.rid] = _HostHit(params.key, on_device, hashes[on_device : on_device + host])
@@ -230,18 +232,16 @@ class CpcacheRadixCache(UnifiedRadixCache):
         )
 
     def init_load_back(self, params: InitLoadBackParams) -> tuple[int, NodeId]:
-        started = time.perf_counter()
-        try:
+        with self.clock.call():
             return self._load_back(params)
-        finally:
-            self.clock.calls_s += time.perf_counter() - started
 
     def _load_back(self, params: InitLoadBackParams) -> tuple[int, NodeId]:
+        """Host -> device: the host hit of the request's match, loaded before its batch runs."""
         req = params.req
-        connector = self.connector
-        hit = self._host_hits.pop(req.rid, None) if req is not None and connector is not None else None
+        session = self.daemon_session
+        hit = self._host_hits.pop(req.rid, None) if req is not None and session is not None else None
         fallback = req.last_node if req is not None else params.best_match_node
-        if hit is None or connector is None:
+        if hit is None or session is None:
             return 0, fallback
         ps = self.page_size
         tokens = len(hit.pages) * ps
@@ -252,7 +252,7 @@ class CpcacheRadixCache(UnifiedRadixCache):
         if slots is None:
             return 0, fallback  # no room: the request computes its prefix
         try:
-            loaded = connector.load_now(hit.pages, (slots[::ps] // ps).tolist())
+            loaded = session.load_now(hit.pages, (slots[::ps] // ps).tolist())
         except CacheError as exc:
             self._quarantined.hold(slots)  # undecided: the copy may still land there
             self._fall_back(exc)
@@ -283,60 +283,48 @@ class CpcacheRadixCache(UnifiedRadixCache):
                               last_hash: str | None = None, prefix_keys: list[str] | None = None,
                               matched_prefix_tokens: list[int] | None = None, extra_key: str | None = None,
                               cache_salt: str | None = None, storage_hit_end: int | None = None) -> None:
-        if self.connector is None or not self.storage_prefetch:
+        if self.daemon_session is None or not self.storage_prefetch:
             return
-        started = time.perf_counter()
-        try:
-            self._prefetch(request, new_input_tokens, matched_prefix_tokens, extra_key, cache_salt)
-        finally:
-            self.clock.calls_s += time.perf_counter() - started
+        with self.clock.call():
+            self._prefetch(self.daemon_session, request, new_input_tokens, matched_prefix_tokens, extra_key, cache_salt)
 
-    def _prefetch(self, request: Any, new_input_tokens: list[int], matched_prefix_tokens: list[int] | None,
-                  extra_key: str | None, cache_salt: str | None) -> None:
-        assert self.connector is not None
+    def _prefetch(self, session: SchedulerSession, request: Any, new_input_tokens: list[int],
+                  matched_prefix_tokens: list[int] | None, extra_key: str | None, cache_salt: str | None) -> None:
         from sglang.srt.mem_cache.radix_cache import RadixKey
 
         known = list(matched_prefix_tokens or [])
         key = RadixKey(list(known) + list(new_input_tokens), extra_key=extra_key, cache_salt=cache_salt)
         hashes = self.page_hashes(key)
         first = len(known) // self.page_size
-        first += self.connector.match(hashes[first:])  # pages already in the host need no prefetch
+        first += session.match(hashes[first:])  # pages already in the host need no prefetch
         if first >= len(hashes):
             return
-        self.connector.prefetch(request.rid, hashes[first:], (len(hashes) - first) * self.page_size,
-                                hashes[first - 1] if first else None)
+        session.prefetch(hashes[first:], (len(hashes) - first) * self.page_size, hashes[first - 1] if first else None,
+                         rid=request.rid)
 
     def is_backuped(self, node_id: NodeId) -> bool:
         # SGLang asks for a storage prefetch only past a node whose pages are
         # backed up, because its storage keys chain from that node's hash.
         # cpcache chains keys from the request's tokens and skips what the
         # host pool holds, so every node is a valid anchor.
-        return self.connector is not None or super().is_backuped(node_id)
+        return self.daemon_session is not None or super().is_backuped(node_id)
 
     def check_prefetch_progress(self, handle: Any) -> bool:
-        if self.connector is None:
+        session = self.daemon_session
+        if session is None:
             return True
-        started = time.perf_counter()
-        try:
-            return self._prefetch_ended(handle)
-        finally:
-            self.clock.calls_s += time.perf_counter() - started
-
-    def _prefetch_ended(self, handle: Any) -> bool:
-        assert self.connector is not None
-        ended = self.connector.session.check_prefetch_progress(handle.rid)
-        if ended:
-            pages = self.connector.session.take_prefetched(handle.rid)
-            self.prefetch_loaded_tokens_by_reqid[handle] = pages * self.page_size
-        return ended
+        with self.clock.call():
+            ended = session.prefetch_ended(handle.rid)
+            if ended:
+                self.prefetch_loaded_tokens_by_reqid[handle] = session.take_prefetched(handle.rid) * self.page_size
+            return ended
 
     def release_aborted_request(self, handle: Any) -> None:
         self.prefetch_loaded_tokens_by_reqid.pop(handle, None)
         self._host_hits.pop(handle.rid, None)
-        if self.connector is not None:
-            session = self.connector.session
-            was_open = session.prefetch_open(handle.rid)
-            session.release_aborted_request(handle.rid)
+        if self.daemon_session is not None:
+            was_open = self.daemon_session.prefetch_open(handle.rid)
+            self.daemon_session.release(handle.rid)
             if was_open:
                 log.info("cpcache: rank %d revoked the prefetch of aborted request %s", self.rank, handle.rid)
 
@@ -345,29 +333,32 @@ class CpcacheRadixCache(UnifiedRadixCache):
     def check_hicache_events(self) -> None:
         """Once per scheduler iteration, on every rank: the iteration's step."""
         started = time.perf_counter()
+        stepped = True
         try:
-            self._iterate()
+            stepped = self._iterate()
         finally:
-            self.clock.iterations += 1
-            self.clock.hook_s += time.perf_counter() - started
+            self.clock.tick(time.perf_counter() - started, idle=not stepped)
 
-    def _iterate(self) -> None:
+    def _iterate(self) -> bool:
+        """-> whether the daemon was called (a reply taken, a step sent, an attach tried)."""
         self._iteration += 1
-        if self.connector is None:
+        if self.daemon_session is None:
             if self._next_attach is not None and self._iteration >= self._next_attach:
                 self._try_attach_again()
-            return
+                return True
+            return False
         try:
-            self.connector.iterate()
+            return self.daemon_session.iterate()
         except CacheError as exc:
             self._fall_back(exc)
+            return True
 
     def scheduler_time(self) -> SchedulerTime:
-        """The clock, with the steps of every connector so far."""
+        """The clock, with the steps of every session so far."""
         steps, seconds = self._steps_before
-        if self.connector is not None:
-            steps += self.connector.tally.steps
-            seconds += self.connector.tally.step_seconds
+        if self.daemon_session is not None:
+            steps += self.daemon_session.tally.steps
+            seconds += self.daemon_session.tally.step_seconds
         self.clock.steps, self.clock.step_s = steps, seconds
         return self.clock
 
@@ -388,7 +379,7 @@ class CpcacheRadixCache(UnifiedRadixCache):
         return super().protected_size() + self._quarantined.tokens()
 
     def has_pending_cache_operations(self) -> bool:
-        return self.connector is not None and self.connector.busy()
+        return self.daemon_session is not None and self.daemon_session.busy()
 
     def supports_retraction_backup(self) -> bool:
         return False
@@ -404,25 +395,27 @@ class CpcacheRadixCache(UnifiedRadixCache):
     @property
     def token_to_kv_pool_host(self) -> HostPoolView:
         """What SGLang's metrics read of a host tier (`--enable-metrics`)."""
-        resident = len(self.connector.host) if self.connector is not None else 0
+        resident = len(self.daemon_session.host) if self.daemon_session is not None else 0
         return HostPoolView(self.host_pages * self.page_size, resident * self.page_size)
 
     def reset(self) -> None:
         """SGLang's flush_cache: every device page is about to be free. Writes
         no step carried yet are dropped; those a step carried may still be
         copying from their device pages, so they are decided first."""
-        connector = getattr(self, "connector", None)
-        if hasattr(self, "_generation"):
-            # SGLang flushes after a weight update too ("the cache the old
-            # weights produced"): what the host pool and storage hold must not
-            # be matched any more, as SGLang's own HiCache clears its host pool.
-            self._generation += 1
-        if connector is not None:
+        if not self._built:  # the parent's constructor: nothing of cpcache's to flush
+            super().reset()
+            return
+        # SGLang flushes after a weight update too ("the cache the old weights
+        # produced"): what the host pool and storage hold must not be matched
+        # any more, as SGLang's own HiCache clears its host pool.
+        self._generation += 1
+        session = self.daemon_session
+        if session is not None:
             self._host_hits.clear()
-            cancelled = connector.cancel_unsent_writes()
-            in_flight = connector.writes_in_flight()
+            cancelled = session.cancel_unsent_writes()
+            in_flight = session.writes_in_flight()
             try:
-                connector.drain_writes()
+                session.drain_writes()
             except CacheError as exc:
                 self._fall_back(exc)
             log.info("cpcache: rank %d flushed its cache: %d queued writes cancelled, %d in flight decided first",
@@ -437,8 +430,7 @@ class CpcacheRadixCache(UnifiedRadixCache):
                 log.error("cpcache: rank %d flushed while %d device slots of an undecided load were held (the daemon "
                           "could not be attached again): a copy of that session may still land in them",
                           self.rank, self._quarantined.tokens())
-        if hasattr(self, "rank"):  # not the parent constructor's reset()
-            self.log_scheduler_time()
+        self.log_scheduler_time()
         self._release_write_locks()
         # SGLang clears its KV allocator right after this, held slots included:
         # they must not be freed a second time when the daemon is attached again.

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from cpcache.state.intents import CopyToDevice, Decisions, Intent
 from cpcache.state.ledger import Asked, Ledger, LocalProgress, Operation
 from cpcache.state.ops import backup
-from cpcache.state.questions import LOAD_OUTCOME, Outcome
+from cpcache.state.questions import LOAD_OUTCOME, CopyOutcome
 from cpcache.state.requests import LoadRequest
 
 
@@ -26,9 +26,9 @@ class Load(Operation):
         return [(LOAD_OUTCOME, local.load_outcome(self.serial))]
 
     def settle(self, ledger: Ledger, answers: dict[int, int], decisions: Decisions) -> list[Intent]:
-        outcome = answers.get(LOAD_OUTCOME.code, Outcome.PENDING)
-        if outcome != Outcome.PENDING:
-            _end(ledger, self, Outcome(outcome), decisions)
+        outcome = answers.get(LOAD_OUTCOME.code, CopyOutcome.PENDING)
+        if outcome != CopyOutcome.PENDING:
+            _end(ledger, self, CopyOutcome(outcome), decisions)
         return []
 
 
@@ -47,11 +47,11 @@ def open_load(ledger: Ledger, req: LoadRequest) -> list[Intent]:
     return [CopyToDevice(load.serial, req.op_id, tuple(load.slots), req.device_pages)]
 
 
-def _end(ledger: Ledger, load: Load, outcome: Outcome, decisions: Decisions) -> None:
+def _end(ledger: Ledger, load: Load, outcome: CopyOutcome, decisions: Decisions) -> None:
     ledger.close(load, load.request.op_id)
     ledger.index.ref(list(load.request.pages), -1)
     ledger.record("loaded", load.serial, int(outcome))
-    if outcome == Outcome.OK:
+    if outcome == CopyOutcome.OK:
         decisions.loads.append((load.request.op_id, len(load.slots)))
     else:
         decisions.load_failures.append(load.request.op_id)

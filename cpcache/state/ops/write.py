@@ -11,7 +11,7 @@ from cpcache.state.intents import CopyToHost, Decisions, Intent
 from cpcache.state.ledger import Asked, Ledger, LocalProgress, Operation
 from cpcache.state.ops import backup
 from cpcache.state.ops.retirement import make_room
-from cpcache.state.questions import WRITE_OUTCOME, Outcome
+from cpcache.state.questions import WRITE_OUTCOME, CopyOutcome
 from cpcache.state.requests import WriteRequest
 
 
@@ -29,10 +29,10 @@ class Write(Operation):
         return [(WRITE_OUTCOME, local.write_outcome(self.serial))]
 
     def settle(self, ledger: Ledger, answers: dict[int, int], decisions: Decisions) -> list[Intent]:
-        outcome = answers.get(WRITE_OUTCOME.code, Outcome.PENDING)
-        if outcome == Outcome.OK:
+        outcome = answers.get(WRITE_OUTCOME.code, CopyOutcome.PENDING)
+        if outcome == CopyOutcome.OK:
             _ack(ledger, self, decisions)
-        elif outcome == Outcome.FAILED:
+        elif outcome == CopyOutcome.FAILED:
             _fail(ledger, self, decisions)
         return []
 

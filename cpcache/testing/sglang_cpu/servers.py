@@ -298,7 +298,8 @@ class Server:
 
     def start(self) -> Server:
         self.port = self.port or free_port()
-        # The stand-ins first, then what this process imports from (the cpcache under test).
+        # The caller's own PYTHONPATH follows cpu_host/: a source tree put there
+        # (a worktree under test) is the cpcache that SGLang's processes import.
         path = os.pathsep.join(p for p in (str(CPU_HOST), os.environ.get("PYTHONPATH", "")) if p)
         env = {"PYTHONPATH": path, "SGLANG_USE_CPU_ENGINE": "1", **self.env}
         if self.tp > 1:

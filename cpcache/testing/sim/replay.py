@@ -24,8 +24,9 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
-from cpcache.client import AsyncClient, StepResult
+from cpcache.client import AsyncClient, StepResult, Tally
 from cpcache.daemon.launcher import DomainSpec, LocalDomain
 from cpcache.dataplane.pools import DevicePool
 from cpcache.errors import CacheError
@@ -33,7 +34,7 @@ from cpcache.geometry import KVGeometry
 from cpcache.keys import ShardingSpec
 from cpcache.testing.mooncake_master import MooncakeMaster
 from cpcache.testing.sim.breakdown import step_breakdown
-from cpcache.testing.sim.scheduler import SimScheduler, Tally
+from cpcache.testing.sim.scheduler import SimScheduler, Workload
 from cpcache.testing.sim.trace import PageHasher, Request, ceiling_hit_rate, load
 from cpcache.testing.stats import percentiles_us
 from cpcache.topology import Topology
@@ -144,20 +145,27 @@ class _Domain:
         return [*((life, i in self.outage_lives) for i, life in enumerate(self.past)), (self.schedulers, False)]
 
     @property
-    def tally(self) -> Tally:
-        # Every rank of a domain sees the same requests and replies: rank 0's tally is the domain's.
-        return merged([self.schedulers[0].tally, *(life[0].tally for life in self.past)])
+    def workload(self) -> Workload:
+        # Every rank of a domain sees the same requests and replies: rank 0's counts are the domain's.
+        return merged([self.schedulers[0].workload, *(life[0].workload for life in self.past)])
+
+    @property
+    def cache(self) -> Tally:
+        return merged([self.schedulers[0].session.tally, *(life[0].session.tally for life in self.past)])
 
     @property
     def every_scheduler(self) -> list[SimScheduler]:
         return [*self.schedulers, *(s for life in self.past for s in life)]
 
 
-def merged(tallies: list[Tally]) -> Tally:
-    out = Tally()
-    for t in tallies:
-        for name in Tally.__dataclass_fields__:
-            setattr(out, name, getattr(out, name) + getattr(t, name))
+Counts = TypeVar("Counts", Workload, Tally)
+
+
+def merged(counts: list[Counts]) -> Counts:
+    out = type(counts[0])()
+    for c in counts:
+        for name in out.__dataclass_fields__:
+            setattr(out, name, getattr(out, name) + getattr(c, name))
     return out
 
 
@@ -175,11 +183,11 @@ async def _drive(cfg: ReplayConfig, domain: LocalDomain, requests: list[Request]
     hit_series: list[float] = []
     steps = 0
     started = time.monotonic()
-    halfway: Tally | None = None
+    halfway: Workload | None = None
     restart: dict = {"kind": cfg.restart}
 
-    def total_tally() -> Tally:
-        return merged([d.tally for d in domains])
+    def total_tally() -> Workload:
+        return merged([d.workload for d in domains])
 
     async def restart_schedulers(life: int) -> list[Request]:
         """Every scheduler process dies and starts again: new clients, new
@@ -241,7 +249,7 @@ async def _drive(cfg: ReplayConfig, domain: LocalDomain, requests: list[Request]
         if progress and (i % max(1, len(batches) // 20) == 0 or i == len(batches) - 1):
             progress(summary())
     for _ in range(cfg.drain_steps):
-        if not any(s.active or s.pending.loads or s.pending.writes for s in schedulers):
+        if not any(s.active or s.session.has_unsent() for s in schedulers):
             break
         await one_step([])
     for _ in range(max(3, cfg.lag + 2)):  # let the last writes be acknowledged
@@ -257,7 +265,7 @@ async def _drive(cfg: ReplayConfig, domain: LocalDomain, requests: list[Request]
 
     per_domain = []
     for d in domains:
-        tally = d.tally
+        tally, cache = d.workload, d.cache
         per_domain.append({
             "domain": d.index,
             "dp": d.dp,
@@ -266,21 +274,22 @@ async def _drive(cfg: ReplayConfig, domain: LocalDomain, requests: list[Request]
             "decisions": stats[d.ranks[0]].get("decisions", 0),
             "divergences": d.divergences,
             # Only a life that ended in a lost daemon may lack replies (see `agreeing_logs`).
-            "identical_decision_logs": all(agreeing_logs([s.log for s in life], cfg.lag if outage else 0)[0]
+            "identical_decision_logs": all(agreeing_logs([s.log.entries for s in life],
+                                                         cfg.lag if outage else 0)[0]
                                            for life, outage in d.lives()),
-            "replies_lost_with_a_daemon": sum(agreeing_logs([s.log for s in life], cfg.lag)[1]
+            "replies_lost_with_a_daemon": sum(agreeing_logs([s.log.entries for s in life], cfg.lag)[1]
                                               for life, outage in d.lives() if outage),
-            "corrupt_loads": sum(s.tally.corrupt_loads for s in d.every_scheduler),
-            "loaded_pages": sum(s.tally.loaded_pages for s in d.every_scheduler),
+            "corrupt_loads": sum(s.workload.corrupt_loads for s in d.every_scheduler),
+            "loaded_pages": sum(s.workload.loaded_pages for s in d.every_scheduler),
             "hit_rate": {k: round(v, 4) for k, v in tally.hit_rates().items()},
             # An infinite cache that saw only this domain's requests. Storage is
             # shared by every domain, so a domain may beat it with pages another wrote.
             "hit_rate_ceiling": round(ceiling_hit_rate(d.requests, GEOMETRY.page_size), 4),
-            "prefetches": tally.prefetches,
-            "prefetch_revoked": tally.prefetch_revoked,
+            "prefetches": cache.prefetches,
+            "prefetch_revoked": cache.prefetch_revoked,
             "pages_moved": moved(d.ranks[0]),
         })
-    tally = total_tally()
+    tally, cache = total_tally(), merged([d.cache for d in domains])
     return {
         "ranks": topology.world_size,
         "topology": topology.describe(),
@@ -299,8 +308,8 @@ async def _drive(cfg: ReplayConfig, domain: LocalDomain, requests: list[Request]
         "hit_rate": {k: round(v, 4) for k, v in tally.hit_rates().items()},
         # An infinite cache shared by every domain (one storage tier is).
         "hit_rate_ceiling": round(ceiling_hit_rate(requests, GEOMETRY.page_size), 4),
-        "prefetches": tally.prefetches,
-        "prefetch_revoked": tally.prefetch_revoked,
+        "prefetches": cache.prefetches,
+        "prefetch_revoked": cache.prefetch_revoked,
         "pages_moved_rank0": moved(0),
         "epoch": statuses[0].epoch,
         "halves": _halves(halfway, tally),
@@ -390,12 +399,12 @@ def _mean_ms(seconds: list[float]) -> float:
     return round(1000 * sum(seconds) / len(seconds), 3) if seconds else 0.0
 
 
-def _halves(halfway: Tally | None, total: Tally) -> dict:
+def _halves(halfway: Workload | None, total: Workload) -> dict:
     """Hit rates before and after the split point (the restart, if any)."""
     if halfway is None:
         return {}
-    second = Tally()
-    for name in Tally.__dataclass_fields__:
+    second = Workload()
+    for name in Workload.__dataclass_fields__:
         setattr(second, name, getattr(total, name) - getattr(halfway, name))
     return {"first": {k: round(v, 4) for k, v in halfway.hit_rates().items()},
             "second": {k: round(v, 4) for k, v in second.hit_rates().items()}}

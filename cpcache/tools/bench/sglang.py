@@ -2,7 +2,7 @@
 
 Real SGLang servers on this machine (`python -m sglang.launch_server`, the
 SGLang suite's tiny random Llama, tp 2, SGLang's CPU path; see
-cpcache/tools/sglang_cpu), all started at once and kept up for the whole run:
+cpcache/testing/sglang_cpu), all started at once and kept up for the whole run:
 
 - `radix`: SGLang's plain radix cache;
 - `hicache`: SGLang's own HiCache, host memory tier (twice the device pool);
@@ -39,7 +39,6 @@ import argparse
 import json
 import os
 import random
-import re
 import shutil
 import statistics
 import sys
@@ -52,6 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cpcache.testing.stats import block_summary
+from cpcache.tools.bench.sglang_backend import BACKEND_NOTE, backend_delta, backend_lines, backend_summary
 
 SERVERS = ("radix", "hicache", "cpcache")
 TP = 2
@@ -64,10 +64,6 @@ VOCAB = 500  # the tiny model's vocabulary is 512
 TARGETS = {"tpot_cpcache_over_hicache": 1.0, "tpot_cpcache_over_radix": 1.10}
 MODE = ("all servers up at once; during each block only the measured server runs, the others paused "
         "(SIGSTOP), since an idle SGLang server's loops spin; the servers' order rotates every block")
-BACKEND_LINE = re.compile(
-    r"cpcache: rank (?P<rank>\d+) backend: (?P<iterations>\d+) iterations, mean [\d.]+ us per iteration on the "
-    r"scheduler thread \(hook (?P<hook_s>[\d.]+) s, other calls (?P<calls_s>[\d.]+) s\), (?P<steps>\d+) steps, "
-    r"(?P<step_s>[\d.]+) s in steps")
 
 
 # -- pure parts: streamed chunks, the backend's lines, ratios ---------------------------------------------------
@@ -121,26 +117,6 @@ class Stream:
             return None
         (t0, n0), (t1, n1) = self.arrivals[0], self.arrivals[-1]
         return (t1 - t0) / (n1 - n0)
-
-
-def backend_lines(lines: Iterable[str]) -> dict[int, dict]:
-    """The last backend line of every rank among `lines`: rank -> figures."""
-    out: dict[int, dict] = {}
-    for line in lines:
-        m = BACKEND_LINE.search(line)
-        if m:
-            out[int(m["rank"])] = {"iterations": int(m["iterations"]), "hook_s": float(m["hook_s"]),
-                                   "calls_s": float(m["calls_s"]), "steps": int(m["steps"]),
-                                   "step_s": float(m["step_s"])}
-    return out
-
-
-def backend_delta(before: dict, after: dict) -> dict:
-    """One rank's backend figures between two of its lines."""
-    d = {k: after[k] - before[k] for k in ("iterations", "hook_s", "calls_s", "steps", "step_s")}
-    d["total_s"] = d["hook_s"] + d["calls_s"]
-    d["us_per_iteration"] = d["total_s"] / d["iterations"] * 1e6 if d["iterations"] else 0.0
-    return d
 
 
 def block_ratios(blocks: list[dict[str, dict]], figure: str, num: str, den: str) -> dict:
@@ -345,20 +321,7 @@ def summarize(blocks: list[dict[str, dict]], mismatches: int, workload: Workload
         "cpu_per_token_cpcache_over_hicache": block_ratios(blocks, "cpu_ms_per_token", "cpcache", "hicache"),
     }
     decode_iterations = workload.waves * (workload.new_tokens - 1)
-    backend: dict = {}
-    for rank in sorted(blocks[0]["cpcache"].get("backend", {})):
-        per = [b["cpcache"]["backend"][rank] for b in blocks]
-        backend[f"rank_{rank}"] = {
-            "us_per_iteration": block_summary([p["us_per_iteration"] for p in per], digits=2),
-            "iterations": block_summary([p["iterations"] for p in per], digits=0),
-            "ms_per_block": block_summary([p["total_s"] * 1e3 for p in per], digits=3),
-            "us_per_decode_iteration": block_summary([p["total_s"] / decode_iterations * 1e6 for p in per],
-                                                     digits=2),
-            "share_of_block": block_summary([p["total_s"] / b["cpcache"]["seconds"] for p, b in zip(per, blocks)],
-                                            digits=5),
-            "steps": block_summary([p["steps"] for p in per], digits=0),
-            "ms_in_steps_per_block": block_summary([p["step_s"] * 1e3 for p in per], digits=3),
-        }
+    backend = {f"rank_{rank}": figures for rank, figures in backend_summary(blocks, decode_iterations).items()}
     return {
         "bench": "sglang", "mode": MODE, "servers_measured": list(SERVERS),
         "setup": {"tp": TP, "model": "tiny random Llama (2 layers, hidden 64, vocab 512), float32, SGLang's CPU path",
@@ -370,10 +333,7 @@ def summarize(blocks: list[dict[str, dict]], mismatches: int, workload: Workload
                      "blocks": len(blocks)},
         "servers": servers, "ratios": ratios, "targets": target_rows(ratios),
         "backend": backend,
-        "backend_note": ("the cpcache backend's own time on each rank's scheduler thread between /flush_cache calls "
-                         "around a block: us_per_iteration over every scheduler loop (idle ones included), "
-                         f"us_per_decode_iteration over the block's {decode_iterations} decode iterations "
-                         "(waves x (new tokens - 1)), share_of_block of the block's wall time"),
+        "backend_note": BACKEND_NOTE.format(decode_iterations=decode_iterations),
         "output_mismatches": mismatches,
         "blocks": blocks, "start_s": round(start_s, 1), "wall_s": round(wall_s, 1), "load_average": load,
     }
@@ -400,6 +360,12 @@ def table(report: dict) -> list[str]:
                    f"{b['us_per_decode_iteration']['median']:.1f} us per decode iteration, "
                    f"{b['ms_per_block']['median']:.2f} ms per block ({100 * b['share_of_block']['median']:.3f}% "
                    f"of it), {b['steps']['median']:.0f} steps")
+        out.append(f"backend {rank}: idle iterations {b['idle_iterations']['median']:.0f} per block, "
+                   f"{b['us_per_idle_iteration']['median']:.2f} us each (p90 over blocks "
+                   f"{b['us_per_idle_iteration']['p90']:.2f}); iterations with a step "
+                   f"{b['stepping_iterations']['median']:.0f} per block, "
+                   f"{b['us_per_stepping_iteration']['median']:.1f} us each "
+                   f"(p90 {b['us_per_stepping_iteration']['p90']:.1f})")
     out.append(f"outputs unlike radix's: {report['output_mismatches']}; load average {report['load_average']}")
     return out
 

@@ -21,8 +21,8 @@ from cpcache.config import CacheConfig
 from cpcache.keys import ShardingSpec
 from cpcache.state.allocator import PageAllocator
 from cpcache.state.machine import CacheState
-from cpcache.state.questions import BackupOutcome, Outcome
-from cpcache.state.requests import LoadRequest, StepOps, WriteRequest
+from cpcache.state.questions import BackupOutcome, CopyOutcome
+from cpcache.state.requests import CacheRequests, LoadRequest, WriteRequest
 
 HOST_PAGES = 4096  # the demo's host pool
 DEVICE_PAGES = 2048
@@ -46,11 +46,11 @@ class _AllDone:
     def elapsed_s(self, serial: int) -> float:
         return 0.0
 
-    def write_outcome(self, serial: int) -> Outcome:
-        return Outcome.OK
+    def write_outcome(self, serial: int) -> CopyOutcome:
+        return CopyOutcome.OK
 
-    def load_outcome(self, serial: int) -> Outcome:
-        return Outcome.OK
+    def load_outcome(self, serial: int) -> CopyOutcome:
+        return CopyOutcome.OK
 
     def backup_outcome(self, serial: int) -> BackupOutcome:
         return BackupOutcome.STORED
@@ -74,7 +74,7 @@ class Driver:
         self.chains: list[list[bytes]] = []
         self.number = 0
 
-    def ops(self) -> StepOps:
+    def requests(self) -> CacheRequests:
         writes = []
         for _ in range(WRITES_PER_STEP):
             self.op += 1
@@ -88,20 +88,20 @@ class Driver:
             if self.state.match(chain) == len(chain):
                 self.op += 1
                 loads.append(LoadRequest(self.op, tuple(chain), tuple(range(LOAD_PAGES))))
-        return StepOps(writes=tuple(writes), loads=tuple(loads))
+        return CacheRequests(writes=tuple(writes), loads=tuple(loads))
 
     def step(self) -> tuple[float, float]:
         """One step: its round (one rank: the MIN is its own vector), then
         open and apply as the stepper does. -> CPU seconds (open, apply)."""
         self.number += 1
-        ops = self.ops()
-        self.state.check(ops)
+        requests = self.requests()
+        self.state.check(requests)
         questions, labels = self.state.questions(self.io)
         round_input = RoundInput.pack(self.number, questions, self.state.digest, 0, labels)
         vector, self.capacity = round_input.reduce(lambda v: None, self.capacity)
         result = round_input.settle(vector)
         started = time.thread_time()
-        self.state.open(self.number, ops)
+        self.state.open(self.number, requests)
         opened = time.thread_time()
         self.state.apply(result)
         self.state.index.take_changes()

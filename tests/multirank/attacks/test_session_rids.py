@@ -1,11 +1,10 @@
-"""Attack: HiCacheSession with a request id used twice (a client-chosen rid, or a request
+"""Attack: the scheduler-side session with a request id used twice (a client-chosen rid, or a request
 prefetched again after a retraction)."""
 import asyncio
 
 import pytest
 
-from cpcache.client import Client
-from cpcache.client.session import HiCacheSession
+from cpcache.client import Client, SchedulerSession
 from cpcache.daemon.launcher import LocalDomain
 
 from .common import PAGE_HASHES, PAGES, attach_all, close_all, make, spec, step_all, write_through
@@ -28,20 +27,20 @@ async def test_a_second_prefetch_under_the_same_rid_is_run_and_ended_not_answere
             replies = await step_all(s, step)
             if replies[0].backups:
                 break
-        sessions = [HiCacheSession(Client(sock), first_step=step + 1) for sock in domain.sockets]
+        sessions = [SchedulerSession(Client(sock), first_step=step + 1) for sock in domain.sockets]
 
         def run(session, program):
             out = []
             for rid, pages in program:
-                session.prefetch_from_storage(rid, pages, len(pages) * 4)
+                session.prefetch(pages, len(pages) * 4, rid=rid)
                 for _ in range(200):
-                    if session.check_prefetch_progress(rid):
+                    if session.prefetch_ended(rid):
                         break
                     session.flush()
                 out.append(session.prefetched_pages(rid))
             for _ in range(5):
                 session.flush()
-            return out, session.open_prefetches()
+            return out, len(session.open_prefetches())
 
         # rid "x" prefetches 2 pages (already resident in host: hits), then again 6 other pages.
         other = [bytes([5]) * 31 + bytes([i]) for i in range(PAGES)]

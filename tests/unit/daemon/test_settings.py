@@ -20,6 +20,7 @@ def test_precedence_flag_over_env_over_file(tmp_path):
 def test_flags_round_trip():
     resolved = resolve(["--rank", "3", "--tp", "4", "--cp", "2", "--host-store", "--fault-delay-ms", "2.5"], {})
     assert resolve(as_flags(resolved), {}) == resolved
+    assert resolved.faults.delay_ms == 2.5  # the fault_* settings make up the config's `faults`
 
 
 @pytest.mark.parametrize(
@@ -33,6 +34,7 @@ def test_flags_round_trip():
         (["--rank", "0", "--rendezvous", "nowhere"], {}, "setting rendezvous: must be host:port"),
         (["--rank", "4", "--tp", "4"], {}, "rank 4 is outside the world of 4 ranks"),
         (["--rank", "0", "--write-policy", "write_back"], {}, "setting write_policy: write_back needs storage"),
+        (["--rank", "0", "--fault-copy-fail-rate", "2"], {}, "setting fault_copy_fail_rate: must be between 0 and 1"),
     ],
 )
 def test_bad_settings_are_named(argv, env, words):

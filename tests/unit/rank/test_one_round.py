@@ -18,14 +18,14 @@ from cpcache.rank.runtime import CacheRuntime
 from cpcache.rank.stepper import Stepper
 from cpcache.state.allocator import PageAllocator
 from cpcache.state.machine import CacheState
-from cpcache.state.requests import StepOps, WriteRequest
+from cpcache.state.requests import CacheRequests, WriteRequest
 from tests.replicas.harness import Domain
 from tests.support.fakes import FakeIO, IOPlan, OneRankEngine
 
 HARNESS = Path(__file__).resolve().parents[2] / "replicas" / "harness.py"
 # What applying a round does to the state: only `apply_round` may call these.
 ROUND_STEPS = {"open", "open_each", "apply", "questions", "take_changes", "take_closed", "forget"}
-A_WRITE = StepOps(writes=(WriteRequest(1, (b"\x01" * 32,), (0,)),))
+A_WRITE = CacheRequests(writes=(WriteRequest(1, (b"\x01" * 32,), (0,)),))
 
 
 @pytest.fixture
@@ -45,7 +45,7 @@ def rounds(monkeypatch) -> list[int]:
 def test_the_harness_applies_rounds_through_the_ranks_apply_round(rounds):
     domain = Domain([IOPlan(max_delay=0), IOPlan(max_delay=0)], CacheConfig())
     domain.step(A_WRITE)
-    domain.step(StepOps())
+    domain.step(CacheRequests())
     assert rounds == [1, 1, 2, 2]  # each round once per replica
     assert domain.lead.by_op_id == {}  # the write opened and was acknowledged, through it
 
@@ -54,9 +54,9 @@ def test_the_stepper_applies_rounds_through_the_same_apply_round(rounds):
     async def two_steps() -> None:
         stepper = Stepper(OneRankEngine())  # type: ignore[arg-type]
         state = CacheState(CacheConfig(), PageAllocator(4), ShardingSpec(), 16, 64)
-        stepper.cache = CacheRuntime(state, FakeIO(IOPlan(max_delay=0)))  # type: ignore[arg-type]
+        stepper.runtime = CacheRuntime(state, FakeIO(IOPlan(max_delay=0)))  # type: ignore[arg-type]
         await stepper.step(1, Questions.empty(), A_WRITE)
-        await stepper.step(2, Questions.empty(), StepOps())
+        await stepper.step(2, Questions.empty(), CacheRequests())
 
     asyncio.run(two_steps())
     assert rounds == [1, 2]

@@ -15,7 +15,7 @@ from cpcache.rank.stepper import Stepper
 from cpcache.state.allocator import PageAllocator
 from cpcache.state.intents import CopyToHost
 from cpcache.state.machine import CacheState
-from cpcache.state.requests import LoadRequest, StepOps, WriteRequest
+from cpcache.state.requests import CacheRequests, LoadRequest, WriteRequest
 from tests.support.fakes import FakeIO, IOPlan, OneRankEngine
 
 
@@ -37,7 +37,7 @@ async def _a_write_whose_round_fails_to_apply(lag: int) -> tuple[RecordingIO, li
     stepper = Stepper(OneRankEngine(), agreement_lag=lag)  # type: ignore[arg-type]
     state = CacheState(CacheConfig(), PageAllocator(8), ShardingSpec(), 16, 64)
     io = RecordingIO()
-    stepper.cache = CacheRuntime(state, io)  # type: ignore[arg-type]
+    stepper.runtime = CacheRuntime(state, io)  # type: ignore[arg-type]
     apply = state.apply
 
     def failing_apply(result):
@@ -48,9 +48,9 @@ async def _a_write_whose_round_fails_to_apply(lag: int) -> tuple[RecordingIO, li
     state.apply = failing_apply  # type: ignore[method-assign]
     acks = []
     for step in range(1, 5 + lag):
-        ops = StepOps(writes=(WriteRequest(5, (page(1),), (0,)),)) if step == 1 else StepOps()
+        requests = CacheRequests(writes=(WriteRequest(5, (page(1),), (0,)),)) if step == 1 else CacheRequests()
         try:
-            acks += (await stepper.step(step, Questions.empty(), ops)).cache.write_acks
+            acks += (await stepper.step(step, Questions.empty(), requests)).decided.write_acks
         except CacheError:
             pass  # round 1's own answer: the internal error
         io.tick()
@@ -61,7 +61,7 @@ def test_what_a_step_opened_starts_its_io_even_when_applying_the_round_fails():
     for lag in (0, 1):
         io, acks, state = asyncio.run(_a_write_whose_round_fails_to_apply(lag))
         assert [i.serial for i in io.started if isinstance(i, CopyToHost)] == [1], lag
-        assert acks == [5] and not state.ops, lag  # acknowledged, nothing left open
+        assert acks == [5] and not state.open_ops, lag  # acknowledged, nothing left open
 
 
 def test_opening_one_by_one_keeps_the_whole_steps_pages():
@@ -74,10 +74,10 @@ def test_opening_one_by_one_keeps_the_whole_steps_pages():
         found = WriteRequest(10, (page(1), page(2)), (0, 1))  # page 1 is resident: kept
         room = WriteRequest(11, (page(3), page(4), page(5)), (2, 3, 4))  # needs 3 of the 3 free slots
         loads = (LoadRequest(12, (page(9),), (5,)),) if stale_load else ()
-        ops = StepOps(writes=(found, room), loads=loads)
+        requests = CacheRequests(writes=(found, room), loads=loads)
         try:
-            _, decided = state.open(5, ops)
+            _, decided = state.open(5, requests)
         except CacheError:
-            _, decided = state.open_each(5, ops)
+            _, decided = state.open_each(5, requests)
         outcomes.append((page(1) in state.index, decided.write_failures))
     assert outcomes[0] == outcomes[1] == (True, [11])

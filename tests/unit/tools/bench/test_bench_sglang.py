@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from cpcache.integrations.sglang.connector import SchedulerTime
+from cpcache.integrations.sglang.timing import SchedulerTime
 from cpcache.tools.bench import sglang
 from cpcache.tools.bench.sglang import (
     SERVERS,
@@ -67,11 +67,28 @@ def test_the_backends_line_is_read_back_and_two_lines_give_a_block():
     log.insert(1, "[TP0] Decode batch, #running-req: 4\n")
     read = backend_lines(log)
     assert sorted(read) == [0, 1]
-    assert read[0] == {"iterations": 160, "hook_s": 0.04, "calls_s": 0.005, "steps": 9, "step_s": 0.033}
+    assert read[0] == {"iterations": 160, "hook_s": 0.04, "calls_s": 0.005, "steps": 9, "step_s": 0.033,
+                       "idle": 0, "idle_s": 0.0}
     d = backend_delta(backend_lines(log[:3])[0], read[0])
     assert d["iterations"] == 60 and d["steps"] == 6
     assert d["total_s"] == pytest.approx(0.033)
     assert d["us_per_iteration"] == pytest.approx(0.033 / 60 * 1e6)
+
+
+def test_idle_iterations_are_counted_and_timed_apart_from_those_that_step():
+    clock = SchedulerTime()
+    for seconds, idle in [(4e-6, True), (900e-6, False), (6e-6, True), (5e-6, True), (1100e-6, False)]:
+        clock.tick(seconds, idle)
+    assert (clock.iterations, clock.idle) == (5, 3)
+    (read,) = backend_lines([clock.line(0)]).values()
+    assert read["idle"] == 3 and read["idle_s"] == pytest.approx(15e-6, abs=1e-6)
+    d = backend_delta({k: 0 for k in read}, read)
+    assert d["stepping"] == 2
+    assert d["us_per_idle_iteration"] == pytest.approx(5.0, abs=0.4)
+    assert d["us_per_stepping_iteration"] == pytest.approx(1000.0, abs=1.0)
+    old_line = ("cpcache: rank 1 backend: 10 iterations, mean 1.000 us per iteration on the scheduler thread "
+                "(hook 0.000010 s, other calls 0.000000 s), 0 steps, 0.000000 s in steps")
+    assert backend_lines([old_line])[1]["idle"] == 0  # a backend that counts none apart
 
 
 def fake_blocks() -> list[dict[str, dict]]:
@@ -82,8 +99,10 @@ def fake_blocks() -> list[dict[str, dict]]:
                  for name, t in zip(SERVERS, (radix, hicache, cpcache))}
         block["cpcache"]["daemon_cpu_ms_per_token"] = 0.5
         block["cpcache"]["backend"] = {
-            r: backend_delta({"iterations": 0, "hook_s": 0.0, "calls_s": 0.0, "steps": 0, "step_s": 0.0},
-                             {"iterations": 70, "hook_s": 0.1, "calls_s": 0.01, "steps": 9, "step_s": 0.1})
+            r: backend_delta({"iterations": 0, "hook_s": 0.0, "calls_s": 0.0, "steps": 0, "step_s": 0.0, "idle": 0,
+                              "idle_s": 0.0},
+                             {"iterations": 70, "hook_s": 0.1, "calls_s": 0.01, "steps": 9, "step_s": 0.1,
+                              "idle": 60, "idle_s": 0.0003})
             for r in (0, 1)}
         blocks.append(block)
     return blocks
@@ -112,6 +131,11 @@ def test_the_report_has_every_server_ratio_target_and_the_backends_time():
     rank0 = report["backend"]["rank_0"]
     assert rank0["us_per_iteration"]["median"] == pytest.approx(0.11 / 70 * 1e6, abs=0.01)
     assert rank0["us_per_decode_iteration"]["median"] == pytest.approx(0.11 / 62 * 1e6, abs=0.01)
+    assert rank0["idle_iterations"]["median"] == 60 and rank0["stepping_iterations"]["median"] == 10
+    idle = rank0["us_per_idle_iteration"]
+    assert idle["median"] == pytest.approx(5.0) and idle["p90"] == 5.0
+    assert rank0["us_per_stepping_iteration"]["median"] == pytest.approx(0.0997 / 10 * 1e6)
+    assert any("idle iterations 60 per block, 5.00 us each" in line for line in table(report))
     assert report["workload"]["blocks"] == 3 and "paused" in report["mode"]
     assert any("NOT met" not in line and "tpot_cpcache_over_radix" in line for line in table(report))
 

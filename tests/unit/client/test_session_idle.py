@@ -1,0 +1,165 @@
+"""The SGLang backend's per-iteration hook (`SchedulerSession.iterate`) when the
+iteration has nothing to say: no cache operation made since the last step
+and nothing open that a round must decide. Such an iteration sends no Step
+(no RPC, no round), and whether an iteration sends one depends only on what
+every rank's scheduler has alike (its own calls and the agreed replies),
+never on local timing: so the number of rounds stays a function of the
+scheduler's iterations (DESIGN.md, section 2, rule 2).
+
+The daemon here is a deterministic model of one: every rank's model gets the
+same steps and so answers them alike, as agreed replies are alike."""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from collections.abc import Callable
+
+import pytest
+
+from cpcache.client import session as session_module
+from cpcache.client.messages import Ops, StepResult
+from cpcache.client.session import SchedulerSession
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class ModelDaemon:
+    """Answers steps as an agreed domain would, from the steps alone: a write
+    is acked (or failed, one in seven) in the round after the step that
+    carried it, a prefetch ends two rounds after its step (revoked at once
+    when asked), a load is decided in its own step's round. `work` and
+    `ready` are this rank's own timing: CPU burnt before a reply is handed
+    over, and whether it reads as arrived before that."""
+
+    def __init__(self, work: Callable[[], None] = lambda: None, ready: bool = True) -> None:
+        self.work = work
+        self.ready = ready  # whether a reply reads as arrived before it is waited for
+        self.steps: list[int] = []
+        self._writes: dict[int, tuple[int, tuple[bytes, ...]]] = {}  # op -> (round it is decided in, pages)
+        self._prefetches: dict[int, int] = {}  # op -> round it ends in
+
+    def step_later(self, step: int, votes: object = (), ops: Ops | None = None) -> Callable[[], StepResult]:
+        ops = ops or Ops()
+        self.steps.append(step)
+        for op, pages, _device, _parent in ops.writes:
+            self._writes[op] = (step + 1, tuple(pages))
+        for op, *_ in ops.prefetches:
+            self._prefetches[op] = step + 2
+        acks = tuple(op for op, (at, _) in self._writes.items() if at == step and op % 7)
+        failures = tuple(op for op, (at, _) in self._writes.items() if at == step and not op % 7)
+        entered = tuple(page for op in acks for page in self._writes[op][1])
+        for op in acks + failures:
+            del self._writes[op]
+        revoked = {op: "revoked" for op in ops.revokes if self._prefetches.pop(op, None) is not None}
+        done = {op: 1 for op, at in self._prefetches.items() if at == step}
+        for op in done:
+            del self._prefetches[op]
+        reply = StepResult(step=step, round=step, decisions={}, digest=step, wire=b"", write_acks=acks,
+                           write_failures=failures, prefetch_done=done, prefetch_revoked=revoked,
+                           loads={op: len(pages) for op, pages, _device in ops.loads}, host_entered=entered)
+
+        return _Waiting(reply, self.work, ready=self.ready)
+
+
+class _Waiting:
+    """What waits for a step's reply, with a future's `done()`: a backend that
+    asked it (local timing) would decide differently on a rank whose reply
+    is late."""
+
+    def __init__(self, reply: StepResult, work: Callable[[], None], ready: bool) -> None:
+        self._reply, self._work, self._ready = reply, work, ready
+
+    def done(self) -> bool:
+        return self._ready
+
+    def __call__(self) -> StepResult:
+        self._work()
+        self._ready = True
+        return self._reply
+
+
+def session_over(daemon: ModelDaemon) -> SchedulerSession:
+    return SchedulerSession(daemon, first_step=1)  # type: ignore[arg-type]  # the model answers the calls used
+
+
+def test_an_idle_iteration_sends_no_step():
+    daemon = ModelDaemon()
+    c = session_over(daemon)
+    assert not any(c.iterate() for _ in range(100))  # each says it called nothing
+    assert daemon.steps == [] and not c.in_flight()
+
+    decided: list[bool] = []
+    c.write_through([b"p1", b"p2"], [3, 4], None, done=decided.append)
+    assert c.iterate()  # sends the write
+    assert c.iterate()  # takes its step's reply; the write is still open: one more step decides it
+    assert c.iterate()  # takes the reply that acks it; nothing open, nothing sent
+    assert daemon.steps == [1, 2] and decided == [True] and not c.busy()
+    assert not any(c.iterate() for _ in range(100))
+    assert daemon.steps == [1, 2]
+    assert c.match([b"p1", b"p2", b"p3"]) == 2  # the mirror followed the agreed reply
+
+
+def test_an_idle_iteration_makes_no_call_and_costs_microseconds():
+    class NoCalls:
+        def __getattr__(self, name: str) -> object:
+            raise AssertionError(f"an idle iteration called the daemon ({name})")
+
+    c = SchedulerSession(NoCalls(), first_step=1)  # type: ignore[arg-type]
+    durations = []
+    for _ in range(2000):
+        started = time.perf_counter()
+        c.iterate()
+        durations.append(time.perf_counter() - started)
+    # A few microseconds here; the bound leaves room for a loaded machine.
+    assert statistics.median(durations) < 50e-6
+
+
+def drive(c: SchedulerSession, daemon: ModelDaemon, seed: int, iterations: int = 400) -> list[tuple[int, bool]]:
+    """The scheduler's calls of one run, chosen by `seed` (every rank's
+    scheduler makes the same): -> per iteration, (steps sent so far, whether
+    this iteration's hook sent one, whether it called the daemon at all)."""
+    rng = random.Random(seed)
+    open_rids: list[str] = []
+    out = []
+    for i in range(iterations):
+        roll = rng.random()
+        if roll < 0.04:
+            c.write_through([bytes([i % 256, 1])], [i % 64], None, done=lambda acked: None)
+        elif roll < 0.06:
+            rid = f"r{i}"
+            c.prefetch([bytes([i % 256, 2])], 16, None, rid=rid)
+            open_rids.append(rid)
+        elif roll < 0.08 and open_rids:
+            c.prefetch_ended(rng.choice(open_rids))
+        elif roll < 0.09 and open_rids:
+            c.release(open_rids.pop(0))
+        elif roll < 0.10:
+            c.load_now([], [])  # a load waits for its own step
+        before = len(daemon.steps)
+        called = c.iterate()
+        out.append((before, len(daemon.steps) > before, called))
+    return out
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_the_skip_decision_is_the_same_on_every_rank_whatever_the_local_timing(monkeypatch, seed):
+    clocks = {"fast": iter(range(10**9)), "slow": iter(range(0, 10**12, 10**5))}  # microseconds per read
+    which = ["fast"]
+    monkeypatch.setattr(session_module.time, "perf_counter", lambda: next(clocks[which[0]]) * 1e-6)
+    monkeypatch.setattr(session_module.time, "monotonic", lambda: next(clocks[which[0]]) * 1e-9)
+    work = random.Random(seed)
+    prompt = ModelDaemon()
+    # Replies handed over late and unevenly, never arrived before they are waited for.
+    late = ModelDaemon(work=lambda: sum(range(work.randrange(1, 20_000))), ready=False)
+    runs = {}
+    for name, daemon in (("fast", prompt), ("slow", late)):
+        which[0] = name
+        c = session_over(daemon)
+        runs[name] = drive(c, daemon, seed)
+    assert runs["fast"] == runs["slow"]
+    assert prompt.steps == late.steps
+    sent = sum(s for _, s, _ in runs["fast"])
+    quiet = sum(not called for _, _, called in runs["fast"])
+    assert 0 < sent and quiet > len(runs["fast"]) // 2  # some iterations stepped, most had nothing to say
