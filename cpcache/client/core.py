@@ -33,8 +33,7 @@ from cpcache.v1 import daemon_pb2_grpc as pb_grpc
 from cpcache.values import MAX_MESSAGE_BYTES, Reduce
 
 if TYPE_CHECKING:
-    from cpcache.dataplane.regions import Region
-    from cpcache.geometry import KVGeometry
+    from cpcache.geometry import KVGeometry, Region
 
 T = TypeVar("T")
 

@@ -13,8 +13,7 @@ from cpcache.v1 import daemon_pb2 as pb
 from cpcache.values import Reduce
 
 if TYPE_CHECKING:
-    from cpcache.dataplane.regions import Region
-    from cpcache.geometry import KVGeometry
+    from cpcache.geometry import KVGeometry, Region
 
 _REDUCE_TO_WIRE = {Reduce.MIN: pb.REDUCE_MIN, Reduce.MAX: pb.REDUCE_MAX}
 

@@ -35,9 +35,8 @@ from cpcache.daemon.servicer import CacheDaemonServicer
 from cpcache.daemon.systemd import Notifier, extend_timeout_while
 from cpcache.daemon.wire import DaemonStatus
 from cpcache.dataplane.pools import DevicePool
-from cpcache.dataplane.regions import Region
 from cpcache.errors import CacheError, Unavailable
-from cpcache.geometry import KVGeometry
+from cpcache.geometry import KVGeometry, Region
 from cpcache.rank.attach import Attached
 from cpcache.rank.epochs import Standing
 from cpcache.rank.rank import Rank

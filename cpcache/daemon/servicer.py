@@ -27,9 +27,8 @@ from cpcache.daemon.wire import (
     step_reply,
     votes_from_wire,
 )
-from cpcache.dataplane.regions import Region
 from cpcache.errors import CacheError, InvalidArgument, PermissionDenied
-from cpcache.geometry import KVGeometry
+from cpcache.geometry import KVGeometry, Region
 from cpcache.rank.attach import Attached
 from cpcache.rank.rank import Rank
 from cpcache.state.requests import CacheRequests

@@ -11,8 +11,8 @@ from typing import Any
 from google.protobuf.message import Message
 
 from cpcache.agreement.rounds import Questions
-from cpcache.dataplane.regions import Region
 from cpcache.errors import InvalidArgument
+from cpcache.geometry import Region
 from cpcache.hashing import hash62
 from cpcache.rank.attach import Attached
 from cpcache.rank.stepper import StepOutcome

@@ -21,10 +21,10 @@ import numpy as np
 import torch
 
 from cpcache.dataplane.memfd import check_pool
-from cpcache.dataplane.regions import Region, contiguous, region_shape
 from cpcache.dataplane.regions import check as check_regions
+from cpcache.dataplane.regions import contiguous, region_shape
 from cpcache.errors import FailedPrecondition, InvalidArgument
-from cpcache.geometry import KVGeometry
+from cpcache.geometry import KVGeometry, Region
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 

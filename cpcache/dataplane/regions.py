@@ -16,30 +16,11 @@ one layer must never land in another).
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
-from typing import Any
 
 from cpcache.errors import FailedPrecondition, InvalidArgument
-from cpcache.geometry import KVGeometry
+from cpcache.geometry import KVGeometry, Region
 
 DIMS = 4  # component, row, head, head_dim
-
-
-@dataclass(frozen=True)
-class Region:
-    """One layer: `offset` in bytes into its memory, `strides` in elements
-    (component, row, head, head_dim); `cuda_ipc` names the CUDA storage
-    holding it where each layer is shared on its own (the fields of
-    `UntypedStorage._share_cuda_()`)."""
-
-    offset: int
-    strides: tuple[int, ...]
-    cuda_ipc: dict[str, Any] | None = None
-
-    def key(self) -> tuple:
-        """A hashable form (what tells one attach's pool from another)."""
-        ipc = tuple(sorted(self.cuda_ipc.items())) if self.cuda_ipc is not None else ()
-        return (self.offset, self.strides, ipc)
 
 
 def region_shape(geometry: KVGeometry, pages: int) -> tuple[int, int, int, int]:

@@ -6,8 +6,7 @@ IPC handle per layer), and a write then load of pages through a daemon."""
 import torch
 
 from cpcache.client import AsyncClient, Ops
-from cpcache.dataplane.regions import Region
-from cpcache.geometry import KVGeometry
+from cpcache.geometry import KVGeometry, Region
 from cpcache.integrations.sglang.pool import cuda_ipc_fields
 
 GEOMETRY = KVGeometry(layers=4, kv_kind="mha", heads=8, head_dim=128, dtype="bfloat16", page_size=16)

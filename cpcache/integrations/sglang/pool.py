@@ -23,8 +23,7 @@ from typing import Any
 
 import torch
 
-from cpcache.dataplane.regions import Region
-from cpcache.geometry import DTYPES, KVGeometry
+from cpcache.geometry import DTYPES, KVGeometry, Region
 from cpcache.integrations.sglang.shared_memory import SharedMemory, memory_of
 
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}

@@ -14,9 +14,8 @@ import torch
 from cpcache.dataplane import regions
 from cpcache.dataplane.movers import DEVICE, HOST, Tiers, Transfers
 from cpcache.dataplane.pools import LAYOUTS, DevicePool, HostPool
-from cpcache.dataplane.regions import Region
 from cpcache.errors import FailedPrecondition, InvalidArgument
-from cpcache.geometry import KVGeometry
+from cpcache.geometry import KVGeometry, Region
 
 pytestmark = pytest.mark.timeout(60)
 
