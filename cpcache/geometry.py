@@ -2,13 +2,15 @@
 
 A page holds `page_size` tokens of every layer. MHA keeps K and V (two
 components of `heads x head_dim`); MLA keeps one latent component (heads = 1,
-head_dim = kv_lora_rank + rope dim).
+head_dim = kv_lora_rank + rope dim). A `Region` is where one layer of an
+attached device pool lies (the daemon's checks: `dataplane/regions.py`).
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -79,3 +81,21 @@ class KVGeometry:
     def fingerprint(self) -> int:
         """Identifies this geometry in stored page headers."""
         return hash62(repr(tuple(getattr(self, f) for f in self.__dataclass_fields__)).encode())
+
+
+@dataclass(frozen=True)
+class Region:
+    """One layer of a device pool, a [components, rows, heads, head_dim]
+    view: `offset` in bytes into its memory, `strides` in elements
+    (component, row, head, head_dim); `cuda_ipc` names the CUDA storage
+    holding it where each layer is shared on its own (the fields of
+    `UntypedStorage._share_cuda_()`)."""
+
+    offset: int
+    strides: tuple[int, ...]
+    cuda_ipc: dict[str, Any] | None = None
+
+    def key(self) -> tuple:
+        """A hashable form (what tells one attach's pool from another)."""
+        ipc = tuple(sorted(self.cuda_ipc.items())) if self.cuda_ipc is not None else ()
+        return (self.offset, self.strides, ipc)

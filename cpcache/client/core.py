@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -33,7 +33,7 @@ from cpcache.v1 import daemon_pb2_grpc as pb_grpc
 from cpcache.values import MAX_MESSAGE_BYTES, Reduce
 
 if TYPE_CHECKING:
-    from cpcache.geometry import KVGeometry
+    from cpcache.geometry import KVGeometry, Region
 
 T = TypeVar("T")
 
@@ -123,8 +123,9 @@ def _step_call(step: int, votes: Iterable[tuple[int, Reduce, int]], requests: Ca
 
 
 def _attach_call(model_id: str, geometry: KVGeometry, device_pages: int, shm_ticket: str,
-                 cuda_ipc: dict[str, Any] | None, placement: tuple[Topology, int] | None) -> Call[pb.AttachReply]:
-    return Call("Attach", attach_request(model_id, geometry, device_pages, shm_ticket, cuda_ipc, placement))
+                 cuda_ipc: dict[str, Any] | None, placement: tuple[Topology, int] | None,
+                 regions: Sequence[Region]) -> Call[pb.AttachReply]:
+    return Call("Attach", attach_request(model_id, geometry, device_pages, shm_ticket, cuda_ipc, placement, regions))
 
 
 def _wait_loads_call(op_ids: Iterable[int], timeout_s: float) -> Call[None]:
@@ -199,14 +200,18 @@ class _Face:
         return self._send(_step_call, step, votes, requests)
 
     def attach(self, model_id: str, geometry: KVGeometry, device_pages: int, pool_fd: int = -1,
-               cuda_ipc: dict[str, Any] | None = None, placement: tuple[Topology, int] | None = None) -> Any:
+               cuda_ipc: dict[str, Any] | None = None, placement: tuple[Topology, int] | None = None,
+               regions: Sequence[Region] = ()) -> Any:
         """Hand the daemon this model's device pool: -> pb.AttachReply.
         `pool_fd`: a sealed memfd pool (`DevicePool.create_sealed`), handed
-        over by descriptor on the daemon's `<socket>.pools`; or `cuda_ipc`.
-        `placement`: the scheduler's topology and global rank, which the
-        daemon checks against its own."""
+        over by descriptor on the daemon's `<socket>.pools`; or `cuda_ipc`,
+        one CUDA storage. `regions`: where each layer lies in it (none: one
+        contiguous pool), or, with neither `pool_fd` nor `cuda_ipc`, each
+        layer in its own CUDA storage (`Region.cuda_ipc`). `placement`: the
+        scheduler's topology and global rank, which the daemon checks
+        against its own."""
         ticket = hand_over(self._address, pool_fd) if pool_fd >= 0 else ""
-        return self._send(_attach_call, model_id, geometry, device_pages, ticket, cuda_ipc, placement)
+        return self._send(_attach_call, model_id, geometry, device_pages, ticket, cuda_ipc, placement, regions)
 
     def wait_loads(self, op_ids: Iterable[int], timeout_s: float = 30.0) -> Any:
         """Wait until these loads reached the device pool: -> None. The call's
@@ -237,11 +242,13 @@ class AsyncClient(_Face):
     _grpc = grpc.aio
 
     async def attach(self, model_id: str, geometry: KVGeometry, device_pages: int, pool_fd: int = -1,
-                     cuda_ipc: dict[str, Any] | None = None, placement: tuple[Topology, int] | None = None) -> Any:
+                     cuda_ipc: dict[str, Any] | None = None, placement: tuple[Topology, int] | None = None,
+                     regions: Sequence[Region] = ()) -> Any:
         """As `Client.attach`; the pool's handover (a blocking exchange on the
         daemon's `.pools` socket) runs on a thread, off the event loop."""
         ticket = await asyncio.to_thread(hand_over, self._address, pool_fd) if pool_fd >= 0 else ""
-        return await self._send(_attach_call, model_id, geometry, device_pages, ticket, cuda_ipc, placement)
+        return await self._send(_attach_call, model_id, geometry, device_pages, ticket, cuda_ipc, placement,
+                                regions)
 
     async def _send(self, build: Callable[..., Call[T]], *args: Any) -> T:
         call = build(*args)

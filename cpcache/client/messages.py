@@ -4,7 +4,7 @@ requests built from them."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -13,7 +13,7 @@ from cpcache.v1 import daemon_pb2 as pb
 from cpcache.values import Reduce
 
 if TYPE_CHECKING:
-    from cpcache.geometry import KVGeometry
+    from cpcache.geometry import KVGeometry, Region
 
 _REDUCE_TO_WIRE = {Reduce.MIN: pb.REDUCE_MIN, Reduce.MAX: pb.REDUCE_MAX}
 
@@ -103,7 +103,8 @@ def step_result(reply: pb.StepReply) -> StepResult:
 
 def attach_request(model_id: str, geometry: KVGeometry, device_pages: int, shm_ticket: str = "",
                    cuda_ipc: dict[str, Any] | None = None,
-                   placement: tuple[Topology, int] | None = None) -> pb.AttachRequest:
+                   placement: tuple[Topology, int] | None = None,
+                   regions: Sequence[Region] = ()) -> pb.AttachRequest:
     request = pb.AttachRequest(model_id=model_id, device_pages=device_pages, geometry=pb.Geometry(
         layers=geometry.layers, kv_kind=geometry.kv_kind, heads=geometry.heads, head_dim=geometry.head_dim,
         dtype=geometry.dtype, page_size=geometry.page_size))
@@ -111,8 +112,12 @@ def attach_request(model_id: str, geometry: KVGeometry, device_pages: int, shm_t
         topology, rank = placement
         request.topology.CopyFrom(pb.SchedulerTopology(tp=topology.tp, cp=topology.cp, dp=topology.dp,
                                                        pp=topology.pp, rank=rank))
+    for region in regions:
+        wire = request.regions.add(offset=region.offset, strides=region.strides)
+        if region.cuda_ipc is not None:
+            wire.cuda_ipc.CopyFrom(pb.CudaIpcHandle(**region.cuda_ipc))
     if cuda_ipc is not None:
         request.cuda_ipc.CopyFrom(pb.CudaIpcHandle(**cuda_ipc))
-    else:
+    elif shm_ticket:
         request.shm_ticket = shm_ticket
     return request

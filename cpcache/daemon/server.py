@@ -17,7 +17,7 @@ import functools
 import logging
 import os
 import signal
-from collections.abc import Coroutine, Iterator
+from collections.abc import Coroutine, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -36,7 +36,7 @@ from cpcache.daemon.systemd import Notifier, extend_timeout_while
 from cpcache.daemon.wire import DaemonStatus
 from cpcache.dataplane.pools import DevicePool
 from cpcache.errors import CacheError, Unavailable
-from cpcache.geometry import KVGeometry
+from cpcache.geometry import KVGeometry, Region
 from cpcache.rank.attach import Attached
 from cpcache.rank.epochs import Standing
 from cpcache.rank.rank import Rank
@@ -105,18 +105,23 @@ class Daemon:
                 self._idle.set()
 
     async def attach(self, model_id: str, geometry: KVGeometry, device_pages: int, kind: str,
-                     pool: str | dict[str, Any]) -> Attached:
+                     pool: str | dict[str, Any] | None, regions: Sequence[Region] = ()) -> Attached:
         return await self.rank.attach(model_id, geometry, device_pages, kind,
-                                      functools.partial(self._open_device, geometry, device_pages, pool))
+                                      functools.partial(self._open_device, geometry, device_pages, kind, pool,
+                                                        regions))
 
-    def _open_device(self, geometry: KVGeometry, device_pages: int, pool: str | dict[str, Any]) -> DevicePool:
-        if isinstance(pool, dict):
-            return DevicePool.from_cuda_ipc(pool, geometry, device_pages)
+    def _open_device(self, geometry: KVGeometry, device_pages: int, kind: str, pool: str | dict[str, Any] | None,
+                     regions: Sequence[Region]) -> DevicePool:
+        if kind == "cuda_ipc":
+            assert not isinstance(pool, str)
+            return DevicePool.from_cuda_ipc(pool, geometry, device_pages, regions)
         if self._pools is None:
             raise Unavailable("attach: the pool handover socket is not open yet")
+        assert isinstance(pool, str)
         fd, uid, pid = self._pools.take(pool)
-        device = DevicePool.from_fd(fd, geometry, device_pages)
-        log.info("attach: pool of %d pages handed over by pid %d (uid %d)", device_pages, pid, uid)
+        device = DevicePool.from_fd(fd, geometry, device_pages, regions)
+        log.info("attach: pool of %d pages (%s) handed over by pid %d (uid %d)", device_pages,
+                 f"{len(regions)} regions" if regions else "contiguous", pid, uid)
         return device
 
     def handover_stats(self) -> dict[str, int]:

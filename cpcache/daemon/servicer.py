@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
@@ -18,7 +18,9 @@ from cpcache.daemon.status import Undecodable, guarded, wire_status
 from cpcache.daemon.wire import (
     DaemonStatus,
     attach_reply,
+    cuda_ipc_from_wire,
     prefetches_from_wire,
+    regions_from_wire,
     request_digest,
     requests_from_wire,
     status_reply,
@@ -26,7 +28,7 @@ from cpcache.daemon.wire import (
     votes_from_wire,
 )
 from cpcache.errors import CacheError, InvalidArgument, PermissionDenied
-from cpcache.geometry import KVGeometry
+from cpcache.geometry import KVGeometry, Region
 from cpcache.rank.attach import Attached
 from cpcache.rank.rank import Rank
 from cpcache.state.requests import CacheRequests
@@ -48,7 +50,7 @@ class DaemonPort(Protocol):
     def in_flight(self) -> AbstractContextManager[None]: ...
 
     async def attach(self, model_id: str, geometry: KVGeometry, device_pages: int, kind: str,
-                     pool: str | dict[str, Any]) -> Attached: ...
+                     pool: str | dict[str, Any] | None, regions: Sequence[Region] = ()) -> Attached: ...
 
     def stats(self) -> dict[str, int]: ...
 
@@ -132,18 +134,28 @@ class CacheDaemonServicer(pb_grpc.CacheDaemonServicer):
         if not request.model_id:
             raise InvalidArgument("attach: model_id is required (it namespaces the page keys)")
         which = request.WhichOneof("pool")
-        if which is None:
-            raise InvalidArgument("attach: give shm_ticket (hosts without CUDA) or cuda_ipc")
+        regions = regions_from_wire(request.regions)
+        per_layer_ipc = [r.cuda_ipc is not None for r in regions]
+        if any(per_layer_ipc) and not all(per_layer_ipc):
+            raise InvalidArgument("attach: a CUDA IPC handle in every region or in none")
+        if which is None and regions and all(per_layer_ipc):
+            which = "cuda_ipc"  # a storage per layer, each region naming its own
+        elif which is None:
+            raise InvalidArgument("attach: give shm_ticket (hosts without CUDA), cuda_ipc, or a CUDA IPC handle "
+                                  "in every region")
+        elif any(per_layer_ipc):
+            raise InvalidArgument(f"attach: regions with their own CUDA IPC handles take no {which}")
         if which == "shm_path":
             raise PermissionDenied("attach: the daemon opens no file a caller names; hand the pool over by "
                                    "descriptor (a sealed memfd) on its .pools socket and attach with the "
                                    "ticket (cpcache.client does it: attach(..., pool_fd=...))")
         if request.HasField("topology"):
             self._check_scheduler_topology(request.topology)
-        pool: str | dict[str, Any] = request.shm_ticket
+        pool: str | dict[str, Any] | None = request.shm_ticket
         if which == "cuda_ipc":
-            pool = {f.name: getattr(request.cuda_ipc, f.name) for f in request.cuda_ipc.DESCRIPTOR.fields}
-        attached = await self._daemon.attach(request.model_id, geometry, request.device_pages, which, pool)
+            pool = cuda_ipc_from_wire(request.cuda_ipc) if request.HasField("cuda_ipc") else None
+        attached = await self._daemon.attach(request.model_id, geometry, request.device_pages, which, pool,
+                                             regions)
         return attach_reply(attached)
 
     def _check_scheduler_topology(self, declared: pb.SchedulerTopology) -> None:

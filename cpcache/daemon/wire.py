@@ -6,11 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from google.protobuf.message import Message
 
 from cpcache.agreement.rounds import Questions
 from cpcache.errors import InvalidArgument
+from cpcache.geometry import Region
 from cpcache.hashing import hash62
 from cpcache.rank.attach import Attached
 from cpcache.rank.stepper import StepOutcome
@@ -43,6 +45,16 @@ def requests_from_wire(request: pb.StepRequest) -> CacheRequests:
                      for w in request.writes),
         loads=tuple(LoadRequest(x.op_id, tuple(x.pages), tuple(x.device_pages)) for x in request.loads),
     )
+
+
+def cuda_ipc_from_wire(handle: pb.CudaIpcHandle) -> dict[str, Any]:
+    """The fields of `UntypedStorage._share_cuda_()`, as plain values."""
+    return {f.name: getattr(handle, f.name) for f in handle.DESCRIPTOR.fields}
+
+
+def regions_from_wire(regions: Iterable[pb.PoolRegion]) -> list[Region]:
+    return [Region(r.offset, tuple(r.strides), cuda_ipc_from_wire(r.cuda_ipc) if r.HasField("cuda_ipc") else None)
+            for r in regions]
 
 
 def request_digest(method: str, request: Message) -> int:

@@ -67,9 +67,11 @@ def check_kind(fd: int) -> None:
             "DevicePool.create_sealed makes one")
 
 
-def check_pool(fd: int, need: int) -> None:
+def check_pool(fd: int, need: int | None) -> int:
     """Everything `check_kind` checks, then the access mode, the seals and
-    (only then, once it can no longer change) the size."""
+    (only then, once it can no longer change) the size: exactly `need`
+    bytes, or any (None: the regions in it are checked against it). -> the
+    size."""
     check_kind(fd)
     if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDWR:
         raise InvalidArgument("attach: the pool descriptor must be open for reading and writing")
@@ -87,5 +89,8 @@ def check_pool(fd: int, need: int) -> None:
             "F_SEAL_GROW): a pool that shrinks under the daemon would kill it (DevicePool.create_sealed "
             "makes one)")
     size = os.fstat(fd).st_size  # after the seals: it cannot change any more
-    if size != need:
+    if need is not None and size != need:
         raise InvalidArgument(f"attach: the pages attached need {need} bytes, but the pool holds {size}")
+    if size == 0:
+        raise InvalidArgument("attach: the pool's memfd is empty")
+    return size

@@ -75,7 +75,6 @@ class Tiers:
 
 
 T = TypeVar("T")
-PageView = Callable[[int, int], torch.Tensor]  # (first page, count) -> a view of those pages
 
 
 def _device(job: TransferJob) -> DevicePool:
@@ -88,32 +87,36 @@ def _storage(tiers: Tiers) -> StorageBackend:
     return tiers.storage
 
 
-def _copy_pages(src_view: PageView, dst_view: PageView, src_pages: Iterable[int], dst_pages: Iterable[int]) -> None:
-    for s, d, n in runs(list(src_pages), list(dst_pages)):
-        dst_view(d, n).copy_(src_view(s, n), non_blocking=True)
+def _copy_layers(device: DevicePool, host: HostPool, host_pages: Iterable[int], device_pages: Iterable[int],
+                 to_device: bool) -> None:
+    """One copy per layer per run of pages consecutive on both sides: the
+    device pool's layers lie wherever their creator put them."""
+    for h, d, n in runs(list(host_pages), list(device_pages)):
+        host_view = host.page_view(h, n)  # [layers, components, n, page_size, heads, head_dim]
+        for layer in range(device.geometry.layers):
+            on_device = device.layer_pages(layer, d, n)
+            if to_device:
+                on_device.copy_(host_view[layer], non_blocking=True)
+            else:
+                host_view[layer].copy_(on_device, non_blocking=True)
 
 
 def device_to_host(tiers: Tiers, job: TransferJob) -> TransferResult:
     device = _device(job)
     try:
-        _copy_pages(device.page_view, tiers.host.page_view, job.src, job.dst)
+        _copy_layers(device, tiers.host, job.dst, job.src, to_device=False)
     finally:  # copies already queued must end before the slots count as idle
-        _synchronize(device.tensor)
+        device.synchronize()
     return TransferResult(job.job_id, True, len(job.src))
 
 
 def host_to_device(tiers: Tiers, job: TransferJob) -> TransferResult:
     device = _device(job)
     try:
-        _copy_pages(tiers.host.page_view, device.page_view, job.src, job.dst)
+        _copy_layers(device, tiers.host, job.src, job.dst, to_device=True)
     finally:  # copies already queued must end before the slots count as idle
-        _synchronize(device.tensor)
+        device.synchronize()
     return TransferResult(job.job_id, True, len(job.src))
-
-
-def _synchronize(tensor: torch.Tensor) -> None:
-    if tensor.is_cuda:
-        torch.cuda.current_stream(tensor.device).synchronize()
 
 
 def _staged(tiers: Tiers, slots: list[int]) -> tuple[list[PageBuffer], torch.Tensor]:

@@ -1,10 +1,12 @@
 """The two memory tiers a daemon touches: the device pool (owned by the
 inference process, attached once) and the host pool (owned by the daemon).
 
-Both are torch tensors. A page is addressed by an index; `page_view` gives a
-[layers, components, pages, page_size, heads, head_dim] view of a run of
-pages in either pool, so a copy between tiers is one `copy_` per run of consecutive pages,
-whatever the layouts.
+Both are torch tensors. A page is addressed by an index. The device pool is
+a view per layer (`regions`: SGLang's buffers where they lie) and
+`DevicePool.layer_pages` gives one layer's run of pages; the host pool's
+`page_view` gives a [layers, components, pages, page_size, heads, head_dim]
+view of a run, so a copy between tiers is one `copy_` per layer per run of
+consecutive pages, whatever the layouts.
 """
 
 from __future__ import annotations
@@ -12,59 +14,108 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from cpcache.dataplane.memfd import check_pool
+from cpcache.dataplane.regions import check as check_regions
+from cpcache.dataplane.regions import contiguous, region_shape
 from cpcache.errors import FailedPrecondition, InvalidArgument
-from cpcache.geometry import KVGeometry
+from cpcache.geometry import KVGeometry, Region
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 
 
 @dataclass
 class DevicePool:
-    """The inference process's KV pool: [layers, components, tokens, heads, head_dim]."""
+    """The inference process's KV pool, where it lies: one [components, rows,
+    heads, head_dim] view per layer (`regions.Region`), any strides, in one
+    memory or many (SGLang's per-layer buffers). Nothing is copied to make
+    it: the views are of the memory the creator writes."""
 
     geometry: KVGeometry
-    tensor: torch.Tensor
-    _keepalive: object = None  # the mapping behind a shared-memory pool
+    layers: list[torch.Tensor]
+    _keepalive: object = None  # the mappings or storages behind the views
     fd: int = -1  # the creator's descriptor of a memfd pool, to hand over
-    identity: tuple[int, ...] = ()  # which memory this is (device and inode of a memfd), to tell a retry
+    identity: tuple = ()  # which memory this is (device and inode of a memfd, regions), to tell a retry
 
     @property
     def pages(self) -> int:
-        return self.tensor.shape[2] // self.geometry.page_size
+        return self.layers[0].shape[1] // self.geometry.page_size
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.layers[0].is_cuda
+
+    def layer_pages(self, layer: int, first: int, count: int = 1) -> torch.Tensor:
+        """Pages [first, first+count) of one layer as a [components, pages,
+        page_size, heads, head_dim] view."""
+        s = self.geometry.page_size
+        return self.layers[layer][:, first * s : (first + count) * s].unflatten(1, (count, s))
+
+    def synchronize(self) -> None:
+        """Wait for the copies queued on this pool's device (none on a CPU)."""
+        if self.is_cuda:
+            torch.cuda.current_stream(self.layers[0].device).synchronize()
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The whole pool as one [layers, components, rows, heads, head_dim]
+        view, where its layers lie at one stride in one memory (a pool made
+        by `create_sealed`, SGLang's pool on a host without CUDA); for
+        creators and tests: movers go layer by layer."""
+        first = self.layers[0]
+        if len(self.layers) == 1:
+            return first.unsqueeze(0)
+        step = self.layers[1].data_ptr() - first.data_ptr()
+        regular = step > 0 and step % first.element_size() == 0 and all(
+            layer.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+            and layer.stride() == first.stride() and layer.data_ptr() - first.data_ptr() == i * step
+            for i, layer in enumerate(self.layers))
+        if not regular:
+            raise FailedPrecondition("device pool: its layers do not lie at one stride in one memory")
+        return first.as_strided((len(self.layers), *first.shape), (step // first.element_size(), *first.stride()),
+                                first.storage_offset())
 
     def page_view(self, first: int, count: int = 1) -> torch.Tensor:
-        """Pages [first, first+count) as a [layers, components, pages, page_size,
-        heads, head_dim] view."""
+        """Pages [first, first+count) of a pool at one stride (`tensor`) as a
+        [layers, components, pages, page_size, heads, head_dim] view."""
         s = self.geometry.page_size
         return self.tensor[:, :, first * s : (first + count) * s].unflatten(2, (count, s))
 
     @staticmethod
-    def from_fd(fd: int, geometry: KVGeometry, pages: int) -> DevicePool:
+    def of_tensor(geometry: KVGeometry, tensor: torch.Tensor) -> DevicePool:
+        """A pool this process holds as one [layers, components, rows, heads,
+        head_dim] tensor (tools and tests driving the movers alone)."""
+        return DevicePool(geometry, list(tensor.unbind(0)))
+
+    @staticmethod
+    def from_fd(fd: int, geometry: KVGeometry, pages: int, regions: Sequence[Region] = ()) -> DevicePool:
         """Map a pool handed over by descriptor (hosts without CUDA): a shmem
-        memfd, open for writing, sealed against shrinking and growing, of
-        exactly the size the geometry needs (`memfd.check_pool`). Takes the
+        memfd, open for writing, sealed against shrinking and growing
+        (`memfd.check_pool`), its layers at `regions` (none given: one
+        contiguous pool, of exactly the size the geometry needs). Takes the
         descriptor (closes it)."""
-        need = geometry.page_bytes * pages
         try:
             if pages < 1:
                 raise InvalidArgument(f"attach: a pool needs at least 1 page, not {pages}")
-            check_pool(fd, need)
+            size = check_pool(fd, geometry.page_bytes * pages if not regions else None)
+            regions = list(regions) or contiguous(geometry, pages)
+            check_regions(geometry, pages, regions, [size] * len(regions))
             info = os.fstat(fd)
             try:
-                mapping = mmap.mmap(fd, need)
+                mapping = mmap.mmap(fd, size)
             except (OSError, ValueError) as exc:  # what the checks above did not foresee is still typed
                 raise FailedPrecondition(f"attach: the pool cannot be mapped: {exc}") from None
         finally:
             os.close(fd)
-        flat = torch.frombuffer(mapping, dtype=torch.uint8)
-        tensor = flat.view(geometry.torch_dtype).view(geometry.pool_shape(pages))
-        return DevicePool(geometry, tensor, mapping, identity=(info.st_dev, info.st_ino))
+        memory = _typed(torch.frombuffer(mapping, dtype=torch.uint8), geometry)
+        layers = [_view(memory, geometry, pages, region) for region in regions]
+        return DevicePool(geometry, layers, mapping,
+                          identity=(info.st_dev, info.st_ino, tuple(r.key() for r in regions)))
 
     @staticmethod
     def create_sealed(geometry: KVGeometry, pages: int, name: str = "cpcache-pool") -> DevicePool:
@@ -75,33 +126,71 @@ class DevicePool:
         os.ftruncate(fd, geometry.page_bytes * pages)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
         mapping = mmap.mmap(fd, geometry.page_bytes * pages)
-        flat = torch.frombuffer(mapping, dtype=torch.uint8)
-        pool = DevicePool(geometry, flat.view(geometry.torch_dtype).view(geometry.pool_shape(pages)), mapping)
+        memory = _typed(torch.frombuffer(mapping, dtype=torch.uint8), geometry)
+        pool = DevicePool(geometry, [_view(memory, geometry, pages, r) for r in contiguous(geometry, pages)],
+                          mapping)
         pool.fd = fd
         return pool
 
     @staticmethod
-    def from_cuda_ipc(handle: dict, geometry: KVGeometry, pages: int) -> DevicePool:
-        """Open a pool shared by CUDA IPC. `handle` holds the fields of
-        `torch.UntypedStorage._share_cuda_()`, sent as plain bytes and ints."""
+    def from_cuda_ipc(handle: dict | None, geometry: KVGeometry, pages: int,
+                      regions: Sequence[Region] = ()) -> DevicePool:
+        """Open a pool shared by CUDA IPC: one storage (`handle`, the fields
+        of `torch.UntypedStorage._share_cuda_()` as plain bytes and ints)
+        holding the layers at `regions` (none: one contiguous pool), or no
+        `handle` and a storage per region (`Region.cuda_ipc`: SGLang's
+        per-layer buffers, where they are)."""
         if not torch.cuda.is_available():
             raise FailedPrecondition("attach: cuda_ipc needs a CUDA device and this host has none; hand over a "
                                      "sealed memfd pool instead (attach(..., pool_fd=...))")
-        try:
-            storage = torch.UntypedStorage._new_shared_cuda(
-                handle["device"], handle["handle"], handle["storage_size"], handle["storage_offset"],
-                handle["ref_counter_handle"], handle["ref_counter_offset"], handle["event_handle"],
-                handle["event_sync_required"],
-            )
-        except (RuntimeError, TypeError, ValueError) as exc:
-            raise InvalidArgument(f"attach: the CUDA IPC handle cannot be opened: {exc}") from None
-        need = geometry.page_bytes * pages
-        if storage.nbytes() < need:
-            raise InvalidArgument(f"attach: the CUDA pool holds {storage.nbytes()} bytes, {need} needed")
-        flat = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)[:need]
-        identity = (handle["device"], hash(bytes(handle["handle"])), handle["storage_offset"])
-        return DevicePool(geometry, flat.view(geometry.torch_dtype).view(geometry.pool_shape(pages)), storage,
-                          identity=identity)
+        if pages < 1:
+            raise InvalidArgument(f"attach: a pool needs at least 1 page, not {pages}")
+        regions = list(regions) or contiguous(geometry, pages)
+        handles: list[dict] = []
+        for region in regions:
+            given = handle if handle is not None else region.cuda_ipc
+            if given is None:
+                raise InvalidArgument("attach: give one CUDA IPC handle for the pool, or one in every region")
+            handles.append(given)
+        storages = _open_cuda_storages(handles)
+        check_regions(geometry, pages, regions, [s.nbytes() for s in storages],
+                      memory_of=[(h["device"], bytes(h["handle"])) for h in handles],
+                      base_of=[int(h["storage_offset"]) for h in handles])
+        layers = []
+        for storage, region in zip(storages, regions):
+            memory = _typed(torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage), geometry)
+            layers.append(_view(memory, geometry, pages, region))
+        identity = tuple((h["device"], hash(bytes(h["handle"])), h["storage_offset"], r.offset, r.strides)
+                         for h, r in zip(handles, regions))
+        return DevicePool(geometry, layers, storages, identity=identity)
+
+
+def _open_cuda_storages(handles: list[dict]) -> list[torch.UntypedStorage]:
+    """One storage per handle, each distinct storage opened once."""
+    opened: dict[tuple, torch.UntypedStorage] = {}
+    out = []
+    for h in handles:
+        key = (h["device"], bytes(h["handle"]), h["storage_offset"], h["storage_size"])
+        if key not in opened:
+            try:
+                opened[key] = torch.UntypedStorage._new_shared_cuda(
+                    h["device"], h["handle"], h["storage_size"], h["storage_offset"], h["ref_counter_handle"],
+                    h["ref_counter_offset"], h["event_handle"], h["event_sync_required"])
+            except (RuntimeError, TypeError, ValueError, KeyError) as exc:
+                raise InvalidArgument(f"attach: the CUDA IPC handle cannot be opened: {exc}") from None
+        out.append(opened[key])
+    return out
+
+
+def _typed(flat: torch.Tensor, geometry: KVGeometry) -> torch.Tensor:
+    """Bytes as elements of the geometry's dtype (a trailing partial element dropped)."""
+    whole = flat.numel() - flat.numel() % geometry.element_bytes
+    return flat[:whole].view(geometry.torch_dtype)
+
+
+def _view(memory: torch.Tensor, geometry: KVGeometry, pages: int, region: Region) -> torch.Tensor:
+    return memory.as_strided(region_shape(geometry, pages), region.strides,
+                             region.offset // geometry.element_bytes)
 
 
 class HostPool:

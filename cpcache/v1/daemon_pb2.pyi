@@ -52,8 +52,18 @@ class CudaIpcHandle(_message.Message):
     event_sync_required: bool
     def __init__(self, device: _Optional[int] = ..., handle: _Optional[bytes] = ..., storage_size: _Optional[int] = ..., storage_offset: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
 
+class PoolRegion(_message.Message):
+    __slots__ = ("offset", "strides", "cuda_ipc")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    STRIDES_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    strides: _containers.RepeatedScalarFieldContainer[int]
+    cuda_ipc: CudaIpcHandle
+    def __init__(self, offset: _Optional[int] = ..., strides: _Optional[_Iterable[int]] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...) -> None: ...
+
 class AttachRequest(_message.Message):
-    __slots__ = ("model_id", "geometry", "device_pages", "shm_path", "cuda_ipc", "shm_ticket", "topology")
+    __slots__ = ("model_id", "geometry", "device_pages", "shm_path", "cuda_ipc", "shm_ticket", "topology", "regions")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
     DEVICE_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +71,7 @@ class AttachRequest(_message.Message):
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     SHM_TICKET_FIELD_NUMBER: _ClassVar[int]
     TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     geometry: Geometry
     device_pages: int
@@ -68,7 +79,8 @@ class AttachRequest(_message.Message):
     cuda_ipc: CudaIpcHandle
     shm_ticket: str
     topology: SchedulerTopology
-    def __init__(self, model_id: _Optional[str] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., device_pages: _Optional[int] = ..., shm_path: _Optional[str] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., shm_ticket: _Optional[str] = ..., topology: _Optional[_Union[SchedulerTopology, _Mapping]] = ...) -> None: ...
+    regions: _containers.RepeatedCompositeFieldContainer[PoolRegion]
+    def __init__(self, model_id: _Optional[str] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., device_pages: _Optional[int] = ..., shm_path: _Optional[str] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., shm_ticket: _Optional[str] = ..., topology: _Optional[_Union[SchedulerTopology, _Mapping]] = ..., regions: _Optional[_Iterable[_Union[PoolRegion, _Mapping]]] = ...) -> None: ...
 
 class SchedulerTopology(_message.Message):
     __slots__ = ("tp", "cp", "dp", "pp", "rank")

@@ -20,10 +20,10 @@ from cpcache import errors
 from cpcache.client import AsyncClient, CacheRequests
 from cpcache.daemon.launcher import DomainSpec, LocalDomain
 from cpcache.daemon.server import ExitCode
-from cpcache.dataplane import memfd
+from cpcache.dataplane import memfd, regions
 from cpcache.dataplane.pools import DevicePool
 from cpcache.errors import InvalidArgument
-from cpcache.geometry import KVGeometry
+from cpcache.geometry import KVGeometry, Region
 from cpcache.topology import Topology
 from cpcache.v1 import daemon_pb2 as pb
 from cpcache.v1 import daemon_pb2_grpc as pb_grpc
@@ -362,6 +362,29 @@ async def test_a_pool_truncated_then_sealed_is_a_typed_refusal_and_the_daemon_se
                 assert (await client.status()).attached
     finally:
         os.close(fd)
+
+
+async def test_regions_a_daemon_must_not_map_are_typed_refusals_and_good_ones_attach(run_dir):
+    """A region per layer over a real daemon: a count other than the
+    layers', a region past the memfd, two layers over the same bytes, CUDA
+    handles in some regions only: each a typed refusal (nothing mapped, the
+    daemon serves on); the layers in another order in memory attach."""
+    pool = DevicePool.create_sealed(GEOMETRY, 8)
+    good = regions.contiguous(GEOMETRY, 8)
+    refused = [
+        (good[:1], InvalidArgument, "1 regions for 2 layers"),
+        ([good[0], Region(good[1].offset + 2, good[1].strides)], InvalidArgument, "past the"),
+        ([good[0], good[0]], errors.FailedPrecondition, "overlap"),
+        ([Region(0, good[0].strides, {"device": 0}), good[1]], InvalidArgument, "in every region or in none"),
+    ]
+    async with LocalDomain(DomainSpec(Topology(tp=1), run_dir)) as domain:
+        async with AsyncClient(domain.sockets[0]) as client:
+            for bad, error, words in refused:
+                with pytest.raises(error, match=words):
+                    await client.attach("m", GEOMETRY, 8, pool_fd=pool.fd, regions=bad)
+                assert (await client.status()).state == "serving"
+            await client.attach("m", GEOMETRY, 8, pool_fd=pool.fd, regions=list(reversed(good)))
+            assert (await client.status()).attached
 
 
 async def test_a_pool_ticket_is_good_once_and_only_on_its_daemon(run_dir):

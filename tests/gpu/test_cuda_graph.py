@@ -4,10 +4,12 @@ per-layer KV buffers shaped like SGLang's (`k_buffer[layer]`,
 mover wrote into those same buffers, at the addresses it captured, and its
 replays equal an eager run, also while the daemon is loading.
 
-The buffers are per-layer views of the pool the daemon attaches by CUDA IPC;
-the forward is a decode step's attention over the tokens at `loc`, layer
-after layer, made of reductions only (no cuBLAS), so graph and eager
-replays are bit for bit the same."""
+Each layer is its own CUDA allocation, as SGLang's, attached by the daemon
+where it lies (an IPC handle per layer, captured before the attach: the
+attach moves nothing, so the graph needs no re-capture); the forward is
+a decode step's attention over the tokens at `loc`, layer after layer,
+made of reductions only (no cuBLAS), so graph and eager replays are bit for
+bit the same."""
 
 import asyncio
 
@@ -17,7 +19,7 @@ import torch
 from cpcache.client import AsyncClient
 from cpcache.daemon.launcher import DomainSpec, LocalDomain
 from cpcache.topology import Topology
-from tests.gpu.cuda import GEOMETRY, ipc_handle, start_load, write_pages
+from tests.gpu.cuda import GEOMETRY, layer_regions, pages_of, start_load, write_pages
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -29,10 +31,10 @@ SOURCE, TARGET = [0, 1, 2, 3], [8, 9, 10, 11]  # written from, loaded into
 REPLAYS = 50  # at most, while the load is in flight
 
 
-def kv_buffers(pool: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def kv_buffers(layers: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """SGLang's MHA pool layout: a [tokens, heads, head_dim] K and V tensor per
-    layer (here views of the attached pool: the same memory the daemon maps)."""
-    return [pool[layer, 0] for layer in range(GEOMETRY.layers)], [pool[layer, 1] for layer in range(GEOMETRY.layers)]
+    layer, the halves of that layer's allocation (the memory the daemon maps)."""
+    return [layer[0] for layer in layers], [layer[1] for layer in layers]
 
 
 def decode(q: torch.Tensor, k_buffers: list[torch.Tensor], v_buffers: list[torch.Tensor],
@@ -75,8 +77,9 @@ def replayed(graph: torch.cuda.CUDAGraph, out: torch.Tensor) -> torch.Tensor:
 
 
 async def test_cuda_graph_replays_over_pages_a_daemon_loads_in_place(run_dir):
-    pool = torch.randn(GEOMETRY.pool_shape(PAGES), device="cuda").to(GEOMETRY.torch_dtype)
-    k_buffers, v_buffers = kv_buffers(pool)
+    shape = (GEOMETRY.components, PAGES * GEOMETRY.page_size, GEOMETRY.heads, GEOMETRY.head_dim)
+    layers = [torch.randn(shape, device="cuda").to(GEOMETRY.torch_dtype) for _ in range(GEOMETRY.layers)]
+    k_buffers, v_buffers = kv_buffers(layers)
     addresses = [b.data_ptr() for b in k_buffers + v_buffers]
     q = torch.randn(GEOMETRY.heads, GEOMETRY.head_dim, device="cuda")
     loc = tokens_of(SOURCE)  # the graph's input, updated in place as SGLang does its own
@@ -84,10 +87,11 @@ async def test_cuda_graph_replays_over_pages_a_daemon_loads_in_place(run_dir):
     eager = decode(q, k_buffers, v_buffers, loc)
     assert torch.equal(replayed(graph, out), eager)
 
-    pool[:, :, tokens_of(TARGET)] = 0  # so only the load can make TARGET equal SOURCE
+    for layer in layers:
+        layer[:, tokens_of(TARGET)] = 0  # so only the load can make TARGET equal SOURCE
     async with LocalDomain(DomainSpec(Topology(tp=1), run_dir, extra=dict(host_pool_pages=16))) as domain:
         async with AsyncClient(domain.sockets[0]) as client:
-            await client.attach("gpu-graph", GEOMETRY, PAGES, cuda_ipc=ipc_handle(pool))
+            await client.attach("gpu-graph", GEOMETRY, PAGES, regions=layer_regions(layers))
             step = await write_pages(client, 1, SOURCE)
             await start_load(client, step, TARGET)
             loading = asyncio.ensure_future(client.wait_loads([2], timeout_s=30))
@@ -101,8 +105,8 @@ async def test_cuda_graph_replays_over_pages_a_daemon_loads_in_place(run_dir):
             await loading
 
     assert [b.data_ptr() for b in k_buffers + v_buffers] == addresses  # nothing moved
-    s = GEOMETRY.page_size
-    assert torch.equal(pool[:, :, TARGET[0] * s:(TARGET[-1] + 1) * s], pool[:, :, SOURCE[0] * s:(SOURCE[-1] + 1) * s])
+    for loaded, written in zip(pages_of(layers, TARGET[0], len(TARGET)), pages_of(layers, SOURCE[0], len(SOURCE))):
+        assert torch.equal(loaded, written)
     loc.copy_(tokens_of(TARGET))  # the same graph, now over the pages the daemon loaded
     from_graph = replayed(graph, out)
     assert torch.equal(from_graph, decode(q, k_buffers, v_buffers, loc))

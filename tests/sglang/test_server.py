@@ -22,6 +22,7 @@ Runs alone with `make test-sglang` (or `pytest -m sglang tests/sglang`).
 
 from __future__ import annotations
 
+import re
 import time
 import urllib.request
 
@@ -54,6 +55,28 @@ def stack(tmp_path_factory: pytest.TempPathFactory):
     with started(work, model, SHAPE) as stack:
         print(f"servers ready in {time.monotonic() - begun:.1f} s")
         yield stack
+
+
+IN_PLACE = re.compile(r"rank (\d+) KV in place: before attach (\S+); after attach (\S+)")
+
+
+def test_sglang_kv_buffers_stay_where_they_are_and_the_daemons_map_them(stack: Stack):
+    """Each scheduler logs the address of every layer's K and V buffer as it
+    handed them to its daemon and as its model runner holds them once the
+    daemon has attached: the same (nothing moved, nothing copied); the host
+    hits of the next test are the daemons' movers writing into them."""
+    seen: dict[int, set[tuple[str, str]]] = {}
+    for line in stack.cpcache.log_lines("KV in place"):
+        match = IN_PLACE.search(line)
+        assert match, line
+        seen.setdefault(int(match[1]), set()).add((match[2], match[3]))
+    assert sorted(seen) == list(range(SHAPE.tp)), f"not every rank reported its buffers: {seen}"
+    for rank, reports in seen.items():
+        for before, after in reports:
+            assert before == after, f"rank {rank}'s KV buffers moved at attach"
+            layers = before.split(",")
+            assert len(layers) > 1 and all(len(layer.split("/")) == 2 for layer in layers), before
+    assert stack.cpcache.log_lines("allocated in shared memory"), "SGLang's pool was not allocated in shared memory"
 
 
 def test_outputs_equal_a_server_without_cache_and_hits_come_from_every_tier(stack: Stack):

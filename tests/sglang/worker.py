@@ -78,9 +78,11 @@ class Rank:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         ps = args.page_size
+        cpcache_sglang.register()  # as SGLang loads its plugins: before any pool exists
         # As a server started with the flags docs/sglang.md gives (storage prefetch through the daemon).
+        backend = {"radix_cache_backend": cpcache_sglang.NAME} if args.backend == "cpcache" else {}
         server_args = ServerArgs(model_path="dummy", page_size=ps, tp_size=args.tp, attn_cp_size=args.cp,
-                                 enable_hierarchical_cache=True,
+                                 enable_hierarchical_cache=True, **backend,
                                  hicache_storage_backend="dynamic",
                                  hicache_storage_backend_extra_config=json.dumps(STORAGE_EXTRA_CONFIG))
         set_global_server_args_for_scheduler(server_args)
@@ -95,7 +97,6 @@ class Rank:
                                  token_to_kv_pool_allocator=self.allocator, page_size=ps, disable=False,
                                  tree_components=(ComponentType.FULL,))
         if args.backend == "cpcache":
-            cpcache_sglang.register()
             context = TreeCacheBuildContext(
                 server_args=server_args, params=params, is_hybrid_swa=False, is_hybrid_ssm=False,
                 enable_hierarchical_cache=True, disable_radix_cache=False, tp_worker=None, model_config=None,

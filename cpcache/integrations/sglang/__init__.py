@@ -18,9 +18,15 @@ NAME = "cpcache"
 
 
 def register() -> None:
-    """Register the `cpcache` backend with SGLang (once; later calls do nothing)."""
+    """Register the `cpcache` backend with SGLang, and have SGLang's KV pool
+    allocated where the daemon can map it (on hosts without CUDA, shared
+    memory; `shared_memory`), before any pool exists. Once; later calls do
+    nothing."""
     from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend
 
+    from cpcache.integrations.sglang import shared_memory
+
+    shared_memory.install()
     if get_radix_cache_factory(NAME) is None:
         register_radix_cache_backend(NAME, build)
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from cpcache.client import Client, DecisionLog, SchedulerSession
 from cpcache.integrations.sglang import server_flags
-from cpcache.integrations.sglang.pool import share_device_pool
+from cpcache.integrations.sglang.pool import SharedPool, check_in_place, layer_buffers, share_device_pool
 from cpcache.integrations.sglang.settings import Settings
 from cpcache.topology import Topology
 
@@ -53,6 +53,25 @@ def tree_components() -> tuple[Any, ...]:
     return (ComponentType.FULL,)
 
 
+def _model_runner_pool(context: Any, kv_pool: Any) -> Any:
+    """The KV pool the model runner's forward (and its CUDA graphs) reads."""
+    runner = getattr(getattr(context, "tp_worker", None), "model_runner", None)
+    return getattr(runner, "token_to_kv_pool", None) or kv_pool
+
+
+def _held(pool: SharedPool, runner_pool: Any) -> list[tuple[int, ...]]:
+    return [tuple(b.data_ptr() for b in layer) for layer in layer_buffers(runner_pool, pool.geometry)]
+
+
+def log_in_place(rank: int, before: list[tuple[int, ...]], after: list[tuple[int, ...]]) -> None:
+    """Where each layer's KV lies, before the attach and after it (the same
+    addresses: nothing was moved); a test of the server reads it."""
+    def hexes(addresses: list[tuple[int, ...]]) -> str:
+        return ",".join("/".join(f"{a:x}" for a in layer) for layer in addresses)
+
+    log.info("cpcache: rank %d KV in place: before attach %s; after attach %s", rank, hexes(before), hexes(after))
+
+
 def build_cache(context: Any, settings: Settings | None = None) -> Any:
     from cpcache.integrations.sglang.radix_cache import CpcacheRadixCache
 
@@ -66,6 +85,9 @@ def build_cache(context: Any, settings: Settings | None = None) -> Any:
     model_id = settings.model_id or _default_model_id(context.server_args)
     kv_pool = params.token_to_kv_pool_allocator.get_kvcache()
     pool = share_device_pool(kv_pool, params.page_size)
+    runner_pool = _model_runner_pool(context, kv_pool)
+    check_in_place(pool, runner_pool)  # what the daemon will write is what the forward reads
+    before = pool.addresses()
     client = Client(socket, token=settings.token(), timeout_s=settings.timeout_s)
     try:
         lag = client.status().agreement_lag
@@ -74,14 +96,16 @@ def build_cache(context: Any, settings: Settings | None = None) -> Any:
                 f"cpcache: the daemon at {socket} runs with agreement_lag {lag}; the SGLang backend needs 0 (its "
                 "host matches follow the host pool step by step); start the daemons with --lag 0")
         attached = client.attach(model_id, pool.geometry, pool.device_pages, pool_fd=pool.fd,
-                                 cuda_ipc=pool.cuda_ipc, placement=(topology, rank))
+                                 placement=(topology, rank), regions=pool.regions)
         first_step = client.status().last_step + 1
     except BaseException:
         client.close()
-        pool.close()
         raise
-    log.info("cpcache: rank %d attached %r to %s (%d device pages, %d host pages, storage %s)",
-             rank, model_id, socket, pool.device_pages, attached.host_pages, attached.storage)
+    check_in_place(pool, runner_pool)
+    log.info("cpcache: rank %d attached %r to %s (%d device pages in %d per-layer regions, %d host pages, "
+             "storage %s)", rank, model_id, socket, pool.device_pages, len(pool.regions), attached.host_pages,
+             attached.storage)
+    log_in_place(rank, before, _held(pool, runner_pool))
 
     decisions = DecisionLog() if settings.record_decisions else None  # one log across attaches
 
@@ -91,8 +115,9 @@ def build_cache(context: Any, settings: Settings | None = None) -> Any:
         return SchedulerSession(client, first_step=step, load_timeout_s=settings.timeout_s, decisions=decisions)
 
     def attach_again() -> SchedulerSession:
-        client.attach(model_id, pool.geometry, pool.device_pages, pool_fd=pool.fd, cuda_ipc=pool.cuda_ipc,
-                      placement=(topology, rank))
+        check_in_place(pool, runner_pool)
+        client.attach(model_id, pool.geometry, pool.device_pages, pool_fd=pool.fd, placement=(topology, rank),
+                      regions=pool.regions)
         return connect(int(client.status().last_step) + 1)
 
     return CpcacheRadixCache(params, daemon_session=connect(first_step), pool=pool, attach_again=attach_again,

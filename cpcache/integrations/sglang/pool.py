@@ -1,42 +1,50 @@
-"""SGLang's device KV pool, placed where the rank's daemon can reach it.
+"""SGLang's device KV pool, handed to the rank's daemon where it lies.
 
 SGLang allocates its KV per layer: MHA as one (2, rows, heads, head_dim)
 tensor per layer with `k_buffer[l]` and `v_buffer[l]` its halves, MLA as one
 (rows, 1, kv_dim) `kv_buffer[l]`; rows = size + page_size (page 0 absorbs
-padded tokens). Stacked over layers this is exactly the daemon's device pool,
-[layers, components, tokens, heads, head_dim]. So the pool is moved once, at
-start, into one allocation the daemon maps (on hosts without CUDA a memfd
-sealed against shrinking, handed to the daemon by descriptor; elsewhere one
-CUDA allocation shared by IPC handle), and every per-layer buffer becomes a
-view of it: no copy on any step.
+padded tokens). Each layer is one region of the daemon's device pool
+([components, rows, heads, head_dim], its own strides), so nothing is moved
+or copied at attach, no second copy of the pool ever exists, and CUDA graphs
+captured over those buffers read what the daemon loads into them:
+
+- on CUDA hosts, a CUDA IPC handle per layer (the caching allocator's block
+  and the storage's offset in it, as `torch.multiprocessing` shares a
+  storage), the region's offset within that storage;
+- on hosts without CUDA, the memory must be shareable from the start:
+  `shared_memory.install` makes SGLang allocate the pool inside one sealed
+  memfd, handed over by descriptor, a region per layer at its offset.
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from cpcache.geometry import DTYPES, KVGeometry
+from cpcache.geometry import DTYPES, KVGeometry, Region
+from cpcache.integrations.sglang.shared_memory import SharedMemory, memory_of
 
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+class PoolNotShareable(ValueError):
+    """SGLang's KV pool cannot be handed to the daemon where it lies."""
 
 
 @dataclass
 class SharedPool:
     geometry: KVGeometry
     device_pages: int
-    tensor: torch.Tensor  # [layers, components, rows, heads, head_dim]
-    fd: int = -1  # hosts without CUDA: the sealed memfd to hand over
-    cuda_ipc: dict[str, Any] | None = None  # CUDA hosts
-    _mapping: Any = None  # keeps a shared-memory mapping alive
+    regions: list[Region]
+    buffers: list[tuple[torch.Tensor, ...]]  # per layer: (K, V) or (KV,), the tensors the regions describe
+    fd: int = -1  # hosts without CUDA: the memfd of SGLang's pool (it owns it), to hand over
+    _memory: SharedMemory | None = field(default=None, repr=False)
 
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+    def addresses(self) -> list[tuple[int, ...]]:
+        """Per layer, the address of each buffer the regions describe."""
+        return [tuple(b.data_ptr() for b in layer) for layer in self.buffers]
 
 
 def geometry_of(kv_pool: Any, page_size: int) -> KVGeometry:
@@ -61,67 +69,101 @@ def geometry_of(kv_pool: Any, page_size: int) -> KVGeometry:
                       dtype=dtype, page_size=page_size)
 
 
-def _rows(kv_pool: Any, geometry: KVGeometry) -> int:
-    first = kv_pool.kv_buffer[0] if geometry.kv_kind == "mla" else kv_pool.k_buffer[0]
-    rows = first.shape[0]
+def layer_buffers(kv_pool: Any, geometry: KVGeometry) -> list[tuple[torch.Tensor, ...]]:
+    """Per layer, the pool's buffers in component order: (K, V) or (KV,)."""
+    if geometry.kv_kind == "mla":
+        return [(kv_pool.kv_buffer[layer],) for layer in range(geometry.layers)]
+    return [(kv_pool.k_buffer[layer], kv_pool.v_buffer[layer]) for layer in range(geometry.layers)]
+
+
+def _region(layer: int, buffers: tuple[torch.Tensor, ...], geometry: KVGeometry, rows: int, base: int,
+            cuda_ipc: dict[str, Any] | None = None) -> Region:
+    """The region `buffers` make, at its offset from `base`: one stride
+    steps from one component to the next (K to V), the rest are the
+    buffers' own."""
+    first = buffers[0]
+    if any(tuple(b.shape) != tuple(first.shape) or b.stride() != first.stride() for b in buffers):
+        raise PoolNotShareable(f"cpcache: layer {layer}'s K and V buffers differ in shape or strides")
+    if tuple(first.shape) != (rows, geometry.heads, geometry.head_dim):
+        raise PoolNotShareable(f"cpcache: layer {layer}'s KV buffer has shape {tuple(first.shape)}, "
+                               f"not {(rows, geometry.heads, geometry.head_dim)}")
+    component = 0
+    if len(buffers) > 1:
+        step = buffers[1].data_ptr() - first.data_ptr()
+        if step <= 0 or step % first.element_size():
+            raise PoolNotShareable(f"cpcache: layer {layer}'s V buffer does not follow its K buffer at a whole "
+                                   "number of elements")
+        component = step // first.element_size()
+    return Region(first.data_ptr() - base, (component, *first.stride()), cuda_ipc)
+
+
+def _rows(buffers: list[tuple[torch.Tensor, ...]], geometry: KVGeometry) -> int:
+    rows = buffers[0][0].shape[0]
     if rows % geometry.page_size:
-        raise ValueError(f"cpcache: {rows} KV rows are not a whole number of pages of {geometry.page_size}")
+        raise PoolNotShareable(f"cpcache: {rows} KV rows are not a whole number of pages of {geometry.page_size}")
     return rows
 
 
-def _allocate_sealed(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, Any, int]:
-    """A memfd sealed against shrinking and growing (the daemon refuses a
-    pool that could shrink under it), mapped here."""
-    import fcntl
-    import mmap
-
-    nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
-    fd = os.memfd_create("cpcache-sglang-kv", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    os.ftruncate(fd, nbytes)
-    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-    mapping = mmap.mmap(fd, nbytes)
-    return torch.frombuffer(mapping, dtype=torch.uint8).view(dtype).view(shape), mapping, fd
-
-
 def share_device_pool(kv_pool: Any, page_size: int) -> SharedPool:
-    """Move `kv_pool`'s buffers into one shared allocation, in place: the pool's
-    per-layer buffers become views of it, their contents kept."""
+    """Describe `kv_pool`'s buffers, where they lie, as the daemon's regions
+    (nothing moved, nothing copied)."""
     geometry = geometry_of(kv_pool, page_size)
-    rows = _rows(kv_pool, geometry)
-    shape = (geometry.layers, geometry.components, rows, geometry.heads, geometry.head_dim)
-    device = (kv_pool.kv_buffer[0] if geometry.kv_kind == "mla" else kv_pool.k_buffer[0]).device
-    mapping, fd = None, -1
+    buffers = layer_buffers(kv_pool, geometry)
+    rows = _rows(buffers, geometry)
+    device = buffers[0][0].device
     if device.type == "cuda":
-        tensor = torch.empty(shape, dtype=geometry.torch_dtype, device=device)
-    else:
-        tensor, mapping, fd = _allocate_sealed(shape, geometry.torch_dtype)
-    if geometry.kv_kind == "mla":
-        for layer in range(geometry.layers):
-            tensor[layer, 0].copy_(kv_pool.kv_buffer[layer])
-        kv_pool.kv_buffer = [tensor[layer, 0] for layer in range(geometry.layers)]
-        if hasattr(kv_pool, "data_ptrs"):  # MLA's pointer table names the new buffers too
-            kv_pool.data_ptrs = torch.tensor([b.data_ptr() for b in kv_pool.kv_buffer], dtype=torch.uint64,
-                                             device=device)
-    else:
-        for layer in range(geometry.layers):
-            tensor[layer, 0].copy_(kv_pool.k_buffer[layer])
-            tensor[layer, 1].copy_(kv_pool.v_buffer[layer])
-        kv_pool.k_buffer = [tensor[layer, 0] for layer in range(geometry.layers)]
-        kv_pool.v_buffer = [tensor[layer, 1] for layer in range(geometry.layers)]
-        # The pool's pointer tables must name the new buffers.
-        if hasattr(kv_pool, "_build_kv_buffer_descs"):
-            kv_pool._kv_buffer_descs = kv_pool._build_kv_buffer_descs()
-        if hasattr(kv_pool, "_init_data_ptrs_and_strides"):
-            kv_pool._init_data_ptrs_and_strides()
-    pool = SharedPool(geometry, rows // page_size, tensor, fd=fd, _mapping=mapping)
-    if device.type == "cuda":
-        pool.cuda_ipc = _cuda_ipc_fields(tensor)
-    return pool
+        regions = []
+        for layer, layer_bufs in enumerate(buffers):
+            storage = layer_bufs[0].untyped_storage()
+            if any(b.untyped_storage().data_ptr() != storage.data_ptr() for b in layer_bufs):
+                raise PoolNotShareable(f"cpcache: layer {layer}'s K and V buffers are not in one allocation "
+                                       "(SGLang allocates them as halves of one tensor)")
+            regions.append(_region(layer, layer_bufs, geometry, rows, storage.data_ptr(), cuda_ipc_fields(storage)))
+        return SharedPool(geometry, rows // page_size, regions, buffers)
+    memory = memory_of(kv_pool)
+    if memory is None:
+        raise PoolNotShareable(
+            "cpcache: SGLang's KV pool is not in shared memory, so the daemon cannot reach it: the cpcache "
+            "plugin allocates it there when SGLang loads its `sglang.srt.plugins` entry point (install cpcache "
+            "into SGLang's environment) and the server runs with --radix-cache-backend cpcache")
+    regions = [_region(layer, b, geometry, rows, memory.address) for layer, b in enumerate(buffers)]
+    return SharedPool(geometry, rows // page_size, regions, buffers, fd=memory.fd, _memory=memory)
 
 
-def _cuda_ipc_fields(tensor: torch.Tensor) -> dict[str, Any]:
+def check_in_place(pool: SharedPool, kv_pool: Any) -> None:
+    """Refuse unless the buffers handed over are the ones `kv_pool` (the
+    model runner's, which its forward and CUDA graphs use) holds now, layer
+    by layer, and its pointer tables name them."""
+    held = [tuple(b.data_ptr() for b in layer) for layer in layer_buffers(kv_pool, pool.geometry)]
+    handed = pool.addresses()
+    if len(held) != len(handed):
+        raise PoolNotShareable(f"cpcache: the model runner holds {len(held)} KV layers, {len(handed)} were handed "
+                               "to the daemon")
+    for layer, (h, given) in enumerate(zip(held, handed)):
+        if h != given:
+            raise PoolNotShareable(
+                f"cpcache: the KV buffers handed to the daemon are not the ones the model runner holds (layer "
+                f"{layer}: {_hexes(given)} handed, {_hexes(h)} held); the daemon would load pages the forward "
+                "never reads")
+    tables = {"k_data_ptrs": 0, "v_data_ptrs": 1} if pool.geometry.kv_kind == "mha" else {"data_ptrs": 0}
+    for name, component in tables.items():
+        table = getattr(kv_pool, name, None)
+        if isinstance(table, torch.Tensor) and table.numel() >= len(handed):
+            named = [int(p) for p in table[: len(handed)].tolist()]
+            if named != [layer[component] for layer in handed]:
+                raise PoolNotShareable(f"cpcache: SGLang's KV pointer table {name} does not name the buffers "
+                                       "handed to the daemon")
+
+
+def _hexes(addresses: tuple[int, ...]) -> str:
+    return "/".join(f"0x{a:x}" for a in addresses)
+
+
+def cuda_ipc_fields(storage: torch.UntypedStorage) -> dict[str, Any]:
+    """What `torch.multiprocessing` sends for a CUDA storage: the caching
+    allocator's block handle and the storage's offset in it."""
     (device, handle, storage_size, storage_offset, ref_counter_handle, ref_counter_offset, event_handle,
-     event_sync_required) = tensor.untyped_storage()._share_cuda_()
+     event_sync_required) = storage._share_cuda_()
     return dict(device=device, handle=handle, storage_size=storage_size, storage_offset=storage_offset,
                 ref_counter_handle=ref_counter_handle, ref_counter_offset=ref_counter_offset,
                 event_handle=event_handle, event_sync_required=event_sync_required)

@@ -68,11 +68,6 @@ def check(context: Any) -> None:
     if context.is_hybrid_swa or context.is_hybrid_ssm or getattr(context, "is_dsa", False):
         raise UnsupportedServer("cpcache: hybrid sliding-window, Mamba and DSA models are not supported "
                                 "(their extra cache components have no tier below the device)")
-    if getattr(server_args, "device", "cuda") == "cuda" and not getattr(server_args, "disable_cuda_graph", False):
-        raise UnsupportedServer(
-            "cpcache: on GPUs the backend moves SGLang's KV pool into one shared allocation after SGLang captured "
-            "its CUDA graphs, which would keep using the old buffers; add --disable-cuda-graph (and leave room for "
-            "the pool's move: a lower --mem-fraction-static)")
     if getattr(server_args, "dp_size", 1) > 1 and not getattr(server_args, "enable_dp_attention", False):
         raise UnsupportedServer(
             f"cpcache: --dp-size {server_args.dp_size} without --enable-dp-attention runs a separate world per "

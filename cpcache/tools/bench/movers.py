@@ -73,7 +73,8 @@ def device_pool(geometry: KVGeometry, pages: int) -> DevicePool:
     """Random pages where an inference process keeps its pool: device memory
     on CUDA, a shared-memory file elsewhere."""
     if torch.cuda.is_available():
-        pool = DevicePool(geometry, torch.empty(geometry.pool_shape(pages), dtype=geometry.torch_dtype, device="cuda"))
+        pool = DevicePool.of_tensor(geometry, torch.empty(geometry.pool_shape(pages), dtype=geometry.torch_dtype,
+                                                          device="cuda"))
         pool.tensor.view(-1).view(torch.uint8).random_(0, 256)
         return pool
     pool = DevicePool.create_sealed(geometry, pages=pages)

@@ -1,0 +1,78 @@
+"""The SGLang backend's side of in-place sharing, without SGLang: a pool
+laid out as the plugin's shared-memory allocation lays SGLang's out is
+described region by region (nothing moved), the daemon's mapping of those
+regions is the pool's own memory, and buffers that are not the model
+runner's are refused with an error that names the layer."""
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from cpcache.dataplane.pools import DevicePool
+from cpcache.integrations.sglang.pool import PoolNotShareable, check_in_place, share_device_pool
+from cpcache.integrations.sglang.shared_memory import _ATTRIBUTE, SharedMemory
+
+pytestmark = pytest.mark.timeout(60)
+
+LAYERS, HEADS, HEAD_DIM, PAGE = 3, 2, 8, 4
+SIZE = 28  # tokens; rows = size + page = 32, a whole number of pages
+
+
+def sglang_like_mha(shared: bool = True) -> SimpleNamespace:
+    """What SGLang's MHATokenToKVPool holds once the plugin allocated it."""
+    rows = SIZE + PAGE
+    pool = SimpleNamespace(layer_num=LAYERS, head_num=HEADS, head_dim=HEAD_DIM, v_head_dim=HEAD_DIM,
+                           store_dtype=torch.bfloat16, kv_cache_layout="nhd", size=SIZE, page_size=PAGE)
+    shape = (LAYERS, 2, rows, HEADS, HEAD_DIM)
+    if shared:
+        memory = SharedMemory.create(torch.Size(shape).numel() * 2)
+        setattr(pool, _ATTRIBUTE, memory)
+        blocks = memory.bytes().view(torch.bfloat16).view(shape)
+    else:
+        blocks = torch.zeros(shape, dtype=torch.bfloat16)
+    pool.k_buffer = [blocks[layer, 0] for layer in range(LAYERS)]
+    pool.v_buffer = [blocks[layer, 1] for layer in range(LAYERS)]
+    pool.k_data_ptrs = torch.tensor([b.data_ptr() for b in pool.k_buffer], dtype=torch.uint64)
+    pool.v_data_ptrs = torch.tensor([b.data_ptr() for b in pool.v_buffer], dtype=torch.uint64)
+    return pool
+
+
+def test_the_regions_describe_the_buffers_where_they_are_and_the_daemon_maps_them():
+    kv_pool = sglang_like_mha()
+    before = [(k.data_ptr(), v.data_ptr()) for k, v in zip(kv_pool.k_buffer, kv_pool.v_buffer)]
+    shared = share_device_pool(kv_pool, PAGE)
+    assert shared.device_pages == (SIZE + PAGE) // PAGE and len(shared.regions) == LAYERS
+    assert shared.addresses() == before
+    check_in_place(shared, kv_pool)
+    daemon = DevicePool.from_fd(os.dup(shared.fd), shared.geometry, shared.device_pages, shared.regions)
+    daemon.layers[1][1, 5].fill_(7.0)  # what the daemon's movers write, V of layer 1, row 5
+    assert bool((kv_pool.v_buffer[1][5] == 7.0).all())
+    kv_pool.k_buffer[2][9].fill_(-1.0)  # and what the forward writes, the daemon reads
+    assert bool((daemon.layers[2][0, 9] == -1.0).all())
+    assert [(k.data_ptr(), v.data_ptr()) for k, v in zip(kv_pool.k_buffer, kv_pool.v_buffer)] == before
+
+
+def test_buffers_that_are_not_the_model_runners_are_refused():
+    kv_pool = sglang_like_mha()
+    shared = share_device_pool(kv_pool, PAGE)
+    runner = sglang_like_mha()  # another pool: what a move or a re-allocation would leave
+    with pytest.raises(PoolNotShareable, match="layer 0"):
+        check_in_place(shared, runner)
+    kv_pool.k_buffer[1] = kv_pool.k_buffer[1].clone()  # one layer moved after the regions were taken
+    with pytest.raises(PoolNotShareable, match="layer 1: .* handed, .* held"):
+        check_in_place(shared, kv_pool)
+
+
+def test_a_pointer_table_that_names_other_buffers_is_refused():
+    kv_pool = sglang_like_mha()
+    shared = share_device_pool(kv_pool, PAGE)
+    kv_pool.v_data_ptrs = torch.tensor([p + 64 for p in kv_pool.v_data_ptrs.tolist()], dtype=torch.uint64)
+    with pytest.raises(PoolNotShareable, match="v_data_ptrs"):
+        check_in_place(shared, kv_pool)
+
+
+def test_a_pool_outside_shared_memory_is_refused_on_a_host_without_cuda():
+    with pytest.raises(PoolNotShareable, match="not in shared memory"):
+        share_device_pool(sglang_like_mha(shared=False), PAGE)
