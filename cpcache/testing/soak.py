@@ -45,18 +45,19 @@ import random
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
 from cpcache import errors
-from cpcache.client import AsyncClient, CacheRequests, SchedulerSession, StepResult, Tally
+from cpcache.client import AsyncClient, CacheRequests, SchedulerSession, StepResult
 from cpcache.daemon.launcher import DomainSpec, LocalDomain
 from cpcache.dataplane.pools import DevicePool
 from cpcache.geometry import KVGeometry
 from cpcache.keys import ShardingSpec
 from cpcache.testing.sim.pages import page_content, read_page, write_page
+from cpcache.testing.soak_report import SoakReport, print_progress
 from cpcache.topology import Topology
 from cpcache.values import Reduce
 
@@ -93,39 +94,6 @@ class SoakConfig:
     revoke_every: int = 4  # one open prefetch in this many is revoked rather than polled
     max_chain: int = 6  # pages per written chain: 1..max_chain
     run_dir: Path | None = None
-
-
-@dataclass
-class SoakReport:
-    decisions: int = 0
-    injected_rejections: int = 0
-    divergences: int = 0
-    hangs: int = 0
-    wrong_bytes: int = 0  # loaded pages whose bytes differ from what was written, summed over ranks
-    wrong_decisions: int = 0
-    unexpected_errors: int = 0
-    wall_s: float = 0.0
-    steps: int = 0
-    accepted_steps: int = 0
-    cancelled_calls: int = 0
-    cancelled_mid_round: int = 0  # of which: cancelled while the daemon held the step in its round
-    retried_steps: int = 0
-    verified_pages: int = 0
-    cache: Tally = field(default_factory=Tally)  # the cache operations of the steps taken, and their outcomes
-    votes_per_step: float = 0.0  # mean, over the steps sent
-    max_votes_per_step: int = 0
-    decisions_per_s: float = 0.0
-    steps_per_s: float = 0.0
-    first_errors: list = field(default_factory=list)
-
-    def note(self, what: str) -> None:
-        if len(self.first_errors) < 10:
-            self.first_errors.append(what)
-
-    @property
-    def ok(self) -> bool:
-        return not (self.divergences or self.hangs or self.wrong_bytes or self.wrong_decisions
-                    or self.unexpected_errors)
 
 
 def rank_spec(run_dir: Path, seed: int, host_pool_pages: int) -> DomainSpec:
@@ -444,18 +412,9 @@ async def soak(cfg: SoakConfig, progress: Callable[[SoakReport, float], None] | 
     return t
 
 
-def _progress(t: SoakReport, elapsed: float) -> None:
-    import sys
-
-    c = t.cache
-    print(f"  {elapsed:6.0f}s  steps {t.steps}  decisions {t.decisions}  rejections {t.injected_rejections}  "
-          f"cancelled {t.cancelled_calls}  writes {c.write_acks}/{c.write_failures}  loads {c.load_acks}/"
-          f"{c.load_failures}  divergences {t.divergences}  wrong bytes {t.wrong_bytes}", file=sys.stderr, flush=True)
-
-
 async def main(args: argparse.Namespace) -> int:
     cfg = SoakConfig(decisions=args.decisions, seed=args.seed)
-    t = await soak(cfg, None if args.json else _progress)
+    t = await soak(cfg, None if args.json else print_progress)
     out = asdict(t)
     if args.json:
         print(json.dumps(out))
