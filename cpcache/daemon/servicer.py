@@ -17,17 +17,16 @@ from cpcache.agreement.rounds import Questions
 from cpcache.daemon.status import Undecodable, guarded, wire_status
 from cpcache.daemon.wire import (
     DaemonStatus,
+    attach_from_wire,
     attach_reply,
-    cuda_ipc_from_wire,
     prefetches_from_wire,
-    regions_from_wire,
     request_digest,
     requests_from_wire,
     status_reply,
     step_reply,
     votes_from_wire,
 )
-from cpcache.errors import CacheError, InvalidArgument, PermissionDenied
+from cpcache.errors import CacheError, InvalidArgument
 from cpcache.geometry import KVGeometry, Region
 from cpcache.rank.attach import Attached
 from cpcache.rank.rank import Rank
@@ -126,36 +125,11 @@ class CacheDaemonServicer(pb_grpc.CacheDaemonServicer):
 
     @guarded
     async def Attach(self, request: pb.AttachRequest, context: grpc.aio.ServicerContext) -> pb.AttachReply:
-        g = request.geometry
-        geometry = KVGeometry(
-            layers=g.layers, kv_kind=g.kv_kind, heads=g.heads, head_dim=g.head_dim, dtype=g.dtype,
-            page_size=g.page_size,
-        )
-        if not request.model_id:
-            raise InvalidArgument("attach: model_id is required (it namespaces the page keys)")
-        which = request.WhichOneof("pool")
-        regions = regions_from_wire(request.regions)
-        per_layer_ipc = [r.cuda_ipc is not None for r in regions]
-        if any(per_layer_ipc) and not all(per_layer_ipc):
-            raise InvalidArgument("attach: a CUDA IPC handle in every region or in none")
-        if which is None and regions and all(per_layer_ipc):
-            which = "cuda_ipc"  # a storage per layer, each region naming its own
-        elif which is None:
-            raise InvalidArgument("attach: give shm_ticket (hosts without CUDA), cuda_ipc, or a CUDA IPC handle "
-                                  "in every region")
-        elif any(per_layer_ipc):
-            raise InvalidArgument(f"attach: regions with their own CUDA IPC handles take no {which}")
-        if which == "shm_path":
-            raise PermissionDenied("attach: the daemon opens no file a caller names; hand the pool over by "
-                                   "descriptor (a sealed memfd) on its .pools socket and attach with the "
-                                   "ticket (cpcache.client does it: attach(..., pool_fd=...))")
+        ask = attach_from_wire(request)
         if request.HasField("topology"):
             self._check_scheduler_topology(request.topology)
-        pool: str | dict[str, Any] | None = request.shm_ticket
-        if which == "cuda_ipc":
-            pool = cuda_ipc_from_wire(request.cuda_ipc) if request.HasField("cuda_ipc") else None
-        attached = await self._daemon.attach(request.model_id, geometry, request.device_pages, which, pool,
-                                             regions)
+        attached = await self._daemon.attach(ask.model_id, ask.geometry, ask.device_pages, ask.kind, ask.pool,
+                                             ask.regions)
         return attach_reply(attached)
 
     def _check_scheduler_topology(self, declared: pb.SchedulerTopology) -> None:

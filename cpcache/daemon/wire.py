@@ -11,8 +11,8 @@ from typing import Any
 from google.protobuf.message import Message
 
 from cpcache.agreement.rounds import Questions
-from cpcache.errors import InvalidArgument
-from cpcache.geometry import Region
+from cpcache.errors import InvalidArgument, PermissionDenied
+from cpcache.geometry import KVGeometry, Region
 from cpcache.hashing import hash62
 from cpcache.rank.attach import Attached
 from cpcache.rank.stepper import StepOutcome
@@ -55,6 +55,48 @@ def cuda_ipc_from_wire(handle: pb.CudaIpcHandle) -> dict[str, Any]:
 def regions_from_wire(regions: Iterable[pb.PoolRegion]) -> list[Region]:
     return [Region(r.offset, tuple(r.strides), cuda_ipc_from_wire(r.cuda_ipc) if r.HasField("cuda_ipc") else None)
             for r in regions]
+
+
+@dataclass(frozen=True)
+class AttachAsk:
+    """What an `AttachRequest` asks for, read and checked: the pool is a
+    ticket (`shm_ticket`), a CUDA IPC handle's fields (`cuda_ipc`), or None
+    when every region names its own CUDA storage."""
+
+    model_id: str
+    geometry: KVGeometry
+    device_pages: int
+    kind: str
+    pool: str | dict[str, Any] | None
+    regions: list[Region]
+
+
+def attach_from_wire(request: pb.AttachRequest) -> AttachAsk:
+    g = request.geometry
+    geometry = KVGeometry(layers=g.layers, kv_kind=g.kv_kind, heads=g.heads, head_dim=g.head_dim, dtype=g.dtype,
+                          page_size=g.page_size)
+    if not request.model_id:
+        raise InvalidArgument("attach: model_id is required (it namespaces the page keys)")
+    kind = request.WhichOneof("pool")
+    regions = regions_from_wire(request.regions)
+    per_layer_ipc = [r.cuda_ipc is not None for r in regions]
+    if any(per_layer_ipc) and not all(per_layer_ipc):
+        raise InvalidArgument("attach: a CUDA IPC handle in every region or in none")
+    if kind is None and regions and all(per_layer_ipc):
+        kind = "cuda_ipc"  # a storage per layer, each region naming its own
+    elif kind is None:
+        raise InvalidArgument("attach: give shm_ticket (hosts without CUDA), cuda_ipc, or a CUDA IPC handle "
+                              "in every region")
+    elif any(per_layer_ipc):
+        raise InvalidArgument(f"attach: regions with their own CUDA IPC handles take no {kind}")
+    if kind == "shm_path":
+        raise PermissionDenied("attach: the daemon opens no file a caller names; hand the pool over by "
+                               "descriptor (a sealed memfd) on its .pools socket and attach with the "
+                               "ticket (cpcache.client does it: attach(..., pool_fd=...))")
+    pool: str | dict[str, Any] | None = request.shm_ticket
+    if kind == "cuda_ipc":
+        pool = cuda_ipc_from_wire(request.cuda_ipc) if request.HasField("cuda_ipc") else None
+    return AttachAsk(request.model_id, geometry, request.device_pages, kind, pool, regions)
 
 
 def request_digest(method: str, request: Message) -> int:
