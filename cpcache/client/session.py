@@ -289,12 +289,13 @@ class SchedulerSession:
         """Whether a step is in flight, or the next one has anything to send or wait for.
 
         Its inputs are this scheduler's own calls since the last step and what
-        agreed replies left open (writes a step carried, not yet decided; open
-        prefetches): alike on every rank at the same iteration, never local I/O
+        agreed replies left open (writes and loads a step carried, not yet
+        decided; open prefetches): alike on every rank at the same iteration, never local I/O
         progress or timing. So every rank skips the same iterations, and the
         number of rounds stays a function of the scheduler's iterations
         (DESIGN.md, section 2, rule 2)."""
-        return self._in_flight is not None or self.has_unsent() or bool(self._writes) or bool(self._prefetches)
+        return (self._in_flight is not None or self.has_unsent() or bool(self._writes) or bool(self._loads)
+                or bool(self._prefetches))
 
     def in_flight(self) -> bool:
         return self._in_flight is not None

@@ -187,11 +187,7 @@ class DecisionRounds:
                 outcomes = await asyncio.gather(*(rank.call(method, data) for rank in self.ranks))
                 for o in outcomes:
                     self.report.count(method, o, raw=True)
-                    if o.ok:
-                        self.report.violation("undecodable request accepted", method, "OK", data)
-                    elif o.code in ("UNKNOWN", "INTERNAL"):
-                        self.report.violation("undocumented status (undecodable bytes)", method,
-                                              f"{o.code}: {short(o.message)}", data)
+                    self.report.check_undecodable(method, o, data)
                 return
             if request.step != step:
                 if prev < request.step <= MAX_STEP:

@@ -28,6 +28,14 @@ class Report:
             self.raw_sent[rpc] += 1
         self.statuses[rpc][outcome.code] += 1
 
+    def check_undecodable(self, rpc: str, outcome: CallOutcome, data: bytes) -> None:
+        """A request whose bytes do not decode must be refused with a documented status."""
+        if outcome.ok:
+            self.violation("undecodable request accepted", rpc, "OK", data)
+        elif outcome.code in ("UNKNOWN", "INTERNAL"):
+            self.violation("undocumented status (undecodable bytes)", rpc, f"{outcome.code}: {short(outcome.message)}",
+                           data)
+
     def violation(self, kind: str, rpc: str, detail: str, request: bytes | str | None = None) -> None:
         if len(self.violations) >= 500:
             return

@@ -62,11 +62,7 @@ class Fuzz:
         outcome = await self.ranks[rank].call(rpc, data)
         self.report.count(rpc, outcome, raw)
         if raw and parse(rpc, data) is None:
-            if outcome.ok:
-                self.report.violation("undecodable request accepted", rpc, "OK", data)
-            elif outcome.code in ("UNKNOWN", "INTERNAL"):
-                self.report.violation("undocumented status (undecodable bytes)", rpc,
-                                      f"{outcome.code}: {short(outcome.message)}", data)
+            self.report.check_undecodable(rpc, outcome, data)
             return
         # A WaitLoads whose own timeout outlasts our deadline may pass it.
         long_wait = rpc == "WaitLoads" and request is not None and not (request.timeout_s < DEADLINE_S - 2)

@@ -164,3 +164,13 @@ def test_the_skip_decision_is_the_same_on_every_rank_whatever_the_local_timing(m
     sent = sum(s for _, s, _ in runs["fast"])
     quiet = sum(not called for _, _, called in runs["fast"])
     assert 0 < sent and quiet > len(runs["fast"]) // 2  # some iterations stepped, most had nothing to say
+
+
+def test_a_load_a_step_carried_keeps_iterations_stepping_until_it_is_decided():
+    c = SchedulerSession(None, first_step=1)
+    ended: list[bool] = []
+    op = c.load([b"p1"], [5], done=ended.append)
+    step, _ = c.next_step()
+    assert c.busy() and not ended  # open at the daemon: only a later round decides it
+    c.follow(StepResult(step=step, round=step, decisions={}, digest=step, wire=b"", loads={op: 1}))
+    assert ended == [True] and not c.busy()
