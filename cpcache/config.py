@@ -79,6 +79,10 @@ class FaultInjection:
     storage_truncate_rate: float = setting(0.0, "Fault injection: probability that a storage batch stops early.")
     copy_delay_ms: float = setting(0.0, "Fault injection: each device <-> host copy waits uniform(0, this) ms.")
     copy_fail_rate: float = setting(0.0, "Fault injection: probability that a device <-> host copy fails.")
+    copy_layer_delay_ms: float = setting(0.0, "Fault injection: each layer of a load-back waits this many ms before "
+                                         "its copy (a slow copy, layer by layer).")
+    load_fail_layer: int = setting(-1, "Fault injection: every load-back fails at this layer, the layers before it "
+                                   "copied (-1: never).")
     seed: int = setting(0, "Seed of the fault injection.")
 
     def __post_init__(self) -> None:

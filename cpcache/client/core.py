@@ -27,6 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from cpcache import errors
 from cpcache.client.messages import CacheRequests, StepResult, attach_request, step_request, step_result
 from cpcache.client.pools import hand_over
+from cpcache.load_signals import LoadSignals
 from cpcache.topology import Topology
 from cpcache.v1 import daemon_pb2 as pb
 from cpcache.v1 import daemon_pb2_grpc as pb_grpc
@@ -124,8 +125,10 @@ def _step_call(step: int, votes: Iterable[tuple[int, Reduce, int]], requests: Ca
 
 def _attach_call(model_id: str, geometry: KVGeometry, device_pages: int, shm_ticket: str,
                  cuda_ipc: dict[str, Any] | None, placement: tuple[Topology, int] | None,
-                 regions: Sequence[Region]) -> Call[pb.AttachReply]:
-    return Call("Attach", attach_request(model_id, geometry, device_pages, shm_ticket, cuda_ipc, placement, regions))
+                 regions: Sequence[Region], load_signals: tuple[str, int, Sequence[bytes]] | None = None
+                 ) -> Call[pb.AttachReply]:
+    return Call("Attach", attach_request(model_id, geometry, device_pages, shm_ticket, cuda_ipc, placement, regions,
+                                         load_signals))
 
 
 def _wait_loads_call(op_ids: Iterable[int], timeout_s: float) -> Call[None]:
@@ -201,7 +204,8 @@ class _Face:
 
     def attach(self, model_id: str, geometry: KVGeometry, device_pages: int, pool_fd: int = -1,
                cuda_ipc: dict[str, Any] | None = None, placement: tuple[Topology, int] | None = None,
-               regions: Sequence[Region] = ()) -> Any:
+               regions: Sequence[Region] = (), load_signals: LoadSignals | None = None,
+               cuda_events: Sequence[bytes] = ()) -> Any:
         """Hand the daemon this model's device pool: -> pb.AttachReply.
         `pool_fd`: a sealed memfd pool (`DevicePool.create_sealed`), handed
         over by descriptor on the daemon's `<socket>.pools`; or `cuda_ipc`,
@@ -209,9 +213,14 @@ class _Face:
         contiguous pool), or, with neither `pool_fd` nor `cuda_ipc`, each
         layer in its own CUDA storage (`Region.cuda_ipc`). `placement`: the
         scheduler's topology and global rank, which the daemon checks
-        against its own."""
+        against its own. `load_signals`: a board where the daemon publishes
+        each load's layers as they land (handed over by descriptor too), with
+        `cuda_events` on CUDA hosts: an IPC event handle per slot and layer."""
         ticket = hand_over(self._address, pool_fd) if pool_fd >= 0 else ""
-        return self._send(_attach_call, model_id, geometry, device_pages, ticket, cuda_ipc, placement, regions)
+        board = (hand_over(self._address, load_signals.fd), load_signals.slots, tuple(cuda_events)) \
+            if load_signals is not None else None
+        return self._send(_attach_call, model_id, geometry, device_pages, ticket, cuda_ipc, placement, regions,
+                          board)
 
     def wait_loads(self, op_ids: Iterable[int], timeout_s: float = 30.0) -> Any:
         """Wait until these loads reached the device pool: -> None. The call's
@@ -243,12 +252,17 @@ class AsyncClient(_Face):
 
     async def attach(self, model_id: str, geometry: KVGeometry, device_pages: int, pool_fd: int = -1,
                      cuda_ipc: dict[str, Any] | None = None, placement: tuple[Topology, int] | None = None,
-                     regions: Sequence[Region] = ()) -> Any:
-        """As `Client.attach`; the pool's handover (a blocking exchange on the
-        daemon's `.pools` socket) runs on a thread, off the event loop."""
+                     regions: Sequence[Region] = (), load_signals: LoadSignals | None = None,
+                     cuda_events: Sequence[bytes] = ()) -> Any:
+        """As `Client.attach`; the handovers (blocking exchanges on the
+        daemon's `.pools` socket) run on a thread, off the event loop."""
         ticket = await asyncio.to_thread(hand_over, self._address, pool_fd) if pool_fd >= 0 else ""
+        board = None
+        if load_signals is not None:
+            board = (await asyncio.to_thread(hand_over, self._address, load_signals.fd), load_signals.slots,
+                     tuple(cuda_events))
         return await self._send(_attach_call, model_id, geometry, device_pages, ticket, cuda_ipc, placement,
-                                regions)
+                                regions, board)
 
     async def _send(self, build: Callable[..., Call[T]], *args: Any) -> T:
         call = build(*args)

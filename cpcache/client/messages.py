@@ -46,7 +46,7 @@ class CacheRequests:
     prefetch_polls: tuple = ()  # prefetch op ids
     revokes: tuple = ()  # prefetch op ids
     writes: tuple = ()  # (op_id, pages, device_pages[, parent])
-    loads: tuple = ()  # (op_id, pages, device_pages)
+    loads: tuple = ()  # (op_id, pages, device_pages[, signal_slot])
 
 
 def step_request(step: int, votes: Iterable[tuple[int, Reduce, int]] = (),
@@ -60,8 +60,9 @@ def step_request(step: int, votes: Iterable[tuple[int, Reduce, int]] = (),
         for op_id, pages, device_pages, *parent in requests.writes:
             request.writes.add(op_id=op_id, pages=pages, device_pages=device_pages,
                                parent=parent[0] if parent and parent[0] else b"")
-        for op_id, pages, device_pages in requests.loads:
-            request.loads.add(op_id=op_id, pages=pages, device_pages=device_pages)
+        for op_id, pages, device_pages, *signal in requests.loads:
+            request.loads.add(op_id=op_id, pages=pages, device_pages=device_pages,
+                              signal_slot=signal[0] if signal else 0)
     votes = list(votes)
     if votes:
         op_ids, reduces, values = zip(*votes)
@@ -104,7 +105,8 @@ def step_result(reply: pb.StepReply) -> StepResult:
 def attach_request(model_id: str, geometry: KVGeometry, device_pages: int, shm_ticket: str = "",
                    cuda_ipc: dict[str, Any] | None = None,
                    placement: tuple[Topology, int] | None = None,
-                   regions: Sequence[Region] = ()) -> pb.AttachRequest:
+                   regions: Sequence[Region] = (), load_signals: tuple[str, int, Sequence[bytes]] | None = None
+                   ) -> pb.AttachRequest:
     request = pb.AttachRequest(model_id=model_id, device_pages=device_pages, geometry=pb.Geometry(
         layers=geometry.layers, kv_kind=geometry.kv_kind, heads=geometry.heads, head_dim=geometry.head_dim,
         dtype=geometry.dtype, page_size=geometry.page_size))
@@ -120,4 +122,7 @@ def attach_request(model_id: str, geometry: KVGeometry, device_pages: int, shm_t
         request.cuda_ipc.CopyFrom(pb.CudaIpcHandle(**cuda_ipc))
     elif shm_ticket:
         request.shm_ticket = shm_ticket
+    if load_signals is not None:
+        ticket, slots, events = load_signals
+        request.load_signals.CopyFrom(pb.LoadSignals(shm_ticket=ticket, slots=slots, cuda_events=events))
     return request

@@ -37,6 +37,7 @@ from cpcache.client.core import Client
 from cpcache.client.messages import CacheRequests, StepResult
 from cpcache.client.outcomes import DecisionLog, HostMirror, Tally
 from cpcache.errors import Unavailable
+from cpcache.load_signals import LoadSignals
 
 Stored = Callable[[bool], None]  # a write's end: did its pages enter the host pool?
 Landed = Callable[[bool], None]  # a load's end: are its pages on every rank's device?
@@ -89,6 +90,7 @@ class SchedulerSession:
         self._brought: dict[str, int] = {}  # request id -> pages its ended prefetch brought (0: revoked)
         self._writes: dict[int, tuple[int, Stored | None]] = {}  # open write op -> (pages, its end)
         self._loads: dict[int, tuple[int, Landed | None]] = {}  # open load op -> (pages, its end)
+        self._signal_slots: dict[int, tuple[LoadSignals, int]] = {}  # open load op -> where its layers are published
         self._in_flight: Callable[[], StepResult] | None = None  # a step sent, its reply not yet taken
 
     # -- device -> host --------------------------------------------------------------
@@ -138,6 +140,46 @@ class SchedulerSession:
         self._unsent.loads.append((op, pages, device_pages))
         self._loads[op] = (len(pages), done)
         return op
+
+    def load_opened(self, pages: list[bytes], device_pages: list[int], signals: LoadSignals,
+                    done: Landed | None = None) -> tuple[int, int] | None:
+        """Load host pages into device pages, this rank's copy publishing its
+        layers on `signals` as they land, and return once the load's round
+        has opened it on every rank: -> (op id, signal slot); every rank's
+        copy has started, and `done(landed)` follows with the reply that
+        decides it (unless that was this one). None: no slot was free
+        (nothing sent), or the round ended the load (refused, or failed
+        everywhere it ran: no copy of it runs any more)."""
+        self.settle()
+        if self.host.prefix(pages) < len(pages):
+            self.tally.loads += 1  # evicted by the step in flight since the match: a failure like any
+            self.tally.load_failures += 1
+            return None
+        op = next(self._ids)
+        slot = signals.claim(op)
+        if not slot:
+            return None
+        self._unsent.loads.append((op, pages, device_pages, slot))
+        self._loads[op] = (len(pages), None)
+        # The slot is given back when the load is decided (its copies ended on
+        # every rank); one never decided (a step failed) stays taken.
+        self._signal_slots[op] = (signals, slot)
+        held = self.hold_writes()  # as in load_now: writes queued since this iteration's step wait for the next
+        try:
+            reply = self.flush()
+        finally:
+            self.release_writes(held)
+        if op in reply.load_failures:
+            return None
+        if op in self._loads:
+            self._loads[op] = (len(pages), done)
+        elif done is not None:
+            done(True)
+        return op, slot
+
+    def load_pending(self, op: int) -> bool:
+        """Whether load `op` is sent or queued and not yet decided."""
+        return op in self._loads
 
     # -- storage -> host ----------------------------------------------------------------
 
@@ -227,6 +269,9 @@ class SchedulerSession:
             self._end_write(write[0], False)
         for load in requests.loads:
             _, done = self._loads.pop(load[0])
+            if load[0] in self._signal_slots:  # no rank took it: no copy runs
+                signals, slot = self._signal_slots.pop(load[0])
+                signals.release(slot)
             if done is not None:
                 done(False)
         for prefetch in requests.prefetches:
@@ -275,6 +320,9 @@ class SchedulerSession:
         if op not in self._loads:
             return
         pages, done = self._loads.pop(op)
+        if op in self._signal_slots:
+            signals, slot = self._signal_slots.pop(op)
+            signals.release(slot)
         if landed:
             self.tally.load_acks += 1
             self.tally.loaded_pages += pages

@@ -33,8 +33,9 @@ from cpcache.daemon.pool_handover import SUFFIX as POOLS_SUFFIX
 from cpcache.daemon.pool_handover import PoolHandover
 from cpcache.daemon.servicer import CacheDaemonServicer
 from cpcache.daemon.systemd import Notifier, extend_timeout_while
-from cpcache.daemon.wire import DaemonStatus
+from cpcache.daemon.wire import DaemonStatus, SignalsAsk
 from cpcache.dataplane.pools import DevicePool
+from cpcache.dataplane.signal_board import open_board
 from cpcache.errors import CacheError, Unavailable
 from cpcache.geometry import KVGeometry, Region
 from cpcache.rank.attach import Attached
@@ -105,24 +106,36 @@ class Daemon:
                 self._idle.set()
 
     async def attach(self, model_id: str, geometry: KVGeometry, device_pages: int, kind: str,
-                     pool: str | dict[str, Any] | None, regions: Sequence[Region] = ()) -> Attached:
+                     pool: str | dict[str, Any] | None, regions: Sequence[Region] = (),
+                     signals: SignalsAsk | None = None) -> Attached:
         return await self.rank.attach(model_id, geometry, device_pages, kind,
                                       functools.partial(self._open_device, geometry, device_pages, kind, pool,
-                                                        regions))
+                                                        regions, signals))
 
     def _open_device(self, geometry: KVGeometry, device_pages: int, kind: str, pool: str | dict[str, Any] | None,
-                     regions: Sequence[Region]) -> DevicePool:
+                     regions: Sequence[Region], signals: SignalsAsk | None) -> DevicePool:
         if kind == "cuda_ipc":
             assert not isinstance(pool, str)
-            return DevicePool.from_cuda_ipc(pool, geometry, device_pages, regions)
+            device = DevicePool.from_cuda_ipc(pool, geometry, device_pages, regions)
+        else:
+            assert isinstance(pool, str)
+            fd, uid, pid = self._take(pool)
+            device = DevicePool.from_fd(fd, geometry, device_pages, regions)
+            log.info("attach: pool of %d pages (%s) handed over by pid %d (uid %d)", device_pages,
+                     f"{len(regions)} regions" if regions else "contiguous", pid, uid)
+        if signals is not None:
+            fd, _, _ = self._take(signals.ticket)
+            device.signals = open_board(fd, signals.slots, geometry.layers, signals.cuda_events,
+                                        device.layers[0].device)
+            log.info("attach: load-signal board of %d slots%s", signals.slots,
+                     " with CUDA events" if signals.cuda_events else "")
+        return device
+
+    def _take(self, ticket: str) -> tuple[int, int, int]:
+        """A descriptor handed over on the `.pools` socket: -> (fd, uid, pid)."""
         if self._pools is None:
             raise Unavailable("attach: the pool handover socket is not open yet")
-        assert isinstance(pool, str)
-        fd, uid, pid = self._pools.take(pool)
-        device = DevicePool.from_fd(fd, geometry, device_pages, regions)
-        log.info("attach: pool of %d pages (%s) handed over by pid %d (uid %d)", device_pages,
-                 f"{len(regions)} regions" if regions else "contiguous", pid, uid)
-        return device
+        return self._pools.take(ticket)
 
     def handover_stats(self) -> dict[str, int]:
         """What the pool handover refused or waited out, and the tickets it

@@ -17,6 +17,7 @@ from cpcache.agreement.rounds import Questions
 from cpcache.daemon.status import Undecodable, guarded, wire_status
 from cpcache.daemon.wire import (
     DaemonStatus,
+    SignalsAsk,
     attach_from_wire,
     attach_reply,
     prefetches_from_wire,
@@ -49,7 +50,8 @@ class DaemonPort(Protocol):
     def in_flight(self) -> AbstractContextManager[None]: ...
 
     async def attach(self, model_id: str, geometry: KVGeometry, device_pages: int, kind: str,
-                     pool: str | dict[str, Any] | None, regions: Sequence[Region] = ()) -> Attached: ...
+                     pool: str | dict[str, Any] | None, regions: Sequence[Region] = (),
+                     signals: SignalsAsk | None = None) -> Attached: ...
 
     def stats(self) -> dict[str, int]: ...
 
@@ -129,7 +131,7 @@ class CacheDaemonServicer(pb_grpc.CacheDaemonServicer):
         if request.HasField("topology"):
             self._check_scheduler_topology(request.topology)
         attached = await self._daemon.attach(ask.model_id, ask.geometry, ask.device_pages, ask.kind, ask.pool,
-                                             ask.regions)
+                                             ask.regions, ask.signals)
         return attach_reply(attached)
 
     def _check_scheduler_topology(self, declared: pb.SchedulerTopology) -> None:

@@ -43,7 +43,7 @@ def requests_from_wire(request: pb.StepRequest) -> CacheRequests:
         revokes=tuple(request.revokes),
         writes=tuple(WriteRequest(w.op_id, tuple(w.pages), tuple(w.device_pages), _parent(w.parent))
                      for w in request.writes),
-        loads=tuple(LoadRequest(x.op_id, tuple(x.pages), tuple(x.device_pages)) for x in request.loads),
+        loads=tuple(LoadRequest(x.op_id, tuple(x.pages), tuple(x.device_pages), x.signal_slot) for x in request.loads),
     )
 
 
@@ -58,6 +58,15 @@ def regions_from_wire(regions: Iterable[pb.PoolRegion]) -> list[Region]:
 
 
 @dataclass(frozen=True)
+class SignalsAsk:
+    """The load-signal board an Attach hands over (`LoadSignals`)."""
+
+    ticket: str
+    slots: int
+    cuda_events: tuple[bytes, ...] = ()
+
+
+@dataclass(frozen=True)
 class AttachAsk:
     """What an `AttachRequest` asks for, read and checked: the pool is a
     ticket (`shm_ticket`), a CUDA IPC handle's fields (`cuda_ipc`), or None
@@ -69,6 +78,7 @@ class AttachAsk:
     kind: str
     pool: str | dict[str, Any] | None
     regions: list[Region]
+    signals: SignalsAsk | None = None
 
 
 def attach_from_wire(request: pb.AttachRequest) -> AttachAsk:
@@ -96,7 +106,17 @@ def attach_from_wire(request: pb.AttachRequest) -> AttachAsk:
     pool: str | dict[str, Any] | None = request.shm_ticket
     if kind == "cuda_ipc":
         pool = cuda_ipc_from_wire(request.cuda_ipc) if request.HasField("cuda_ipc") else None
-    return AttachAsk(request.model_id, geometry, request.device_pages, kind, pool, regions)
+    return AttachAsk(request.model_id, geometry, request.device_pages, kind, pool, regions,
+                     signals_from_wire(request.load_signals) if request.HasField("load_signals") else None)
+
+
+def signals_from_wire(signals: pb.LoadSignals) -> SignalsAsk:
+    if not signals.shm_ticket:
+        raise InvalidArgument("attach: load_signals needs the ticket of its board, handed over by descriptor on the "
+                              "daemon's .pools socket (cpcache.client does it: attach(..., load_signals=...))")
+    if signals.slots < 1:
+        raise InvalidArgument("attach: load_signals needs at least one slot")
+    return SignalsAsk(signals.shm_ticket, signals.slots, tuple(signals.cuda_events))
 
 
 def request_digest(method: str, request: Message) -> int:

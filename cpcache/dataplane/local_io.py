@@ -175,7 +175,8 @@ class LocalIO:
 
     def _copy_to_device(self, intent: CopyToDevice) -> None:
         self._loads[intent.serial] = CopyOutcome.PENDING
-        job = self.transfers.submit((HOST, DEVICE), intent.slots, intent.device_pages, session=self.session)
+        job = self.transfers.submit((HOST, DEVICE), intent.slots, intent.device_pages, session=self.session,
+                                    signal=(intent.signal_slot, intent.op_id))
         self._load_jobs[intent.op_id] = job
         self._load_jobs.move_to_end(intent.op_id)
         while len(self._load_jobs) > LOAD_JOBS_KEPT:

@@ -22,7 +22,7 @@ from typing import TypeVar
 
 import torch
 
-from cpcache.dataplane.copy_faults import CopyFaultInjector, CopyFaults
+from cpcache.dataplane.copy_faults import CopyFaultInjector, CopyFaults, LayerFaults
 from cpcache.dataplane.inflight import InFlight
 from cpcache.dataplane.pools import DevicePool, HostPool, runs
 from cpcache.dataplane.sessions import Session
@@ -43,6 +43,10 @@ class TransferJob:
     dst: tuple
     job_id: int = 0
     device: DevicePool | None = None  # the device pool, bound when the job was issued
+    # A load-back's slot in the device pool's load-signal board and the
+    # scheduler's op id for it ((0, 0): none): its layers are published there.
+    signal: tuple[int, int] = (0, 0)
+    layer_faults: LayerFaults | None = None  # injected per-layer delays and failures (tests only)
 
 
 @dataclass(frozen=True)
@@ -113,10 +117,32 @@ def device_to_host(tiers: Tiers, job: TransferJob) -> TransferResult:
 def host_to_device(tiers: Tiers, job: TransferJob) -> TransferResult:
     device = _device(job)
     try:
-        _copy_layers(device, tiers.host, job.src, job.dst, to_device=True)
+        if job.signal[0] or job.layer_faults is not None:
+            _load_layer_by_layer(device, tiers.host, job)
+        else:
+            _copy_layers(device, tiers.host, job.src, job.dst, to_device=True)
     finally:  # copies already queued must end before the slots count as idle
         device.synchronize()
     return TransferResult(job.job_id, True, len(job.src))
+
+
+def _load_layer_by_layer(device: DevicePool, host: HostPool, job: TransferJob) -> None:
+    """A load-back a forward may already be reading: every run of pages of
+    layer 0, then of layer 1, ..., each layer published once its copies are
+    done (on a CUDA device: queued, and its event recorded after them)."""
+    spans = [(host.page_view(h, n), d, n) for h, d, n in runs(list(job.src), list(job.dst))]
+    slot, op = job.signal
+    signals = device.signals if slot else None
+    stream = torch.cuda.current_stream(device.layers[0].device) if device.is_cuda else None
+    for layer in range(device.geometry.layers):
+        if job.layer_faults is not None:
+            job.layer_faults.before_layer(layer)
+        for host_view, d, n in spans:
+            device.layer_pages(layer, d, n).copy_(host_view[layer], non_blocking=True)
+        if signals is not None:
+            if signals.events is not None:
+                signals.events[slot - 1][layer].record(stream)
+            signals.publish(slot, op, layer + 1)
 
 
 def _staged(tiers: Tiers, slots: list[int]) -> tuple[list[PageBuffer], torch.Tensor]:
@@ -175,6 +201,13 @@ def host_slots(route: tuple[str, str], job: TransferJob) -> tuple[int, ...]:
     return job.dst if route[1] == HOST else job.src
 
 
+def _signal_failure(job: TransferJob) -> None:
+    """A load-back that will not land: its forward must stop, not wait."""
+    slot, op = job.signal
+    if slot and job.device is not None and job.device.signals is not None:
+        job.device.signals.fail(slot, op)
+
+
 class Transfers:
     """Runs jobs on I/O threads, counting their host slots in flight."""
 
@@ -197,17 +230,23 @@ class Transfers:
         self.refused_jobs: dict[tuple[str, str], int] = {route: 0 for route in MOVERS}
 
     def submit(self, route: tuple[str, str], src: Sequence[int | str], dst: Sequence[int | str],
-               job_id: int | None = None, session: Session | None = None) -> Future:
+               job_id: int | None = None, session: Session | None = None,
+               signal: tuple[int, int] = (0, 0)) -> Future:
         """Start a job of `session` (None: a job of no session, bound to
         `tiers.device` now); its future resolves to a TransferResult (a
         failure inside the mover, or a refusal, is a failed result, not an
-        exception)."""
+        exception). `signal`: a load-back's (slot, op id) on the device
+        pool's load-signal board, where its layers are published (a failure
+        or a refusal too, so that no forward waits for it in vain)."""
         if route not in MOVERS:
             raise InvalidArgument(f"no mover from {route[0]} to {route[1]}")
         if len(src) != len(dst):
             raise InvalidArgument(f"a transfer needs as many sources as destinations, got {len(src)} and {len(dst)}")
         device = (session.device if session is not None else self.tiers.device) if touches_device(route) else None
-        job = TransferJob(tuple(src), tuple(dst), job_id if job_id is not None else next(self._ids), device)
+        layer_faults = self._copy_faults.layer_faults() if self._copy_faults is not None and route == (HOST, DEVICE) \
+            else None
+        job = TransferJob(tuple(src), tuple(dst), job_id if job_id is not None else next(self._ids), device,
+                          signal, layer_faults)
         slots = list(host_slots(route, job))
         self.in_flight.begin(slots)
         if session is not None:
@@ -217,6 +256,7 @@ class Transfers:
             future = executor.submit(self._run, route, job, slots, session)
         except RuntimeError:  # shutting down: a failed transfer, not an exception on the loop
             self.in_flight.end(slots)
+            _signal_failure(job)
             future = Future()
             future.set_result(TransferResult(job.job_id, False, 0))
         if session is not None:
@@ -246,6 +286,7 @@ class Transfers:
             # outlived a drain): it must not land in what comes after.
             self.in_flight.end(slots)
             log.warning("transfer %d (%s -> %s) of ended %r refused", job.job_id, *route, session)
+            _signal_failure(job)
             with self._counters_lock:
                 self.refused_jobs[route] += 1
                 self.failed_jobs[route] += 1
@@ -260,6 +301,8 @@ class Transfers:
             result = TransferResult(job.job_id, False, 0)
         finally:
             self.in_flight.end(slots)
+        if not result.success:
+            _signal_failure(job)
         with self._counters_lock:
             self.pages_moved[route] += result.pages_done
             self.failed_jobs[route] += not result.success

@@ -25,6 +25,7 @@ from cpcache.dataplane.regions import check as check_regions
 from cpcache.dataplane.regions import contiguous, region_shape
 from cpcache.errors import FailedPrecondition, InvalidArgument
 from cpcache.geometry import KVGeometry, Region
+from cpcache.load_signals import LoadSignals
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 
@@ -41,6 +42,7 @@ class DevicePool:
     _keepalive: object = None  # the mappings or storages behind the views
     fd: int = -1  # the creator's descriptor of a memfd pool, to hand over
     identity: tuple = ()  # which memory this is (device and inode of a memfd, regions), to tell a retry
+    signals: LoadSignals | None = None  # where load-backs publish their layers (the overlapped load-back)
 
     @property
     def pages(self) -> int:

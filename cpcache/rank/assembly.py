@@ -74,7 +74,9 @@ def open_runtime(config: DaemonConfig, geometry: KVGeometry, device: DevicePool,
     host = HostPool(geometry, config.host_pool_pages, config.host_layout)
     storage = open_storage(config, geometry, host)
     copy_faults = CopyFaults(config.faults.copy_delay_ms, config.faults.copy_fail_rate,
-                             seed=config.faults.seed * 1000 + config.rank + 500)
+                             seed=config.faults.seed * 1000 + config.rank + 500,
+                             layer_delay_ms=config.faults.copy_layer_delay_ms,
+                             load_fail_layer=config.faults.load_fail_layer)
     # The device pool is not one of the tiers: each session's jobs bind theirs.
     transfers = Transfers(Tiers(host, storage=storage), threads=config.io_threads, copy_faults=copy_faults)
     sharding = ShardingSpec(
@@ -94,6 +96,7 @@ def start_session(runtime: CacheRuntime, epoch: int, number: int, device: Device
     """Issue `runtime`'s jobs in a new session from now on: each binds the
     session's device pool when it is issued (DESIGN rule 10)."""
     runtime.io.begin_session(epoch, number, device)
+    runtime.state.signal_slots = device.signals.slots if device.signals is not None else 0
     return runtime
 
 
@@ -104,6 +107,7 @@ def carry_over(runtime: CacheRuntime, kept: list[KeptPage], busy: list[int], sto
     has ended, no open operations, and a fresh record of this rank's I/O."""
     old = runtime.state
     state = CacheState(old.config, PageAllocator(old.allocator.pages), old.sharding, old.page_size, old.device_pages)
+    state.signal_slots = old.signal_slots  # the same session's board
     restore(kept, state.index, state.allocator)
     state.carried_over(kept, busy)
     return CacheRuntime(state, runtime.io.renewed(storage_timeout_s))

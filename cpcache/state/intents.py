@@ -80,6 +80,7 @@ class CopyToDevice:
     op_id: int
     slots: tuple[int, ...]
     device_pages: tuple[int, ...]
+    signal_slot: int = 0  # the load-signal slot its layers are published in (0: none)
 
 
 Intent = Lookup | Fetch | CopyToHost | Store | CopyToDevice

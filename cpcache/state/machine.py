@@ -42,6 +42,7 @@ class CacheState:
                  device_pages: int) -> None:
         self.ledger = Ledger(config, allocator, sharding, page_size)
         self.device_pages = device_pages
+        self.signal_slots = 0  # slots of the attached pool's load-signal board (0: none)
 
     # What the rank, the daemon and the tests read of the ledger.
     @property
@@ -100,7 +101,7 @@ class CacheState:
         `loads_resident`, a load of pages no longer resident is not the
         step's fault (at lag >= 1 the scheduler learns of evictions late):
         it fails on its own when its step opens."""
-        check_shape(requests, self.device_pages)
+        check_shape(requests, self.device_pages, self.signal_slots)
         for req in requests.opened():
             if req.op_id in self.by_op_id:
                 raise InvalidArgument(f"operation {req.op_id} is already open")

@@ -40,6 +40,7 @@ class LoadRequest:
     op_id: int
     pages: tuple[bytes, ...]
     device_pages: tuple[int, ...]
+    signal_slot: int = 0  # where this rank's copy publishes its layers (0: nowhere); local, never agreed
 
 
 @dataclass(frozen=True)
@@ -78,10 +79,11 @@ class CacheRequests:
         return hash62(b"\x1f".join(parts))
 
 
-def check_shape(requests: CacheRequests, device_pages: int) -> None:
+def check_shape(requests: CacheRequests, device_pages: int, signal_slots: int = 0) -> None:
     """Refuse a malformed step: ids out of range or repeated, empty or
     oversized operations, hashes of the wrong size, device pages outside the
-    attached pool of `device_pages` pages."""
+    attached pool of `device_pages` pages, a load's signal slot outside the
+    attached board of `signal_slots` slots."""
     if requests.count() > MAX_REQUESTS_PER_STEP:
         raise InvalidArgument(f"a step carries at most {MAX_REQUESTS_PER_STEP} operations, got {requests.count()}")
     seen: set[int] = set()
@@ -109,6 +111,10 @@ def check_shape(requests: CacheRequests, device_pages: int) -> None:
         if bad:
             raise InvalidArgument(
                 f"operation {req.op_id}: device page {bad[0]} is outside the attached pool of {device_pages} pages")
+    for load in requests.loads:
+        if load.signal_slot and not 1 <= load.signal_slot <= signal_slots:
+            raise InvalidArgument(f"load {load.op_id}: signal slot {load.signal_slot} is outside the attached "
+                                  f"load-signal board ({signal_slots} slots)")
     named: set[int] = set()
     for op_id in (*requests.prefetch_polls, *requests.revokes):
         check_id(op_id, "prefetch id")

@@ -63,7 +63,7 @@ class PoolRegion(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., strides: _Optional[_Iterable[int]] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
-    __slots__ = ("model_id", "geometry", "device_pages", "shm_path", "cuda_ipc", "shm_ticket", "topology", "regions")
+    __slots__ = ("model_id", "geometry", "device_pages", "shm_path", "cuda_ipc", "shm_ticket", "topology", "regions", "load_signals")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
     DEVICE_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,7 @@ class AttachRequest(_message.Message):
     SHM_TICKET_FIELD_NUMBER: _ClassVar[int]
     TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_SIGNALS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     geometry: Geometry
     device_pages: int
@@ -80,7 +81,18 @@ class AttachRequest(_message.Message):
     shm_ticket: str
     topology: SchedulerTopology
     regions: _containers.RepeatedCompositeFieldContainer[PoolRegion]
-    def __init__(self, model_id: _Optional[str] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., device_pages: _Optional[int] = ..., shm_path: _Optional[str] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., shm_ticket: _Optional[str] = ..., topology: _Optional[_Union[SchedulerTopology, _Mapping]] = ..., regions: _Optional[_Iterable[_Union[PoolRegion, _Mapping]]] = ...) -> None: ...
+    load_signals: LoadSignals
+    def __init__(self, model_id: _Optional[str] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., device_pages: _Optional[int] = ..., shm_path: _Optional[str] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., shm_ticket: _Optional[str] = ..., topology: _Optional[_Union[SchedulerTopology, _Mapping]] = ..., regions: _Optional[_Iterable[_Union[PoolRegion, _Mapping]]] = ..., load_signals: _Optional[_Union[LoadSignals, _Mapping]] = ...) -> None: ...
+
+class LoadSignals(_message.Message):
+    __slots__ = ("shm_ticket", "slots", "cuda_events")
+    SHM_TICKET_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    CUDA_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    shm_ticket: str
+    slots: int
+    cuda_events: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, shm_ticket: _Optional[str] = ..., slots: _Optional[int] = ..., cuda_events: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class SchedulerTopology(_message.Message):
     __slots__ = ("tp", "cp", "dp", "pp", "rank")
@@ -137,14 +149,16 @@ class WriteOp(_message.Message):
     def __init__(self, op_id: _Optional[int] = ..., pages: _Optional[_Iterable[bytes]] = ..., device_pages: _Optional[_Iterable[int]] = ..., parent: _Optional[bytes] = ...) -> None: ...
 
 class LoadOp(_message.Message):
-    __slots__ = ("op_id", "pages", "device_pages")
+    __slots__ = ("op_id", "pages", "device_pages", "signal_slot")
     OP_ID_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    SIGNAL_SLOT_FIELD_NUMBER: _ClassVar[int]
     op_id: int
     pages: _containers.RepeatedScalarFieldContainer[bytes]
     device_pages: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, op_id: _Optional[int] = ..., pages: _Optional[_Iterable[bytes]] = ..., device_pages: _Optional[_Iterable[int]] = ...) -> None: ...
+    signal_slot: int
+    def __init__(self, op_id: _Optional[int] = ..., pages: _Optional[_Iterable[bytes]] = ..., device_pages: _Optional[_Iterable[int]] = ..., signal_slot: _Optional[int] = ...) -> None: ...
 
 class PrefetchRequest(_message.Message):
     __slots__ = ("step", "prefetches", "polls")

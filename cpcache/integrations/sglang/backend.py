@@ -10,11 +10,14 @@ from typing import Any
 
 from cpcache.client import Client, DecisionLog, SchedulerSession
 from cpcache.integrations.sglang import server_flags
+from cpcache.integrations.sglang.layer_loads import LayerLoads
 from cpcache.integrations.sglang.pool import SharedPool, check_in_place, layer_buffers, share_device_pool
 from cpcache.integrations.sglang.settings import Settings
+from cpcache.load_signals import SLOTS, LoadSignals
 from cpcache.topology import Topology
 
 log = logging.getLogger(__name__)
+CUDA_SLOTS = 16  # on CUDA hosts each slot is an IPC event per layer: fewer of them
 
 
 def _world_rank(tp_rank: int) -> int:
@@ -88,6 +91,7 @@ def build_cache(context: Any, settings: Settings | None = None) -> Any:
     runner_pool = _model_runner_pool(context, kv_pool)
     check_in_place(pool, runner_pool)  # what the daemon will write is what the forward reads
     before = pool.addresses()
+    layer_loads = _layer_loads(context, pool, runner_pool, kv_pool, settings)
     client = Client(socket, token=settings.token(), timeout_s=settings.timeout_s)
     try:
         lag = client.status().agreement_lag
@@ -95,8 +99,7 @@ def build_cache(context: Any, settings: Settings | None = None) -> Any:
             raise server_flags.UnsupportedServer(
                 f"cpcache: the daemon at {socket} runs with agreement_lag {lag}; the SGLang backend needs 0 (its "
                 "host matches follow the host pool step by step); start the daemons with --lag 0")
-        attached = client.attach(model_id, pool.geometry, pool.device_pages, pool_fd=pool.fd,
-                                 placement=(topology, rank), regions=pool.regions)
+        attached = _attach(client, model_id, pool, (topology, rank), layer_loads)
         first_step = client.status().last_step + 1
     except BaseException:
         client.close()
@@ -116,12 +119,43 @@ def build_cache(context: Any, settings: Settings | None = None) -> Any:
 
     def attach_again() -> SchedulerSession:
         check_in_place(pool, runner_pool)
-        client.attach(model_id, pool.geometry, pool.device_pages, pool_fd=pool.fd, placement=(topology, rank),
-                      regions=pool.regions)
+        if layer_loads is not None:
+            # A fresh board: copies of the ended session may still publish into the old one.
+            layer_loads.rebind(LoadSignals.create(layer_loads.signals.slots))
+        _attach(client, model_id, pool, (topology, rank), layer_loads)
         return connect(int(client.status().last_step) + 1)
 
     return CpcacheRadixCache(params, daemon_session=connect(first_step), pool=pool, attach_again=attach_again,
                              reattach_after=settings.reattach_after_iterations,
                              storage_prefetch=server_flags.storage_prefetch_enabled(context.server_args), rank=rank,
-                             host_pages=attached.host_pages, decisions=decisions)
+                             host_pages=attached.host_pages, decisions=decisions, layer_loads=layer_loads)
+
+
+def _attach(client: Client, model_id: str, pool: SharedPool, placement: tuple[Topology, int],
+            layer_loads: LayerLoads | None) -> Any:
+    signals = layer_loads.signals if layer_loads is not None else None
+    try:
+        return client.attach(model_id, pool.geometry, pool.device_pages, pool_fd=pool.fd, placement=placement,
+                             regions=pool.regions, load_signals=signals,
+                             cuda_events=layer_loads.event_handles() if layer_loads is not None else ())
+    finally:
+        if signals is not None:
+            signals.close_fd()  # the daemon holds its own descriptor now; the mapping stays
+
+
+def _layer_loads(context: Any, pool: SharedPool, runner_pool: Any, kv_pool: Any, settings: Settings
+                 ) -> LayerLoads | None:
+    """The overlapped load-back's counter, registered where SGLang's forward
+    and its scheduler look for a layer-transfer counter (None: blocking)."""
+    if settings.load_back != "overlapped":
+        return None
+    cuda = pool.cuda_device
+    layer_loads = LayerLoads(pool.geometry.layers, settings.timeout_s, cuda_device=cuda,
+                             slots=CUDA_SLOTS if cuda is not None else SLOTS)
+    for kv in {id(runner_pool): runner_pool, id(kv_pool): kv_pool}.values():
+        kv.register_layer_transfer_counter(layer_loads)
+    worker = getattr(context, "tp_worker", None)
+    if worker is not None:
+        worker.register_hicache_layer_transfer_counter(layer_loads)
+    return layer_loads
 

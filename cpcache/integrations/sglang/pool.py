@@ -46,6 +46,12 @@ class SharedPool:
         """Per layer, the address of each buffer the regions describe."""
         return [tuple(b.data_ptr() for b in layer) for layer in self.buffers]
 
+    @property
+    def cuda_device(self) -> torch.device | None:
+        """The CUDA device the KV lies on (None: host memory)."""
+        device = self.buffers[0][0].device
+        return device if device.type == "cuda" else None
+
 
 def geometry_of(kv_pool: Any, page_size: int) -> KVGeometry:
     """The daemon's geometry for an SGLang MHA or MLA token-to-KV pool."""

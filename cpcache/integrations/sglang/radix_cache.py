@@ -41,6 +41,7 @@ from sglang.srt.mem_cache.unified_radix_cache import NodeId, UnifiedRadixCache
 from cpcache.client.outcomes import DecisionLog, Tally
 from cpcache.client.session import SchedulerSession
 from cpcache.errors import CacheError
+from cpcache.integrations.sglang.layer_loads import LayerLoads, LoadBackFailed
 from cpcache.integrations.sglang.pool import SharedPool
 from cpcache.integrations.sglang.quarantine import Quarantine
 from cpcache.integrations.sglang.timing import SchedulerTime
@@ -71,7 +72,7 @@ class CpcacheRadixCache(UnifiedRadixCache):
     def __init__(self, params: Any, *, daemon_session: SchedulerSession, pool: SharedPool,
                  attach_again: Callable[[], SchedulerSession] | None = None, reattach_after: int = 64,
                  storage_prefetch: bool = True, rank: int = 0, host_pages: int = 0,
-                 decisions: DecisionLog | None = None) -> None:
+                 decisions: DecisionLog | None = None, layer_loads: LayerLoads | None = None) -> None:
         # Everything is set before the parent's constructor, which calls reset().
         self._built = False  # that reset() has nothing of cpcache's to flush yet
         # The rank's daemon (`self.session` is SGLang's own, its streaming sessions).
@@ -98,6 +99,9 @@ class CpcacheRadixCache(UnifiedRadixCache):
         self._attach_wait = self._reattach_after
         self.host_pages = host_pages
         self.decisions = decisions
+        # The overlapped load-back (None: blocking): layer_loads.py.
+        self.layer_loads = layer_loads
+        self._lost_loads = 0  # overlapped loads agreed failed after their batch was built
         super().__init__(params)
         self.daemon_session = daemon_session
         self._built = True
@@ -250,7 +254,7 @@ class CpcacheRadixCache(UnifiedRadixCache):
         if slots is None:
             return 0, fallback  # no room: the request computes its prefix
         try:
-            loaded = session.load_now(hit.pages, (slots[::ps] // ps).tolist())
+            loaded = self._load(session, hit.pages, (slots[::ps] // ps).tolist())
         except CacheError as exc:
             self._quarantined.hold(slots)  # undecided: the copy may still land there
             self._fall_back(exc)
@@ -272,8 +276,26 @@ class CpcacheRadixCache(UnifiedRadixCache):
         loaded = super().match_prefix(MatchPrefixParams(key=key))
         return tokens, loaded.last_device_node
 
+    def _load(self, session: SchedulerSession, pages: list[bytes], device_pages: list[int]) -> bool:
+        """Load `pages` into `device_pages`: -> whether the forward may read them.
+        Overlapped, once the load's round opened it (each layer of the
+        forward then waits for its own copy); blocking, once decided."""
+        if self.layer_loads is None or not self.layer_loads.has_room():
+            return session.load_now(pages, device_pages)
+        opened = session.load_opened(pages, device_pages, self.layer_loads.signals, done=self._overlapped_decided)
+        if opened is None:
+            return False  # ended in its opening round: no copy of it runs
+        self.layer_loads.opened(*opened)
+        return True
+
+    def _overlapped_decided(self, landed: bool) -> None:
+        if not landed:
+            self._lost_loads += 1  # read by a forward that may have run: checked at the iteration's end
+
     def ready_to_load_host_cache(self) -> int:
-        return -1  # loads end in init_load_back, before the batch that uses them
+        """The index the batch just built waits on, layer by layer (-1: it
+        loads nothing, or loads end in init_load_back: the blocking path)."""
+        return self.layer_loads.start_batch() if self.layer_loads is not None else -1
 
     # -- storage -> host ----------------------------------------------------------------
 
@@ -332,6 +354,19 @@ class CpcacheRadixCache(UnifiedRadixCache):
         """Once per scheduler iteration, on every rank: the iteration's step."""
         with self.clock.hook() as iteration:
             iteration.idle = not self._iterate()
+            if self.layer_loads is not None:
+                self._check_overlapped_loads()
+
+    def _check_overlapped_loads(self) -> None:
+        if self._lost_loads:
+            # Agreed alike on every rank: some rank's copy of a load that a
+            # forward reads failed. That rank stopped in its forward; the
+            # others stop here, never serving from KV that is not there.
+            raise LoadBackFailed(f"cpcache: rank {self.rank}: {self._lost_loads} overlapped load-backs failed on "
+                                 "some rank after their batch was built; stopping the rank")
+        session = self.daemon_session
+        if session is not None and self.layer_loads is not None:
+            self.layer_loads.forget_decided(session.load_pending)
 
     def _iterate(self) -> bool:
         """-> whether the daemon was called (a reply taken, a step sent, an attach tried)."""

@@ -2,7 +2,7 @@
 
     {"socket": "/run/cpcache/rank-{rank}.sock", "model_id": "llama-3-8b",
      "token_file": "", "timeout_s": 30, "record_decisions": false,
-     "reattach_after_iterations": 64}
+     "reattach_after_iterations": 64, "load_back": "overlapped"}
 
 `socket` may name `{rank}` (the process's rank in torch.distributed's world,
 which is what `cpcache launch` and the systemd units number daemons by) and
@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass, fields
 
 ENV = "CPCACHE_SGLANG_CONFIG"
+LOAD_BACKS = ("overlapped", "blocking")
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,14 @@ class Settings:
     # each later try waits twice as long (counted in iterations, which every
     # rank runs alike, so every rank tries at the same one).
     reattach_after_iterations: int = 64
+    # "overlapped": a host hit's load returns once its round opened it, and
+    # each layer of the forward waits for that layer's copy; "blocking": the
+    # scheduler waits for the whole load to be decided before the forward.
+    load_back: str = "overlapped"
+
+    def __post_init__(self) -> None:
+        if self.load_back not in LOAD_BACKS:
+            raise ValueError(f"cpcache: load_back must be one of {', '.join(LOAD_BACKS)}, not {self.load_back!r}")
 
     @staticmethod
     def load(path: str | None = None) -> Settings:

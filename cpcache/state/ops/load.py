@@ -44,7 +44,7 @@ def open_load(ledger: Ledger, req: LoadRequest) -> list[Intent]:
     ledger.record("load", load.serial, req.op_id, req.pages)
     if ledger.write_policy.backup_when_hot:
         backup.queue(ledger, [p for p, e in zip(pages, entries) if e.hits == 2 and not e.backed_up])
-    return [CopyToDevice(load.serial, req.op_id, tuple(load.slots), req.device_pages)]
+    return [CopyToDevice(load.serial, req.op_id, tuple(load.slots), req.device_pages, req.signal_slot)]
 
 
 def _end(ledger: Ledger, load: Load, outcome: CopyOutcome, decisions: Decisions) -> None:
