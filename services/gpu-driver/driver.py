@@ -51,6 +51,7 @@ CHECKS = {
     "test_cuda_ipc_attach_and_round_trip": "ipc_attach",
     "test_two_process_domain_on_one_gpu": "two_process_domain",
     "test_cuda_graph_": "cuda_graph",
+    "test_overlapped_load_back_": "overlapped_load_back",
 }
 
 PROBE = """
@@ -85,7 +86,8 @@ class Run:
 
     def env(self) -> dict[str, str]:
         paths = [str(self.site), str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-        return {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "PYTHONDONTWRITEBYTECODE": "1"}
+        return {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "PYTHONDONTWRITEBYTECODE": "1",
+                "CPCACHE_GPU_FIGURES": str(self.scratch / "figures.json")}
 
     def phase(self, name: str, argv: list[str]) -> subprocess.CompletedProcess:
         """Run one phase's command within its limit and what is left of the deadline."""
@@ -174,6 +176,8 @@ def gpu_tests(run: Run) -> None:
         checks[check] = checks.get(check, True) and test["outcome"] == "passed"
     counts = {o: sum(t["outcome"] == o for t in tests) for o in ("passed", "failed", "error", "skipped")}
     run.summary["tests"] = {"counts": counts, "checks": checks, "cases": tests, "pytest_exit": done.returncode}
+    figures = run.scratch / "figures.json"  # the overlapped load-back's times, written by its test
+    run.summary["overlapped_load_back"] = json.loads(figures.read_text()) if figures.exists() else None
     if done.returncode != 0 or not tests or counts["passed"] != len(tests) or set(CHECKS.values()) - set(checks):
         run.summary["tests_output_tail"] = (done.stdout + done.stderr)[-TAIL:]
         raise Stop(FAILED, f"tests/gpu: {counts} (pytest exit {done.returncode}; a skip counts as a failure "

@@ -52,7 +52,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory):
     work = tmp_path_factory.mktemp("sglang")
     model = make_tiny_model(work / "tiny-llama")
     begun = time.monotonic()
-    with started(work, model, SHAPE) as stack:
+    # The blocking load-back: this file's daemon killed mid-load is served on
+    # (a dead daemon is no tiers); with the overlapped one (the default,
+    # test_load_back.py) a daemon lost while a forward reads its load stops
+    # the rank instead, as a copy failing there does.
+    with started(work, model, SHAPE, backend={"load_back": "blocking"}) as stack:
         print(f"servers ready in {time.monotonic() - begun:.1f} s")
         yield stack
 

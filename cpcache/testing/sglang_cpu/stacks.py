@@ -74,7 +74,11 @@ def prompt(system: list[int], doc: list[int], turn: int, question: int) -> list[
 class Stack:
     def __init__(self, work: Path, model: Path, shape: Shape, storage_settings: dict | None = None,
                  copy_delay_ms: float = 400.0, storage_delay_ms: float = 200.0,
-                 per_rank: dict[int, dict] | None = None) -> None:
+                 per_rank: dict[int, dict] | None = None, backend: dict | None = None,
+                 daemon_settings: dict | None = None, with_reference: bool = True) -> None:
+        """`backend`: the SGLang backend's settings over the defaults here;
+        `daemon_settings`: more daemon settings for every rank;
+        `with_reference`: start the `--disable-radix-cache` server too."""
         self.work = work
         self.shape = shape
         self.storage = work / "pages"
@@ -89,10 +93,10 @@ class Stack:
             fault_copy_delay_ms=copy_delay_ms,
             # Every storage call is slowed too: prefetches are still open when
             # their request is aborted.
-            fault_storage_delay_ms=storage_delay_ms), per_rank=per_rank or {})
+            fault_storage_delay_ms=storage_delay_ms, **(daemon_settings or {})), per_rank=per_rank or {})
         config = work / "sglang-cpcache.json"
         config.write_text(json.dumps({"socket": str(work / "run" / "rank-{rank}.sock"), "model_id": "tiny",
-                                      "reattach_after_iterations": 32, "record_decisions": True}))
+                                      "reattach_after_iterations": 32, "record_decisions": True, **(backend or {})}))
         self.model = model
         # --enable-metrics: SGLang's HiCache gauges read the backend's host pool,
         # and its idle counters (every rank's) tell when its idle checks ran.
@@ -102,25 +106,29 @@ class Stack:
         self.cpcache = Server("cpcache", model, work, flags, tp=shape.tp, cp=shape.cp, page_size=PAGE,
                               device_tokens=DEVICE_TOKENS, env=env)
         self.plain = Server("reference", model, work, PLAIN_FLAGS, tp=shape.reference_tp, page_size=PAGE,
-                            device_tokens=DEVICE_TOKENS)
+                            device_tokens=DEVICE_TOKENS) if with_reference else None
         self.expected: dict[tuple[int, ...], Reply] = {}
 
     def start(self) -> Stack:
         self.daemons.start()
-        self.plain.start()
+        if self.plain is not None:
+            self.plain.start()
         self.cpcache.start()
-        self.plain.wait_ready()
+        if self.plain is not None:
+            self.plain.wait_ready()
         self.cpcache.wait_ready()
         return self
 
     def stop(self) -> None:
         self.cpcache.stop()
-        self.plain.stop()
+        if self.plain is not None:
+            self.plain.stop()
         self.daemons.stop()
 
     def reference(self, ids: list[int]) -> Reply:
         key = tuple(ids)
         if key not in self.expected:
+            assert self.plain is not None, "a stack started without its reference server"
             self.expected[key] = self.plain.generate(ids)
         return self.expected[key]
 
