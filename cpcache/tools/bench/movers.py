@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from cpcache.dataplane.movers import DEVICE, HOST, STORAGE, Tiers, Transfers
+from cpcache.dataplane.movers import DEVICE, HOST, STORAGE, Tiers, TransferResult, Transfers
 from cpcache.dataplane.pools import LAYOUTS, DevicePool, HostPool
 from cpcache.dataplane.storage import open_backend
 from cpcache.geometry import KVGeometry
@@ -125,7 +125,21 @@ def device_host_entries(device: DevicePool, host: HostPool, blocks: int) -> list
 
 
 def move_all(transfers: Transfers, route: tuple[str, str], pages: list[int]) -> None:
-    transfers.submit(route, pages, pages).result()
+    moved(transfers.submit(route, pages, pages).result(), len(pages))
+
+
+def moved(result: TransferResult, pages: int) -> None:
+    """A timing is only of a transfer that moved every page: one that failed
+    fast would read as a fast mover."""
+    if not result.success or result.pages_done != pages:
+        raise RuntimeError(f"bench movers: a transfer moved {result.pages_done} of {pages} pages")
+
+
+def all_ok(codes: list[int], expected: int, what: str) -> None:
+    """The same for a raw Mooncake batch call (`expected`: each key's code)."""
+    bad = sum(1 for c in codes if c != expected)
+    if bad:
+        raise RuntimeError(f"bench movers: raw mooncake {what} failed for {bad} of {len(codes)} pages")
 
 
 def bench_device_host(page_bytes: int, tokens: int, blocks: int = REPEATS) -> list[dict]:
@@ -179,10 +193,10 @@ def bench_page_size(page_bytes: int, tokens: int, work: Path, master: MooncakeMa
             with open(raw_dir / name, "rb") as fh:
                 fh.readinto(buf.view.data)
 
-    entry("host->file", compare(lambda: transfers.submit((HOST, STORAGE), pages, fresh("mover")).result(),
+    entry("host->file", compare(lambda: moved(transfers.submit((HOST, STORAGE), pages, fresh("mover")).result(), n),
                                 raw_write, nbytes))
-    entry("file->host", compare(lambda: transfers.submit((STORAGE, HOST), written["mover"][-1], pages).result(),
-                                raw_read, nbytes))
+    entry("file->host", compare(
+        lambda: moved(transfers.submit((STORAGE, HOST), written["mover"][-1], pages).result(), n), raw_read, nbytes))
     transfers.close()
 
     if master is not None:
@@ -190,7 +204,9 @@ def bench_page_size(page_bytes: int, tokens: int, work: Path, master: MooncakeMa
 
         store = open_backend("mooncake", master=master.master, metadata_server=master.metadata_server,
                              buffers=[(host.tensor.data_ptr(), host.nbytes)],
-                             global_segment_size=4 * (BATCH_BYTES + (64 << 20)), local_buffer_size=16 << 20)
+                             # every put of this page size stays stored (nothing evicted, no put refused)
+                             global_segment_size=(2 * blocks + 3) * BATCH_BYTES + (64 << 20),
+                             local_buffer_size=16 << 20)
         assert isinstance(store, MooncakeBackend)
         raw_store = store._store  # the mooncake store itself, for the raw calls
         transfers = Transfers(Tiers(host, device, store), threads=1)
@@ -202,17 +218,20 @@ def bench_page_size(page_bytes: int, tokens: int, work: Path, master: MooncakeMa
             return [f"m{prefix}_{i}" for i in pages]
 
         def put_via_mover() -> None:
-            transfers.submit((HOST, STORAGE), pages, fresh_keys()).result()
+            moved(transfers.submit((HOST, STORAGE), pages, fresh_keys()).result(), n)
 
         def raw_put() -> None:
-            raw_store.batch_put_from(fresh_keys(), addresses, sizes)
+            all_ok(raw_store.batch_put_from(fresh_keys(), addresses, sizes), 0, "put")
 
         entry("host->mooncake", compare(put_via_mover, raw_put, nbytes))
-        stored = fresh_keys()
-        raw_store.batch_put_from(stored, addresses, sizes)
+        # Each side reads what it wrote: the mover's objects are framed pages
+        # (header and checksum), the raw ones bare bytes.
+        framed, bare = fresh_keys(), fresh_keys()
+        moved(transfers.submit((HOST, STORAGE), pages, framed).result(), n)
+        all_ok(raw_store.batch_put_from(bare, addresses, sizes), 0, "put")
         entry("mooncake->host", compare(
-            lambda: transfers.submit((STORAGE, HOST), stored, pages).result(),
-            lambda: raw_store.batch_get_into(stored, addresses, sizes), nbytes))
+            lambda: moved(transfers.submit((STORAGE, HOST), framed, pages).result(), n),
+            lambda: all_ok(raw_store.batch_get_into(bare, addresses, sizes), page_bytes, "get"), nbytes))
         raw_store.remove_all()
         transfers.close()
     return out
