@@ -70,6 +70,13 @@ def open_operations_on(stack: Stack, rank: int, until: Callable[[dict[str, int]]
                 return ops
 
 
+def wait_no_io(stack: Stack, rank: int) -> None:
+    """Until `rank`'s daemon has no I/O in flight (its host slots all idle)."""
+    with Client(stack.daemons.socket(rank), timeout_s=10) as daemon:
+        while dict(daemon.stats()).get("in_flight_slots", 0):
+            pass
+
+
 def kill_daemon_mid_run_and_come_back(stack: Stack, seed: int, victim: int = 1) -> None:
     """A daemon SIGKILLed while loads, writes and prefetches are in flight
     (slowed copies and storage keep them open), the server then idle long
@@ -99,8 +106,19 @@ def kill_daemon_mid_run_and_come_back(stack: Stack, seed: int, victim: int = 1) 
         for (thread, answer), want in zip(workers, wanted):
             thread.join(300)
             assert answer and same_outputs(answer[0], want), f"answered {answer}, a server without cache {want}"
+    landed_first = stack.load_back == "overlapped"
+    if landed_first:
+        # With the overlapped load-back a forward reads an open load as it
+        # lands, and a daemon lost before its copy landed stops the server
+        # (docs/sglang.md; tests/sglang/test_load_back.py shows it). So here
+        # the server is paused, the victim's copies and storage calls end
+        # (its operations stay open: no round decides them), then it dies.
+        stack.cpcache.process.pause()
+        wait_no_io(stack, victim)
     os.kill(stack.daemons.daemon_pid(victim), signal.SIGKILL)
-    print(f"daemon {victim} killed with {caught} open (round {attempt + 1})")
+    if landed_first:
+        stack.cpcache.process.resume()
+    print(f"daemon {victim} killed with {caught} open (round {attempt + 1}, copies landed first: {landed_first})")
     assert caught["open_loads"] > 0, f"no load was in flight when the daemon died, in {attempt + 1} rounds: {caught}"
     for (thread, answer), want in zip(workers, wanted):
         thread.join(300)

@@ -41,16 +41,18 @@ class LayerLoads:
         self.consumer_index = -1
         # On CUDA hosts, one event per slot and layer, recorded by the daemon after the layer's copies.
         self._events: list[list[Any]] | None = None
+        self._handles: list[bytes] = []
         if cuda_device is not None:
             import torch
 
-            with torch.cuda.device(cuda_device):
+            with torch.cuda.device(cuda_device):  # an event is created on the current device, at its first use
                 self._events = [[torch.cuda.Event(interprocess=True) for _ in range(num_layers)]
                                 for _ in range(slots)]
+                self._handles = [event.ipc_handle() for layer_events in self._events for event in layer_events]
 
     def event_handles(self) -> list[bytes]:
         """The IPC handles the daemon records into, slot-major (none without CUDA)."""
-        return [event.ipc_handle() for layer_events in self._events or [] for event in layer_events]
+        return list(self._handles)
 
     def rebind(self, signals: LoadSignals) -> None:
         """A new board, for a new attach: loads of the last one are forgotten."""

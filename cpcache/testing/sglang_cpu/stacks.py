@@ -95,8 +95,10 @@ class Stack:
             # their request is aborted.
             fault_storage_delay_ms=storage_delay_ms, **(daemon_settings or {})), per_rank=per_rank or {})
         config = work / "sglang-cpcache.json"
-        config.write_text(json.dumps({"socket": str(work / "run" / "rank-{rank}.sock"), "model_id": "tiny",
-                                      "reattach_after_iterations": 32, "record_decisions": True, **(backend or {})}))
+        backend = {"socket": str(work / "run" / "rank-{rank}.sock"), "model_id": "tiny",
+                   "reattach_after_iterations": 32, "record_decisions": True, **(backend or {})}
+        config.write_text(json.dumps(backend))
+        self.load_back = backend.get("load_back", "overlapped")
         self.model = model
         # --enable-metrics: SGLang's HiCache gauges read the backend's host pool,
         # and its idle counters (every rank's) tell when its idle checks ran.
