@@ -223,12 +223,14 @@ def main(argv: list[str] | None = None) -> int:
         query.add_argument("--timeout", type=float, default=5.0)
 
     bench = sub.add_parser("bench", help="run a benchmark and print its figures")
-    bench.add_argument("name", choices=["agreement", "movers", "ranks", "sglang", "sglang-soak", "soak", "state"])
+    bench.add_argument("name", choices=["agreement", "load-back", "movers", "ranks", "sglang", "sglang-soak", "soak",
+                                        "state"])
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.add_argument("--steps", type=int, default=40,
                        help="agreement, ranks, state: measured steps per case and block")
     bench.add_argument("--repeat", type=int, default=5,
-                       help="agreement, movers, ranks, sglang: blocks, each measuring candidate and baseline one "
+                       help="agreement, load-back, movers, ranks, sglang: blocks, each measuring candidate and "
+                            "baseline one "
                             "after the other; ratios are the median over the blocks")
     from cpcache.tools.bench.sizes import DEFAULT_RANKS, parse_ranks
 
@@ -246,7 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--requests", type=int, default=4, help="sglang: concurrent requests per wave")
     bench.add_argument("--waves", type=int, default=2, help="sglang: waves of requests per server and block")
     bench.add_argument("--new-tokens", type=int, default=32, help="sglang: tokens each request generates")
-    bench.add_argument("--work-dir", help="sglang, sglang-soak: where the model, logs and daemons go (kept; "
+    bench.add_argument("--layer-delay-ms", type=float, default=25.0,
+                       help="load-back: each layer of every load-back's copy takes this long (injected)")
+    bench.add_argument("--work-dir", help="sglang, sglang-soak, load-back: where the model, logs and daemons go (kept; "
                        "default: a temp dir, removed after a run that succeeded)")
     from cpcache.testing.sglang_soak import add_flags as add_soak_flags
 
@@ -301,6 +305,10 @@ def main(argv: list[str] | None = None) -> int:
             from cpcache.testing import sglang_soak
 
             return sglang_soak.main(args)
+        if args.command == "bench" and args.name == "load-back":
+            from cpcache.testing import load_back
+
+            return load_back.main(args)
         if args.command == "bench" and args.name == "movers":
             from cpcache.tools.bench import movers
 
