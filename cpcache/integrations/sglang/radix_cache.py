@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,6 +40,7 @@ from sglang.srt.mem_cache.unified_radix_cache import NodeId, UnifiedRadixCache
 from cpcache.client.outcomes import DecisionLog, Tally
 from cpcache.client.session import SchedulerSession
 from cpcache.errors import CacheError
+from cpcache.integrations.sglang.host_hits import HostHit, HostPoolView
 from cpcache.integrations.sglang.layer_loads import LayerLoads, LoadBackFailed
 from cpcache.integrations.sglang.pool import SharedPool
 from cpcache.integrations.sglang.quarantine import Quarantine
@@ -48,24 +48,6 @@ from cpcache.integrations.sglang.timing import SchedulerTime
 from cpcache.keys import chain, generation_seed, request_namespace_seed
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class HostPoolView:
-    """The daemon's host pool in tokens, as SGLang's HiCache metrics read a host pool."""
-
-    logical_size: int
-    used: int
-
-    def available_size(self) -> int:
-        return self.logical_size - self.used
-
-
-@dataclass
-class _HostHit:
-    key: Any  # the RadixKey matched
-    device_pages: int  # pages already on the device
-    pages: list[bytes]  # the host pages that follow them
 
 
 class CpcacheRadixCache(UnifiedRadixCache):
@@ -86,7 +68,7 @@ class CpcacheRadixCache(UnifiedRadixCache):
         self.shared_pool = pool
         self.storage_prefetch = storage_prefetch
         self.rank = rank
-        self._host_hits: dict[str, _HostHit] = {}
+        self._host_hits: dict[str, HostHit] = {}
         self._loading = False  # inserting pages loaded from the host: they are there already
         self._locks = 0
         self.fallback_reason = ""
@@ -224,7 +206,7 @@ class CpcacheRadixCache(UnifiedRadixCache):
             host = session.match(hashes[on_device:])
         if host == 0:
             return result
-        self._host_hits[req.rid] = _HostHit(params.key, on_device, hashes[on_device : on_device + host])
+        self._host_hits[req.rid] = HostHit(params.key, on_device, hashes[on_device : on_device + host])
         hit_tokens = host * self.page_size
         return result._replace(
             last_host_node=result.last_device_node,
