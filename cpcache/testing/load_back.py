@@ -40,6 +40,8 @@ MODES = ("overlapped", "blocking")
 def servers(work: Path, model: Path, layer_delay_ms: float = LAYER_DELAY_MS) -> Iterator[dict[str, Stack]]:
     """Both cpcache servers, started: -> {mode: its stack}; the overlapped
     one holds the reference server."""
+    for mode in MODES:
+        (work / mode).mkdir(parents=True, exist_ok=True)
     slowed = dict(daemon_settings=dict(fault_copy_layer_delay_ms=layer_delay_ms), copy_delay_ms=0.0,
                   storage_delay_ms=0.0, per_rank={})
     with started(work / "overlapped", model, SHAPE, **slowed) as overlapped, \
