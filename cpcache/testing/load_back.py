@@ -10,13 +10,16 @@ then asks the first two again with a new question: their prefixes come
 from the host pool. The time to first token of those host hits (SGLang's
 own e2e latency of a one-token request) is taken per server, the servers
 alternating first from block to block; figures are medians over blocks.
-`cpcache bench load-back` prints them; tests/sglang/test_load_back.py runs
-a short one and checks the answers.
+`cpcache bench load-back --sglang` prints them; tests/sglang/test_load_back.py
+runs a short one and checks the answers. Without `--sglang` the bench
+measures the mechanism alone, a stand-in forward over a real daemon
+(`layer_overlap.py`).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import shutil
@@ -89,13 +92,27 @@ def measure(stacks: dict[str, Stack], blocks: int, seed: int = 7) -> dict:
     return report
 
 
+def torch_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def main(args: argparse.Namespace) -> int:
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="cpcache-bench-load-back-"))
     work.mkdir(parents=True, exist_ok=True)
-    model = make_tiny_model(work / "tiny-llama")
-    with servers(work, model, args.layer_delay_ms) as stacks:
-        report = measure(stacks, args.repeat)
-    report.update(layer_delay_ms=args.layer_delay_ms, work_dir=str(work))
+    if args.sglang:
+        model = make_tiny_model(work / "tiny-llama")
+        with servers(work, model, args.layer_delay_ms) as stacks:
+            report = measure(stacks, args.repeat)
+        report.update(layer_delay_ms=args.layer_delay_ms, work_dir=str(work))
+    else:
+        from cpcache.testing import layer_overlap
+
+        device = "cuda" if torch_cuda() else "cpu"
+        report = asyncio.run(layer_overlap.measure(work, device, args.repeat, args.layer_delay_ms,
+                                                   args.layer_delay_ms))
+        report["host_hit_requests"] = {"overlapped": args.repeat, "blocking": args.repeat}
     print(json.dumps(report) if args.json else "\n".join(f"{k}: {v}" for k, v in report.items()))
     if not args.work_dir:
         shutil.rmtree(work, ignore_errors=True)

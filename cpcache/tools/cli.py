@@ -248,8 +248,11 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--requests", type=int, default=4, help="sglang: concurrent requests per wave")
     bench.add_argument("--waves", type=int, default=2, help="sglang: waves of requests per server and block")
     bench.add_argument("--new-tokens", type=int, default=32, help="sglang: tokens each request generates")
-    bench.add_argument("--layer-delay-ms", type=float, default=25.0,
-                       help="load-back: each layer of every load-back's copy takes this long (injected)")
+    bench.add_argument("--layer-delay-ms", type=float, default=20.0,
+                       help="load-back: each layer of every load-back's copy takes this long (injected); the "
+                            "stand-in forward computes as long per layer")
+    bench.add_argument("--sglang", action="store_true",
+                       help="load-back: through two SGLang servers (TTFT of host hits) instead of a stand-in forward")
     bench.add_argument("--work-dir", help="sglang, sglang-soak, load-back: where the model, logs and daemons go (kept; "
                        "default: a temp dir, removed after a run that succeeded)")
     from cpcache.testing.sglang_soak import add_flags as add_soak_flags
