@@ -11,7 +11,7 @@ indices built once per job (`PageIndex`), so the count of calls no longer
 depends on the runs; the price is one more pass over the bytes. `gathers`
 says which way a job goes.
 
-Both sides are indexed by page on dim 1 of a [components, pages,
+Both sides are indexed by page on dim 0 of a [pages, components,
 page_size, heads, head_dim] view of one layer (`DevicePool.paged_layer`,
 `HostPool.paged_layer`), whatever the strides: an `index_copy_` writes
 the indexed pages and nothing else (not the padding between a region's
@@ -37,13 +37,15 @@ from cpcache.dataplane.pools import DevicePool, HostPool
 from cpcache.geometry import KVGeometry
 
 # The rule: gather when the job has more than MANY_RUNS runs and its runs
-# average under SHORT_RUN_BYTES per layer; copy run by run otherwise. A run
+# average at most SHORT_RUN_BYTES per layer; copy run by run otherwise. A run
 # costs one copy per layer (about 10 us of dispatch on this project's CPU
 # host, a cudaMemcpyAsync on a GPU); a gather costs two index calls per
-# layer and one more pass over the bytes, which runs of a few hundred KiB
-# per layer already cost less than.
+# layer and, where neither side's pages are consecutive, one more pass over
+# the bytes. Measured on a CPU host (scripts/bench_layer_copies.py): gathers
+# win by 1.3 to 11x on runs of 4 to 64 KiB per layer, break even near 128 KiB,
+# and lose by up to 0.7x on runs of 256 KiB and more.
 MANY_RUNS = 4
-SHORT_RUN_BYTES = 256 << 10
+SHORT_RUN_BYTES = 128 << 10
 
 _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -52,7 +54,7 @@ def gathers(geometry: KVGeometry, pages: int, runs: int, destinations: Sequence[
     """Whether a job of `pages` pages in `runs` runs is copied by gather /
     scatter (`MANY_RUNS`, `SHORT_RUN_BYTES`). Never when a destination
     repeats: run by run the last copy wins, an index_copy_ leaves it open."""
-    if runs <= MANY_RUNS or pages * geometry.page_bytes >= SHORT_RUN_BYTES * runs * geometry.layers:
+    if runs <= MANY_RUNS or pages * geometry.page_bytes > SHORT_RUN_BYTES * runs * geometry.layers:
         return False
     return len(set(destinations)) == len(destinations)
 
@@ -60,17 +62,40 @@ def gathers(geometry: KVGeometry, pages: int, runs: int, destinations: Sequence[
 @dataclass(frozen=True)
 class PageIndex:
     """A job's pages as index tensors, built once per job: host slots on the
-    CPU, device pages where the device pool is."""
+    CPU, device pages where the device pool is; and where one side's pages
+    are consecutive, the first (a CPU device then reads or writes that side
+    as a view, in the same pass as the other side's index)."""
 
     host: torch.Tensor
     device: torch.Tensor
+    host_first: int | None = None
+    device_first: int | None = None
 
     @staticmethod
     def of(device: DevicePool, host_pages: Sequence[int], device_pages: Sequence[int]) -> PageIndex:
         pages = torch.tensor(device_pages, dtype=torch.long)
         if device.is_cuda:  # from pinned memory: a pageable copy would wait for the stream
             pages = pages.pin_memory().to(device.layers[0].device, non_blocking=True)
-        return PageIndex(torch.tensor(host_pages, dtype=torch.long), pages)
+        return PageIndex(torch.tensor(host_pages, dtype=torch.long), pages, _first(host_pages), _first(device_pages))
+
+
+def _first(pages: Sequence[int]) -> int | None:
+    """The first page where the pages are consecutive, else None."""
+    return pages[0] if list(pages) == list(range(pages[0], pages[0] + len(pages))) else None
+
+
+def _copy(dst: torch.Tensor, dst_index: torch.Tensor, dst_first: int | None,
+          src: torch.Tensor, src_index: torch.Tensor, src_first: int | None) -> None:
+    """dst[pages] = src[pages] on the CPU, in one pass where a side is a
+    run of consecutive pages, in two (gather, then scatter) otherwise."""
+    count = len(dst_index)
+    if dst_first is not None and src_first is not None:
+        dst.narrow(0, dst_first, count).copy_(src.narrow(0, src_first, count))
+    elif dst_first is not None:
+        torch.index_select(src, 0, src_index, out=dst.narrow(0, dst_first, count))
+    else:
+        source = src.narrow(0, src_first, count) if src_first is not None else src.index_select(0, src_index)
+        dst.index_copy_(0, dst_index, source)
 
 
 def _as_words(device_layer: torch.Tensor, host_layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,14 +123,13 @@ def load_layer(device: DevicePool, host: HostPool, index: PageIndex, layer: int)
     pool (on a CUDA device queued on the current stream, not waited for)."""
     on_device, on_host = _layer(device, host, layer)
     if not device.is_cuda:
-        on_device.index_copy_(1, index.device, on_host.index_select(1, index.host))
+        _copy(on_device, index.device, index.device_first, on_host, index.host, index.host_first)
         return
-    shape = (on_host.shape[0], len(index.host), *on_host.shape[2:])
-    staged = torch.empty(shape, dtype=on_host.dtype, pin_memory=True)
-    torch.index_select(on_host, 1, index.host, out=staged)
+    staged = torch.empty((len(index.host), *on_host.shape[1:]), dtype=on_host.dtype, pin_memory=True)
+    torch.index_select(on_host, 0, index.host, out=staged)
     # The pinned block is reused only once this copy has run (torch's
     # caching host allocator records the stream), so it may be dropped now.
-    on_device.index_copy_(1, index.device, staged.to(on_device.device, non_blocking=True))
+    on_device.index_copy_(0, index.device, staged.to(on_device.device, non_blocking=True))
 
 
 def store(device: DevicePool, host: HostPool, index: PageIndex) -> None:
@@ -115,14 +139,14 @@ def store(device: DevicePool, host: HostPool, index: PageIndex) -> None:
     if not device.is_cuda:
         for layer in layers:
             on_device, on_host = _layer(device, host, layer)
-            on_host.index_copy_(1, index.host, on_device.index_select(1, index.device))
+            _copy(on_host, index.host, index.host_first, on_device, index.device, index.device_first)
         return
     staged = []
     for layer in layers:
         on_device, on_host = _layer(device, host, layer)
-        gathered = on_device.index_select(1, index.device)
+        gathered = on_device.index_select(0, index.device)
         pinned = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
         staged.append((on_host, pinned.copy_(gathered, non_blocking=True)))
     device.synchronize()
     for on_host, pinned in staged:
-        on_host.index_copy_(1, index.host, pinned)
+        on_host.index_copy_(0, index.host, pinned)

@@ -17,7 +17,9 @@ pytestmark = pytest.mark.timeout(60)
 
 # 1-token pages of a 36-layer model (8 KV heads x 128, bf16): 144 KiB a page, 4 KiB a layer.
 SMALL = KVGeometry(layers=36, kv_kind="mha", heads=8, head_dim=128, dtype="bfloat16", page_size=1)
-# 4 MiB pages of 4 layers: 1 MiB a layer.
+# 512 KiB, 1 MiB and 4 MiB pages of 4 layers: 128 KiB, 256 KiB and 1 MiB a layer.
+HALF = KVGeometry(layers=4, kv_kind="mha", heads=8, head_dim=128, dtype="bfloat16", page_size=32)
+MEDIUM = KVGeometry(layers=4, kv_kind="mha", heads=8, head_dim=128, dtype="bfloat16", page_size=64)
 LARGE = KVGeometry(layers=4, kv_kind="mha", heads=8, head_dim=128, dtype="bfloat16", page_size=256)
 
 
@@ -27,6 +29,9 @@ LARGE = KVGeometry(layers=4, kv_kind="mha", heads=8, head_dim=128, dtype="bfloat
     (SMALL, 8, gather.MANY_RUNS, False),  # a few runs
     (SMALL, 8, gather.MANY_RUNS + 1, True),
     (LARGE, 16, 14, False),  # long runs: their copies cost less than a pass more
+    (LARGE, 16, 8, False),
+    (MEDIUM, 64, 64, False),  # 256 KiB a layer
+    (HALF, 128, 128, True),  # 128 KiB a layer
 ])
 def test_scattered_short_runs_are_gathered_and_few_or_long_ones_are_not(geometry, pages, runs, expected):
     assert gather.gathers(geometry, pages, runs, list(range(pages))) is expected
@@ -64,10 +69,15 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("geometry, pad", [(ODD, 1), (FP8, 3), (F32, 1), (SMALL, 4)],
                          ids=["odd-f16", "fp8", "f32", "bf16"])
-def test_gathered_pages_land_where_run_by_run_copies_land(layout, geometry, pad, monkeypatch):
+@pytest.mark.parametrize("consecutive", ["neither", "host", "device"])
+def test_gathered_pages_land_where_run_by_run_copies_land(layout, geometry, pad, consecutive, monkeypatch):
     rng = random.Random(7)
-    device_pages = rng.sample(range(PAGES), 12)
-    slots = rng.sample(range(PAGES), 12)
+
+    def pages(first: int, side: str) -> list[int]:
+        return list(range(first, first + 12)) if consecutive == side else rng.sample(range(PAGES), 12)
+
+    stores = pages(5, "device"), pages(3, "host")  # device pages -> host slots
+    loads = pages(9, "host"), pages(8, "device")  # host slots -> device pages
     finals = {}
     for path, many in (("runs", 1 << 30), ("gather", 0)):
         monkeypatch.setattr(gather, "MANY_RUNS", many)
@@ -77,9 +87,9 @@ def test_gathered_pages_land_where_run_by_run_copies_land(layout, geometry, pad,
         host.tensor.view(torch.uint8).random_(0, 256)
         transfers = Transfers(Tiers(host, DevicePool(geometry, layers)), threads=1)
         try:
-            assert transfers.submit((DEVICE, HOST), device_pages, slots).result().success
+            assert transfers.submit((DEVICE, HOST), *stores).result().success
             stored = bits(host.tensor).clone()
-            assert transfers.submit((HOST, DEVICE), slots[::-1], device_pages).result().success
+            assert transfers.submit((HOST, DEVICE), *loads).result().success
         finally:
             transfers.close()
         finals[path] = (stored, bits(memory).clone())
