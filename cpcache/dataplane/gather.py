@@ -8,8 +8,8 @@ a 36-layer model become a copy per (page, layer), each paying its dispatch
 (or its `cudaMemcpyAsync`). Here each layer is an `index_select` of the
 pages on one side and an `index_copy_` into the other, with the page
 indices built once per job (`PageIndex`), so the count of calls no longer
-depends on the runs; the price is one more pass over the bytes. `gathers`
-says which way a job goes.
+depends on the runs; the price, where neither side's pages are consecutive,
+is one more pass over the bytes. `gathers` says which way a job goes.
 
 Both sides are indexed by page on dim 0 of a [pages, components,
 page_size, heads, head_dim] view of one layer (`DevicePool.paged_layer`,
@@ -41,9 +41,11 @@ from cpcache.geometry import KVGeometry
 # costs one copy per layer (about 10 us of dispatch on this project's CPU
 # host, a cudaMemcpyAsync on a GPU); a gather costs two index calls per
 # layer and, where neither side's pages are consecutive, one more pass over
-# the bytes. Measured on a CPU host (scripts/bench_layer_copies.py): gathers
-# win by 1.3 to 11x on runs of 4 to 64 KiB per layer, break even near 128 KiB,
-# and lose by up to 0.7x on runs of 256 KiB and more.
+# the bytes. Measured on a CPU host (scripts/bench_layer_copies.py and a
+# sweep of page sizes, both sides shuffled or the host side in order):
+# gathers take 1/11 to 1/1.3 of the time run by run on runs of 4 to 64 KiB
+# per layer, about as long near 128 KiB, and up to 1.4x as long (two
+# passes) on runs of 256 KiB and more.
 MANY_RUNS = 4
 SHORT_RUN_BYTES = 128 << 10
 
