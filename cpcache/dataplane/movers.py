@@ -22,6 +22,7 @@ from typing import TypeVar
 
 import torch
 
+from cpcache.dataplane import gather
 from cpcache.dataplane.copy_faults import CopyFaultInjector, CopyFaults, LayerFaults
 from cpcache.dataplane.inflight import InFlight
 from cpcache.dataplane.pools import DevicePool, HostPool, runs
@@ -93,9 +94,25 @@ def _storage(tiers: Tiers) -> StorageBackend:
 
 def _copy_layers(device: DevicePool, host: HostPool, host_pages: Iterable[int], device_pages: Iterable[int],
                  to_device: bool) -> None:
-    """One copy per layer per run of pages consecutive on both sides: the
-    device pool's layers lie wherever their creator put them."""
-    for h, d, n in runs(list(host_pages), list(device_pages)):
+    """Every layer of the pages, by gather / scatter where they are scattered
+    (`gather.gathers`), run by run otherwise: the device pool's layers lie
+    wherever their creator put them."""
+    host_pages, device_pages = list(host_pages), list(device_pages)
+    spans = runs(host_pages, device_pages)
+    if not gather.gathers(device.geometry, len(host_pages), len(spans), device_pages if to_device else host_pages):
+        _copy_runs(device, host, spans, to_device)
+        return
+    index = gather.PageIndex.of(device, host_pages, device_pages)
+    if not to_device:
+        gather.store(device, host, index)
+        return
+    for layer in range(device.geometry.layers):
+        gather.load_layer(device, host, index, layer)
+
+
+def _copy_runs(device: DevicePool, host: HostPool, spans: list[tuple[int, int, int]], to_device: bool) -> None:
+    """One copy per layer per run of pages consecutive on both sides."""
+    for h, d, n in spans:
         host_view = host.page_view(h, n)  # [layers, components, n, page_size, heads, head_dim]
         for layer in range(device.geometry.layers):
             on_device = device.layer_pages(layer, d, n)
@@ -127,22 +144,38 @@ def host_to_device(tiers: Tiers, job: TransferJob) -> TransferResult:
 
 
 def _load_layer_by_layer(device: DevicePool, host: HostPool, job: TransferJob) -> None:
-    """A load-back a forward may already be reading: every run of pages of
-    layer 0, then of layer 1, ..., each layer published once its copies are
-    done (on a CUDA device: queued, and its event recorded after them)."""
-    spans = [(host.page_view(h, n), d, n) for h, d, n in runs(list(job.src), list(job.dst))]
+    """A load-back a forward may already be reading: all of layer 0's pages,
+    then layer 1's, ..., each layer published once its copies are done (on
+    a CUDA device: queued, and its event recorded after them)."""
+    copy_layer = _layer_loader(device, host, list(job.src), list(job.dst))
     slot, op = job.signal
     signals = device.signals if slot else None
     stream = torch.cuda.current_stream(device.layers[0].device) if device.is_cuda else None
     for layer in range(device.geometry.layers):
         if job.layer_faults is not None:
             job.layer_faults.before_layer(layer)
-        for host_view, d, n in spans:
-            device.layer_pages(layer, d, n).copy_(host_view[layer], non_blocking=True)
+        copy_layer(layer)
         if signals is not None:
             if signals.events is not None:
                 signals.events[slot - 1][layer].record(stream)
             signals.publish(slot, op, layer + 1)
+
+
+def _layer_loader(device: DevicePool, host: HostPool, host_pages: list[int],
+                  device_pages: list[int]) -> Callable[[int], None]:
+    """What copies one layer of a load: one gather / scatter where the pages
+    are scattered (`gather.gathers`), one copy per run otherwise."""
+    spans = runs(host_pages, device_pages)
+    if gather.gathers(device.geometry, len(host_pages), len(spans), device_pages):
+        index = gather.PageIndex.of(device, host_pages, device_pages)
+        return lambda layer: gather.load_layer(device, host, index, layer)
+    views = [(host.page_view(h, n), d, n) for h, d, n in spans]
+
+    def copy_runs(layer: int) -> None:
+        for host_view, d, n in views:
+            device.layer_pages(layer, d, n).copy_(host_view[layer], non_blocking=True)
+
+    return copy_runs
 
 
 def _staged(tiers: Tiers, slots: list[int]) -> tuple[list[PageBuffer], torch.Tensor]:

@@ -58,6 +58,11 @@ class DevicePool:
         s = self.geometry.page_size
         return self.layers[layer][:, first * s : (first + count) * s].unflatten(1, (count, s))
 
+    def paged_layer(self, layer: int) -> torch.Tensor:
+        """One layer as a [pages, components, page_size, heads, head_dim]
+        view, indexed by page on dim 0 (gathers of scattered pages)."""
+        return self.layers[layer].unflatten(1, (self.pages, self.geometry.page_size)).transpose(0, 1)
+
     def synchronize(self) -> None:
         """Wait for the copies queued on this pool's device (none on a CPU)."""
         if self.is_cuda:
@@ -255,6 +260,17 @@ class HostPool:
         if self.layout == "page_first":  # [C, n*s, L, H, D]
             return self.tensor[:, first * s : (first + count) * s].unflatten(1, (count, s)).permute(3, 0, 1, 2, 4, 5)
         return self.tensor[:, first : first + count].permute(2, 0, 1, 3, 4, 5)  # [C, n, L, s, H, D]
+
+    def paged_layer(self, layer: int) -> torch.Tensor:
+        """One layer as a [pages, components, page_size, heads, head_dim]
+        view, indexed by slot on dim 0 (gathers of scattered pages)."""
+        if self.layout == "layer_first":  # [C, L, P*s, H, D]
+            by_component = self.tensor[:, layer].unflatten(1, (self.pages, self.geometry.page_size))
+        elif self.layout == "page_first":  # [C, P*s, L, H, D]
+            by_component = self.tensor[:, :, layer].unflatten(1, (self.pages, self.geometry.page_size))
+        else:  # [C, P, L, s, H, D]
+            by_component = self.tensor[:, :, layer]
+        return by_component.transpose(0, 1)
 
     def stored_view(self, slot: int) -> torch.Tensor:
         """One page in stored order, [components, layers, page_size, heads, head_dim] (a view)."""

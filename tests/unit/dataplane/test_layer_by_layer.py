@@ -2,7 +2,7 @@
 lands: every layer published on the board once its copies are done, the
 pages bit-exact in every host layout and per-layer region, and a copy that
 fails at a layer (injected) publishes FAILED with the layers before it
-copied and the ones after it untouched."""
+copied and the ones after it untouched; run by run and by gather / scatter."""
 
 import os
 
@@ -26,7 +26,7 @@ def _boards(slots: int = 2) -> tuple[LoadSignals, LoadSignals]:
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_every_layer_is_published_once_it_landed_bit_exact(layout):
+def test_every_layer_is_published_once_it_landed_bit_exact(layout, copy_path):
     creator = Creator(MHA)
     creator.fill_random(seed=3)
     device = creator.attach()
@@ -45,7 +45,7 @@ def test_every_layer_is_published_once_it_landed_bit_exact(layout):
         transfers.close()
 
 
-def test_a_copy_failing_at_a_layer_publishes_failed_and_copies_only_the_layers_before_it():
+def test_a_copy_failing_at_a_layer_publishes_failed_and_copies_only_the_layers_before_it(copy_path):
     creator = Creator(MHA)
     creator.fill_random(seed=5)
     device = creator.attach()

@@ -1,7 +1,8 @@
 """A device pool attached as one region per layer, where its creator put
 each layer (SGLang's per-layer buffers): the checks that refuse regions the
 daemon must not map, and movers that land bit for bit in those buffers and
-nowhere else, for every host layout, MHA and MLA."""
+nowhere else, for every host layout, MHA and MLA, run by run and by
+gather / scatter."""
 
 import fcntl
 import mmap
@@ -73,7 +74,7 @@ class Creator:
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("geometry", [MHA, MLA], ids=["mha", "mla"])
 @pytest.mark.parametrize("component_major", [False, True], ids=["layer-major", "component-major"])
-def test_per_layer_movers_are_bit_exact_and_touch_nothing_else(layout, geometry, component_major):
+def test_per_layer_movers_are_bit_exact_and_touch_nothing_else(layout, geometry, component_major, copy_path):
     creator = Creator(geometry, component_major=component_major)
     creator.fill_random(seed=len(layout))
     device = creator.attach()
