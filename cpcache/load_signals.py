@@ -23,6 +23,7 @@ progress word), which x86-64's memory order keeps for the reader.
 
 from __future__ import annotations
 
+import collections
 import fcntl
 import mmap
 import os
@@ -50,7 +51,9 @@ class LoadSignals:
         self.fd = fd  # the creator's descriptor, to hand over
         self.events: list[list] | None = None  # the daemon's, on CUDA hosts: per slot, per layer
         self._words = np.frombuffer(mapping, dtype=np.int64, count=slots * 2).reshape(slots, 2)
-        self._free = list(range(slots, 0, -1)) if fd >= 0 else []
+        # Oldest given back first: a slot is claimed again as late as can be.
+        self._free = collections.deque(range(1, slots + 1)) if fd >= 0 else collections.deque()
+        self.identity: tuple = ()  # the daemon's: which board this is (a new one is a new attach)
 
     @staticmethod
     def create(slots: int = SLOTS, name: str = "cpcache-load-signals") -> LoadSignals:
@@ -90,7 +93,7 @@ class LoadSignals:
         """A free slot for load `op` (1-based), reset to no layer copied; 0 when none is free."""
         if not self._free:
             return 0
-        slot = self._free.pop()
+        slot = self._free.popleft()
         self._words[slot - 1, 1] = 0
         self._words[slot - 1, 0] = op
         return slot

@@ -320,16 +320,20 @@ class SchedulerSession:
         if op not in self._loads:
             return
         pages, done = self._loads.pop(op)
-        if op in self._signal_slots:
-            signals, slot = self._signal_slots.pop(op)
-            signals.release(slot)
         if landed:
             self.tally.load_acks += 1
             self.tally.loaded_pages += pages
         else:
             self.tally.load_failures += 1
-        if done is not None:
-            done(landed)
+        try:
+            if done is not None:
+                done(landed)
+        finally:
+            # Given back after its end is known: a slot claimed again reads
+            # as decided to a forward still waiting on the old load.
+            if op in self._signal_slots:
+                signals, slot = self._signal_slots.pop(op)
+                signals.release(slot)
 
     # -- the synchronous scheduler's iteration ---------------------------------------------
 

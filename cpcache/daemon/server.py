@@ -127,6 +127,8 @@ class Daemon:
             fd, _, _ = self._take(signals.ticket)
             device.signals = open_board(fd, signals.slots, geometry.layers, signals.cuda_events,
                                         device.layers[0].device)
+            # Another board is another attach, not a retry of the last one.
+            device.identity = (*device.identity, device.signals.identity)
             log.info("attach: load-signal board of %d slots%s", signals.slots,
                      " with CUDA events" if signals.cuda_events else "")
         return device

@@ -36,8 +36,10 @@ class LayerFaults:
     delay_ms: float
     fail_layer: int
 
-    def before_layer(self, layer: int) -> None:
-        if self.delay_ms:
+    def before_layer(self, layer: int, on_host: bool = True) -> None:
+        """Wait the layer's delay here (`on_host`; else the caller queues it
+        on the device), then fail if this is the layer to fail at."""
+        if self.delay_ms and on_host:
             time.sleep(self.delay_ms / 1000)  # the injected latency itself
         if layer == self.fail_layer:
             raise InjectedCopyFailure(f"injected failure of a load-back at layer {layer}")

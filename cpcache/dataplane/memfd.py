@@ -67,30 +67,30 @@ def check_kind(fd: int) -> None:
             "DevicePool.create_sealed makes one")
 
 
-def check_pool(fd: int, need: int | None) -> int:
+def check_pool(fd: int, need: int | None, what: str = "pool") -> int:
     """Everything `check_kind` checks, then the access mode, the seals and
     (only then, once it can no longer change) the size: exactly `need`
     bytes, or any (None: the regions in it are checked against it). -> the
     size."""
     check_kind(fd)
     if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDWR:
-        raise InvalidArgument("attach: the pool descriptor must be open for reading and writing")
+        raise InvalidArgument(f"attach: the {what} descriptor must be open for reading and writing")
     try:
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
     except OSError:
         seals = 0
     if seals & WRITE_SEALS:
         raise FailedPrecondition(
-            "attach: the pool is sealed against writing (F_SEAL_WRITE or F_SEAL_FUTURE_WRITE), but the daemon "
+            f"attach: the {what} is sealed against writing (F_SEAL_WRITE or F_SEAL_FUTURE_WRITE), but the daemon "
             "writes loaded pages into it; seal it with F_SEAL_SHRINK | F_SEAL_GROW only")
     if seals & REQUIRED_SEALS != REQUIRED_SEALS:
         raise FailedPrecondition(
-            "attach: the pool must be a memfd sealed against shrinking and growing (F_SEAL_SHRINK | "
-            "F_SEAL_GROW): a pool that shrinks under the daemon would kill it (DevicePool.create_sealed "
+            f"attach: the {what} must be a memfd sealed against shrinking and growing (F_SEAL_SHRINK | "
+            f"F_SEAL_GROW): a {what} that shrinks under the daemon would kill it (DevicePool.create_sealed "
             "makes one)")
     size = os.fstat(fd).st_size  # after the seals: it cannot change any more
     if need is not None and size != need:
-        raise InvalidArgument(f"attach: the pages attached need {need} bytes, but the pool holds {size}")
+        raise InvalidArgument(f"attach: the pages attached need {need} bytes, but the {what} holds {size}")
     if size == 0:
-        raise InvalidArgument("attach: the pool's memfd is empty")
+        raise InvalidArgument(f"attach: the {what}'s memfd is empty")
     return size

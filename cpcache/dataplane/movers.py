@@ -33,6 +33,7 @@ from cpcache.errors import InvalidArgument
 log = logging.getLogger(__name__)
 
 DEVICE, HOST, STORAGE = "device", "host", "storage"
+GPU_CYCLES_PER_MS = 1_500_000  # an injected device-side delay's clock: about 1.5 GHz
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,11 @@ def _load_layer_by_layer(device: DevicePool, host: HostPool, job: TransferJob) -
     stream = torch.cuda.current_stream(device.layers[0].device) if device.is_cuda else None
     for layer in range(device.geometry.layers):
         if job.layer_faults is not None:
-            job.layer_faults.before_layer(layer)
+            # On a CUDA device the injected delay runs on the copy stream:
+            # the layer is queued (and published) at once and lands later.
+            job.layer_faults.before_layer(layer, on_host=stream is None)
+            if stream is not None and job.layer_faults.delay_ms:
+                torch.cuda._sleep(int(job.layer_faults.delay_ms * GPU_CYCLES_PER_MS))
         copy_layer(layer)
         if signals is not None:
             if signals.events is not None:
@@ -295,6 +300,8 @@ class Transfers:
         if session is not None:
             # Counted until it has run, been refused or been cancelled (at shutdown).
             future.add_done_callback(lambda _: session.job_ended(touches_device(route)))
+        if job.signal[0]:  # a load cancelled at shutdown: no forward may wait for it in vain
+            future.add_done_callback(lambda f: _signal_failure(job) if f.cancelled() else None)
         return future
 
     def run_storage_call(self, fn: Callable[[], T]) -> Future[T]:

@@ -21,13 +21,18 @@ def open_board(fd: int, slots: int, layers: int, cuda_events: Sequence[bytes] = 
     """Map a board handed over by descriptor (takes the descriptor); with
     `cuda_events`, open them on `device`, the attached pool's CUDA device."""
     try:
-        size = check_pool(fd, None)
+        if device is not None and device.type == "cuda" and not cuda_events:
+            raise InvalidArgument("attach: load signals of a CUDA pool need a CUDA event per slot and layer: "
+                                  "a layer published as queued has not landed until its event completes")
+        size = check_pool(fd, None, "load-signal board")
+        info = os.fstat(fd)
     except BaseException:
         os.close(fd)
         raise
     signals = LoadSignals.mapped(fd, size, slots)
     if cuda_events:
         signals.events = _events(cuda_events, slots, layers, device)
+    signals.identity = (info.st_dev, info.st_ino, slots, hash(tuple(cuda_events)))
     return signals
 
 

@@ -90,6 +90,9 @@ class Attacher:
         check_host_budget(self.config, geometry)
         device = await asyncio.to_thread(open_device)
         descriptor = attach_descriptor(self.config, model_id, geometry, device_pages)
+        # Whether loads are overlapped, and with how many slots, shapes every
+        # rank's scheduler steps alike: agreed like the pool.
+        descriptor["load_signal_slots"] = device.signals.slots if device.signals is not None else 0
         stepper = formation.admit()
         last = self._last
         if (stepper.runtime is not None and last is not None and last.stepper is stepper

@@ -9,8 +9,11 @@ injection) and the stand-in computes about `compute_ms` per layer after
 reading its layer, so the figure says what overlapping a copy with a
 forward of that shape saves: about (L + 1) / 2L of the blocking time when
 both are equal. On a CUDA device the pool is per-layer CUDA buffers shared
-by IPC handle and the forward's stream waits on the daemon's per-layer
-events; elsewhere it is a sealed memfd and the forward waits on the board.
+by IPC handle, the injected delay runs on the daemon's copy stream (a layer
+is published as soon as it is queued), and the forward's stream waits on
+the daemon's per-layer events, so what it reads is right only if those
+waits are; elsewhere the pool is a sealed memfd and the forward waits on
+the board.
 What it reads is checked against what was written, every block.
 """
 

@@ -12,7 +12,7 @@ import torch
 from cpcache.client import Client, SchedulerSession
 from cpcache.daemon.launcher import DomainSpec, LocalDomain
 from cpcache.dataplane.pools import DevicePool
-from cpcache.errors import InvalidArgument
+from cpcache.errors import CacheError, InvalidArgument
 from cpcache.geometry import KVGeometry
 from cpcache.keys import chain
 from cpcache.load_signals import FAILED, LoadSignals
@@ -175,3 +175,49 @@ def _open_all(sessions, pages, device_pages, boards, ended=None):
     return _together([lambda i=i: sessions[i].load_opened(pages, device_pages, boards[i],
                                                            done=ended[i].append if ended is not None else None)
                       for i in range(len(sessions))])
+
+
+async def test_an_attach_again_with_a_new_board_is_not_taken_for_a_retry(run_dir):
+    """The same pool attached again, no step since (what a scheduler does
+    when its attach succeeded but it did not hear so), with a fresh board:
+    the daemon publishes on the new board, never on the old one."""
+    async with LocalDomain(DomainSpec(Topology(tp=1), run_dir, extra=dict(host_pool_pages=8))) as domain:
+        pool = DevicePool.create_sealed(GEOMETRY, DEVICE_PAGES)
+        old, new = LoadSignals.create(2), LoadSignals.create(2)
+        with Client(domain.sockets[0], timeout_s=20) as client:
+            client.attach("m", GEOMETRY, DEVICE_PAGES, pool_fd=pool.fd, load_signals=old)
+            seed = client.attach("m", GEOMETRY, DEVICE_PAGES, pool_fd=pool.fd, load_signals=new).key_seed
+            pages = [bytes.fromhex(h) for h in chain(list(range(4)), 4, seed)]
+            session = SchedulerSession(client, first_step=client.status().last_step + 1)
+            _written(session, pages, [0])
+            opened = session.load_opened(pages, [5], new)
+            assert opened is not None
+            op, slot = opened
+            assert new.wait(slot, op, LAYERS, time.monotonic() + 10)
+            _settled(session)
+            assert session.tally.load_acks == 1
+
+
+async def test_boards_of_different_sizes_on_two_ranks_are_refused_alike(run_dir):
+    """Whether loads are overlapped, and how many at once, shapes every
+    rank's steps: part of what an Attach agrees on."""
+    async with LocalDomain(DomainSpec(Topology(tp=2), run_dir, extra=dict(host_pool_pages=8))) as domain:
+        pools = [DevicePool.create_sealed(GEOMETRY, DEVICE_PAGES) for _ in range(2)]
+        boards = [LoadSignals.create(2), LoadSignals.create(4)]
+        clients = [Client(socket, timeout_s=20) for socket in domain.sockets]
+        try:
+            outcomes = _together([lambda c=c, p=p, b=b: _outcome(lambda: c.attach("m", GEOMETRY, DEVICE_PAGES,
+                                                                                  pool_fd=p.fd, load_signals=b))
+                                  for c, p, b in zip(clients, pools, boards)])
+            assert all(isinstance(o, CacheError) for o in outcomes), outcomes
+            assert any("load_signal_slots" in str(o) for o in outcomes), outcomes
+        finally:
+            for client in clients:
+                client.close()
+
+
+def _outcome(call):
+    try:
+        return call()
+    except CacheError as exc:
+        return exc

@@ -83,7 +83,6 @@ class CpcacheRadixCache(UnifiedRadixCache):
         self.decisions = decisions
         # The overlapped load-back (None: blocking): layer_loads.py.
         self.layer_loads = layer_loads
-        self._lost_loads = 0  # overlapped loads agreed failed after their batch was built
         super().__init__(params)
         self.daemon_session = daemon_session
         self._built = True
@@ -272,7 +271,11 @@ class CpcacheRadixCache(UnifiedRadixCache):
 
     def _overlapped_decided(self, landed: bool) -> None:
         if not landed:
-            self._lost_loads += 1  # read by a forward that may have run: checked at the iteration's end
+            # Agreed alike on every rank: some rank's copy of a load that a
+            # forward reads (or is about to) failed. Stop here, in the reply
+            # that says so, before anything else is built or sent on it.
+            raise LoadBackFailed(f"cpcache: rank {self.rank}: an overlapped load-back failed on some rank after "
+                                 "its batch was built; stopping the rank rather than serve from that KV")
 
     def ready_to_load_host_cache(self) -> int:
         """The index the batch just built waits on, layer by layer (-1: it
@@ -340,12 +343,6 @@ class CpcacheRadixCache(UnifiedRadixCache):
                 self._check_overlapped_loads()
 
     def _check_overlapped_loads(self) -> None:
-        if self._lost_loads:
-            # Agreed alike on every rank: some rank's copy of a load that a
-            # forward reads failed. That rank stopped in its forward; the
-            # others stop here, never serving from KV that is not there.
-            raise LoadBackFailed(f"cpcache: rank {self.rank}: {self._lost_loads} overlapped load-backs failed on "
-                                 "some rank after their batch was built; stopping the rank")
         session = self.daemon_session
         if session is not None and self.layer_loads is not None:
             self.layer_loads.forget_decided(session.load_pending)
