@@ -112,8 +112,10 @@ class Rank:
 
     def _page_views(self, slot: int) -> list[torch.Tensor]:
         ps = self.args.page_size
+        # Read as the forward reads: through the pool, which waits for each
+        # layer of the batch's loads (the overlapped load-back).
         return [buf[slot : slot + ps].view(torch.uint8) for layer in range(LAYERS)
-                for buf in (self.kv_pool.k_buffer[layer], self.kv_pool.v_buffer[layer])]
+                for buf in (self.kv_pool.get_key_buffer(layer), self.kv_pool.get_value_buffer(layer))]
 
     def write_kv(self, hashes: list[bytes], slots: torch.Tensor) -> None:
         ps = self.args.page_size
@@ -167,6 +169,12 @@ class Rank:
             loaded, req.last_node = cache.init_load_back(InitLoadBackParams(
                 best_match_node=match.best_match_node, host_hit_length=match.host_hit_length, req=req))
         record["loaded"] = loaded
+        # The batch's forward: SGLang gives the batch the index of its loads
+        # (-1: none), and the worker sets it as the pool's consumer.
+        consumer = cache.ready_to_load_host_cache() if hasattr(cache, "daemon_session") else -1
+        counter = getattr(self.kv_pool, "layer_transfer_counter", None)
+        if counter is not None:
+            counter.set_consumer(consumer)
         pages = len(tokens) // ps
         full = pages * ps
         hashes = cache.page_hashes(key) if hasattr(cache, "page_hashes") else [
