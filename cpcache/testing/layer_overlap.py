@@ -74,6 +74,8 @@ def _calibrated(compute_ms: float, device: str) -> Callable[[], torch.Tensor]:
         return x
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    work(1)  # the first matmul loads its library (cuBLAS on CUDA): not a layer's cost
+    sync()
     started = time.perf_counter()
     work(20)
     sync()
