@@ -158,7 +158,8 @@ def _load_layer_by_layer(device: DevicePool, host: HostPool, job: TransferJob) -
             # the layer is queued (and published) at once and lands later.
             job.layer_faults.before_layer(layer, on_host=stream is None)
             if stream is not None and job.layer_faults.delay_ms:
-                torch.cuda._sleep(int(job.layer_faults.delay_ms * GPU_CYCLES_PER_MS))
+                with torch.cuda.stream(stream):  # the pool's device and stream, not this thread's current ones
+                    torch.cuda._sleep(int(job.layer_faults.delay_ms * GPU_CYCLES_PER_MS))
         copy_layer(layer)
         if signals is not None:
             if signals.events is not None:
