@@ -1,0 +1,84 @@
+"""Where the layers of a pool shared by CUDA IPC land, checked on the CPU
+with the opening of a handle faked as torch does it: the caching
+allocator's block, named by its handle, plus the storage's offset in it.
+SGLang's per-layer buffers are separate storages that often share one
+block (one handle): each must open at its own offset, a storage named
+twice must open once, and regions of different storages are compared
+where they lie in the block."""
+
+import pytest
+import torch
+
+from cpcache.dataplane.pools import DevicePool
+from cpcache.dataplane.regions import contiguous
+from cpcache.errors import FailedPrecondition
+from cpcache.geometry import KVGeometry, Region
+
+pytestmark = pytest.mark.timeout(30)
+
+GEOMETRY = KVGeometry(layers=2, kv_kind="mha", heads=2, head_dim=8, dtype="bfloat16", page_size=4)
+PAGES = 2
+LAYER_BYTES = GEOMETRY.page_bytes * PAGES // GEOMETRY.layers
+STRIDES = contiguous(GEOMETRY, PAGES)[0].strides
+
+
+class FakeIpc:
+    """Blocks of host bytes by handle; `open` is `_new_shared_cuda`."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[bytes, bytearray] = {}
+        self.opened: list[tuple[bytes, int, int]] = []
+
+    def block(self, handle: bytes, nbytes: int) -> bytearray:
+        self.blocks[handle] = bytearray(nbytes)
+        return self.blocks[handle]
+
+    def open(self, device, handle, size, offset, ref_counter, ref_offset, event, event_sync):
+        self.opened.append((handle, offset, size))
+        view = memoryview(self.blocks[handle])[offset : offset + size]
+        return torch.frombuffer(view, dtype=torch.uint8).untyped_storage()
+
+    @staticmethod
+    def fields(handle: bytes, offset: int, size: int) -> dict:
+        return dict(device=0, handle=handle, storage_size=size, storage_offset=offset, ref_counter_handle=b"rc",
+                    ref_counter_offset=0, event_handle=b"", event_sync_required=False)
+
+
+@pytest.fixture
+def ipc(monkeypatch):
+    fake = FakeIpc()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.UntypedStorage, "_new_shared_cuda", staticmethod(fake.open), raising=False)
+    return fake
+
+
+def written_at(block: bytearray, offset: int) -> int:
+    return int(torch.frombuffer(block, dtype=torch.int16)[offset // 2])
+
+
+def test_layers_in_one_block_open_at_their_own_offsets(ipc):
+    block = ipc.block(b"A", 4 * LAYER_BYTES)
+    starts = [LAYER_BYTES, 3 * LAYER_BYTES]  # where the allocator put each layer's storage
+    regions = [Region(0, STRIDES, FakeIpc.fields(b"A", s, LAYER_BYTES)) for s in starts]
+    pool = DevicePool.from_cuda_ipc(None, GEOMETRY, PAGES, regions)
+    assert sorted(ipc.opened) == [(b"A", s, LAYER_BYTES) for s in starts]
+    for layer, start in enumerate(starts):
+        pool.layers[layer].view(torch.int16).fill_(layer + 1)
+        assert written_at(block, start) == layer + 1 and written_at(block, start + LAYER_BYTES - 2) == layer + 1
+    assert written_at(block, 0) == 0 and written_at(block, 2 * LAYER_BYTES) == 0
+
+
+def test_a_storage_named_by_every_region_opens_once(ipc):
+    ipc.block(b"B", 3 * LAYER_BYTES)
+    handle = FakeIpc.fields(b"B", LAYER_BYTES, 2 * LAYER_BYTES)
+    regions = [Region(r.offset, r.strides, handle) for r in contiguous(GEOMETRY, PAGES)]
+    DevicePool.from_cuda_ipc(None, GEOMETRY, PAGES, regions)
+    assert ipc.opened == [(b"B", LAYER_BYTES, 2 * LAYER_BYTES)]
+
+
+def test_regions_of_two_storages_over_the_same_bytes_of_a_block_are_refused(ipc):
+    ipc.block(b"C", 4 * LAYER_BYTES)
+    first = Region(LAYER_BYTES, STRIDES, FakeIpc.fields(b"C", 0, 2 * LAYER_BYTES))  # block bytes [L, 2L)
+    second = Region(0, STRIDES, FakeIpc.fields(b"C", LAYER_BYTES, 2 * LAYER_BYTES))  # the same bytes
+    with pytest.raises(FailedPrecondition, match="overlap"):
+        DevicePool.from_cuda_ipc(None, GEOMETRY, PAGES, [first, second])
