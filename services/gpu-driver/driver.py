@@ -111,7 +111,9 @@ class Run:
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         self.summary["phases_s"][name] = round(time.monotonic() - start, 1)
-        done = subprocess.CompletedProcess(argv, proc.returncode, stdout.read_text(), stderr.read_text())
+        # Whatever bytes a crash left there, the summary still gets its tail.
+        done = subprocess.CompletedProcess(argv, proc.returncode, stdout.read_text(errors="replace"),
+                                           stderr.read_text(errors="replace"))
         if time.monotonic() - start >= limit:
             self.summary[f"{name}_output_tail"] = (done.stdout + done.stderr)[-TAIL:]
             raise Stop(TIMED_OUT, f"{name}: ran past its {limit:.0f} s limit")
@@ -201,7 +203,11 @@ def bandwidth(run: Run) -> None:
     if done.returncode != 0:
         run.summary["bench_output_tail"] = (done.stdout + done.stderr)[-TAIL:]
         raise Stop(FAILED, f"bench movers --device-only exited {done.returncode}")
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    try:
+        report = json.loads(done.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):  # no report: say what it printed instead
+        run.summary["bench_output_tail"] = (done.stdout + done.stderr)[-TAIL:]
+        raise Stop(FAILED, "bench movers --device-only printed no JSON report") from None
     run.summary["bandwidth"] = report
 
 

@@ -1,9 +1,11 @@
 """services/gpu-driver/run.sh on a host without CUDA fails at once, clearly,
 with its own exit code, having written only its small summary; and its
-dependency check takes the host's packages or carried wheels."""
+dependency check takes the host's packages or carried wheels; a phase's
+output, whatever it is, ends in the summary."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -91,3 +93,26 @@ def test_the_host_first_then_carried_wheels_then_missing(dependencies, tmp_path)
 def test_a_host_package_too_old_is_not_taken(dependencies, tmp_path):
     (choice,) = dependencies.resolve([Requirement("pytest>=999")], {})
     assert (choice.origin, choice.host) == ("missing", __import__("pytest").__version__)
+
+
+@pytest.fixture
+def driver_run(tmp_path):
+    driver = gpu_driver.driver()
+    run = driver.Run(tmp_path / "out")
+    yield driver, run
+    shutil.rmtree(run.scratch, ignore_errors=True)
+
+
+def test_a_phase_that_prints_bytes_that_are_not_text_still_has_its_output_read(driver_run):
+    _, run = driver_run
+    done = run.phase("bench", [sys.executable, "-c", "import sys; sys.stdout.buffer.write(b'report \\xff\\xfe')"])
+    assert done.returncode == 0 and done.stdout.startswith("report ")
+
+
+def test_a_bench_that_prints_no_report_fails_with_what_it_printed(driver_run, monkeypatch):
+    driver, run = driver_run
+    monkeypatch.setattr(run, "phase", lambda name, argv: subprocess.CompletedProcess(argv, 0, "warming up\n", ""))
+    with pytest.raises(driver.Stop) as stopped:
+        driver.bandwidth(run)
+    assert stopped.value.code == driver.FAILED and "no JSON report" in str(stopped.value)
+    assert "warming up" in run.summary["bench_output_tail"]
