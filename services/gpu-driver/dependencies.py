@@ -97,6 +97,15 @@ def host_version(name: str) -> Version | None:
         return None
 
 
+def host_satisfies(want: SpecifierSet, version: Version) -> bool:
+    """Whether a host's install meets `want`; a pre-release or dev build
+    counts as the release it leads to (NVIDIA's containers carry torch as
+    2.11.0a0+...), since it is what the host runs and nothing can replace it."""
+    if want.contains(version, prereleases=True):
+        return True
+    return (version.is_prerelease or version.is_devrelease) and want.contains(Version(version.base_version))
+
+
 @dataclass
 class Choice:
     name: str
@@ -132,7 +141,7 @@ def resolve(wanted: list[Requirement], wheels: dict[str, list[Wheel]]) -> list[C
             held.required = str(want)
             continue
         host = host_version(name)
-        if host is not None and want.contains(host, prereleases=True):
+        if host is not None and host_satisfies(want, host):
             chosen[name] = Choice(name, str(want), str(host), "host", str(host))
             continue
         wheel = next((w for w in wheels.get(name, []) if want.contains(w.version, prereleases=True)), None)

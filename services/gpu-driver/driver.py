@@ -144,8 +144,10 @@ def preflight(run: Run) -> None:
     run.summary["gencode_minimums"] = gencode
     run.summary["versions"] = {c.name: c.version for c in choices if c.name in ("grpcio", "protobuf", "torch")}
 
-    if any(c.name == "torch" and c.origin == "missing" for c in choices):
-        raise Stop(MISSING, "torch is not installed: the GPU check needs the host's CUDA build of torch")
+    torch = next(c for c in choices if c.name == "torch")
+    if torch.origin == "missing":
+        found = f"torch {torch.host} does not meet {torch.required}" if torch.host else "torch is not installed"
+        raise Stop(MISSING, f"{found}: the GPU check needs the host's CUDA build of torch")
     # CUDA first: without a device nothing else matters, and the message says so.
     probe = run.phase("probe", [sys.executable, "-c", PROBE])
     if probe.returncode != 0:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from packaging.requirements import Requirement
+from packaging.version import Version
 
 from tests.support import gpu_driver
 
@@ -116,3 +117,11 @@ def test_a_bench_that_prints_no_report_fails_with_what_it_printed(driver_run, mo
         driver.bandwidth(run)
     assert stopped.value.code == driver.FAILED and "no JSON report" in str(stopped.value)
     assert "warming up" in run.summary["bench_output_tail"]
+
+
+def test_a_host_pre_release_of_a_version_that_fits_is_taken(dependencies, monkeypatch):
+    monkeypatch.setattr(dependencies, "host_version", lambda name: Version("2.11.0a0+nv26.1"))
+    (choice,) = dependencies.resolve([Requirement("torch>=2.11,<3")], {})
+    assert (choice.origin, choice.version) == ("host", "2.11.0a0+nv26.1")
+    (older,) = dependencies.resolve([Requirement("torch>=2.12")], {})
+    assert older.origin == "missing"
