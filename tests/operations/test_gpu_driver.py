@@ -125,3 +125,24 @@ def test_a_host_pre_release_of_a_version_that_fits_is_taken(dependencies, monkey
     assert (choice.origin, choice.version) == ("host", "2.11.0a0+nv26.1")
     (older,) = dependencies.resolve([Requirement("torch>=2.12")], {})
     assert older.origin == "missing"
+
+
+def test_without_a_venv_it_runs_the_python_that_has_torch(tmp_path):
+    """A host whose python3 lacks torch while its python has it (a bare
+    system python3 beside a container's interpreter)."""
+    repo, bin_dir = tmp_path / "repo", tmp_path / "bin"
+    (repo / "services/gpu-driver").mkdir(parents=True)
+    shutil.copy(RUN, repo / "services/gpu-driver/run.sh")
+    (repo / "services/gpu-driver/driver.py").write_text("import sys\nprint('driver ran by', sys.argv[1])\n")
+    bin_dir.mkdir()
+    bare = bin_dir / "python3"  # answers the torch check with "no", and would say so if it ran the driver
+    bare.write_text("#!/bin/sh\ncase \"$2\" in *find_spec*) exit 1;; esac\necho 'driver ran by the bare python3'\n")
+    bare.chmod(0o755)
+    with_torch = bin_dir / "python"
+    with_torch.write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
+    with_torch.chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path)}
+    done = subprocess.run(["/bin/bash", str(repo / "services/gpu-driver/run.sh"), "with-torch"], env=env,
+                          capture_output=True, text=True, timeout=50)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip() == "driver ran by with-torch"
