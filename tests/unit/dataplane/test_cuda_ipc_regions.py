@@ -3,12 +3,15 @@ with the opening of a handle faked as torch does it: the caching
 allocator's block, named by its handle, plus the storage's offset in it.
 SGLang's per-layer buffers are separate storages that often share one
 block (one handle): each must open at its own offset, a storage named
-twice must open once, and regions of different storages are compared
-where they lie in the block."""
+twice must open once, regions of different storages are compared where
+they lie in the block, and the handle's fields reach the daemon as the
+types torch takes."""
 
 import pytest
 import torch
 
+from cpcache.client.messages import attach_request
+from cpcache.daemon.wire import attach_from_wire
 from cpcache.dataplane.pools import DevicePool
 from cpcache.dataplane.regions import contiguous
 from cpcache.errors import FailedPrecondition
@@ -82,3 +85,17 @@ def test_regions_of_two_storages_over_the_same_bytes_of_a_block_are_refused(ipc)
     second = Region(0, STRIDES, FakeIpc.fields(b"C", LAYER_BYTES, 2 * LAYER_BYTES))  # the same bytes
     with pytest.raises(FailedPrecondition, match="overlap"):
         DevicePool.from_cuda_ipc(None, GEOMETRY, PAGES, [first, second])
+
+
+def test_the_fields_cross_the_wire_with_the_types_torch_checks():
+    """`_new_shared_cuda` refuses anything but ints, bytes and a bool."""
+    fields = dict(device=0, handle=b"\x01\x00" + bytes(range(64)), storage_size=LAYER_BYTES, storage_offset=2 << 20,
+                  ref_counter_handle=b"/torch_1_2", ref_counter_offset=7, event_handle=bytes(64),
+                  event_sync_required=True)
+    regions = [Region(0, STRIDES, fields)] * GEOMETRY.layers
+    request = attach_request("m", GEOMETRY, PAGES, regions=regions)
+    ask = attach_from_wire(type(request).FromString(request.SerializeToString()))
+    assert ask.kind == "cuda_ipc" and ask.pool is None
+    for region in ask.regions:
+        assert region.cuda_ipc == fields
+        assert [type(region.cuda_ipc[k]) for k in fields] == [type(v) for v in fields.values()]
