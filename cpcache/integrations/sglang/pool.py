@@ -168,8 +168,15 @@ def _hexes(addresses: tuple[int, ...]) -> str:
 def cuda_ipc_fields(storage: torch.UntypedStorage) -> dict[str, Any]:
     """What `torch.multiprocessing` sends for a CUDA storage: the caching
     allocator's block handle and the storage's offset in it."""
-    (device, handle, storage_size, storage_offset, ref_counter_handle, ref_counter_offset, event_handle,
-     event_sync_required) = storage._share_cuda_()
+    try:
+        (device, handle, storage_size, storage_offset, ref_counter_handle, ref_counter_offset, event_handle,
+         event_sync_required) = storage._share_cuda_()
+    except RuntimeError as e:
+        # Memory from outside torch's caching allocator (SGLang's --enable-memory-saver, a VMM allocator)
+        # has no IPC handle to give.
+        raise PoolNotShareable(
+            f"cpcache: SGLang's KV buffers cannot be shared by CUDA IPC ({e}); they must come from torch's "
+            "caching allocator, so run the server without --enable-memory-saver or a custom allocator") from e
     return dict(device=device, handle=handle, storage_size=storage_size, storage_offset=storage_offset,
                 ref_counter_handle=ref_counter_handle, ref_counter_offset=ref_counter_offset,
                 event_handle=event_handle, event_sync_required=event_sync_required)

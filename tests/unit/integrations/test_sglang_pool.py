@@ -76,3 +76,14 @@ def test_a_pointer_table_that_names_other_buffers_is_refused():
 def test_a_pool_outside_shared_memory_is_refused_on_a_host_without_cuda():
     with pytest.raises(PoolNotShareable, match="not in shared memory"):
         share_device_pool(sglang_like_mha(shared=False), PAGE)
+
+
+def test_cuda_buffers_without_an_ipc_handle_are_refused_with_the_reason():
+    from cpcache.integrations.sglang.pool import cuda_ipc_fields
+
+    class OutsideTheCachingAllocator:  # what _share_cuda_ does for memory-saver or VMM allocations
+        def _share_cuda_(self):
+            raise RuntimeError("cannot share memory not allocated by the caching allocator")
+
+    with pytest.raises(PoolNotShareable, match="--enable-memory-saver"):
+        cuda_ipc_fields(OutsideTheCachingAllocator())  # type: ignore[arg-type]
