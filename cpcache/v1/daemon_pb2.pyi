@@ -33,7 +33,7 @@ class Geometry(_message.Message):
     def __init__(self, layers: _Optional[int] = ..., kv_kind: _Optional[str] = ..., heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., page_size: _Optional[int] = ...) -> None: ...
 
 class CudaIpcHandle(_message.Message):
-    __slots__ = ("device", "handle", "storage_size", "storage_offset", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
+    __slots__ = ("device", "handle", "storage_size", "storage_offset", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "device_uuid")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     STORAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,7 @@ class CudaIpcHandle(_message.Message):
     REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
     EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
     EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     device: int
     handle: bytes
     storage_size: int
@@ -50,7 +51,8 @@ class CudaIpcHandle(_message.Message):
     ref_counter_offset: int
     event_handle: bytes
     event_sync_required: bool
-    def __init__(self, device: _Optional[int] = ..., handle: _Optional[bytes] = ..., storage_size: _Optional[int] = ..., storage_offset: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
+    device_uuid: str
+    def __init__(self, device: _Optional[int] = ..., handle: _Optional[bytes] = ..., storage_size: _Optional[int] = ..., storage_offset: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class PoolRegion(_message.Message):
     __slots__ = ("offset", "strides", "cuda_ipc")

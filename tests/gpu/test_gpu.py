@@ -16,6 +16,8 @@ from cpcache.dataplane import gather
 from cpcache.dataplane.copy_faults import CopyFaults
 from cpcache.dataplane.movers import DEVICE, HOST, Tiers, Transfers
 from cpcache.dataplane.pools import LAYOUTS, DevicePool, HostPool
+from cpcache.errors import FailedPrecondition
+from cpcache.geometry import Region
 from cpcache.topology import Topology
 from tests.gpu.cuda import (
     GEOMETRY,
@@ -111,6 +113,21 @@ async def test_cuda_ipc_attach_and_round_trip(run_dir):
             await client.attach("gpu-test", GEOMETRY, 16, regions=layer_regions(layers))
             await round_trip(client, layers, 1)
     assert [layer.data_ptr() for layer in layers] == addresses
+
+
+async def test_a_pool_on_another_gpu_than_the_daemons_same_index_is_refused(run_dir):
+    """As with a daemon started with another CUDA_VISIBLE_DEVICES: the
+    handle's UUID is not that of the daemon's GPU at the handle's index."""
+    layers = cuda_layers(16)
+    regions = layer_regions(layers)
+    elsewhere = [Region(r.offset, r.strides, dict(r.cuda_ipc, device_uuid="00000000-0000-0000-0000-000000000000"))
+                 for r in regions]
+    async with LocalDomain(DomainSpec(Topology(tp=1), run_dir, extra=dict(host_pool_pages=16))) as domain:
+        async with AsyncClient(domain.sockets[0]) as client:
+            with pytest.raises(FailedPrecondition, match="CUDA_VISIBLE_DEVICES"):
+                await client.attach("gpu-test", GEOMETRY, 16, regions=elsewhere)
+            await client.attach("gpu-test", GEOMETRY, 16, regions=regions)
+            await round_trip(client, layers, 1)
 
 
 async def test_cuda_ipc_attach_and_round_trip_of_one_contiguous_pool(run_dir):

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from cpcache.cuda_devices import device_uuid
 from cpcache.geometry import DTYPES, KVGeometry, Region
 from cpcache.integrations.sglang.shared_memory import SharedMemory, memory_of
 
@@ -179,4 +180,5 @@ def cuda_ipc_fields(storage: torch.UntypedStorage) -> dict[str, Any]:
             "caching allocator, so run the server without --enable-memory-saver or a custom allocator") from e
     return dict(device=device, handle=handle, storage_size=storage_size, storage_offset=storage_offset,
                 ref_counter_handle=ref_counter_handle, ref_counter_offset=ref_counter_offset,
-                event_handle=event_handle, event_sync_required=event_sync_required)
+                event_handle=event_handle, event_sync_required=event_sync_required,
+                device_uuid=device_uuid(device))

@@ -71,6 +71,21 @@ def test_layers_in_one_block_open_at_their_own_offsets(ipc):
     assert written_at(block, 0) == 0 and written_at(block, 2 * LAYER_BYTES) == 0
 
 
+def test_a_handle_of_another_gpu_than_the_daemons_same_index_is_refused_before_opening(ipc, monkeypatch):
+    """A daemon started with another CUDA_VISIBLE_DEVICES than its scheduler's."""
+    ipc.block(b"D", 2 * LAYER_BYTES)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: type("P", (), {"uuid": "ours"})())
+    regions = [Region(r.offset, r.strides, dict(FakeIpc.fields(b"D", 0, 2 * LAYER_BYTES), device_uuid="theirs"))
+               for r in contiguous(GEOMETRY, PAGES)]
+    with pytest.raises(FailedPrecondition, match="GPU-theirs.*GPU-ours.*CUDA_VISIBLE_DEVICES"):
+        DevicePool.from_cuda_ipc(None, GEOMETRY, PAGES, regions)
+    assert ipc.opened == []
+    same = [Region(r.offset, r.strides, dict(r.cuda_ipc, device_uuid="ours")) for r in regions]
+    DevicePool.from_cuda_ipc(None, GEOMETRY, PAGES, same)
+    assert ipc.opened == [(b"D", 0, 2 * LAYER_BYTES)]
+
+
 def test_a_storage_named_by_every_region_opens_once(ipc):
     ipc.block(b"B", 3 * LAYER_BYTES)
     handle = FakeIpc.fields(b"B", LAYER_BYTES, 2 * LAYER_BYTES)
@@ -91,7 +106,7 @@ def test_the_fields_cross_the_wire_with_the_types_torch_checks():
     """`_new_shared_cuda` refuses anything but ints, bytes and a bool."""
     fields = dict(device=0, handle=b"\x01\x00" + bytes(range(64)), storage_size=LAYER_BYTES, storage_offset=2 << 20,
                   ref_counter_handle=b"/torch_1_2", ref_counter_offset=7, event_handle=bytes(64),
-                  event_sync_required=True)
+                  event_sync_required=True, device_uuid="5b1f0e3a-8c1d-4d55-9a0e-0f6c2b7d9e11")
     regions = [Region(0, STRIDES, fields)] * GEOMETRY.layers
     request = attach_request("m", GEOMETRY, PAGES, regions=regions)
     ask = attach_from_wire(type(request).FromString(request.SerializeToString()))
