@@ -1,10 +1,10 @@
 """Which GPU a CUDA IPC handle names.
 
 A handle names its GPU by index, and each process counts indexes from its
-own CUDA_VISIBLE_DEVICES: a daemon started with another one than its
-scheduler's would open the handle on a different GPU than the one holding
-the memory. The scheduler puts the GPU's UUID beside the index; the daemon
-checks that its own GPU at that index has the same UUID."""
+own CUDA_VISIBLE_DEVICES (and CUDA_DEVICE_ORDER): the daemon's index of the
+scheduler's GPU can differ from the scheduler's. The scheduler puts the
+GPU's UUID beside the index; the daemon opens the handle on its own index
+of that UUID, and refuses a GPU it does not see."""
 
 from __future__ import annotations
 
@@ -16,29 +16,49 @@ from cpcache.errors import FailedPrecondition
 
 
 def device_uuid(index: int) -> str:
-    """The UUID of this process's CUDA device `index`, as nvidia-smi prints it (without "GPU-")."""
-    return str(torch.cuda.get_device_properties(index).uuid)
+    """The UUID of this process's CUDA device `index` (a MIG instance's own
+    on MIG), or "" where torch cannot tell it."""
+    try:
+        return str(getattr(torch.cuda.get_device_properties(index), "uuid", "") or "")
+    except Exception:  # noqa: BLE001 - a device that cannot be read is one whose UUID is not known
+        return ""
 
 
-def check_same_gpus(handles: Iterable[dict], uuid_of: Callable[[int], str] | None = None,
-                    device_count: Callable[[], int] | None = None) -> None:
-    """Refuse handles whose index names another GPU here than the scheduler's
-    (a handle without `device_uuid`, from an older client, is not checked)."""
+def on_local_devices(handles: Iterable[dict], uuid_of: Callable[[int], str] | None = None,
+                     device_count: Callable[[], int] | None = None) -> list[dict]:
+    """The handles with `device` set to this process's index of the GPU that
+    shared each (its `device_uuid`); a handle without one, from an older
+    client or a GPU that reports none, keeps its index."""
     uuid_of = uuid_of or device_uuid
     device_count = device_count or torch.cuda.device_count
-    seen: dict[int, str] = {}
+    local: dict[str, int] | None = None
+    out = []
     for handle in handles:
-        index, theirs = int(handle["device"]), handle.get("device_uuid") or ""
-        if not theirs or seen.get(index) == theirs:
-            continue
-        visible = device_count()
-        if not 0 <= index < visible:
-            raise FailedPrecondition(
-                f"attach: the pool is on the scheduler's cuda:{index} (GPU-{theirs}), and this daemon sees "
-                f"{visible} CUDA device(s): start the daemon with its scheduler's CUDA_VISIBLE_DEVICES")
-        ours = uuid_of(index)
-        if ours != theirs:
-            raise FailedPrecondition(
-                f"attach: the pool is on the scheduler's cuda:{index} (GPU-{theirs}), but this daemon's "
-                f"cuda:{index} is GPU-{ours}: start the daemon with its scheduler's CUDA_VISIBLE_DEVICES")
-        seen[index] = theirs
+        theirs = handle.get("device_uuid") or ""
+        index = int(handle["device"])
+        if theirs and _reads(uuid_of, index) != theirs:
+            if local is None:
+                local = _local_indexes(uuid_of, device_count)
+            if theirs not in local:
+                raise FailedPrecondition(
+                    f"attach: the pool is on the scheduler's cuda:{index}, GPU {theirs}, which is not among "
+                    f"this daemon's {len(local)} CUDA device(s): make that GPU visible to the daemon "
+                    "(CUDA_VISIBLE_DEVICES)")
+            index = local[theirs]
+        out.append(dict(handle, device=index))
+    return out
+
+
+def _local_indexes(uuid_of: Callable[[int], str], device_count: Callable[[], int]) -> dict[str, int]:
+    try:
+        count = device_count()
+    except Exception as exc:  # noqa: BLE001 - CUDA that cannot start here is a refusal, not a daemon bug
+        raise FailedPrecondition(f"attach: this daemon cannot list its CUDA devices: {exc}") from None
+    return {uuid: i for i in range(count) if (uuid := _reads(uuid_of, i))}
+
+
+def _reads(uuid_of: Callable[[int], str], index: int) -> str:
+    try:
+        return uuid_of(index)
+    except Exception:  # noqa: BLE001 - an index this process does not have, or cannot read
+        return ""

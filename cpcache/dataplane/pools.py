@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cpcache.cuda_devices import check_same_gpus
+from cpcache.cuda_devices import on_local_devices
 from cpcache.dataplane.memfd import check_pool
 from cpcache.dataplane.regions import check as check_regions
 from cpcache.dataplane.regions import contiguous, region_shape
@@ -160,7 +160,7 @@ class DevicePool:
             if given is None:
                 raise InvalidArgument("attach: give one CUDA IPC handle for the pool, or one in every region")
             handles.append(given)
-        check_same_gpus(handles)
+        handles = on_local_devices(handles)
         storages = _open_cuda_storages(handles)
         check_regions(geometry, pages, regions, [s.nbytes() for s in storages],
                       memory_of=[(h["device"], bytes(h["handle"])) for h in handles],

@@ -6,6 +6,7 @@ and a two-process domain on one GPU. Skipped where
 CUDA is absent; `services/gpu-driver/run.sh` runs them on a GPU host."""
 
 import asyncio
+import uuid
 
 import pytest
 import torch
@@ -115,16 +116,18 @@ async def test_cuda_ipc_attach_and_round_trip(run_dir):
     assert [layer.data_ptr() for layer in layers] == addresses
 
 
-async def test_a_pool_on_another_gpu_than_the_daemons_same_index_is_refused(run_dir):
-    """As with a daemon started with another CUDA_VISIBLE_DEVICES: the
-    handle's UUID is not that of the daemon's GPU at the handle's index."""
+async def test_cuda_ipc_attach_refuses_a_gpu_the_daemon_does_not_see(run_dir):
+    """Handles naming, by UUID, a GPU that is not among the daemon's (one
+    hidden from it by CUDA_VISIBLE_DEVICES) are refused, and the daemon
+    takes the right ones after."""
     layers = cuda_layers(16)
     regions = layer_regions(layers)
-    elsewhere = [Region(r.offset, r.strides, dict(r.cuda_ipc, device_uuid="00000000-0000-0000-0000-000000000000"))
+    ours = uuid.UUID(regions[0].cuda_ipc["device_uuid"])
+    elsewhere = [Region(r.offset, r.strides, dict(r.cuda_ipc, device_uuid=str(uuid.UUID(int=ours.int ^ 1))))
                  for r in regions]
     async with LocalDomain(DomainSpec(Topology(tp=1), run_dir, extra=dict(host_pool_pages=16))) as domain:
         async with AsyncClient(domain.sockets[0]) as client:
-            with pytest.raises(FailedPrecondition, match="CUDA_VISIBLE_DEVICES"):
+            with pytest.raises(FailedPrecondition, match="not among this daemon"):
                 await client.attach("gpu-test", GEOMETRY, 16, regions=elsewhere)
             await client.attach("gpu-test", GEOMETRY, 16, regions=regions)
             await round_trip(client, layers, 1)

@@ -1,9 +1,10 @@
-"""A CUDA IPC handle opens only on the GPU that shared it: the daemon
-compares the scheduler's UUID for the handle's device index with its own."""
+"""A CUDA IPC handle opens on the GPU that shared it: the daemon finds the
+scheduler's GPU by its UUID among its own devices, whatever index each
+process's CUDA_VISIBLE_DEVICES gives it, and refuses one it does not see."""
 
 import pytest
 
-from cpcache.cuda_devices import check_same_gpus
+from cpcache.cuda_devices import on_local_devices
 from cpcache.errors import FailedPrecondition
 
 pytestmark = pytest.mark.timeout(10)
@@ -11,25 +12,36 @@ pytestmark = pytest.mark.timeout(10)
 GPUS = ["aaaa", "bbbb"]  # this daemon's devices 0 and 1
 
 
-def check(handles):
-    check_same_gpus(handles, uuid_of=GPUS.__getitem__, device_count=lambda: len(GPUS))
+def local(handles, gpus=GPUS):
+    return [h["device"] for h in on_local_devices(handles, uuid_of=gpus.__getitem__, device_count=lambda: len(gpus))]
 
 
-def test_same_gpu_at_the_same_index_passes():
-    check([dict(device=0, device_uuid="aaaa"), dict(device=1, device_uuid="bbbb")])
+def test_the_same_gpu_at_the_same_index_keeps_it():
+    assert local([dict(device=0, device_uuid="aaaa"), dict(device=1, device_uuid="bbbb")]) == [0, 1]
 
 
-def test_another_gpu_at_that_index_is_refused_naming_both_and_the_fix():
+def test_a_gpu_the_daemon_counts_at_another_index_opens_there():
+    """A scheduler with CUDA_VISIBLE_DEVICES=1 calls the daemon's cuda:1 its cuda:0."""
+    assert local([dict(device=0, device_uuid="bbbb"), dict(device=3, device_uuid="aaaa")]) == [1, 0]
+
+
+def test_a_gpu_the_daemon_does_not_see_is_refused_naming_it_and_the_fix():
     with pytest.raises(FailedPrecondition) as refused:
-        check([dict(device=0, device_uuid="bbbb")])
+        local([dict(device=0, device_uuid="cccc")])
     message = str(refused.value)
-    assert "GPU-bbbb" in message and "GPU-aaaa" in message and "CUDA_VISIBLE_DEVICES" in message
+    assert "cccc" in message and "2 CUDA device" in message and "CUDA_VISIBLE_DEVICES" in message
 
 
-def test_an_index_this_daemon_does_not_see_is_refused():
-    with pytest.raises(FailedPrecondition, match="sees 2 CUDA device"):
-        check([dict(device=3, device_uuid="cccc")])
+def test_a_handle_without_a_uuid_keeps_its_index():
+    assert local([dict(device=5), dict(device=0, device_uuid="")]) == [5, 0]
 
 
-def test_a_handle_without_a_uuid_is_not_checked():
-    check([dict(device=5), dict(device=0, device_uuid="")])
+def test_cuda_that_cannot_start_is_a_refusal_not_a_crash():
+    def broken() -> int:
+        raise RuntimeError("CUDA error: all CUDA-capable devices are busy or unavailable")
+
+    def unreadable(index: int) -> str:
+        raise RuntimeError("no such device")
+
+    with pytest.raises(FailedPrecondition, match="busy or unavailable"):
+        on_local_devices([dict(device=0, device_uuid="aaaa")], uuid_of=unreadable, device_count=broken)

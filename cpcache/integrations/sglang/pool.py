@@ -167,8 +167,9 @@ def _hexes(addresses: tuple[int, ...]) -> str:
 
 
 def cuda_ipc_fields(storage: torch.UntypedStorage) -> dict[str, Any]:
-    """What `torch.multiprocessing` sends for a CUDA storage: the caching
-    allocator's block handle and the storage's offset in it."""
+    """What `torch.multiprocessing` sends for a CUDA storage (the caching
+    allocator's block handle and the storage's offset in it), and the GPU's
+    UUID, by which the daemon finds the GPU under its own index."""
     try:
         (device, handle, storage_size, storage_offset, ref_counter_handle, ref_counter_offset, event_handle,
          event_sync_required) = storage._share_cuda_()

@@ -204,6 +204,7 @@ class Gen:
             ipc.ref_counter_handle = r.randbytes(r.choice([0, 8]))
             ipc.event_handle = r.randbytes(r.choice([0, 64]))
             ipc.event_sync_required = r.random() < 0.5
+            ipc.device_uuid = r.choice(["", "x", "0" * 36, "\u00e9" * 100])
         # else: no pool at all
         return request
 

@@ -101,7 +101,13 @@ def hicache_file_storage_flags(root: Path) -> list[str]:
 ZIGZAG_FLAGS = ["--enable-prefill-cp", "--cp-strategy", "zigzag"]
 ZIGZAG_ENV = {"CPCACHE_TEST_CP_TORCH_NATIVE": "1"}
 READY = "The server is fired up and ready to roll"
-BIND_FAILED = "error while attempting to bind on address"
+# A port taken before the server bound it: its HTTP port (uvicorn), or the
+# port its ranks meet on (torch's TCPStore), which SGLang picks by itself.
+BIND_FAILED = ("error while attempting to bind on address", "EADDRINUSE")
+
+
+def bind_failed(output: str) -> bool:
+    return any(marker in output for marker in BIND_FAILED)
 
 
 def free_port() -> int:
@@ -309,18 +315,18 @@ class Server:
         return self
 
     def wait_ready(self, timeout_s: float = 300.0, port_tries: int = 3) -> Server:
-        """Until the server serves. The free port it was given can be taken
-        before it binds (SGLang picks ports of its own meanwhile, and then
-        neither serves nor exits): it starts again on another port."""
+        """Until the server serves. The free port it was given, or a port
+        SGLang picks for its ranks, can be taken before it binds (by another
+        server starting meanwhile): it starts again on other ports."""
         def settled(p: Watched) -> bool:
-            return READY in p.text() or BIND_FAILED in p.text() or p.exited.is_set()
+            return READY in p.text() or bind_failed(p.text()) or p.exited.is_set()
 
         for _ in range(port_tries):
             process = self.process
             assert process is not None
             with process.new_line:
                 process.new_line.wait_for(functools.partial(settled, process), timeout_s)
-            if BIND_FAILED not in process.text():
+            if not bind_failed(process.text()):
                 break
             process.stop()
             self.port = free_port()

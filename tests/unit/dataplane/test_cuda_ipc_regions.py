@@ -31,6 +31,7 @@ class FakeIpc:
     def __init__(self) -> None:
         self.blocks: dict[bytes, bytearray] = {}
         self.opened: list[tuple[bytes, int, int]] = []
+        self.devices: list[int] = []
 
     def block(self, handle: bytes, nbytes: int) -> bytearray:
         self.blocks[handle] = bytearray(nbytes)
@@ -38,6 +39,7 @@ class FakeIpc:
 
     def open(self, device, handle, size, offset, ref_counter, ref_offset, event, event_sync):
         self.opened.append((handle, offset, size))
+        self.devices.append(device)
         view = memoryview(self.blocks[handle])[offset : offset + size]
         return torch.frombuffer(view, dtype=torch.uint8).untyped_storage()
 
@@ -71,19 +73,22 @@ def test_layers_in_one_block_open_at_their_own_offsets(ipc):
     assert written_at(block, 0) == 0 and written_at(block, 2 * LAYER_BYTES) == 0
 
 
-def test_a_handle_of_another_gpu_than_the_daemons_same_index_is_refused_before_opening(ipc, monkeypatch):
-    """A daemon started with another CUDA_VISIBLE_DEVICES than its scheduler's."""
+def test_a_handle_opens_on_the_daemons_index_of_the_schedulers_gpu(ipc, monkeypatch):
+    """A scheduler and a daemon with different CUDA_VISIBLE_DEVICES: the
+    scheduler's cuda:0 is the daemon's cuda:1; a GPU the daemon lacks is
+    refused before anything is opened."""
     ipc.block(b"D", 2 * LAYER_BYTES)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: type("P", (), {"uuid": "ours"})())
-    regions = [Region(r.offset, r.strides, dict(FakeIpc.fields(b"D", 0, 2 * LAYER_BYTES), device_uuid="theirs"))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index: type("P", (), {"uuid": ["gpu-a", "gpu-b"][index]})())
+    regions = [Region(r.offset, r.strides, dict(FakeIpc.fields(b"D", 0, 2 * LAYER_BYTES), device_uuid="gpu-c"))
                for r in contiguous(GEOMETRY, PAGES)]
-    with pytest.raises(FailedPrecondition, match="GPU-theirs.*GPU-ours.*CUDA_VISIBLE_DEVICES"):
+    with pytest.raises(FailedPrecondition, match="GPU gpu-c.*CUDA_VISIBLE_DEVICES"):
         DevicePool.from_cuda_ipc(None, GEOMETRY, PAGES, regions)
     assert ipc.opened == []
-    same = [Region(r.offset, r.strides, dict(r.cuda_ipc, device_uuid="ours")) for r in regions]
-    DevicePool.from_cuda_ipc(None, GEOMETRY, PAGES, same)
-    assert ipc.opened == [(b"D", 0, 2 * LAYER_BYTES)]
+    elsewhere = [Region(r.offset, r.strides, dict(r.cuda_ipc, device_uuid="gpu-b")) for r in regions]
+    DevicePool.from_cuda_ipc(None, GEOMETRY, PAGES, elsewhere)
+    assert ipc.opened == [(b"D", 0, 2 * LAYER_BYTES)] and ipc.devices == [1]
 
 
 def test_a_storage_named_by_every_region_opens_once(ipc):

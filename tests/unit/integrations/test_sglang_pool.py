@@ -87,3 +87,18 @@ def test_cuda_buffers_without_an_ipc_handle_are_refused_with_the_reason():
 
     with pytest.raises(PoolNotShareable, match="--enable-memory-saver"):
         cuda_ipc_fields(OutsideTheCachingAllocator())  # type: ignore[arg-type]
+
+
+def test_a_cuda_handle_names_its_gpu_by_uuid_beside_the_index(monkeypatch):
+    """The daemon's index of the scheduler's GPU may differ (another
+    CUDA_VISIBLE_DEVICES): the UUID says which GPU it is."""
+    from cpcache.integrations.sglang.pool import cuda_ipc_fields
+
+    class SharedStorage:
+        def _share_cuda_(self):
+            return (1, b"handle", 4096, 512, b"/torch_rc", 0, b"event", True)
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index: SimpleNamespace(uuid=f"uuid-of-{index}"))
+    fields = cuda_ipc_fields(SharedStorage())  # type: ignore[arg-type]
+    assert fields["device"] == 1 and fields["device_uuid"] == "uuid-of-1" and fields["storage_offset"] == 512
