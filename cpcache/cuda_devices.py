@@ -28,7 +28,8 @@ def on_local_devices(handles: Iterable[dict], uuid_of: Callable[[int], str] | No
                      device_count: Callable[[], int] | None = None) -> list[dict]:
     """The handles with `device` set to this process's index of the GPU that
     shared each (its `device_uuid`); a handle without one, from an older
-    client or a GPU that reports none, keeps its index."""
+    client or a GPU that reports none, keeps its index. `uuid_of` answers
+    "" for an index it cannot read, as `device_uuid` does."""
     uuid_of = uuid_of or device_uuid
     device_count = device_count or torch.cuda.device_count
     local: dict[str, int] | None = None
@@ -36,7 +37,7 @@ def on_local_devices(handles: Iterable[dict], uuid_of: Callable[[int], str] | No
     for handle in handles:
         theirs = handle.get("device_uuid") or ""
         index = int(handle["device"])
-        if theirs and _reads(uuid_of, index) != theirs:
+        if theirs and uuid_of(index) != theirs:
             if local is None:
                 local = _local_indexes(uuid_of, device_count)
             if theirs not in local:
@@ -54,11 +55,5 @@ def _local_indexes(uuid_of: Callable[[int], str], device_count: Callable[[], int
         count = device_count()
     except Exception as exc:  # noqa: BLE001 - CUDA that cannot start here is a refusal, not a daemon bug
         raise FailedPrecondition(f"attach: this daemon cannot list its CUDA devices: {exc}") from None
-    return {uuid: i for i in range(count) if (uuid := _reads(uuid_of, i))}
+    return {uuid: i for i in range(count) if (uuid := uuid_of(i))}
 
-
-def _reads(uuid_of: Callable[[int], str], index: int) -> str:
-    try:
-        return uuid_of(index)
-    except Exception:  # noqa: BLE001 - an index this process does not have, or cannot read
-        return ""
