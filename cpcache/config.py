@@ -21,7 +21,7 @@ from cpcache.values import split_host_port
 
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
-HOST_LAYOUTS = ("layer_first", "page_first", "page_first_direct")  # as cpcache.dataplane.pools.LAYOUTS
+HOST_LAYOUTS = ("layer_first", "page_first", "page_first_direct")  # as cpcache.host_layout.LAYOUTS
 STORAGES = ("none", "file", "mooncake")
 STORAGE_PROTOCOLS = ("tcp", "rdma")
 KV_CP_SHARDINGS = ("cp_replicated", "cp_sharded")
@@ -83,6 +83,8 @@ class FaultInjection:
                                          "its copy (a slow copy, layer by layer).")
     load_fail_layer: int = setting(-1, "Fault injection: every load-back fails at this layer, the layers before it "
                                    "copied (-1: never).")
+    exit_after_round: int = setting(0, "Fault injection: the daemon dies (exits at once, as if killed) once the "
+                                    "round of this step is applied, before the step is answered (0: never).")
     seed: int = setting(0, "Seed of the fault injection.")
 
     def __post_init__(self) -> None:
@@ -129,7 +131,8 @@ class DaemonConfig:
                                        "Largest host pool an Attach may size (pages x the client's page bytes).")
     host_layout: str = setting("page_first_direct", "Host pool layout: layer_first, page_first, page_first_direct.",
                                choices=HOST_LAYOUTS)
-    io_threads: int = setting(4, "Threads that run transfers and storage calls.")
+    io_threads: int = setting(4, "Threads per I/O lane: load-backs, write-throughs, storage calls (a load never "
+                              "queues behind a write).")
     storage: str = setting("none", "Storage backend: none, file or mooncake.", choices=STORAGES)
     storage_root: str = setting("/var/lib/cpcache/pages",
                                 "file: root directory (shared by the ranks that share pages).")

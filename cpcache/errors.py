@@ -148,10 +148,18 @@ class PeerLost(Unavailable):
         return cls(message, tuple(int(r) for r in ranks.split(",") if r))
 
 
+class EpochEnded(Unavailable):
+    """A step of a session whose epoch has ended (its daemon restarted, or
+    the domain re-formed): nothing of it is opened, and its outcome, if it
+    had one, is known only to the daemons that kept that epoch."""
+
+    reason = "EPOCH_ENDED"
+
+
 # Every class, most specific first. A client rebuilds the class named by the
 # ErrorInfo reason (`BY_REASON`); without one, the base class of the status.
 FAMILY: tuple[type[CacheError], ...] = (
     InvalidArgument, NotFound, Divergence, RejectedByPeer, StepOrder, FailedPrecondition, PermissionDenied,
-    ResourceExhausted, PeerLost, Unavailable,
+    ResourceExhausted, PeerLost, EpochEnded, Unavailable,
 )
 BY_REASON: dict[str, type[CacheError]] = {kind.reason: kind for kind in FAMILY}

@@ -8,17 +8,50 @@ rank's own copy has come, and only this rank's forward reads it: layer l
 waits for layer l of its own loads, nothing else.
 
 A board is a small sealed memfd that the scheduler creates and hands over
-with its pool: `slots` slots of two int64 words. The scheduler claims a slot
-for a load (writing the load's op id and 0 before the Step that carries the
-load is sent); the daemon's mover writes the layers copied so far after each
-layer, or FAILED. A slot is claimed again only once the load is decided (its
-copies ended on every rank). On CUDA hosts the progress says that a layer's
-copy was queued, and that layer's event (one per slot and layer, shared by
-IPC handle) completes when the copy has run: the forward's stream waits on
-the event, the host only for the queueing.
+with its pool: `slots` slots of two int64 words,
 
-Stores are word-sized and in program order (the mover's copy, then the
-progress word), which x86-64's memory order keeps for the reader.
+    word 0, progress: tag << 23 | layers copied (all ones: FAILED), written
+            by the daemon's mover after each layer (reset by the claim);
+    word 1, claim:    the op id of the load that owns the slot, written by
+            the scheduler only.
+
+The tag is the low 40 bits of the op id (op ids count up from 1 in each
+scheduler session, and each session has a board of its own), so the word
+says whose progress it is. The scheduler claims a slot for a load (progress
+reset to the load's tag and 0, then its op id, before the Step that carries
+the load is sent); a slot is claimed again only once its load is decided
+(its copies ended on every rank). On CUDA hosts the progress says that a
+layer's copy was queued, and that layer's event (one per slot and layer,
+shared by IPC handle) completes when the copy has run: the forward's stream
+waits on the event, the host only for the queueing.
+
+The board fails closed. A reader waiting on load X counts only a progress
+word that carries X's tag, and only while the claim word is still X:
+
+- claim word not X: the slot went to another load, so X is not what the
+  slot holds: FAILED. (SGLang's forward runs on the scheduler's thread and
+  the backend forgets decided loads before the next batch is built, so a
+  forward never waits on a load whose slot was given back; if it ever did,
+  it stops rather than take another load's progress for its own.)
+- claim word X, progress word of another tag: a store of an older load that
+  landed after X's claim (the daemon checks the claim word, then stores, not
+  atomically: numpy has no compare-and-swap). It counts as nothing copied,
+  and the wait goes on until X's own next publish overwrites it or the
+  deadline passes. Not FAILED: a stale store is no sign that X failed, and
+  FAILED stops the server; not progress either: an old load's publish never
+  satisfies a new one. Within one daemon such a store cannot happen at all
+  (X's slot is claimed only after the old load's job, publish included,
+  ended on this rank), and a daemon of an ended session writes to the
+  board of that session, which a new attach replaced.
+
+Progress first, claim second: the reverse of the untagged board of earlier
+versions (op id, progress), so that a scheduler and a daemon of different
+versions never take each other's words for progress (the daemon finds no
+claim of its op and publishes nothing; the forward waits until its deadline
+and stops: closed, not open).
+
+Stores are aligned 8-byte words in program order (the mover's copy, then
+the progress word), which x86-64's memory order keeps for the reader.
 """
 
 from __future__ import annotations
@@ -34,11 +67,24 @@ import numpy as np
 from cpcache.errors import InvalidArgument
 
 SLOTS = 64  # loads in flight at once per rank; a load finding none free is waited whole
-FAILED = -1
-DECIDED = 1 << 62  # the progress of a load whose slot was given back
-_SLOT_BYTES = 16  # op id, progress
+FAILED = -1  # what `progress` reads for a load whose copy failed, or whose slot is no longer its own
+_SLOT_BYTES = 16  # progress word (tag << _PROGRESS_BITS | layers), claim word (op id)
+_PROGRESS_BITS = 23
+_TAG_BITS = 40  # tag << _PROGRESS_BITS stays below 2**63: a word is never negative
+_FAILED_FIELD = (1 << _PROGRESS_BITS) - 1  # the progress field of a failed copy
+MAX_LAYERS = _FAILED_FIELD - 1  # the most layers a load can publish
 _SPIN = 200  # polls before the wait starts sleeping between them
 _NAP_S = 50e-6
+
+
+def _tag(op: int) -> int:
+    return op & ((1 << _TAG_BITS) - 1)
+
+
+def _progress_word(op: int, layers: int) -> int:
+    """Load `op`'s progress, `layers` copied or FAILED, as one word."""
+    field = _FAILED_FIELD if layers == FAILED else layers
+    return _tag(op) << _PROGRESS_BITS | field
 
 
 class LoadSignals:
@@ -50,7 +96,8 @@ class LoadSignals:
         self.slots = slots
         self.fd = fd  # the creator's descriptor, to hand over
         self.events: list[list] | None = None  # the daemon's, on CUDA hosts: per slot, per layer
-        self._words = np.frombuffer(mapping, dtype=np.int64, count=slots * 2).reshape(slots, 2)
+        words = np.frombuffer(mapping, dtype=np.int64, count=slots * 2).reshape(slots, 2)
+        self._progress, self._claims = words[:, 0], words[:, 1]
         # Oldest given back first: a slot is claimed again as late as can be.
         self._free = collections.deque(range(1, slots + 1)) if fd >= 0 else collections.deque()
         self.identity: tuple = ()  # the daemon's: which board this is (a new one is a new attach)
@@ -94,8 +141,8 @@ class LoadSignals:
         if not self._free:
             return 0
         slot = self._free.popleft()
-        self._words[slot - 1, 1] = 0
-        self._words[slot - 1, 0] = op
+        self._progress[slot - 1] = _progress_word(op, 0)
+        self._claims[slot - 1] = op
         return slot
 
     def release(self, slot: int) -> None:
@@ -105,16 +152,28 @@ class LoadSignals:
     def in_use(self) -> int:
         return self.slots - len(self._free)
 
+    def owns(self, slot: int, op: int) -> bool:
+        """Whether `slot` is still claimed by load `op`."""
+        return int(self._claims[slot - 1]) == op
+
     def progress(self, slot: int, op: int) -> int:
-        """Layers of load `op` copied (CUDA: queued) so far, or FAILED;
-        DECIDED once its slot went to another load (a slot is given back
-        only when its load is decided: every rank's copy ended)."""
-        owner, progress = self._words[slot - 1]
-        return int(progress) if owner == op else DECIDED
+        """Layers of load `op` copied (CUDA: queued) so far, or FAILED: its
+        copy failed, or its slot went to another load (fails closed: no
+        other load's progress is ever taken for its own). A progress word of
+        another load in a slot still claimed by `op` (a stale store) counts
+        as nothing copied."""
+        if not self.owns(slot, op):
+            return FAILED
+        word = int(self._progress[slot - 1])
+        if word >> _PROGRESS_BITS != _tag(op):
+            return 0
+        field = word & _FAILED_FIELD
+        return FAILED if field == _FAILED_FIELD else field
 
     def wait(self, slot: int, op: int, layers: int, deadline: float) -> bool:
         """Until `layers` layers of load `op` are copied (True), its copy
-        failed (False), or `deadline` (time.monotonic) passes (TimeoutError)."""
+        failed or its slot went to another load (False), or `deadline`
+        (time.monotonic) passes (TimeoutError)."""
         polls = 0
         while True:
             progress = self.progress(slot, op)
@@ -135,9 +194,12 @@ class LoadSignals:
             raise InvalidArgument(f"load signal slot {slot} is outside the attached board of {self.slots} slots")
 
     def publish(self, slot: int, op: int, layers: int) -> None:
-        """`layers` layers of load `op` are copied (CUDA: queued)."""
-        if self._words[slot - 1, 0] == op:  # a slot the scheduler gave another load meanwhile is not touched
-            self._words[slot - 1, 1] = layers
+        """`layers` layers of load `op` are copied (CUDA: queued): one store
+        of a word tagged with `op`. A slot the scheduler gave another load
+        is not touched; a store racing with that claim carries `op`'s tag,
+        which the new load does not count (see the module's docstring)."""
+        if self._claims[slot - 1] == op:
+            self._progress[slot - 1] = _progress_word(op, layers)
 
     def fail(self, slot: int, op: int) -> None:
         self.publish(slot, op, FAILED)

@@ -18,6 +18,9 @@ ID_LIMIT = 1 << 63
 # times over; gRPC's default of 4 MiB does not. Larger requests are refused
 # with INVALID_ARGUMENT by the client before sending, and by the daemon.
 MAX_MESSAGE_BYTES = 64 << 20
+# In an `Outcome`'s StepError: the daemon answering has not taken the step
+# (its round cannot complete without it), rather than a round that failed.
+NOT_TAKEN = "not_taken"
 
 
 class Reduce(enum.IntEnum):

@@ -20,13 +20,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import grpc
-from google.protobuf.message import DecodeError
-from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cpcache import errors
 from cpcache.client.messages import CacheRequests, StepResult, attach_request, step_request, step_result
 from cpcache.client.pools import hand_over
+from cpcache.client.recovery import StepRecovery, unanswered
+from cpcache.client.wire_errors import error_from
 from cpcache.load_signals import LoadSignals
 from cpcache.topology import Topology
 from cpcache.v1 import daemon_pb2 as pb
@@ -40,6 +40,10 @@ T = TypeVar("T")
 
 DEFAULT_TIMEOUT_S = 30.0
 WAIT_MARGIN_S = 5.0  # wait_loads' deadline: its own timeout plus this, for the daemon to answer
+# A client's deadline must exceed the daemons' agreement timeout by this much:
+# the time a living daemon may take past its round's timeout to answer.
+DEADLINE_MARGIN_S = 5.0
+RECOVERY_ROUNDS = 3  # deadlines a stalled daemon is waited for while no peer can tell how its step ended
 
 # Reconnect quickly: the daemon is local and may be restarting.
 CHANNEL_OPTIONS = [
@@ -60,51 +64,6 @@ def target_of(address: str) -> str:
     return address
 
 
-# -- errors ---------------------------------------------------------------------------
-
-# Without an ErrorInfo, a status code names the base class of its kind (the
-# subclasses are told apart by their reason only).
-_BY_CODE: dict[grpc.StatusCode, type[errors.CacheError]] = {
-    grpc.StatusCode[kind.status]: kind for kind in errors.FAMILY if kind.__bases__ == (errors.CacheError,)
-}
-_BY_CODE[grpc.StatusCode.DEADLINE_EXCEEDED] = errors.Unavailable
-_DETAILS_KEY = "grpc-status-details-bin"
-
-
-def error_info(exc: grpc.RpcError) -> error_details_pb2.ErrorInfo | None:
-    """The cpcache `ErrorInfo` in a failed call's status details, if any.
-    Read from the trailing metadata, which blocking and aio errors both carry."""
-    for key, value in getattr(exc, "trailing_metadata", lambda: None)() or ():
-        if key != _DETAILS_KEY:
-            continue
-        try:
-            status = status_pb2.Status.FromString(value)
-        except DecodeError:  # a malformed status: fall back to the code
-            return None
-        for detail in status.details:
-            info = error_details_pb2.ErrorInfo()
-            if detail.Is(info.DESCRIPTOR) and detail.Unpack(info) and info.domain == errors.DOMAIN:
-                return info
-    return None
-
-
-def error_from(exc: grpc.RpcError) -> errors.CacheError:
-    """The typed error a failed call stands for: the class its ErrorInfo's
-    reason names (built from the ErrorInfo's metadata), else the class of its
-    status code. The message is `CODE: details`."""
-    code = exc.code()
-    message = f"{code.name}: {exc.details()}"
-    fallback = _BY_CODE.get(code, errors.CacheError)
-    info = error_info(exc)
-    kind = errors.BY_REASON.get(info.reason) if info is not None else None
-    if kind is not None and info is not None and grpc.StatusCode[kind.status] == code:
-        try:
-            return kind.from_metadata(message, dict(info.metadata))
-        except (ValueError, TypeError):  # metadata this client cannot read: keep the kind's family
-            pass
-    return fallback(message)
-
-
 # -- calls ------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -119,8 +78,13 @@ class Call(Generic[T]):
     service: str = "daemon"  # or "health"
 
 
-def _step_call(step: int, votes: Iterable[tuple[int, Reduce, int]], requests: CacheRequests | None) -> Call[StepResult]:
-    return Call("Step", step_request(step, votes, requests), step_result)
+def _step_call(step: int, votes: Iterable[tuple[int, Reduce, int]], requests: CacheRequests | None,
+               epoch: int | None = None) -> Call[StepResult]:
+    return Call("Step", step_request(step, votes, requests, epoch), step_result)
+
+
+def _outcome_call(epoch: int, step: int) -> Call[pb.OutcomeReply]:
+    return Call("Outcome", pb.OutcomeRequest(epoch=epoch, step=step))
 
 
 def _attach_call(model_id: str, geometry: KVGeometry, device_pages: int, shm_ticket: str,
@@ -155,6 +119,15 @@ def _health_call(service: str) -> Call[int]:
 
 def _metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
     return (("authorization", f"Bearer {token}"),) if token else None
+
+
+def check_deadline(timeout_s: float | None, agreement_timeout_s: float) -> None:
+    if timeout_s is not None and timeout_s <= agreement_timeout_s + DEADLINE_MARGIN_S:
+        raise errors.InvalidArgument(
+            f"the client's timeout_s ({timeout_s:g}) must exceed the daemons' agreement_timeout_s "
+            f"({agreement_timeout_s:g}) by more than {DEADLINE_MARGIN_S:g} s: a round waits that long for its "
+            "peers, and a step given up on sooner may be one the other ranks apply; raise timeout_s or lower "
+            "the daemons' --agreement-timeout")
 
 
 # -- the two faces ----------------------------------------------------------------------
@@ -198,9 +171,22 @@ class _Face:
         raise NotImplementedError
 
     def step(self, step: int, votes: Iterable[tuple[int, Reduce, int]] = (),
-             requests: CacheRequests | None = None) -> Any:
-        """One scheduler iteration: -> StepResult."""
-        return self._send(_step_call, step, votes, requests)
+             requests: CacheRequests | None = None, epoch: int | None = None) -> Any:
+        """One scheduler iteration: -> StepResult. `epoch`: the one the
+        session was attached in (`AttachReply.epoch`; None: unchecked)."""
+        return self._send(_step_call, step, votes, requests, epoch)
+
+    def outcome(self, epoch: int, step: int) -> Any:
+        """How step `step` of epoch `epoch` ended on this daemon's rank:
+        -> pb.OutcomeReply (a peer's scheduler asks it when its own daemon
+        died before answering; `Client` does so by itself)."""
+        return self._send(_outcome_call, epoch, step)
+
+    def check_deadline(self, agreement_timeout_s: float) -> None:
+        """Refuse a call deadline that a living daemon may miss: a round
+        waits up to `agreement_timeout_s` for peers, so a step given up on
+        sooner may be one its peers are told the answer of."""
+        check_deadline(self._timeout_s, agreement_timeout_s)
 
     def attach(self, model_id: str, geometry: KVGeometry, device_pages: int, pool_fd: int = -1,
                cuda_ipc: dict[str, Any] | None = None, placement: tuple[Topology, int] | None = None,
@@ -365,9 +351,23 @@ class AsyncStepStream:
 
 
 class Client(_Face):
-    """Blocking client with the same calls, for synchronous scheduler loops."""
+    """Blocking client with the same calls, for synchronous scheduler loops.
+
+    A step whose reply does not come (its deadline passed, or the daemon is
+    gone) is not given up on: it is sent again, byte for byte, and once the
+    daemon is known gone its outcome is asked of the daemons at `peers`, the
+    other ranks of its domain (`recovery.py`), so that this rank applies what
+    they apply."""
 
     _grpc = grpc
+
+    def __init__(self, address: str, token: str | None = None, credentials: grpc.ChannelCredentials | None = None,
+                 timeout_s: float | None = DEFAULT_TIMEOUT_S, peers: Sequence[str] = ()) -> None:
+        """`peers`: the addresses of the other daemons of this rank's domain."""
+        super().__init__(address, token, credentials, timeout_s)
+        self._peer_addresses = tuple(peers)
+        self._peer_clients: list[Client] | None = None
+        self._token, self._credentials = token, credentials
 
     def _send(self, build: Callable[..., Call[T]], *args: Any) -> T:
         call = build(*args)
@@ -375,14 +375,37 @@ class Client(_Face):
         try:
             reply = method(call.request, **kwargs)
         except grpc.RpcError as exc:
+            if call.rpc == "Step" and unanswered(exc):
+                return call.read(self._recover(call.request, exc))
             raise error_from(exc) from None
         return call.read(reply)
 
+    def attach(self, *args: Any, **kwargs: Any) -> pb.AttachReply:
+        """As `_Face.attach`; a client whose deadline the daemon's agreement
+        timeout does not fit is refused first (`check_deadline`)."""
+        self.check_deadline(self.status().agreement_timeout_s)
+        return super().attach(*args, **kwargs)
+
+    def wait_serving(self, timeout_s: float) -> None:
+        """Wait until the daemon reports SERVING (its socket may not exist
+        yet, or it may be too busy to answer at once), without polling."""
+        call = self._health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s,
+                                  wait_for_ready=True, metadata=self._metadata)
+        try:
+            for reply in call:
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+        except grpc.RpcError as exc:
+            raise error_from(exc) from None
+        finally:
+            call.cancel()
+        raise errors.Unavailable("the daemon closed its health stream before serving")
+
     def step_later(self, step: int, votes: Iterable[tuple[int, Reduce, int]] = (),
-                   requests: CacheRequests | None = None) -> Callable[[], StepResult]:
+                   requests: CacheRequests | None = None, epoch: int | None = None) -> Callable[[], StepResult]:
         """Send step `step` now and return at once: -> what waits for its
         reply (raising as `step` would). The round runs meanwhile."""
-        call = _step_call(step, votes, requests)
+        call = _step_call(step, votes, requests, epoch)
         method, kwargs = self._prepare(call)
         future = method.future(call.request, **kwargs)  # type: ignore[attr-defined]  # a grpc multi-callable
 
@@ -390,9 +413,28 @@ class Client(_Face):
             try:
                 return call.read(future.result())
             except grpc.RpcError as exc:
+                if unanswered(exc):
+                    return call.read(self._recover(call.request, exc))
                 raise error_from(exc) from None
 
         return reply
+
+    def _recover(self, request: pb.StepRequest, failure: grpc.RpcError) -> pb.StepReply:
+        timeout_s = self._timeout_s or DEFAULT_TIMEOUT_S
+        asks = [peer._ask_outcome for peer in self._peers()]
+        return StepRecovery(self._resend, asks, timeout_s, RECOVERY_ROUNDS * timeout_s).outcome(request, failure)
+
+    def _resend(self, request: pb.StepRequest, timeout_s: float) -> pb.StepReply:
+        return self._stub.Step(request, timeout=timeout_s, metadata=self._metadata)
+
+    def _ask_outcome(self, request: pb.OutcomeRequest, timeout_s: float) -> pb.OutcomeReply:
+        return self._stub.Outcome(request, timeout=timeout_s, metadata=self._metadata)
+
+    def _peers(self) -> list[Client]:
+        if self._peer_clients is None:
+            self._peer_clients = [Client(address, self._token, self._credentials, self._timeout_s)
+                                  for address in self._peer_addresses]
+        return self._peer_clients
 
     def __enter__(self) -> Client:
         return self
@@ -402,3 +444,5 @@ class Client(_Face):
 
     def close(self) -> None:
         self._channel.close()
+        for peer in self._peer_clients or ():
+            peer.close()

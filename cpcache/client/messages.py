@@ -36,6 +36,7 @@ class StepResult:
     epoch: int = 0  # the domain's epoch: it moves when the domain re-forms after losing a rank
     host_entered: tuple[bytes, ...] = ()  # pages that entered the host pool in `round`
     host_left: tuple[bytes, ...] = ()  # pages evicted from it in `round`
+    host_entered_slots: tuple[int, ...] = ()  # the host slot of each page of host_entered
 
 
 @dataclass(frozen=True)
@@ -50,8 +51,9 @@ class CacheRequests:
 
 
 def step_request(step: int, votes: Iterable[tuple[int, Reduce, int]] = (),
-                 requests: CacheRequests | None = None) -> pb.StepRequest:
-    request = pb.StepRequest(step=step)
+                 requests: CacheRequests | None = None, epoch: int | None = None) -> pb.StepRequest:
+    """`epoch`: the one the session was attached in (None: unchecked)."""
+    request = pb.StepRequest(step=step, epoch=epoch)
     if requests is not None:
         for op_id, pages, tokens, *parent in requests.prefetches:
             request.prefetches.add(op_id=op_id, pages=pages, tokens=tokens, parent=parent[0] if parent else b"")
@@ -99,6 +101,7 @@ def step_result(reply: pb.StepReply) -> StepResult:
         epoch=reply.epoch,
         host_entered=tuple(reply.host_entered),
         host_left=tuple(reply.host_left),
+        host_entered_slots=tuple(reply.host_entered_slots),
     )
 
 

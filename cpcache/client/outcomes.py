@@ -103,11 +103,17 @@ class HostMirror:
     """The pages resident in the daemon's host pool, as of the last reply."""
 
     def __init__(self) -> None:
-        self._pages: set[bytes] = set()
+        self._pages: dict[bytes, int] = {}  # page -> its host slot (-1: not told)
 
     def follow(self, reply: StepResult) -> None:
-        self._pages.difference_update(reply.host_left)
-        self._pages.update(reply.host_entered)
+        for page in reply.host_left:
+            self._pages.pop(page, None)
+        slots = reply.host_entered_slots or (-1,) * len(reply.host_entered)
+        self._pages.update(zip(reply.host_entered, slots))
+
+    def slots(self, pages: list[bytes]) -> list[int]:
+        """The host slots of resident `pages` (as of the last reply)."""
+        return [self._pages[page] for page in pages]
 
     def prefix(self, pages: list[bytes]) -> int:
         for i, page in enumerate(pages):

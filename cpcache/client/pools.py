@@ -4,12 +4,15 @@ ticket that comes back goes into the Attach."""
 
 from __future__ import annotations
 
+import os
 import socket
+import struct
 import time
 
 from cpcache import errors
 
 SUFFIX = ".pools"
+HOST_ASK = b"host "  # + the ticket: take the daemon's host pool, read-only
 
 
 def handover_path(address: str) -> str | None:
@@ -45,9 +48,35 @@ def hand_over(address: str, fd: int, timeout_s: float = 10.0) -> str:
     return answer.decode()
 
 
+def take_host_pool(address: str, ticket: str, timeout_s: float = 10.0) -> tuple[int, int]:
+    """The daemon's host pool, read-only, offered under `ticket` (its
+    AttachReply's `host_pool_ticket`): -> (descriptor, the daemon's pid, as
+    the kernel names the peer of the socket)."""
+    path = handover_path(address)
+    if path is None:
+        raise errors.InvalidArgument(f"the host pool is handed over on the daemon's unix socket; {address} is not one")
+    deadline = time.monotonic() + timeout_s
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout_s)
+        try:
+            _connect(sock, path, deadline)
+            pid, _, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                            struct.calcsize("3i")))
+            sock.sendall(HOST_ASK + ticket.encode())
+            answer, fds, _, _ = socket.recv_fds(sock, 4096, 1)
+        except OSError as exc:
+            raise errors.Unavailable(f"cannot take the host pool on {path}: {exc}") from None
+    if answer != b"OK" or len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        raise refusal(answer.decode(errors="replace") or "ERR UNAVAILABLE the daemon closed the exchange")
+    return fds[0], pid
+
+
 _REFUSALS: dict[str, type[errors.CacheError]] = {
     "INVALID_ARGUMENT": errors.InvalidArgument, "FAILED_PRECONDITION": errors.FailedPrecondition,
     "RESOURCE_EXHAUSTED": errors.ResourceExhausted, "UNAVAILABLE": errors.Unavailable,
+    "PERMISSION_DENIED": errors.PermissionDenied,
 }
 
 

@@ -73,11 +73,14 @@ class SchedulerSession:
     next step, the ones open at the daemon, and what the replies agreed."""
 
     def __init__(self, client: Client | None = None, first_step: int = 1, *, load_timeout_s: float = 30.0,
-                 decisions: DecisionLog | None = None) -> None:
+                 decisions: DecisionLog | None = None, epoch: int | None = None) -> None:
         """`client`: for the synchronous calls (`iterate`, `flush`,
         `load_now`, `drain_writes`); None when the caller sends each step.
-        `decisions`: where the agreed decisions are logged, if kept."""
+        `decisions`: where the agreed decisions are logged, if kept.
+        `epoch`: the one the session was attached in (`AttachReply.epoch`),
+        which its steps name: a step of an ended epoch opens nothing."""
         self.client = client
+        self.epoch = epoch
         self.load_timeout_s = load_timeout_s
         self.tally = Tally()
         self.host = HostMirror()
@@ -329,8 +332,8 @@ class SchedulerSession:
             if done is not None:
                 done(landed)
         finally:
-            # Given back after its end is known: a slot claimed again reads
-            # as decided to a forward still waiting on the old load.
+            # Given back after its end is known: a forward still waiting on
+            # the old load would read a slot claimed again as failed.
             if op in self._signal_slots:
                 signals, slot = self._signal_slots.pop(op)
                 signals.release(slot)
@@ -390,7 +393,7 @@ class SchedulerSession:
     def _send(self) -> None:
         assert self.client is not None, "a session without a client: its caller sends each step (next_step)"
         step, requests = self.next_step()
-        self._in_flight = self.client.step_later(step, requests=requests)
+        self._in_flight = self.client.step_later(step, requests=requests, epoch=self.epoch)
 
     @contextlib.contextmanager
     def _timed(self) -> Iterator[None]:

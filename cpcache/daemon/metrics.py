@@ -266,7 +266,8 @@ def _rank_families(stats: RankStats, names: list[str], values: list[str]) -> Ite
     moved = CounterMetricFamily("cpcache_moved_bytes", "Bytes moved from one tier to another", labels=route)
     errors = CounterMetricFamily("cpcache_transfer_failures", "Transfers that failed", labels=route)
     refused = CounterMetricFamily("cpcache_late_transfers_refused",
-                                  "Transfers of an ended session refused before they touched anything",
+                                  "Transfers of an ended session refused before they touched anything "
+                                  "(storage work; its copies issued before the end run)",
                                   labels=route)
     counters = cache.moved
     for (src, dst), n in sorted(counters["pages_moved"].items()):

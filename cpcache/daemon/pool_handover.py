@@ -34,6 +34,7 @@ import errno
 import grp
 import logging
 import os
+import secrets
 import socket
 import struct
 import threading
@@ -48,6 +49,8 @@ from cpcache.errors import CacheError, PermissionDenied
 log = logging.getLogger("cpcached")
 
 SUFFIX = ".pools"
+HOST_ASK = b"host "  # + a ticket: a scheduler takes the host pool offered under it
+HOST_TICKET_CHARS = 32
 TICKET_TTL_S = budget.POOLS_TICKET_TTL_S
 _UCRED = struct.Struct("3i")  # pid, uid, gid
 # accept() failures that pass: out of descriptors or memory, or a peer gone before it was accepted.
@@ -90,6 +93,9 @@ class PoolHandover:
         self._identity: tuple[int, int] | None = None
         self._warnings = _Sometimes()
         self.counters: collections.Counter[str] = collections.Counter()
+        # Host pools offered to schedulers, read-only: ticket -> descriptor.
+        self._host_pools: dict[str, int] = {}
+        self._host_tickets: dict[tuple[int, int], str] = {}  # the pool's memfd (device, inode) -> its ticket
 
     def start(self) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -193,7 +199,10 @@ class PoolHandover:
             conn.settimeout(budget.POOLS_DEADLINE_S)
             answer = self._exchange(conn, uid, pid, received)
             conn.settimeout(max(0.01, deadline - time.monotonic()))
-            conn.sendall(answer)
+            if isinstance(answer, tuple):  # a host pool, read-only
+                socket.send_fds(conn, [answer[0]], [answer[1]])
+            else:
+                conn.sendall(answer)
         except Exception as exc:  # a bad peer must not end anything but its own exchange
             self._count("failed")
             self._warnings.warn("failed", "an exchange with uid %d pid %d failed: %s", uid, pid, exc)
@@ -223,11 +232,23 @@ class PoolHandover:
         slow = [fd for fd in fds if not close_now(fd)]
         self._closer.close(uid, *slow)
 
-    def _exchange(self, conn: socket.socket, uid: int, pid: int, received: list[int]) -> bytes:
+    def _exchange(self, conn: socket.socket, uid: int, pid: int, received: list[int]) -> bytes | tuple[bytes, int]:
         """The answer to one connection. Descriptors read land in `received`
-        (closed by the caller); a kept one is taken out of it."""
-        _, fds = receive(conn, 0)
+        (closed by the caller); a kept one is taken out of it. `host TICKET`
+        asks for a host pool offered under TICKET: (b"OK", its descriptor)."""
+        message, fds = receive(conn, 0)
         received.extend(fds)
+        if message.startswith(HOST_ASK):
+            while len(message) < len(HOST_ASK) + HOST_TICKET_CHARS and not fds:
+                more = conn.recv(len(HOST_ASK) + HOST_TICKET_CHARS - len(message))
+                if not more:
+                    break
+                message += more
+            with self._lock:
+                host_pool = self._host_pools.get(message[len(HOST_ASK):].decode(errors="replace"))
+            if fds or host_pool is None:
+                return _refusal("PERMISSION_DENIED", "unknown host pool ticket (the AttachReply names it)")
+            return b"OK", host_pool
         if len(fds) != 1:
             return _refusal("INVALID_ARGUMENT", "send exactly one descriptor, the pool's")
         if not named_memfd(fds[0]):
@@ -282,6 +303,21 @@ class PoolHandover:
                                    f"on {self.path} (cpcache.client does it)")
         return handed.fd, handed.uid, handed.pid
 
+    def offer_host_pool(self, fd: int) -> str:
+        """A ticket under which a scheduler takes a read-only descriptor of
+        the host pool in memfd `fd` (the same one for the same pool): with
+        it, a scheduler whose daemon died finishes the loads it left."""
+        info = os.fstat(fd)
+        with self._lock:
+            ticket = self._host_tickets.get((info.st_dev, info.st_ino))
+            if ticket is None:
+                # Read-only: a new open file description of the same memfd.
+                read_only = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+                ticket = secrets.token_hex(HOST_TICKET_CHARS // 2)
+                self._host_pools[ticket] = read_only
+                self._host_tickets[(info.st_dev, info.st_ino)] = ticket
+        return ticket
+
     @property
     def tickets(self) -> int:
         return len(self._tickets)
@@ -299,6 +335,10 @@ class PoolHandover:
         if listener is not None:
             with contextlib.suppress(OSError):
                 listener.shutdown(socket.SHUT_RDWR)  # wakes the acceptor, which closes it
+        with self._lock:
+            offered, self._host_pools = list(self._host_pools.values()), {}
+        for fd in offered:
+            os.close(fd)  # a memfd: its close cannot block
         held = [h.fd for h in self._tickets.clear()]
         if held and self._closer is not None:
             self._release_fds(held, -1)

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import enum
 import functools
 import logging
 import os
 import signal
+import time
 from collections.abc import Coroutine, Iterator, Sequence
 from typing import Any
 
@@ -108,9 +110,13 @@ class Daemon:
     async def attach(self, model_id: str, geometry: KVGeometry, device_pages: int, kind: str,
                      pool: str | dict[str, Any] | None, regions: Sequence[Region] = (),
                      signals: SignalsAsk | None = None) -> Attached:
-        return await self.rank.attach(model_id, geometry, device_pages, kind,
-                                      functools.partial(self._open_device, geometry, device_pages, kind, pool,
-                                                        regions, signals))
+        attached = await self.rank.attach(model_id, geometry, device_pages, kind,
+                                          functools.partial(self._open_device, geometry, device_pages, kind, pool,
+                                                            regions, signals))
+        host = self.rank.attached_runtime().io.transfers.tiers.host
+        if host.fd >= 0 and self._pools is not None:
+            attached = dataclasses.replace(attached, host_pool_ticket=self._pools.offer_host_pool(host.fd))
+        return attached
 
     def _open_device(self, geometry: KVGeometry, device_pages: int, kind: str, pool: str | dict[str, Any] | None,
                      regions: Sequence[Region], signals: SignalsAsk | None) -> DevicePool:
@@ -164,6 +170,7 @@ class Daemon:
             metrics_port=self.metrics_port,
             attached=rank.attached,
             epoch=rank.epoch,
+            agreement_timeout_s=self.config.agreement_timeout_s,
         )
 
     # -- lifecycle ----------------------------------------------------------
@@ -229,13 +236,17 @@ class Daemon:
         self.notifier.extend_timeout(self.config.drain_s + 10.0)  # the drain, then closing the backends
         await self._health.enter_graceful_shutdown()
         log.info("draining %d in-flight calls (was %s)", self._in_flight, previous.value)
+        # One deadline for the calls in flight and the copies issued: both
+        # have run since the signal (DESIGN rule 12: a forward may be reading
+        # a load, so its copies end before the exit, bounded).
+        deadline = time.monotonic() + self.config.drain_s
         try:
             await asyncio.wait_for(self._idle.wait(), self.config.drain_s)
         except TimeoutError:
             log.warning("%d calls still in flight after %.1fs; stopping anyway", self._in_flight, self.config.drain_s)
         for server in self._servers:
             await server.stop(grace=1.0)
-        await self.rank.close()
+        await self.rank.close(deadline - time.monotonic())
         release_unix(self.config.socket_path)  # only the socket this daemon bound
         if self._pools is not None:
             self._pools.close()

@@ -5,6 +5,7 @@ part of a step."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -24,10 +25,11 @@ from cpcache.daemon.wire import (
     request_digest,
     requests_from_wire,
     status_reply,
+    step_error,
     step_reply,
     votes_from_wire,
 )
-from cpcache.errors import CacheError, InvalidArgument
+from cpcache.errors import CacheError, InvalidArgument, NotFound, Unavailable
 from cpcache.geometry import KVGeometry, Region
 from cpcache.rank.attach import Attached
 from cpcache.rank.rank import Rank
@@ -35,6 +37,7 @@ from cpcache.state.requests import CacheRequests
 from cpcache.topology import Topology
 from cpcache.v1 import daemon_pb2 as pb
 from cpcache.v1 import daemon_pb2_grpc as pb_grpc
+from cpcache.values import NOT_TAKEN
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +65,11 @@ def _step_parts(request: pb.StepRequest) -> tuple[Questions, CacheRequests]:
     return votes_from_wire(request.votes), requests_from_wire(request)
 
 
+def _epoch_of(request: StepLike) -> int | None:
+    """The epoch a step names, if it names one (only `StepRequest` can)."""
+    return request.epoch if isinstance(request, pb.StepRequest) and request.HasField("epoch") else None
+
+
 class CacheDaemonServicer(pb_grpc.CacheDaemonServicer):
     def __init__(self, daemon: DaemonPort) -> None:
         self._daemon = daemon
@@ -80,7 +88,8 @@ class CacheDaemonServicer(pb_grpc.CacheDaemonServicer):
             votes, requests, invalid = Questions.empty(), CacheRequests(), InvalidArgument(f"unreadable step: {exc}")
         with self._daemon.in_flight():
             taken = await self._daemon.rank.step(request.step, votes, requests, invalid=invalid,
-                                                 request_digest=request_digest(method, request))
+                                                 request_digest=request_digest(method, request),
+                                                 epoch=_epoch_of(request))
         built = time.perf_counter()
         reply = step_reply(taken.outcome)
         reply.epoch = taken.epoch
@@ -154,6 +163,25 @@ class CacheDaemonServicer(pb_grpc.CacheDaemonServicer):
     @guarded
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsReply:
         return pb.StatsReply(counters=self._daemon.stats())
+
+    @guarded
+    async def Outcome(self, request: pb.OutcomeRequest, context: grpc.aio.ServicerContext) -> pb.OutcomeReply:
+        """How a step of this rank's domain ended, for a peer's scheduler
+        that never heard (its daemon died): the reply, or the error, that
+        this rank's scheduler is (or will be) given for it."""
+        try:
+            answer = self._daemon.rank.outcome(request.epoch, request.step)
+        except NotFound as exc:  # not taken here: its round cannot complete anywhere
+            error = step_error(Unavailable(str(exc)))
+            error.metadata[NOT_TAKEN] = "1"
+            return pb.OutcomeReply(error=error)
+        try:
+            outcome = await asyncio.shield(answer)
+        except CacheError as exc:
+            return pb.OutcomeReply(error=step_error(exc))
+        reply = step_reply(outcome)
+        reply.epoch = request.epoch
+        return pb.OutcomeReply(reply=reply)
 
     @guarded
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusReply:

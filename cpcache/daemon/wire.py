@@ -11,7 +11,7 @@ from typing import Any
 from google.protobuf.message import Message
 
 from cpcache.agreement.rounds import Questions
-from cpcache.errors import InvalidArgument, PermissionDenied
+from cpcache.errors import CacheError, InvalidArgument, PermissionDenied
 from cpcache.geometry import KVGeometry, Region
 from cpcache.hashing import hash62
 from cpcache.rank.attach import Attached
@@ -143,8 +143,15 @@ def step_reply(outcome: StepOutcome) -> pb.StepReply:
         reply.loads.add(op_id=op_id, pages=pages)
     reply.load_failures.extend(d.load_failures)
     reply.host_entered.extend(d.host_entered)
+    reply.host_entered_slots.extend(d.host_entered_slots)
     reply.host_left.extend(d.host_left)
     return reply
+
+
+def step_error(exc: CacheError) -> pb.StepError:
+    """A step's error as data (an `Outcome` carries it; the client
+    rebuilds the same typed error from it)."""
+    return pb.StepError(status=exc.status, reason=exc.reason, message=str(exc), metadata=exc.metadata())
 
 
 def attach_reply(attached: Attached) -> pb.AttachReply:
@@ -166,6 +173,7 @@ class DaemonStatus:
     metrics_port: int
     attached: bool
     epoch: int = 0
+    agreement_timeout_s: float = 0.0
 
 
 def status_reply(status: DaemonStatus) -> pb.StatusReply:

@@ -17,7 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from cpcache.dataplane.movers import DEVICE, HOST, STORAGE, TransferResult, Transfers
+from cpcache.dataplane.movers import DEVICE, HOST, STORAGE, Finished, TransferResult, Transfers
 from cpcache.dataplane.pools import DevicePool
 from cpcache.dataplane.sessions import Session
 from cpcache.dataplane.storage import StorageBackend
@@ -253,8 +253,9 @@ class LocalIO:
         self.session = Session(epoch, number, device)
 
     def end_session(self) -> Session:
-        """End the current session (its jobs not started yet are refused);
-        -> it, to wait until none of its jobs touches the device pool."""
+        """End the current session (its storage jobs not started yet are
+        refused, its copies run to their end); -> it, to wait until none of
+        its jobs touches the device pool."""
         self.session.end()
         return self.session
 
@@ -272,6 +273,10 @@ class LocalIO:
     def renewed(self, storage_timeout_s: float) -> LocalIO:
         """A fresh record of this rank's I/O over the same movers (a new epoch's)."""
         return LocalIO(self.transfers, storage_timeout_s, self._clock)
+
+    def finish_copies(self, timeout_s: float) -> Finished:
+        """At a graceful stop: no more jobs, and the copies issued end (`Transfers.finish_copies`)."""
+        return self.transfers.finish_copies(timeout_s)
 
     def close(self) -> None:
         """Stop the movers and close the storage."""

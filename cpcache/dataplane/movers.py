@@ -7,11 +7,21 @@ While a job runs, its host slots are counted in flight (DESIGN rule 5).
 
 A job belongs to the session it was issued in and carries the device pool
 bound then (DESIGN rule 10): a mover never looks up "the current pool" when
-the job runs, and refuses a job whose session ended before it started.
+the job runs. A storage job whose session ended before it started is
+refused; a device <-> host copy issued while its session was open runs to
+its end (a forward may be reading the load, DESIGN rule 12), and whoever
+hands the pool on waits for it (counted).
+
+Three lanes, each its own threads: load-backs (host -> device: a forward
+waits on them layer by layer, so they never queue behind write-throughs),
+write-throughs (device -> host), storage calls (a store that hangs delays
+only storage work). At shutdown the copies of both copy lanes are finished
+(`finish_copies`, bounded), storage work not started is cancelled.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import logging
 import threading
@@ -247,18 +257,32 @@ def _signal_failure(job: TransferJob) -> None:
         job.device.signals.fail(slot, op)
 
 
+@dataclass(frozen=True)
+class Finished:
+    """What `Transfers.finish_copies` saw: the copies it waited for, and of
+    those, the ones still running at its deadline (stuck: left to the exit)
+    and the ones not started by then (cancelled, their loads published FAILED)."""
+
+    waited: int
+    running: int = 0
+    cancelled: int = 0
+
+
 class Transfers:
     """Runs jobs on I/O threads, counting their host slots in flight."""
 
     def __init__(self, tiers: Tiers, threads: int = 4, in_flight: InFlight | None = None,
                  copy_faults: CopyFaults = CopyFaults()) -> None:
-        """`threads` per executor: storage calls and device <-> host copies
-        run on separate executors, so a store that hangs delays only storage
-        work, never a write-through or a load-back."""
+        """`threads` per lane (load-backs, write-throughs, storage calls):
+        a store that hangs delays only storage work, and a load-back never
+        waits behind a write-through."""
         self.tiers = tiers
         self.in_flight = in_flight or InFlight()
+        self._loads = ThreadPoolExecutor(threads, thread_name_prefix="cpcache-load")
         self._copies = ThreadPoolExecutor(threads, thread_name_prefix="cpcache-copy")
         self._storage = ThreadPoolExecutor(threads, thread_name_prefix="cpcache-storage")
+        self._copying: set[Future] = set()  # device <-> host copies issued and not ended: finished at shutdown
+        self._lanes_lock = threading.Lock()  # a copy is submitted and counted, or refused: never missed by a stop
         self._counters_lock = threading.Lock()  # I/O threads count, the metrics thread reads
         self._copy_faults = CopyFaultInjector(copy_faults) if copy_faults.active else None
         self._ids = itertools.count(1)
@@ -288,22 +312,44 @@ class Transfers:
                           signal, layer_faults)
         slots = list(host_slots(route, job))
         self.in_flight.begin(slots)
-        if session is not None:
-            session.issue(touches_device(route))
-        executor = self._storage if STORAGE in route else self._copies
+        issued_open = session.issue(touches_device(route)) if session is not None else True
+        # A copy issued while its session was open runs to its end, ended session or not.
+        finish = touches_device(route) and issued_open
+        executor = self._lane(route)
         try:
-            future = executor.submit(self._run, route, job, slots, session)
-        except RuntimeError:  # shutting down: a failed transfer, not an exception on the loop
+            with self._lanes_lock:
+                future = executor.submit(self._run, route, job, slots, session, finish)
+                if touches_device(route):
+                    self._copying.add(future)
+        except RuntimeError:  # shut down: a failed transfer, not an exception on the loop
             self.in_flight.end(slots)
             _signal_failure(job)
             future = Future()
             future.set_result(TransferResult(job.job_id, False, 0))
+        else:
+            if touches_device(route):
+                future.add_done_callback(self._copy_ended)
         if session is not None:
             # Counted until it has run, been refused or been cancelled (at shutdown).
             future.add_done_callback(lambda _: session.job_ended(touches_device(route)))
-        if job.signal[0]:  # a load cancelled at shutdown: no forward may wait for it in vain
-            future.add_done_callback(lambda f: _signal_failure(job) if f.cancelled() else None)
+        future.add_done_callback(lambda f: self._cancelled(f, job, slots))
         return future
+
+    def _cancelled(self, future: Future, job: TransferJob, slots: list[int]) -> None:
+        """A job cancelled at shutdown never ran: its slots are idle again,
+        and a load's forward must not wait for it in vain."""
+        if future.cancelled():
+            self.in_flight.end(slots)
+            _signal_failure(job)
+
+    def _lane(self, route: tuple[str, str]) -> ThreadPoolExecutor:
+        if STORAGE in route:
+            return self._storage
+        return self._loads if route == (HOST, DEVICE) else self._copies
+
+    def _copy_ended(self, future: Future) -> None:
+        with self._lanes_lock:
+            self._copying.discard(future)
 
     def run_storage_call(self, fn: Callable[[], T]) -> Future[T]:
         """Run a blocking storage call that is not a transfer (a lookup).
@@ -321,8 +367,8 @@ class Transfers:
                     "failed_jobs": dict(self.failed_jobs), "refused_jobs": dict(self.refused_jobs)}
 
     def _run(self, route: tuple[str, str], job: TransferJob, slots: list[int],
-             session: Session | None = None) -> TransferResult:
-        if session is not None and not session.admit():
+             session: Session | None = None, finish: bool = False) -> TransferResult:
+        if session is not None and not session.admit(finish):
             # Issued in a session that has ended (a late round, a queue that
             # outlived a drain): it must not land in what comes after.
             self.in_flight.end(slots)
@@ -350,10 +396,28 @@ class Transfers:
             self.bytes_moved[route] += result.pages_done * self.tiers.host.geometry.page_bytes
         return result
 
-    def close(self) -> None:
-        """Stop taking jobs; do not wait for a storage call that hangs (the
-        daemon exits regardless)."""
-        self._copies.shutdown(wait=False, cancel_futures=True)
+    def finish_copies(self, timeout_s: float) -> Finished:
+        """Stop taking jobs, cancel the storage work not started (no forward
+        reads it), and wait up to `timeout_s` for every device <-> host copy
+        already issued to end: a forward may be reading a load as it lands,
+        and a write-through was acknowledged. Copies not started by then are
+        cancelled (a load among them is published FAILED, so its forward
+        stops instead of waiting); a copy still running is stuck (a broken
+        device) and is left to the exit."""
+        with self._lanes_lock:
+            for lane in (self._loads, self._copies, self._storage):
+                lane.shutdown(wait=False)
+            copying = set(self._copying)
         self._storage.shutdown(wait=False, cancel_futures=True)
+        _, left = concurrent.futures.wait(copying, max(0.0, timeout_s))
+        cancelled = sum(future.cancel() for future in left)
+        return Finished(len(copying), len(left) - cancelled, cancelled)
+
+    def close(self) -> None:
+        """Stop taking jobs; cancel those not started (`finish_copies` first
+        for a graceful stop); do not wait for a storage call that hangs (the
+        daemon exits regardless)."""
+        for lane in (self._loads, self._copies, self._storage):
+            lane.shutdown(wait=False, cancel_futures=True)
         if self.tiers.storage is not None:
             self.tiers.storage.close()

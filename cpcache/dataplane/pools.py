@@ -20,15 +20,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from cpcache import host_layout
 from cpcache.cuda_devices import on_local_devices
 from cpcache.dataplane.memfd import check_pool
 from cpcache.dataplane.regions import check as check_regions
 from cpcache.dataplane.regions import contiguous, region_shape
 from cpcache.errors import FailedPrecondition, InvalidArgument
 from cpcache.geometry import KVGeometry, Region
+from cpcache.host_layout import host_shape
 from cpcache.load_signals import LoadSignals
-
-LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 
 
 @dataclass
@@ -205,11 +205,7 @@ def _view(memory: torch.Tensor, geometry: KVGeometry, pages: int, region: Region
 class HostPool:
     """The daemon's host pages, pinned when CUDA is present.
 
-    The layouts are SGLang's host layouts, byte for byte (pool_host/mha.py,
-    pool_host/mla.py), with the K/V component outermost (MLA has one):
-      layer_first        [components, layers, tokens, heads, head_dim]
-      page_first         [components, tokens, layers, heads, head_dim]
-      page_first_direct  [components, pages, layers, page_size, heads, head_dim]
+    The layouts are SGLang's host layouts (`cpcache.host_layout`).
 
     A stored page is always [components, layers, page_size, heads, head_dim]
     (SGLang's page_first_direct and layer_first order), whatever the host
@@ -220,22 +216,21 @@ class HostPool:
     """
 
     def __init__(self, geometry: KVGeometry, pages: int, layout: str = "page_first_direct") -> None:
-        if layout not in LAYOUTS:
-            raise InvalidArgument(f"host pool: layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
         if pages < 1:
             raise InvalidArgument(f"host pool: pages must be >= 1, got {pages}")
+        shape = host_shape(geometry, pages, layout)
         self.geometry = geometry
         self.pages = pages
         self.layout = layout
-        g = geometry
-        c, tokens = g.components, pages * g.page_size
-        shape = {
-            "layer_first": (c, g.layers, tokens, g.heads, g.head_dim),
-            "page_first": (c, tokens, g.layers, g.heads, g.head_dim),
-            "page_first_direct": (c, pages, g.layers, g.page_size, g.heads, g.head_dim),
-        }[layout]
         pin = torch.cuda.is_available()
-        self.tensor = torch.zeros(shape, dtype=g.torch_dtype, pin_memory=pin)
+        self.fd = -1  # a memfd the pool lies in, to share read-only with the scheduler (-1: none)
+        if pin:
+            self.tensor = torch.zeros(shape, dtype=geometry.torch_dtype, pin_memory=True)
+        else:
+            # In a memfd, so that a scheduler whose daemon died mid-load can
+            # map it and copy the layers not yet landed itself.
+            self.fd, self._mapping = _shared_zeros(geometry.torch_dtype, shape)
+            self.tensor = torch.frombuffer(self._mapping, dtype=geometry.torch_dtype).view(shape)
         self.pinned = pin
         self._bytes = self.tensor.view(-1).view(torch.uint8).numpy()  # the same memory, as bytes
         self._base = self.tensor.data_ptr()
@@ -256,23 +251,12 @@ class HostPool:
     def page_view(self, first: int, count: int = 1) -> torch.Tensor:
         """Pages [first, first+count) as a [layers, components, pages, page_size,
         heads, head_dim] view (never a copy: copies into it land in the pool)."""
-        s = self.geometry.page_size
-        if self.layout == "layer_first":  # [C, L, n*s, H, D]
-            return self.tensor[:, :, first * s : (first + count) * s].unflatten(2, (count, s)).permute(1, 0, 2, 3, 4, 5)
-        if self.layout == "page_first":  # [C, n*s, L, H, D]
-            return self.tensor[:, first * s : (first + count) * s].unflatten(1, (count, s)).permute(3, 0, 1, 2, 4, 5)
-        return self.tensor[:, first : first + count].permute(2, 0, 1, 3, 4, 5)  # [C, n, L, s, H, D]
+        return host_layout.page_view(self.tensor, self.geometry, self.layout, first, count)
 
     def paged_layer(self, layer: int) -> torch.Tensor:
         """One layer as a [pages, components, page_size, heads, head_dim]
         view, indexed by slot on dim 0 (gathers of scattered pages)."""
-        if self.layout == "layer_first":  # [C, L, P*s, H, D]
-            by_component = self.tensor[:, layer].unflatten(1, (self.pages, self.geometry.page_size))
-        elif self.layout == "page_first":  # [C, P*s, L, H, D]
-            by_component = self.tensor[:, :, layer].unflatten(1, (self.pages, self.geometry.page_size))
-        else:  # [C, P, L, s, H, D]
-            by_component = self.tensor[:, :, layer]
-        return by_component.transpose(0, 1)
+        return host_layout.paged_layer(self.tensor, self.geometry, self.layout, self.pages, layer)
 
     def stored_view(self, slot: int) -> torch.Tensor:
         """One page in stored order, [components, layers, page_size, heads, head_dim] (a view)."""
@@ -289,6 +273,19 @@ class HostPool:
             start = (component * self.pages + slot) * run
             parts.append((self._base + start, self._bytes[start : start + run]))
         return parts
+
+
+def _shared_zeros(dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[int, mmap.mmap]:
+    """A zeroed memfd of `shape` elements of `dtype`, mapped: (fd, mapping)."""
+    size = max(1, int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size())
+    fd = os.memfd_create("cpcache-host-pool", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        return fd, mmap.mmap(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:

@@ -4,10 +4,12 @@ and the next (DESIGN rule 10).
 Every job is issued in one session and binds that session's device pool when
 it is issued, never when it runs: a job that outlives its session can only
 touch the pool it was issued for. A session ends once, when its epoch or its
-scheduler's session does; from then on the movers refuse its jobs that have
-not started yet (counted), and the session counts those still running, so
-that whoever hands its pools or slots on waits for that count to reach zero
-instead of for a time.
+scheduler's session does; from then on the movers refuse its storage jobs
+that have not started yet (counted), while its device <-> host copies issued
+before the end run to their end: a forward may be reading a load as it lands
+(DESIGN rule 12), and a write-through was acknowledged. The session counts
+the jobs not yet ended, so that whoever hands its pools or slots on waits for
+that count to reach zero instead of for a time.
 """
 
 from __future__ import annotations
@@ -38,18 +40,21 @@ class Session:
     def ended(self) -> bool:
         return self._ended
 
-    def issue(self, touches_device: bool) -> None:
+    def issue(self, touches_device: bool) -> bool:
         """A job of this session was issued (counted even after the end: it
-        is refused when it would run, and ends then)."""
+        is refused when it would run, and ends then). -> whether the session
+        was still open."""
         with self._lock:
             self._live += 1
             self._device_live += touches_device
+            return not self._ended
 
-    def admit(self) -> bool:
+    def admit(self, finish: bool = False) -> bool:
         """On the I/O thread, right before the job touches anything: False
-        (and counted) once the session has ended."""
+        (and counted) once the session has ended, unless `finish` (a copy
+        issued while it was open, which runs to its end)."""
         with self._lock:
-            if self._ended:
+            if self._ended and not finish:
                 self.refused += 1
                 return False
             return True
@@ -61,7 +66,8 @@ class Session:
             self._quiet.notify_all()
 
     def end(self) -> None:
-        """No job of this session starts from now on."""
+        """No job of this session starts from now on, but the copies issued
+        before (see `admit`)."""
         with self._lock:
             self._ended = True
 
@@ -71,7 +77,7 @@ class Session:
 
     def wait_device_quiet(self, timeout_s: float | None = None) -> bool:
         """Until no job of this session touches its device pool. Untimed by
-        default: once ended, only jobs already copying remain, and a copy
+        default: once ended, only copies issued before remain, and a copy
         between memory pools ends (storage calls never touch the pool)."""
         with self._lock:
             return self._quiet.wait_for(lambda: self._device_live == 0, timeout_s)

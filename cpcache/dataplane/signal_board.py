@@ -2,7 +2,9 @@
 handed over by descriptor like a pool, checked like one (a shmem memfd,
 sealed against shrinking and growing, open for writing), and on CUDA hosts
 one IPC event per slot and layer, which the mover records after each
-layer's copies."""
+layer's copies. The daemon writes only the progress word of each slot
+(op tag and layers copied in one 8-byte store), and only while the claim
+word names its op."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import torch
 
 from cpcache.dataplane.memfd import check_pool
 from cpcache.errors import FailedPrecondition, InvalidArgument
-from cpcache.load_signals import LoadSignals
+from cpcache.load_signals import MAX_LAYERS, LoadSignals
 
 
 def open_board(fd: int, slots: int, layers: int, cuda_events: Sequence[bytes] = (),
@@ -21,6 +23,8 @@ def open_board(fd: int, slots: int, layers: int, cuda_events: Sequence[bytes] = 
     """Map a board handed over by descriptor (takes the descriptor); with
     `cuda_events`, open them on `device`, the attached pool's CUDA device."""
     try:
+        if layers > MAX_LAYERS:  # the progress field would run into the op tag
+            raise InvalidArgument(f"attach: load signals count up to {MAX_LAYERS} layers, the model has {layers}")
         if device is not None and device.type == "cuda" and not cuda_events:
             raise InvalidArgument("attach: load signals of a CUDA pool need a CUDA event per slot and layer: "
                                   "a layer published as queued has not landed until its event completes")

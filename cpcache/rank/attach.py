@@ -40,6 +40,8 @@ class Attached:
     storage: str  # the backend's name, or "none"
     key_seed: str  # hex seed of this model's page-hash chains
     resumed_pages: int = 0  # host pages carried over from the previous session or epoch
+    epoch: int = 0  # the epoch the session opened in: its steps name it
+    host_pool_ticket: str = ""  # where the scheduler takes the host pool, read-only (the daemon's handover)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,7 +169,7 @@ class Attacher:
                  formation.epoch, device.pages, geometry.page_bytes, kind, resumed)
         storage = runtime.io.storage
         attached = Attached(geometry.page_bytes, config.host_pool_pages, config.host_layout,
-                            storage.name if storage else "none", key_seed, resumed)
+                            storage.name if storage else "none", key_seed, resumed, formation.epoch)
         self._last = _LastAttach(stepper, descriptor, device.identity, stepper.last_step, attached)
         return attached
 

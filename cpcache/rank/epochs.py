@@ -19,11 +19,14 @@ its own) and the epoch watch (a daemon thread that only posts to the loop).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import enum
 import functools
 import logging
+import os
 import threading
+import time
 from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
@@ -45,6 +48,14 @@ from cpcache.values import split_host_port
 log = logging.getLogger("cpcached")
 
 CLOSE_S = 5.0  # the longest closing a storage backend may hold the exit
+EPOCHS_KEPT = 4  # ended epochs whose step outcomes are still answered
+
+
+def _exit_after_round(dying_step: int, step: int) -> None:
+    """Fault injection: die between a round and its step's answer."""
+    if step == dying_step:
+        log.error("fault injection: exiting after the round of step %d, before answering it", step)
+        os._exit(137)
 
 
 class Standing(enum.Enum):
@@ -95,6 +106,19 @@ async def close_storage(runtime: CacheRuntime, what: str) -> None:
         log.warning("%s did not finish within %.0fs; going on without it", what, CLOSE_S)
 
 
+async def finish_copies(runtime: CacheRuntime, timeout_s: float) -> None:
+    """Let a cache's copies issued so far end, for up to `timeout_s`; say
+    what was left (`Transfers.finish_copies`)."""
+    timeout_s = max(0.0, timeout_s)
+    finished = await bounded_async(functools.partial(runtime.io.finish_copies, timeout_s), None, "finish-copies")
+    if finished.running or finished.cancelled:
+        log.warning("of %d copies between device and host, %d were still running after %.1fs (stuck: left to the "
+                    "exit) and %d not started were given up (their loads published failed)", finished.waited,
+                    finished.running, timeout_s, finished.cancelled)
+    elif finished.waited:
+        log.info("finished the %d copies between device and host issued before the stop", finished.waited)
+
+
 class Formation:
     def __init__(self, config: DaemonConfig, host: RankHost) -> None:
         self.config = config
@@ -107,11 +131,16 @@ class Formation:
         self.standing = Standing.FORMING
         self.engine: AgreementEngine | None = None
         self.stepper: Stepper | None = None
+        # The steppers of the last few epochs, the current one's included: a
+        # step's outcome is answered from its epoch's even after it ended
+        # (a retry, or a peer's scheduler whose daemon died: `Rank.outcome`).
+        self.recent: collections.OrderedDict[int, Stepper] = collections.OrderedDict()
         self.confirmer: Reducer | None = None  # this epoch's group for Attach confirmations
         self.busy: list[int] = []  # host slots this epoch started with retired (agreed)
         # The cache of an ended session or epoch, detached from its device pool,
         # until an Attach of the same model and geometry picks it up again.
         self.kept: Held | None = None
+        self._detaching: CacheRuntime | None = None  # a cache whose session is ending: its copies are finished
         self.attached_with: dict[str, Any] | None = None  # the descriptor of the attached cache
         self.attaching: asyncio.Future | None = None  # an Attach being decided: re-forming waits for it
         self._reforming: asyncio.Future[None] | None = None
@@ -201,6 +230,11 @@ class Formation:
         )
         self.engine = engine
         self.stepper = Stepper(engine, config.rank, config.agreement_lag, self.epoch)
+        self.recent[self.epoch] = self.stepper
+        if config.faults.exit_after_round:
+            self.stepper.after_round = functools.partial(_exit_after_round, config.faults.exit_after_round)
+        while len(self.recent) > EPOCHS_KEPT:
+            self.recent.popitem(last=False)
         decoded = [carryover.decode(offer) for offer in formed.offers]
         kept = carryover.common([o.pages for o in decoded])
         # Every rank's cache of this epoch starts with these slots retired,
@@ -289,14 +323,18 @@ class Formation:
             held = self.kept
         if held is None:
             return b""
-        runtime = held.runtime
-        # The session ends: its jobs not yet started are refused from now on,
-        # and its pool is let go only once none of its jobs touches it
-        # (counted: only copies already running remain, and they end).
+        runtime = self._detaching = held.runtime
+        # The session ends: its storage jobs not yet started are refused from
+        # now on, its copies run to their end (a forward may be reading a
+        # load: DESIGN rule 12), and its pool is let go only once none of its
+        # jobs touches it (counted: a copy between memory pools ends).
         session = runtime.io.end_session()
-        await bounded_async(session.wait_device_quiet, None, "device-quiet")
-        drain_s = 2 * self.config.storage_timeout_s + 5.0
-        idle = await asyncio.to_thread(runtime.io.wait_idle, drain_s)
+        try:
+            await bounded_async(session.wait_device_quiet, None, "device-quiet")
+            drain_s = 2 * self.config.storage_timeout_s + 5.0
+            idle = await asyncio.to_thread(runtime.io.wait_idle, drain_s)
+        finally:
+            self._detaching = None
         self.kept, self.attached_with = held, None
         if not idle:
             busy = runtime.io.busy_slots()
@@ -353,17 +391,25 @@ class Formation:
 
     # -- closing --------------------------------------------------------------
 
-    async def close(self) -> None:
-        """Close the epoch's groups and every cache's storage (the daemon
-        stops: no call reaches the rank any more)."""
+    async def close(self, copies_s: float = 0.0) -> None:
+        """Close the epoch's groups, let the copies every cache has issued
+        end (for up to `copies_s`: a forward may be reading a load, DESIGN
+        rule 12), then close every cache's storage (the daemon stops: no
+        call reaches the rank any more)."""
         if self.engine is not None:
             await asyncio.to_thread(self.engine.close)
         if self.confirmer is not None:
             await asyncio.to_thread(self.confirmer.close)
-        if self.stepper is not None and self.stepper.runtime is not None:
-            await close_storage(self.stepper.runtime, "closing the storage backend")
-        if self.kept is not None:
-            await close_storage(self.kept.runtime, "closing the kept storage backend")
+        runtimes: dict[int, CacheRuntime] = {}  # one per set of movers
+        for runtime in (self.stepper.runtime if self.stepper is not None else None,
+                        self._detaching, self.kept.runtime if self.kept is not None else None):
+            if runtime is not None:
+                runtimes.setdefault(id(runtime.io.transfers), runtime)
+        deadline = time.monotonic() + copies_s
+        for runtime in runtimes.values():
+            await finish_copies(runtime, deadline - time.monotonic())
+        for runtime in runtimes.values():
+            await close_storage(runtime, "closing the storage backend")
         if self._heartbeat is not None:
             self._heartbeat.stop()
         self._store_server = None

@@ -18,7 +18,7 @@ from cpcache.agreement.bounded import StoreTimeout, bounded_async
 from cpcache.agreement.rounds import Questions
 from cpcache.config import DaemonConfig
 from cpcache.dataplane.pools import DevicePool
-from cpcache.errors import CacheError, FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from cpcache.errors import CacheError, EpochEnded, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from cpcache.geometry import KVGeometry
 from cpcache.rank.assembly import CacheRuntime
 from cpcache.rank.attach import Attached, Attacher
@@ -83,8 +83,9 @@ class Rank:
         """Leave the epoch when the deployment moves past it (a daemon thread)."""
         self.formation.watch(loop)
 
-    async def close(self) -> None:
-        await self.formation.close()
+    async def close(self, copies_s: float = 0.0) -> None:
+        """Stop: the copies issued so far end first, for up to `copies_s`."""
+        await self.formation.close(copies_s)
 
     # -- decisions --------------------------------------------------------------
 
@@ -100,11 +101,31 @@ class Rank:
         return runtime
 
     async def step(self, step: int, votes: Questions, requests: CacheRequests = CacheRequests(), *,
-                   invalid: CacheError | None = None, request_digest: int = 0) -> StepTaken:
-        """One scheduler step (`Stepper.step`), in the current epoch."""
-        stepper = self.admit()
+                   invalid: CacheError | None = None, request_digest: int = 0, epoch: int | None = None
+                   ) -> StepTaken:
+        """One scheduler step (`Stepper.step`), in the current epoch.
+        `epoch`: the one the scheduler's session opened in (None: unchecked). A
+        retry of a step that epoch took gets its kept answer, even once the
+        epoch has ended; any other step of an ended epoch opens nothing."""
+        ended = self.formation.recent.get(epoch) if epoch is not None else None
+        if ended is not None and 0 < step <= ended.last_step:
+            stepper = ended
+        else:
+            stepper = self.admit()
+            if epoch is not None and stepper.epoch != epoch:
+                raise EpochEnded(f"step {step} belongs to a session of epoch {epoch}, which has ended on rank "
+                                 f"{self.config.rank} (it serves epoch {stepper.epoch}): attach again")
         outcome = await stepper.step(step, votes, requests, invalid=invalid, request_digest=request_digest)
         return StepTaken(outcome, stepper.epoch, stepper.phases)
+
+    def outcome(self, epoch: int, step: int) -> asyncio.Future[StepOutcome]:
+        """What step `step` of epoch `epoch` answers here (`Stepper.kept`);
+        `Unavailable` when this rank cannot tell (it keeps no such epoch)."""
+        stepper = self.formation.recent.get(epoch)
+        if stepper is None:
+            raise Unavailable(f"rank {self.config.rank} keeps no epoch {epoch} (it serves epoch {self.epoch}, and "
+                              f"keeps {sorted(self.formation.recent)}): it cannot tell how step {step} ended")
+        return stepper.kept(step)
 
     def check_scheduler(self, scheduler: Topology, scheduler_rank: int) -> None:
         """The scheduler attaching declared its topology: refuse it unless

@@ -121,6 +121,7 @@ class CacheRuntime:
         self.io.forget(state.take_closed())
         applied.decided.merge(decisions)
         applied.decided.host_entered, applied.decided.host_left = state.index.take_changes()
+        applied.decided.host_entered_slots = [state.index[page].slot for page in applied.decided.host_entered]
         return applied
 
     def start(self, intents: list[Intent]) -> None:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -45,7 +46,15 @@ import numpy as np
 from cpcache.agreement.engine import AgreementEngine
 from cpcache.agreement.kinds import VOTE
 from cpcache.agreement.rounds import Questions, RoundInput, RoundResult
-from cpcache.errors import CacheError, FailedPrecondition, InvalidArgument, RejectedByPeer, StepOrder, Unavailable
+from cpcache.errors import (
+    CacheError,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    RejectedByPeer,
+    StepOrder,
+    Unavailable,
+)
 from cpcache.hashing import hash62
 from cpcache.rank.phases import StepPhases
 from cpcache.rank.runtime import AppliedRound, CacheRuntime, describe
@@ -97,6 +106,9 @@ class Stepper:
         self.decision_count = 0
         self.rejected_steps = 0
         self.phases = StepPhases()  # where this rank's steps spend their time
+        # Called with each step's number once its round is applied, before
+        # it is answered (fault injection: a daemon dying in between).
+        self.after_round: Callable[[int], None] | None = None
 
     def leave(self, why: str) -> None:
         """This stepper's epoch is over: nothing more is applied here."""
@@ -146,6 +158,21 @@ class Stepper:
         # Shielded: the outcome belongs to the daemon, not to this call.
         return await asyncio.shield(answer)
 
+    def kept(self, step: int) -> asyncio.Future[StepOutcome]:
+        """What step `step` answers on this rank (done once its round is
+        applied), for a peer's scheduler whose own daemon never answered it:
+        every rank answers a step alike. `NotFound` when this rank has not
+        taken the step (no rank can have decided it: its round needs this
+        one); `Unavailable` when it no longer keeps it."""
+        kept = self._replies.get(step)
+        if kept is None:
+            if step > self.last_step:
+                raise NotFound(f"rank {self._rank} has not taken step {step} of epoch {self.epoch} (its last is "
+                               f"{self.last_step}): its round cannot be decided on any rank")
+            raise Unavailable(f"rank {self._rank} keeps the last {REPLIES_KEPT} steps of epoch {self.epoch}, not "
+                              f"step {step}")
+        return kept[1]
+
     async def _retry(self, step: int, request_digest: int) -> StepOutcome:
         kept = self._replies.get(step)
         if kept is None:
@@ -174,6 +201,8 @@ class Stepper:
             later: list[Intent] = []
             if self._pipeline and len(self._pipeline) >= self._lag:
                 carried, later = await self._settle_guarded(self._pipeline.popleft())
+            if self.after_round is not None:
+                self.after_round(step)
             _answer(answer, step, carried, self.digest)
             # The answer leaves before the I/O it need not wait for starts and,
             # at lag >= 1, before this step's round is packed and the agreement

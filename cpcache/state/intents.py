@@ -99,6 +99,7 @@ class Decisions:
     loads: list[tuple[int, int]] = field(default_factory=list)  # (op, pages loaded)
     load_failures: list[int] = field(default_factory=list)  # copies that failed on some rank
     host_entered: list[bytes] = field(default_factory=list)  # pages now resident in the host pool
+    host_entered_slots: list[int] = field(default_factory=list)  # the slot of each
     host_left: list[bytes] = field(default_factory=list)  # pages no longer resident
 
     def merge(self, other: Decisions) -> Decisions:

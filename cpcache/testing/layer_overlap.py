@@ -31,7 +31,7 @@ from cpcache.client import Client, SchedulerSession
 from cpcache.daemon.launcher import DomainSpec, LocalDomain
 from cpcache.dataplane.pools import DevicePool
 from cpcache.geometry import KVGeometry
-from cpcache.integrations.sglang.layer_loads import LayerLoads
+from cpcache.integrations.sglang.layer_loads import LayerLoads, OpenLoad
 from cpcache.topology import Topology
 
 GEOMETRY = KVGeometry(layers=8, kv_kind="mha", heads=8, head_dim=128, dtype="bfloat16", page_size=16)
@@ -133,7 +133,7 @@ async def measure(run_dir: Path, device: str = "cpu", blocks: int = 6, layer_del
                     if mode == "overlapped":
                         opened = session.load_opened(KEYS, TARGET, loads.signals)
                         assert opened is not None, "the load did not open"
-                        loads.opened(*opened)
+                        loads.opened(OpenLoad(*opened))
                         loads.set_consumer(loads.start_batch())
                     else:
                         assert session.load_now(KEYS, TARGET), "the load failed"

@@ -111,20 +111,24 @@ class SchedulerTopology(_message.Message):
     def __init__(self, tp: _Optional[int] = ..., cp: _Optional[int] = ..., dp: _Optional[int] = ..., pp: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class AttachReply(_message.Message):
-    __slots__ = ("page_bytes", "host_pages", "host_layout", "storage", "key_seed", "resumed_pages")
+    __slots__ = ("page_bytes", "host_pages", "host_layout", "storage", "key_seed", "resumed_pages", "epoch", "host_pool_ticket")
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     HOST_PAGES_FIELD_NUMBER: _ClassVar[int]
     HOST_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     STORAGE_FIELD_NUMBER: _ClassVar[int]
     KEY_SEED_FIELD_NUMBER: _ClassVar[int]
     RESUMED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    HOST_POOL_TICKET_FIELD_NUMBER: _ClassVar[int]
     page_bytes: int
     host_pages: int
     host_layout: str
     storage: str
     key_seed: str
     resumed_pages: int
-    def __init__(self, page_bytes: _Optional[int] = ..., host_pages: _Optional[int] = ..., host_layout: _Optional[str] = ..., storage: _Optional[str] = ..., key_seed: _Optional[str] = ..., resumed_pages: _Optional[int] = ...) -> None: ...
+    epoch: int
+    host_pool_ticket: str
+    def __init__(self, page_bytes: _Optional[int] = ..., host_pages: _Optional[int] = ..., host_layout: _Optional[str] = ..., storage: _Optional[str] = ..., key_seed: _Optional[str] = ..., resumed_pages: _Optional[int] = ..., epoch: _Optional[int] = ..., host_pool_ticket: _Optional[str] = ...) -> None: ...
 
 class PrefetchOp(_message.Message):
     __slots__ = ("op_id", "pages", "tokens", "parent")
@@ -250,7 +254,7 @@ class Decisions(_message.Message):
     def __init__(self, op_ids: _Optional[_Iterable[int]] = ..., values: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step", "votes", "prefetches", "prefetch_polls", "revokes", "writes", "loads")
+    __slots__ = ("step", "votes", "prefetches", "prefetch_polls", "revokes", "writes", "loads", "epoch")
     STEP_FIELD_NUMBER: _ClassVar[int]
     VOTES_FIELD_NUMBER: _ClassVar[int]
     PREFETCHES_FIELD_NUMBER: _ClassVar[int]
@@ -258,6 +262,7 @@ class StepRequest(_message.Message):
     REVOKES_FIELD_NUMBER: _ClassVar[int]
     WRITES_FIELD_NUMBER: _ClassVar[int]
     LOADS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     step: int
     votes: Votes
     prefetches: _containers.RepeatedCompositeFieldContainer[PrefetchOp]
@@ -265,7 +270,43 @@ class StepRequest(_message.Message):
     revokes: _containers.RepeatedScalarFieldContainer[int]
     writes: _containers.RepeatedCompositeFieldContainer[WriteOp]
     loads: _containers.RepeatedCompositeFieldContainer[LoadOp]
-    def __init__(self, step: _Optional[int] = ..., votes: _Optional[_Union[Votes, _Mapping]] = ..., prefetches: _Optional[_Iterable[_Union[PrefetchOp, _Mapping]]] = ..., prefetch_polls: _Optional[_Iterable[int]] = ..., revokes: _Optional[_Iterable[int]] = ..., writes: _Optional[_Iterable[_Union[WriteOp, _Mapping]]] = ..., loads: _Optional[_Iterable[_Union[LoadOp, _Mapping]]] = ...) -> None: ...
+    epoch: int
+    def __init__(self, step: _Optional[int] = ..., votes: _Optional[_Union[Votes, _Mapping]] = ..., prefetches: _Optional[_Iterable[_Union[PrefetchOp, _Mapping]]] = ..., prefetch_polls: _Optional[_Iterable[int]] = ..., revokes: _Optional[_Iterable[int]] = ..., writes: _Optional[_Iterable[_Union[WriteOp, _Mapping]]] = ..., loads: _Optional[_Iterable[_Union[LoadOp, _Mapping]]] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class OutcomeRequest(_message.Message):
+    __slots__ = ("epoch", "step")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    step: int
+    def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+
+class OutcomeReply(_message.Message):
+    __slots__ = ("reply", "error")
+    REPLY_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    reply: StepReply
+    error: StepError
+    def __init__(self, reply: _Optional[_Union[StepReply, _Mapping]] = ..., error: _Optional[_Union[StepError, _Mapping]] = ...) -> None: ...
+
+class StepError(_message.Message):
+    __slots__ = ("status", "reason", "message", "metadata")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    status: str
+    reason: str
+    message: str
+    metadata: _containers.ScalarMap[str, str]
+    def __init__(self, status: _Optional[str] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class PrefetchDecision(_message.Message):
     __slots__ = ("op_id", "outcome", "pages", "reason")
@@ -306,7 +347,7 @@ class LoadDecision(_message.Message):
     def __init__(self, op_id: _Optional[int] = ..., pages: _Optional[int] = ...) -> None: ...
 
 class StepReply(_message.Message):
-    __slots__ = ("step", "round", "decisions", "state_digest", "prefetches", "write_acks", "backups", "loads", "write_failures", "load_failures", "epoch", "host_entered", "host_left")
+    __slots__ = ("step", "round", "decisions", "state_digest", "prefetches", "write_acks", "backups", "loads", "write_failures", "load_failures", "epoch", "host_entered", "host_left", "host_entered_slots")
     STEP_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     DECISIONS_FIELD_NUMBER: _ClassVar[int]
@@ -320,6 +361,7 @@ class StepReply(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     HOST_ENTERED_FIELD_NUMBER: _ClassVar[int]
     HOST_LEFT_FIELD_NUMBER: _ClassVar[int]
+    HOST_ENTERED_SLOTS_FIELD_NUMBER: _ClassVar[int]
     step: int
     round: int
     decisions: Decisions
@@ -333,14 +375,15 @@ class StepReply(_message.Message):
     epoch: int
     host_entered: _containers.RepeatedScalarFieldContainer[bytes]
     host_left: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, step: _Optional[int] = ..., round: _Optional[int] = ..., decisions: _Optional[_Union[Decisions, _Mapping]] = ..., state_digest: _Optional[int] = ..., prefetches: _Optional[_Iterable[_Union[PrefetchDecision, _Mapping]]] = ..., write_acks: _Optional[_Iterable[int]] = ..., backups: _Optional[_Iterable[_Union[BackupDecision, _Mapping]]] = ..., loads: _Optional[_Iterable[_Union[LoadDecision, _Mapping]]] = ..., write_failures: _Optional[_Iterable[int]] = ..., load_failures: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ..., host_entered: _Optional[_Iterable[bytes]] = ..., host_left: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    host_entered_slots: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step: _Optional[int] = ..., round: _Optional[int] = ..., decisions: _Optional[_Union[Decisions, _Mapping]] = ..., state_digest: _Optional[int] = ..., prefetches: _Optional[_Iterable[_Union[PrefetchDecision, _Mapping]]] = ..., write_acks: _Optional[_Iterable[int]] = ..., backups: _Optional[_Iterable[_Union[BackupDecision, _Mapping]]] = ..., loads: _Optional[_Iterable[_Union[LoadDecision, _Mapping]]] = ..., write_failures: _Optional[_Iterable[int]] = ..., load_failures: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ..., host_entered: _Optional[_Iterable[bytes]] = ..., host_left: _Optional[_Iterable[bytes]] = ..., host_entered_slots: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("rank", "world_size", "domain_ranks", "mode", "agreement_lag", "last_step", "rounds_completed", "open_questions", "state", "failure", "metrics_port", "attached", "epoch")
+    __slots__ = ("rank", "world_size", "domain_ranks", "mode", "agreement_lag", "last_step", "rounds_completed", "open_questions", "state", "failure", "metrics_port", "attached", "epoch", "agreement_timeout_s")
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     DOMAIN_RANKS_FIELD_NUMBER: _ClassVar[int]
@@ -354,6 +397,7 @@ class StatusReply(_message.Message):
     METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
     ATTACHED_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    AGREEMENT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     rank: int
     world_size: int
     domain_ranks: _containers.RepeatedScalarFieldContainer[int]
@@ -367,4 +411,5 @@ class StatusReply(_message.Message):
     metrics_port: int
     attached: bool
     epoch: int
-    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., domain_ranks: _Optional[_Iterable[int]] = ..., mode: _Optional[str] = ..., agreement_lag: _Optional[int] = ..., last_step: _Optional[int] = ..., rounds_completed: _Optional[int] = ..., open_questions: _Optional[int] = ..., state: _Optional[str] = ..., failure: _Optional[str] = ..., metrics_port: _Optional[int] = ..., attached: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...
+    agreement_timeout_s: float
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., domain_ranks: _Optional[_Iterable[int]] = ..., mode: _Optional[str] = ..., agreement_lag: _Optional[int] = ..., last_step: _Optional[int] = ..., rounds_completed: _Optional[int] = ..., open_questions: _Optional[int] = ..., state: _Optional[str] = ..., failure: _Optional[str] = ..., metrics_port: _Optional[int] = ..., attached: _Optional[bool] = ..., epoch: _Optional[int] = ..., agreement_timeout_s: _Optional[float] = ...) -> None: ...

@@ -84,6 +84,11 @@ class CacheDaemonStub:
                 request_serializer=cpcache_dot_v1_dot_daemon__pb2.StatusRequest.SerializeToString,
                 response_deserializer=cpcache_dot_v1_dot_daemon__pb2.StatusReply.FromString,
                 _registered_method=True)
+        self.Outcome = channel.unary_unary(
+                '/cpcache.v1.CacheDaemon/Outcome',
+                request_serializer=cpcache_dot_v1_dot_daemon__pb2.OutcomeRequest.SerializeToString,
+                response_deserializer=cpcache_dot_v1_dot_daemon__pb2.OutcomeReply.FromString,
+                _registered_method=True)
 
 
 class CacheDaemonServicer:
@@ -161,6 +166,18 @@ class CacheDaemonServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Outcome(self, request, context):
+        """How step `step` of epoch `epoch` ended on this rank, whatever rank asks:
+        how a scheduler whose own daemon died between its round and its reply
+        learns what its peers were told (every rank answers a step alike).
+        Waits while the step's round runs. A step this rank has not taken ends
+        as an error (its round cannot complete anywhere without this rank).
+        UNAVAILABLE: this daemon cannot tell (it keeps no such epoch or step).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CacheDaemonServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -213,6 +230,11 @@ def add_CacheDaemonServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=cpcache_dot_v1_dot_daemon__pb2.StatusRequest.FromString,
                     response_serializer=cpcache_dot_v1_dot_daemon__pb2.StatusReply.SerializeToString,
+            ),
+            'Outcome': grpc.unary_unary_rpc_method_handler(
+                    servicer.Outcome,
+                    request_deserializer=cpcache_dot_v1_dot_daemon__pb2.OutcomeRequest.FromString,
+                    response_serializer=cpcache_dot_v1_dot_daemon__pb2.OutcomeReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -485,6 +507,33 @@ class CacheDaemon:
             '/cpcache.v1.CacheDaemon/Status',
             cpcache_dot_v1_dot_daemon__pb2.StatusRequest.SerializeToString,
             cpcache_dot_v1_dot_daemon__pb2.StatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Outcome(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cpcache.v1.CacheDaemon/Outcome',
+            cpcache_dot_v1_dot_daemon__pb2.OutcomeRequest.SerializeToString,
+            cpcache_dot_v1_dot_daemon__pb2.OutcomeReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -125,7 +125,7 @@ async def test_a_signal_slot_outside_the_board_or_without_one_is_refused(run_dir
     async with LocalDomain(DomainSpec(Topology(tp=1), run_dir, extra=dict(host_pool_pages=8))) as domain:
         pool = DevicePool.create_sealed(GEOMETRY, DEVICE_PAGES)
         board = LoadSignals.create(2)
-        with Client(domain.sockets[0], timeout_s=10) as client:
+        with Client(domain.sockets[0], timeout_s=20) as client:
             seed = client.attach("m", GEOMETRY, DEVICE_PAGES, pool_fd=pool.fd, load_signals=board).key_seed
             pages = [bytes.fromhex(h) for h in chain(list(range(4)), 4, seed)]
             session = SchedulerSession(client)
@@ -135,7 +135,7 @@ async def test_a_signal_slot_outside_the_board_or_without_one_is_refused(run_dir
                 session.flush()
             assert client.status().state  # still serving
         without = DevicePool.create_sealed(GEOMETRY, DEVICE_PAGES)
-        with Client(domain.sockets[0], timeout_s=10) as client:
+        with Client(domain.sockets[0], timeout_s=20) as client:
             seed = client.attach("m", GEOMETRY, DEVICE_PAGES, pool_fd=without.fd).key_seed
             session = SchedulerSession(client, first_step=client.status().last_step + 1)
             session._unsent.loads.append((7, pages, [3], 1))

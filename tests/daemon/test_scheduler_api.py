@@ -21,7 +21,7 @@ async def test_a_scheduler_iteration_maps_to_one_flush(run_dir):
                                                           prefetch_policy="wait_complete"))
     async with LocalDomain(spec) as domain:
         pool = DevicePool.create_sealed(GEOMETRY, 16)
-        with Client(domain.sockets[0], timeout_s=10) as client:
+        with Client(domain.sockets[0], timeout_s=30) as client:
             seed = client.attach("m", GEOMETRY, 16, pool_fd=pool.fd).key_seed
             cache = SchedulerSession(client)
 

@@ -16,9 +16,10 @@ from cpcache.daemon.launcher import DomainSpec, LocalDomain
 from cpcache.dataplane import gather
 from cpcache.dataplane.copy_faults import CopyFaults
 from cpcache.dataplane.movers import DEVICE, HOST, Tiers, Transfers
-from cpcache.dataplane.pools import LAYOUTS, DevicePool, HostPool
+from cpcache.dataplane.pools import DevicePool, HostPool
 from cpcache.errors import FailedPrecondition
 from cpcache.geometry import Region
+from cpcache.host_layout import LAYOUTS
 from cpcache.topology import Topology
 from tests.gpu.cuda import (
     GEOMETRY,

@@ -12,9 +12,10 @@ collective completed is delivered, closed or not: the peer that completed it
 applies it), `AgreementEngine._fail_pending` (the close sentinel is put back)
 and `close` (joins, then destroys the groups), `Stepper._settle` (a stepper
 that left applies nothing), `Transfers.submit`/`_run` (a job binds its
-session's pool when issued; a job of an ended session is refused when it would
-start), `Formation._detach` (the session ends, then the rank waits until no
-job of it touches its pool: counted). The real-daemon tests in
+session's pool when issued; a copy issued while its session was open runs to
+its end, since a forward may read it, one issued after the end is refused),
+`Formation._detach` (the session ends, then the rank waits until no job of it
+touches its pool: counted, queued or running). The real-daemon tests in
 tests/multirank/test_fencing.py check the same behaviour on the code.
 
 Mutations reintroduce the defects the model found: `apply_after_leave` (the join
@@ -48,6 +49,7 @@ class S:
     load_pool: str = "P0"  # bound at issue time
     write: str = "none"
     write_pool: str = ""
+    write_open: bool = True  # issued while its session was open (the load always is)
     violations: tuple[str, ...] = ()
 
 
@@ -82,7 +84,7 @@ class FencingModel:
             else:
                 # Applied: the round's write-through is issued in the stepper's session.
                 issued = replace(s, applied="after_leave" if s.left else "before_leave", write="queued",
-                                 write_pool="P0")
+                                 write_pool="P0", write_open=not s.session_ended)
                 if s.left:
                     issued = replace(issued, violations=(*s.violations, "a round was applied after its rank left"))
                 out.append(("the stepper applies the round", issued))
@@ -96,15 +98,16 @@ class FencingModel:
                         replace(s, phase="detaching", left=True)))
         if s.phase == "detaching":
             ended = replace(s, session_ended=True)
-            running = any(getattr(s, j) == "running" for j in JOBS)
-            if not running or "pool_at_run_time" in m:
+            issued = any(getattr(s, j) in ("queued", "running") for j in JOBS)
+            if not issued or "pool_at_run_time" in m:
                 out.append(("the session ends; its pool is let go", replace(ended, phase="detached")))
         if s.phase == "detached":
             out.append(("the next session attaches (pool P1, slot s reused)", replace(s, phase="new")))
         for job in JOBS:
             state = getattr(s, job)
             if state == "queued":
-                if s.session_ended and "pool_at_run_time" not in m:
+                issued_open = job == "load" or s.write_open
+                if s.session_ended and not issued_open and "pool_at_run_time" not in m:
                     out.append((f"the {job} is refused", replace(s, **{job: "refused"})))
                 else:
                     pool = getattr(s, f"{job}_pool")

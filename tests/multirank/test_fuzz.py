@@ -8,7 +8,7 @@ The bugs the fuzz found have each a regression test below."""
 import grpc
 import pytest
 
-from cpcache.client.core import error_info
+from cpcache.client.wire_errors import error_info
 from cpcache.daemon.launcher import DomainSpec, LocalDomain
 from cpcache.testing import fuzz
 from cpcache.topology import Topology

@@ -59,7 +59,9 @@ def daemon_pid(run_dir, rank):
     raise AssertionError(f"no daemon of rank {rank} under {run_dir}")
 
 
-def test_launch_starts_a_killed_rank_again_and_its_domain_forms_again(run_dir):
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
+def test_launch_starts_a_killed_rank_again_and_its_domain_forms_again(run_dir, sig):
+    """A crash and an operator's `kill -TERM` of one daemon alike: a restart."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "cpcache.tools.cli", "launch", "--tp", "2", "--run-dir", str(run_dir),
          "--agreement-timeout", "2"],
@@ -71,11 +73,16 @@ def test_launch_starts_a_killed_rank_again_and_its_domain_forms_again(run_dir):
             sockets.append(line.split("unix:", 1)[1].split()[0])
         if "press Ctrl-C" in line:
             break
-    os.kill(daemon_pid(run_dir, 1), signal.SIGKILL)
+    os.kill(daemon_pid(run_dir, 1), sig)
+    exited = ""
     for line in proc.stdout:  # the launcher says what it did, line by line
+        if "rank 1 exited" in line:
+            exited = line
         if "rank 1 is back" in line:
             break
         assert "stopping the others" not in line, line
+    # SIGTERM: a graceful stop, exit 0 (it was serving).
+    assert f"exited with code {-sig if sig == signal.SIGKILL else 0}; starting it again" in exited, exited
     for socket in sockets:
         asyncio.run(wait_serving(socket))
         with Client(socket, timeout_s=10) as client:

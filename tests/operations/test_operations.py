@@ -29,8 +29,9 @@ from cpcache.daemon.listeners import check_listener_settings, keepalive_options
 from cpcache.daemon.main import main
 from cpcache.daemon.metrics import DaemonCollector, rank_labels
 from cpcache.daemon.server import ExitCode
-from cpcache.dataplane.pools import LAYOUTS, DevicePool
+from cpcache.dataplane.pools import DevicePool
 from cpcache.geometry import KVGeometry
+from cpcache.host_layout import LAYOUTS
 from cpcache.rank.stats import RankStats
 from cpcache.topology import Topology
 
@@ -53,6 +54,8 @@ def test_systemd_unit_verifies(tmp_path):
     result = subprocess.run(["systemd-analyze", "verify", str(instance)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and not result.stderr.strip(), result.stderr
     assert "Type=notify" in unit and "WatchdogSec=" in unit and "/etc/cpcache/rank-%i.toml" in unit
+    # A SIGTERM from outside exits 0 after a graceful stop: a restart too; invalid settings are not retried.
+    assert "\nRestart=always\n" in unit and "\nRestartPreventExitStatus=2\n" in unit
     # Documentation= names the operations page of the checkout ExecStart runs from.
     assert "Documentation=file:///opt/cpcache/docs/operations.md" in unit and "ExecStart=/opt/cpcache/.venv/bin/" in (
         REPO / "services" / "cpcached" / "cpcached@.service").read_text()

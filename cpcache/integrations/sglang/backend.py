@@ -9,8 +9,11 @@ import logging
 from typing import Any
 
 from cpcache.client import Client, DecisionLog, SchedulerSession
+from cpcache.client.pools import take_host_pool
+from cpcache.errors import CacheError
 from cpcache.integrations.sglang import server_flags
 from cpcache.integrations.sglang.layer_loads import LayerLoads
+from cpcache.integrations.sglang.orphan_loads import OrphanLoads
 from cpcache.integrations.sglang.pool import SharedPool, check_in_place, layer_buffers, share_device_pool
 from cpcache.integrations.sglang.settings import Settings
 from cpcache.load_signals import SLOTS, LoadSignals
@@ -92,15 +95,27 @@ def build_cache(context: Any, settings: Settings | None = None) -> Any:
     check_in_place(pool, runner_pool)  # what the daemon will write is what the forward reads
     before = pool.addresses()
     layer_loads = _layer_loads(context, pool, runner_pool, kv_pool, settings)
-    client = Client(socket, token=settings.token(), timeout_s=settings.timeout_s)
+    client = Client(socket, token=settings.token(), timeout_s=settings.timeout_s,
+                    peers=peer_sockets(settings, topology, rank))
     try:
-        lag = client.status().agreement_lag
+        # A daemon busy at the server's start (a loaded host) is waited for, not a failed start.
+        client.wait_serving(settings.start_timeout_s)
+        status = client.status()
+        try:
+            client.check_deadline(status.agreement_timeout_s)
+        except CacheError as exc:
+            raise server_flags.UnsupportedServer(f"cpcache: the backend's timeout_s does not fit the daemon at "
+                                                 f"{socket}: {exc}") from None
+        lag = status.agreement_lag
         if lag != 0:
             raise server_flags.UnsupportedServer(
                 f"cpcache: the daemon at {socket} runs with agreement_lag {lag}; the SGLang backend needs 0 (its "
                 "host matches follow the host pool step by step); start the daemons with --lag 0")
         attached = _attach(client, model_id, pool, (topology, rank), layer_loads)
+        if layer_loads is not None:
+            layer_loads.orphans = orphan_loads(socket, attached, pool)
         first_step = client.status().last_step + 1
+        first_epoch = attached.epoch
     except BaseException:
         client.close()
         raise
@@ -112,23 +127,51 @@ def build_cache(context: Any, settings: Settings | None = None) -> Any:
 
     decisions = DecisionLog() if settings.record_decisions else None  # one log across attaches
 
-    def connect(step: int) -> SchedulerSession:
+    def connect(step: int, epoch: int) -> SchedulerSession:
         if decisions is not None:
             decisions.begin_session()
-        return SchedulerSession(client, first_step=step, load_timeout_s=settings.timeout_s, decisions=decisions)
+        return SchedulerSession(client, first_step=step, load_timeout_s=settings.timeout_s, decisions=decisions,
+                                epoch=epoch)
 
     def attach_again() -> SchedulerSession:
         check_in_place(pool, runner_pool)
         if layer_loads is not None:
             # A fresh board: copies of the ended session may still publish into the old one.
             layer_loads.rebind(LoadSignals.create(layer_loads.signals.slots))
-        _attach(client, model_id, pool, (topology, rank), layer_loads)
-        return connect(int(client.status().last_step) + 1)
+        again = _attach(client, model_id, pool, (topology, rank), layer_loads)
+        if layer_loads is not None:
+            layer_loads.orphans = orphan_loads(socket, again, pool)
+        return connect(int(client.status().last_step) + 1, again.epoch)
 
-    return CpcacheRadixCache(params, daemon_session=connect(first_step), pool=pool, attach_again=attach_again,
+    return CpcacheRadixCache(params, daemon_session=connect(first_step, first_epoch), pool=pool,
+                             attach_again=attach_again,
                              reattach_after=settings.reattach_after_iterations,
                              storage_prefetch=server_flags.storage_prefetch_enabled(context.server_args), rank=rank,
                              host_pages=attached.host_pages, decisions=decisions, layer_loads=layer_loads)
+
+
+def peer_sockets(settings: Settings, topology: Topology, rank: int) -> list[str]:
+    """The sockets of the other daemons of this rank's domain, where its
+    client asks how a step ended when its own daemon died before answering
+    (none when the socket setting names no rank: every rank would be one)."""
+    if "{rank}" not in settings.socket and "{tp_rank}" not in settings.socket:
+        return []
+    peers = [r for r in topology.domain(rank).ranks if r != rank]
+    return [settings.socket_for(peer, peer % topology.tp) for peer in peers]
+
+
+def orphan_loads(socket: str, attached: Any, pool: SharedPool) -> OrphanLoads | None:
+    """The daemon's host pool, read-only, to finish loads it dies in the
+    middle of (None: it offers none, as on CUDA hosts, or it cannot be had)."""
+    if not attached.host_pool_ticket:
+        return None
+    try:
+        fd, pid = take_host_pool(socket, attached.host_pool_ticket)
+    except CacheError as exc:
+        log.warning("cpcache: the daemon's host pool could not be taken (%s): a load its daemon dies in the "
+                    "middle of will stop the forward", exc)
+        return None
+    return OrphanLoads(fd, pid, pool.geometry, attached.host_pages, attached.host_layout, pool.buffers)
 
 
 def _attach(client: Client, model_id: str, pool: SharedPool, placement: tuple[Topology, int],

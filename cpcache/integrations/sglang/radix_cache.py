@@ -41,7 +41,7 @@ from cpcache.client.outcomes import DecisionLog, Tally
 from cpcache.client.session import SchedulerSession
 from cpcache.errors import CacheError
 from cpcache.integrations.sglang.host_hits import HostHit, HostPoolView
-from cpcache.integrations.sglang.layer_loads import LayerLoads, LoadBackFailed
+from cpcache.integrations.sglang.layer_loads import LayerLoads, LoadBackFailed, OpenLoad
 from cpcache.integrations.sglang.pool import SharedPool
 from cpcache.integrations.sglang.quarantine import Quarantine
 from cpcache.integrations.sglang.timing import SchedulerTime
@@ -94,9 +94,10 @@ class CpcacheRadixCache(UnifiedRadixCache):
 
     def _fall_back(self, exc: CacheError) -> None:
         """Go on device-only: the daemon cannot decide any more."""
+        self._attach_wait = self._reattach_after
+        self._next_attach = self._attach_boundary() if self._attach_again else None
         log.error("cpcache: rank %d fell back to the device tree at iteration %d: the daemon cannot answer (%s); "
-                  "attaching again from iteration %d", self.rank, self._iteration, exc,
-                  self._iteration + self._reattach_after)
+                  "attaching again from iteration %s", self.rank, self._iteration, exc, self._next_attach)
         self.fallback_reason = str(exc)
         self.fallbacks += 1
         if self.daemon_session is not None:
@@ -104,8 +105,14 @@ class CpcacheRadixCache(UnifiedRadixCache):
         self.daemon_session = None
         self._host_hits.clear()
         self._release_write_locks()
-        self._attach_wait = self._reattach_after
-        self._next_attach = self._iteration + self._attach_wait if self._attach_again else None
+
+    def _attach_boundary(self) -> int:
+        """The next iteration that is a multiple of the current wait: the
+        tries fall on absolute iterations, not on ones counted from this
+        rank's own fallback, so ranks that fell back apart (a daemon lost
+        where no peer could tell how its step ended) try at the same ones,
+        and since each failed try doubles the wait, meet again."""
+        return (self._iteration // self._attach_wait + 1) * self._attach_wait
 
     def _try_attach_again(self) -> None:
         """Every rank runs this at the same iteration; Attach is agreed, so
@@ -115,7 +122,7 @@ class CpcacheRadixCache(UnifiedRadixCache):
             self.daemon_session = self._attach_again()
         except CacheError as exc:
             self._attach_wait = min(self._attach_wait * 2, 64 * self._reattach_after)
-            self._next_attach = self._iteration + self._attach_wait
+            self._next_attach = self._attach_boundary()
             log.warning("cpcache: rank %d could not attach again at iteration %d (%s); next try in %d iterations",
                         self.rank, self._iteration, exc, self._attach_wait)
             return
@@ -266,7 +273,10 @@ class CpcacheRadixCache(UnifiedRadixCache):
         opened = session.load_opened(pages, device_pages, self.layer_loads.signals, done=self._overlapped_decided)
         if opened is None:
             return False  # ended in its opening round: no copy of it runs
-        self.layer_loads.opened(*opened)
+        op, slot = opened
+        host_slots = session.host.slots(pages)
+        finishable = all(s >= 0 for s in host_slots)  # every reply named its pages' slots
+        self.layer_loads.opened(OpenLoad(op, slot, tuple(host_slots) if finishable else (), tuple(device_pages)))
         return True
 
     def _overlapped_decided(self, landed: bool) -> None:

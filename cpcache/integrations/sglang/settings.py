@@ -2,7 +2,12 @@
 
     {"socket": "/run/cpcache/rank-{rank}.sock", "model_id": "llama-3-8b",
      "token_file": "", "timeout_s": 30, "record_decisions": false,
-     "reattach_after_iterations": 64, "load_back": "overlapped"}
+     "reattach_after_iterations": 64, "load_back": "overlapped", "start_timeout_s": 120}
+
+`timeout_s` bounds each call to the daemon; it must exceed the daemons'
+`agreement_timeout_s` by more than 5 s (refused at start otherwise): a
+round waits that long for peers, and a step given up on sooner may be one
+the other ranks apply.
 
 `socket` may name `{rank}` (the process's rank in torch.distributed's world,
 which is what `cpcache launch` and the systemd units number daemons by) and
@@ -37,6 +42,9 @@ class Settings:
     # each layer of the forward waits for that layer's copy; "blocking": the
     # scheduler waits for the whole load to be decided before the forward.
     load_back: str = "overlapped"
+    # How long the server's start waits for its daemon to serve (a daemon
+    # still starting, or busy on a loaded host, is waited for).
+    start_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if self.load_back not in LOAD_BACKS:

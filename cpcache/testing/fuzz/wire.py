@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from cpcache.client.core import error_info
+from cpcache.client.wire_errors import error_info
 from cpcache.geometry import KVGeometry
 from cpcache.v1 import daemon_pb2 as pb
 

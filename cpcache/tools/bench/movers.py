@@ -28,9 +28,10 @@ from pathlib import Path
 import torch
 
 from cpcache.dataplane.movers import DEVICE, HOST, STORAGE, Tiers, TransferResult, Transfers
-from cpcache.dataplane.pools import LAYOUTS, DevicePool, HostPool
+from cpcache.dataplane.pools import DevicePool, HostPool
 from cpcache.dataplane.storage import open_backend
 from cpcache.geometry import KVGeometry
+from cpcache.host_layout import LAYOUTS
 from cpcache.testing.mooncake_master import MooncakeMaster
 from cpcache.testing.stats import block_summary
 

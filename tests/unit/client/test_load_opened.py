@@ -11,7 +11,7 @@ import pytest
 
 from cpcache.client.messages import StepResult
 from cpcache.client.session import SchedulerSession
-from cpcache.integrations.sglang.layer_loads import LayerLoads, LoadBackFailed
+from cpcache.integrations.sglang.layer_loads import LayerLoads, LoadBackFailed, OpenLoad
 from cpcache.load_signals import LoadSignals
 
 pytestmark = pytest.mark.timeout(30)
@@ -28,7 +28,7 @@ class ScriptedDaemon:
         self.failures: dict[int, tuple[int, ...]] = {}
         self.landed: dict[int, dict[int, int]] = {}
 
-    def step_later(self, step, votes=(), requests=None):
+    def step_later(self, step, votes=(), requests=None, epoch=None):
         reply = StepResult(step=step, round=step, decisions={}, digest=step, wire=b"",
                            host_entered=tuple(PAGES) if step == 1 else (),
                            load_failures=self.failures.pop(step, ()), loads=self.landed.pop(step, {}))
@@ -62,7 +62,7 @@ def test_an_agreed_failure_stops_the_batch_build_before_the_slot_is_claimed_agai
     session = SchedulerSession(daemon)
     session.flush()  # step 1: the pages are resident
     op1, slot1 = session.load_opened(PAGES[:1], [10], loads.signals, done=_stops)  # step 2 opens it
-    loads.opened(op1, slot1)
+    loads.opened(OpenLoad(op1, slot1))
     board.publish(slot1, op1, 1)
     board.fail(slot1, op1)  # this rank's copy failed at layer 1
     daemon.failures[3] = (op1,)  # the next request's round decides it failed, on every rank

@@ -40,8 +40,8 @@ class ModelDaemon:
         self._writes: dict[int, tuple[int, tuple[bytes, ...]]] = {}  # op -> (round it is decided in, pages)
         self._prefetches: dict[int, int] = {}  # op -> round it ends in
 
-    def step_later(self, step: int, votes: object = (),
-                   requests: CacheRequests | None = None) -> Callable[[], StepResult]:
+    def step_later(self, step: int, votes: object = (), requests: CacheRequests | None = None,
+                   epoch: int | None = None) -> Callable[[], StepResult]:
         requests = requests or CacheRequests()
         self.steps.append(step)
         for op, pages, _device, _parent in requests.writes:

@@ -12,12 +12,13 @@ import pytest
 import torch
 
 from cpcache.dataplane.movers import DEVICE, HOST, STORAGE, Tiers, Transfers
-from cpcache.dataplane.pools import LAYOUTS, DevicePool, HostPool
+from cpcache.dataplane.pools import DevicePool, HostPool
 from cpcache.dataplane.storage import StorageBackend, open_backend
 from cpcache.dataplane.storage.faults import FaultyBackend, StorageFaults
 from cpcache.dataplane.storage.framing import HEADER
 from cpcache.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from cpcache.geometry import KVGeometry
+from cpcache.host_layout import LAYOUTS
 from cpcache.state.allocator import PageAllocator
 
 pytestmark = pytest.mark.timeout(60)

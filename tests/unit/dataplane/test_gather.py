@@ -10,8 +10,9 @@ import torch
 
 from cpcache.dataplane import gather
 from cpcache.dataplane.movers import DEVICE, HOST, Tiers, Transfers
-from cpcache.dataplane.pools import LAYOUTS, DevicePool, HostPool
+from cpcache.dataplane.pools import DevicePool, HostPool
 from cpcache.geometry import KVGeometry
+from cpcache.host_layout import LAYOUTS
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -11,7 +11,8 @@ import torch
 
 from cpcache.dataplane.copy_faults import CopyFaults
 from cpcache.dataplane.movers import DEVICE, HOST, Tiers, Transfers
-from cpcache.dataplane.pools import LAYOUTS, HostPool
+from cpcache.dataplane.pools import HostPool
+from cpcache.host_layout import LAYOUTS
 from cpcache.load_signals import FAILED, LoadSignals
 from tests.unit.dataplane.test_regions import MHA, Creator
 

@@ -14,9 +14,10 @@ import torch
 
 from cpcache.dataplane import regions
 from cpcache.dataplane.movers import DEVICE, HOST, Tiers, Transfers
-from cpcache.dataplane.pools import LAYOUTS, DevicePool, HostPool
+from cpcache.dataplane.pools import DevicePool, HostPool
 from cpcache.errors import FailedPrecondition, InvalidArgument
 from cpcache.geometry import KVGeometry, Region
+from cpcache.host_layout import LAYOUTS
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from cpcache.integrations.sglang.layer_loads import LayerLoads, LoadBackFailed
+from cpcache.integrations.sglang.layer_loads import LayerLoads, LoadBackFailed, OpenLoad
 from cpcache.load_signals import LoadSignals
 
 pytestmark = pytest.mark.timeout(30)
@@ -31,7 +31,7 @@ def test_layer_l_waits_for_layer_l_of_its_batch_only():
     loads = LayerLoads(num_layers=4, timeout_s=10)
     daemon = _daemon(loads)
     slot = loads.signals.claim(op=5)
-    loads.opened(5, slot)
+    loads.opened(OpenLoad(5, slot))
     index = loads.start_batch()
     assert index >= 0 and loads.start_batch() == -1  # the next batch loads nothing
     loads.set_consumer(index)
@@ -47,7 +47,7 @@ def test_a_failed_or_missing_copy_stops_the_forward():
     loads = LayerLoads(num_layers=2, timeout_s=0.05)
     daemon = _daemon(loads)
     slot = loads.signals.claim(op=9)
-    loads.opened(9, slot)
+    loads.opened(OpenLoad(9, slot))
     loads.set_consumer(loads.start_batch())
     with pytest.raises(LoadBackFailed, match="did not land"):
         loads.wait_until(0)  # nothing published within timeout_s
@@ -60,7 +60,7 @@ def test_a_failed_or_missing_copy_stops_the_forward():
 def test_decided_loads_are_forgotten_and_their_batch_waits_no_more():
     loads = LayerLoads(num_layers=2, timeout_s=0.01)
     slot = loads.signals.claim(op=3)
-    loads.opened(3, slot)
+    loads.opened(OpenLoad(3, slot))
     index = loads.start_batch()
     loads.forget_decided(lambda op: op != 3)
     loads.set_consumer(index)

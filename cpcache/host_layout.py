@@ -1,0 +1,54 @@
+"""Where a host page lies in a host pool of each layout: the one copy of
+that arithmetic, read by the daemon that owns the pool and by a scheduler
+that maps it to finish a load its dead daemon left half copied.
+
+The layouts are SGLang's host layouts, byte for byte (pool_host/mha.py,
+pool_host/mla.py), with the K/V component outermost (MLA has one):
+  layer_first        [components, layers, tokens, heads, head_dim]
+  page_first         [components, tokens, layers, heads, head_dim]
+  page_first_direct  [components, pages, layers, page_size, heads, head_dim]
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cpcache.errors import InvalidArgument
+from cpcache.geometry import KVGeometry
+
+LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+
+
+def host_shape(geometry: KVGeometry, pages: int, layout: str) -> tuple[int, ...]:
+    if layout not in LAYOUTS:
+        raise InvalidArgument(f"host pool: layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    g = geometry
+    c, tokens = g.components, pages * g.page_size
+    return {
+        "layer_first": (c, g.layers, tokens, g.heads, g.head_dim),
+        "page_first": (c, tokens, g.layers, g.heads, g.head_dim),
+        "page_first_direct": (c, pages, g.layers, g.page_size, g.heads, g.head_dim),
+    }[layout]
+
+
+def page_view(tensor: torch.Tensor, geometry: KVGeometry, layout: str, first: int, count: int = 1) -> torch.Tensor:
+    """Pages [first, first+count) as a [layers, components, pages, page_size,
+    heads, head_dim] view (never a copy: copies into it land in the pool)."""
+    s = geometry.page_size
+    if layout == "layer_first":  # [C, L, n*s, H, D]
+        return tensor[:, :, first * s : (first + count) * s].unflatten(2, (count, s)).permute(1, 0, 2, 3, 4, 5)
+    if layout == "page_first":  # [C, n*s, L, H, D]
+        return tensor[:, first * s : (first + count) * s].unflatten(1, (count, s)).permute(3, 0, 1, 2, 4, 5)
+    return tensor[:, first : first + count].permute(2, 0, 1, 3, 4, 5)  # [C, n, L, s, H, D]
+
+
+def paged_layer(tensor: torch.Tensor, geometry: KVGeometry, layout: str, pages: int, layer: int) -> torch.Tensor:
+    """One layer as a [pages, components, page_size, heads, head_dim] view,
+    indexed by slot on dim 0 (gathers of scattered pages)."""
+    if layout == "layer_first":  # [C, L, P*s, H, D]
+        by_component = tensor[:, layer].unflatten(1, (pages, geometry.page_size))
+    elif layout == "page_first":  # [C, P*s, L, H, D]
+        by_component = tensor[:, :, layer].unflatten(1, (pages, geometry.page_size))
+    else:  # [C, P, L, s, H, D]
+        by_component = tensor[:, :, layer]
+    return by_component.transpose(0, 1)

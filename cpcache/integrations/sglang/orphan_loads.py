@@ -1,0 +1,111 @@
+"""Finishing a load-back whose daemon died mid-copy, in the scheduler (DESIGN
+rule 12: no daemon death mid-load stops the forward or feeds it wrong bytes).
+
+A load's pages are in the daemon's host pool before the load opens (the
+agreed state says so), and they stay there while it is open. The daemon
+offers that pool read-only (a memfd, `AttachReply.host_pool_ticket`); the
+scheduler maps it at attach, follows where each resident page lies (the
+slots every reply names), and knows its daemon's process by a pidfd. When
+a forward waits on a load that its daemon can no longer finish (the
+process is gone, or stuck past the load's deadline and then killed here),
+the scheduler copies the layers the board does not show as landed itself,
+from the host pool into the device pages, and the forward goes on.
+
+The copy starts only once the daemon's process has exited (the pidfd says
+so): no copy of a living daemon can land after it. A daemon this scheduler
+may not signal, or whose pid it cannot see (another pid namespace), is not
+finished for: the forward stops as before.
+
+On a CUDA host the host pool is pinned by the daemon and is not shared
+(`host_pool_ticket` is empty): finishing there needs the pool in a memfd
+registered with CUDA on both sides, and the dead process's queued copies
+drained (its context is torn down with it) before the scheduler's own copy
+runs on its stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import select
+import signal
+import warnings
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from cpcache import host_layout
+from cpcache.geometry import KVGeometry
+
+log = logging.getLogger(__name__)
+
+
+class OrphanLoads:
+    """The host pool of this rank's daemon, read-only, and its process."""
+
+    def __init__(self, fd: int, daemon_pid: int, geometry: KVGeometry, host_pages: int, layout: str,
+                 device_buffers: Sequence[tuple[torch.Tensor, ...]]) -> None:
+        """Takes `fd`. `device_buffers`: per layer, the forward's buffers in
+        component order, [rows, heads, head_dim] each."""
+        self.geometry = geometry
+        self._pages = host_pages
+        self._layout = layout
+        self._device = device_buffers
+        try:
+            size = os.fstat(fd).st_size
+            self._mapping = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        shape = host_layout.host_shape(geometry, host_pages, layout)
+        with warnings.catch_warnings():  # read-only memory, only ever read
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(self._mapping, dtype=geometry.torch_dtype)
+        self._host = flat[: int(np.prod(shape))].view(shape)
+        self._pidfd = -1
+        with contextlib.suppress(OSError):  # no such process here (another pid namespace): never finished for
+            if daemon_pid > 0:
+                self._pidfd = os.pidfd_open(daemon_pid)
+
+    def daemon_gone(self) -> bool:
+        """Whether the daemon's process has exited (it can land nothing more)."""
+        if self._pidfd < 0:
+            return False
+        return bool(select.select([self._pidfd], [], [], 0)[0])
+
+    def stop_daemon(self, timeout_s: float) -> bool:
+        """Make sure the daemon lands nothing more: kill it if it still runs
+        (stuck past a load's deadline), and wait for its exit. -> whether it
+        has exited (False: it may not be signalled, or did not exit)."""
+        if self._pidfd < 0:
+            return False
+        if not self.daemon_gone():
+            try:
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+            except PermissionError:
+                return False
+            except ProcessLookupError:
+                return True
+            log.error("cpcache: killed this rank's daemon: it was stuck past a load's deadline while a forward "
+                      "waited on it (its service manager restarts it)")
+        return bool(select.select([self._pidfd], [], [], timeout_s)[0])
+
+    def copy(self, host_slots: Sequence[int], device_pages: Sequence[int], first_layer: int) -> None:
+        """Copy pages at `host_slots` of the host pool into `device_pages` of
+        the forward's buffers, layers `first_layer` onwards."""
+        s, g = self.geometry.page_size, self.geometry
+        slots = torch.tensor(list(host_slots), dtype=torch.long)
+        pages = torch.tensor(list(device_pages), dtype=torch.long)
+        for layer in range(max(0, first_layer), g.layers):
+            host = host_layout.paged_layer(self._host, g, self._layout, self._pages, layer)[slots]
+            for component, buffer in enumerate(self._device[layer]):
+                rows = buffer.shape[0] - buffer.shape[0] % s
+                paged = buffer[:rows].unflatten(0, (rows // s, s))
+                paged[pages.to(buffer.device)] = host[:, component].to(buffer.device)
+
+    def close(self) -> None:
+        if self._pidfd >= 0:
+            os.close(self._pidfd)
+            self._pidfd = -1

@@ -1,0 +1,133 @@
+"""A daemon's death is never a disagreement (DESIGN rule 12): whenever a
+daemon dies (before its round, between its round and its reply, after its
+reply) or a reply is late (the client's deadline passed), every rank's
+scheduler is told the same thing for that step, and for the next.
+
+The schedulers here use the blocking `Client` that SGLang's backend uses,
+each knowing its peers' sockets; a daemon dies by fault injection at an exact
+point (`fault_exit_after_round`) or by SIGKILL."""
+
+import asyncio
+import signal
+
+import pytest
+
+from cpcache import errors
+from cpcache.client import CacheRequests, Client
+from cpcache.daemon.launcher import LocalDomain
+from cpcache.values import Reduce
+
+from .attacks.common import PAGE_HASHES, PAGES, attach_all, close_all, make, spec
+
+pytestmark = [pytest.mark.multirank, pytest.mark.timeout(180)]
+
+CLIENT_TIMEOUT_S = 10.0  # above the domain's 2 s agreement timeout plus the margin
+
+
+def clients(domain, timeout_s=CLIENT_TIMEOUT_S):
+    sockets = domain.sockets
+    return [Client(s, timeout_s=timeout_s, peers=[p for p in sockets if p != s]) for s in sockets]
+
+
+def write_step(step):
+    return CacheRequests(writes=((step, PAGE_HASHES[:2], [0, 1]),))
+
+
+async def step_both(blocking, step, epoch, requests=None):
+    """Step `step` on both ranks at once: each rank's reply, or its error."""
+    return await asyncio.gather(
+        *(asyncio.to_thread(c.step, step, [(1, Reduce.MIN, 1)], requests, epoch) for c in blocking),
+        return_exceptions=True)
+
+
+async def attached(domain, run_dir):
+    schedulers = make(domain, run_dir, 1)
+    replies = await attach_all(schedulers)
+    assert len({r.epoch for r in replies}) == 1
+    return schedulers, replies[0].epoch
+
+
+def same_outcome(outcomes):
+    """Both ranks were told the same: the same reply bytes, or errors."""
+    if all(isinstance(o, errors.CacheError) for o in outcomes):
+        return True
+    return not any(isinstance(o, BaseException) for o in outcomes) and len({o.wire for o in outcomes}) == 1
+
+
+async def test_a_daemon_dying_between_its_round_and_its_reply_leaves_its_rank_told_what_its_peer_was(run_dir):
+    async with LocalDomain(spec(run_dir, per_rank={1: {"fault_exit_after_round": 3}})) as domain:
+        schedulers, epoch = await attached(domain, run_dir)
+        blocking = clients(domain)
+        for step in (1, 2):
+            assert same_outcome(await step_both(blocking, step, epoch))
+        # Step 3 carries a write-through; rank 1's daemon decides it with rank
+        # 0's, then dies before answering.
+        outcomes = await step_both(blocking, 3, epoch, write_step(3))
+        assert not isinstance(outcomes[0], BaseException), outcomes[0]
+        assert same_outcome(outcomes), outcomes
+        assert await domain.wait_exit(1, 30) != 0
+        # The next step fails on both ranks: rank 0's round has no peer, and
+        # rank 1 learns that from rank 0's daemon.
+        outcomes = await step_both(blocking, 4, epoch)
+        assert all(isinstance(o, errors.Unavailable) for o in outcomes), outcomes
+        for c in blocking:
+            c.close()
+        await close_all(schedulers)
+
+
+async def test_a_daemon_killed_before_its_round_fails_the_step_on_every_rank(run_dir):
+    async with LocalDomain(spec(run_dir)) as domain:
+        schedulers, epoch = await attached(domain, run_dir)
+        blocking = clients(domain)
+        assert same_outcome(await step_both(blocking, 1, epoch))
+        domain.signal(1, signal.SIGKILL)
+        await domain.wait_exit(1, 30)
+        outcomes = await step_both(blocking, 2, epoch, write_step(2))
+        assert all(isinstance(o, errors.Unavailable) for o in outcomes), outcomes
+        for c in blocking:
+            c.close()
+        await close_all(schedulers)
+
+
+async def test_a_restarted_daemon_never_takes_a_step_of_the_session_before_it(run_dir):
+    async with LocalDomain(spec(run_dir)) as domain:
+        schedulers, epoch = await attached(domain, run_dir)
+        blocking = clients(domain)
+        assert same_outcome(await step_both(blocking, 1, epoch))
+        domain.signal(1, signal.SIGKILL)
+        await domain.wait_exit(1, 30)
+        await domain.restart(1)
+        # Rank 1's client reaches the new instance: the old epoch's step is
+        # refused there, and its outcome is rank 0's (which failed: no peer).
+        outcomes = await step_both(blocking, 2, epoch)
+        assert all(isinstance(o, errors.Unavailable) for o in outcomes), outcomes
+        for c in blocking:
+            c.close()
+        await close_all(schedulers)
+
+
+async def test_a_step_whose_deadline_passes_before_its_round_ends_is_retried_not_given_up(run_dir):
+    async with LocalDomain(spec(run_dir)) as domain:
+        schedulers, epoch = await attached(domain, run_dir)
+        # Rank 0's deadline is far shorter than the round, which waits for rank 1.
+        hasty = Client(domain.sockets[0], timeout_s=0.5, peers=[domain.sockets[1]])
+        patient = Client(domain.sockets[1], timeout_s=CLIENT_TIMEOUT_S, peers=[domain.sockets[0]])
+        first = asyncio.ensure_future(asyncio.to_thread(hasty.step, 1, [(1, Reduce.MIN, 1)], write_step(1), epoch))
+        # Rank 1 steps once rank 0's daemon has taken the step (read from its status).
+        while (await schedulers[0].client.status()).last_step < 1:
+            await asyncio.sleep(0)
+        second = await asyncio.to_thread(patient.step, 1, [(1, Reduce.MIN, 1)], write_step(1), epoch)
+        assert (await first).wire == second.wire
+        hasty.close()
+        patient.close()
+        await close_all(schedulers)
+
+
+def test_a_client_whose_deadline_the_agreement_timeout_does_not_fit_is_refused():
+    client = Client("/nonexistent.sock", timeout_s=12.0)
+    with pytest.raises(errors.InvalidArgument, match=r"timeout_s \(12\).*agreement_timeout_s \(10\)"):
+        client.check_deadline(10.0)
+    Client("/nonexistent.sock", timeout_s=16.0).check_deadline(10.0)
+
+
+assert PAGES >= 2
