@@ -62,7 +62,8 @@ async def test_sglang_radix_cache_on_four_ranks_agrees_and_loads_every_byte(run_
         workers = []
         for rank, socket in enumerate(domain.sockets):
             config = run_dir / f"sglang-{rank}.json"
-            config.write_text(json.dumps({"socket": socket, "model_id": "trace-model", "record_decisions": True}))
+            config.write_text(json.dumps({"socket": socket, "model_id": "trace-model", "record_decisions": True,
+                                          "timeout_s": 90}))
             coords = topology.coordinates(rank)
             workers.append(run_worker(run_dir / f"report-{rank}.json", "--backend", "cpcache",
                                       "--tp-rank", str(coords.atp), "--atp", str(topology.atp),

@@ -12,7 +12,7 @@ from cpcache.client import Client, DecisionLog, SchedulerSession
 from cpcache.client.pools import take_host_pool
 from cpcache.errors import CacheError
 from cpcache.integrations.sglang import server_flags
-from cpcache.integrations.sglang.layer_loads import LayerLoads
+from cpcache.integrations.sglang.layer_loads import STOP_WAIT_S, LayerLoads
 from cpcache.integrations.sglang.orphan_loads import OrphanLoads
 from cpcache.integrations.sglang.pool import SharedPool, check_in_place, layer_buffers, share_device_pool
 from cpcache.integrations.sglang.settings import Settings
@@ -112,8 +112,6 @@ def build_cache(context: Any, settings: Settings | None = None) -> Any:
                 f"cpcache: the daemon at {socket} runs with agreement_lag {lag}; the SGLang backend needs 0 (its "
                 "host matches follow the host pool step by step); start the daemons with --lag 0")
         attached = _attach(client, model_id, pool, (topology, rank), layer_loads)
-        if layer_loads is not None:
-            layer_loads.orphans = orphan_loads(socket, attached, pool)
         first_step = client.status().last_step + 1
         first_epoch = attached.epoch
     except BaseException:
@@ -133,21 +131,41 @@ def build_cache(context: Any, settings: Settings | None = None) -> Any:
         return SchedulerSession(client, first_step=step, load_timeout_s=settings.timeout_s, decisions=decisions,
                                 epoch=epoch)
 
+    daemon = [orphan_loads(socket, attached, pool)]  # this rank's daemon process and host pool, as last attached
+    if layer_loads is not None:
+        layer_loads.orphans = daemon[0]
+
     def attach_again() -> SchedulerSession:
         check_in_place(pool, runner_pool)
         if layer_loads is not None:
             # A fresh board: copies of the ended session may still publish into the old one.
             layer_loads.rebind(LoadSignals.create(layer_loads.signals.slots))
         again = _attach(client, model_id, pool, (topology, rank), layer_loads)
+        daemon[0] = orphan_loads(socket, again, pool)
         if layer_loads is not None:
-            layer_loads.orphans = orphan_loads(socket, again, pool)
+            layer_loads.orphans = daemon[0]
         return connect(int(client.status().last_step) + 1, again.epoch)
+
+    def daemon_quiet(epoch: int | None) -> bool:
+        """Whether the daemon of the session of `epoch` writes nothing more
+        into the device pool: it serves a later epoch (its sessions of the
+        earlier ones ended, and their copies with them), or its process has
+        exited, if need be killed here (a daemon that does not answer)."""
+        try:
+            status = client.status()
+            if epoch is not None and status.epoch > epoch and status.state == "serving":
+                return True
+        except CacheError:
+            pass
+        process = daemon[0]
+        return process is not None and process.stop_daemon(STOP_WAIT_S)
 
     return CpcacheRadixCache(params, daemon_session=connect(first_step, first_epoch), pool=pool,
                              attach_again=attach_again,
                              reattach_after=settings.reattach_after_iterations,
                              storage_prefetch=server_flags.storage_prefetch_enabled(context.server_args), rank=rank,
-                             host_pages=attached.host_pages, decisions=decisions, layer_loads=layer_loads)
+                             host_pages=attached.host_pages, decisions=decisions, layer_loads=layer_loads,
+                             daemon_quiet=daemon_quiet)
 
 
 def peer_sockets(settings: Settings, topology: Topology, rank: int) -> list[str]:

@@ -54,7 +54,8 @@ class CpcacheRadixCache(UnifiedRadixCache):
     def __init__(self, params: Any, *, daemon_session: SchedulerSession, pool: SharedPool,
                  attach_again: Callable[[], SchedulerSession] | None = None, reattach_after: int = 64,
                  storage_prefetch: bool = True, rank: int = 0, host_pages: int = 0,
-                 decisions: DecisionLog | None = None, layer_loads: LayerLoads | None = None) -> None:
+                 decisions: DecisionLog | None = None, layer_loads: LayerLoads | None = None,
+                 daemon_quiet: Callable[[int | None], bool] | None = None) -> None:
         # Everything is set before the parent's constructor, which calls reset().
         self._built = False  # that reset() has nothing of cpcache's to flush yet
         # The rank's daemon (`self.session` is SGLang's own, its streaming sessions).
@@ -83,6 +84,10 @@ class CpcacheRadixCache(UnifiedRadixCache):
         self.decisions = decisions
         # The overlapped load-back (None: blocking): layer_loads.py.
         self.layer_loads = layer_loads
+        # Makes sure the daemon of a session (by its epoch) writes nothing
+        # more into device slots: -> whether it is so (backend.py).
+        self._daemon_quiet = daemon_quiet
+        self._session_epoch: int | None = daemon_session.epoch
         super().__init__(params)
         self.daemon_session = daemon_session
         self._built = True
@@ -102,6 +107,7 @@ class CpcacheRadixCache(UnifiedRadixCache):
         self.fallbacks += 1
         if self.daemon_session is not None:
             self._past_tallies.append(self.daemon_session.tally)
+            self._session_epoch = self.daemon_session.epoch
         self.daemon_session = None
         self._host_hits.clear()
         self._release_write_locks()
@@ -436,10 +442,15 @@ class CpcacheRadixCache(UnifiedRadixCache):
             # into them: attaching now ends that session first (every rank
             # flushes at the same iteration, and Attach is agreed).
             self._try_attach_again()
-            if self._quarantined.tokens():
+            held = self._quarantined.tokens()
+            if held and self._daemon_quiet is not None and self._daemon_quiet(self._session_epoch):
+                log.warning("cpcache: rank %d flushed while %d device slots of an undecided load were held; the "
+                            "daemon of that session writes nothing more (its session ended, or it was stopped)",
+                            self.rank, held)
+            elif held:
                 log.error("cpcache: rank %d flushed while %d device slots of an undecided load were held (the daemon "
-                          "could not be attached again): a copy of that session may still land in them",
-                          self.rank, self._quarantined.tokens())
+                          "could not be attached again, nor stopped): a copy of that session may still land in them",
+                          self.rank, held)
         self.log_scheduler_time()
         self._release_write_locks()
         # SGLang clears its KV allocator right after this, held slots included:
