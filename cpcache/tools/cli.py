@@ -88,8 +88,9 @@ async def _launch(args: argparse.Namespace) -> int:
         for rank, socket in enumerate(domain.sockets):
             print(f"rank {rank}: unix:{socket} (pid {domain.procs[rank].pid})")
         print("cpcache: press Ctrl-C to stop", flush=True)
-        # A supervisor per rank, as systemd's Restart=on-failure is: a rank
-        # that exits is started again, however often, and its domain forms
+        # A supervisor per rank, as systemd's Restart=always is: a rank that
+        # exits is started again, however often and with whatever code (a
+        # SIGTERM from outside exits 0 or 4: a restart), and its domain forms
         # again in the next epoch. Settings errors (exit 2) are not retried.
         supervisors = [asyncio.ensure_future(_supervise(domain, rank, args.restart))
                        for rank in range(domain.size)]
@@ -223,8 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         query.add_argument("--timeout", type=float, default=5.0)
 
     bench = sub.add_parser("bench", help="run a benchmark and print its figures")
-    bench.add_argument("name", choices=["agreement", "load-back", "movers", "ranks", "sglang", "sglang-soak", "soak",
-                                        "state"])
+    bench.add_argument("name", choices=["agreement", "load-back", "movers", "ranks", "sglang", "sglang-chaos",
+                                        "sglang-soak", "soak", "state"])
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.add_argument("--steps", type=int, default=40,
                        help="agreement, ranks, state: measured steps per case and block")
@@ -242,22 +243,25 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--device-only", action="store_true",
                        help="movers: device <-> host alone, for every host layout (no storage)")
     bench.add_argument("--decisions", type=int, default=1_000_000, help="soak: agreed decisions to reach")
-    bench.add_argument("--seed", type=int, default=1, help="soak: seed of the injected faults")
+    bench.add_argument("--seed", type=int, default=1, help="soak, sglang-chaos: seed of the injected faults")
     bench.add_argument("--write-policy", choices=WRITE_POLICIES, default="write_through",
                        help="state: the write policy the state machine runs")
     bench.add_argument("--requests", type=int, default=4, help="sglang: concurrent requests per wave")
     bench.add_argument("--waves", type=int, default=2, help="sglang: waves of requests per server and block")
     bench.add_argument("--new-tokens", type=int, default=32, help="sglang: tokens each request generates")
     bench.add_argument("--layer-delay-ms", type=float, default=20.0,
-                       help="load-back: each layer of every load-back's copy takes this long (injected); the "
-                            "stand-in forward computes as long per layer")
+                       help="load-back, sglang-chaos: each layer of every load-back's copy takes this long "
+                            "(injected); load-back's stand-in forward computes as long per layer")
     bench.add_argument("--sglang", action="store_true",
                        help="load-back: through two SGLang servers (TTFT of host hits) instead of a stand-in forward")
-    bench.add_argument("--work-dir", help="sglang, sglang-soak, load-back: where the model, logs and daemons go (kept; "
-                       "default: a temp dir, removed after a run that succeeded)")
+    bench.add_argument("--work-dir", help="sglang, sglang-soak, sglang-chaos, load-back: where the model, logs and "
+                       "daemons go (kept; default: a temp dir, removed after a run that succeeded)")
     from cpcache.testing.sglang_soak import add_flags as add_soak_flags
 
     add_soak_flags(bench)
+    from cpcache.testing.sglang_chaos import add_flags as add_chaos_flags
+
+    add_chaos_flags(bench)
 
     fuzz = sub.add_parser("fuzz", help="send hostile requests to live daemons and check they stay sound")
     fuzz.add_argument("--per-rpc", type=int, default=10_000, help="hostile requests per RPC")
@@ -308,6 +312,10 @@ def main(argv: list[str] | None = None) -> int:
             from cpcache.testing import sglang_soak
 
             return sglang_soak.main(args)
+        if args.command == "bench" and args.name == "sglang-chaos":
+            from cpcache.testing import sglang_chaos
+
+            return sglang_chaos.main(args)
         if args.command == "bench" and args.name == "load-back":
             from cpcache.testing import load_back
 

@@ -1,0 +1,419 @@
+"""`cpcache bench sglang-chaos`: a real `sglang.launch_server` over `cpcache
+launch` daemons under cache-heavy traffic, and every few seconds a fault on
+a random rank at a random moment (DESIGN.md rule 12: a daemon's fate is
+never the server's).
+
+The server runs at `--shape tp2` (`--tp 2`) or `cp2` (`--tp 2 --attn-cp-size
+2`) with the backend's default settings (the overlapped load-back) but for
+its call deadline `timeout_s` (`--backend-timeout-s`), which must exceed the
+daemons' agreement timeout (`--agreement-timeout-s`, set in their settings
+file) by more than 5 s. Traffic and the reply checks are the soak's
+(sglang_soak.py): multi-turn requests over documents that overflow the device
+and host pools, every reply compared with a server without cache. Copies are
+slowed (every copy waits uniform(0, --copy-delay-ms) ms, rank 1 twice as
+long; each layer of a load-back --layer-delay-ms), and storage calls too, so
+loads, writes and prefetches are open when a fault lands.
+
+Faults come one at a time, uniform(0.75, 1.25) x --fault-every-s seconds after
+the last one ended, each on a random rank, their kinds dealt from a shuffled
+deck (each kind once in every four faults):
+
+- `daemon_sigkill`: the rank's daemon is killed; the launcher starts it again;
+- `daemon_sigterm`: a graceful stop; the launcher starts it again;
+- `daemon_sigstop`: the daemon stopped for uniform(0.5, 2) x the agreement
+  timeout, then SIGCONT;
+- `scheduler_sigstop`: the rank's SGLang scheduler (`sglang::scheduler_..TPn`,
+  a child of the launch_server process) stopped for uniform(1.05, 1.3) x the
+  backend's `timeout_s`, then SIGCONT.
+
+Right before each, the victim's daemon is asked what it has open (Status and
+Stats: open questions, loads, writes, prefetches, backups).
+
+The server's log says when each rank fell back to the device tree and
+attached again, at which scheduler iteration (lines timed by SGLang's own
+millisecond stamps, `SGLANG_LOG_MS`). Those lines are grouped into episodes
+(from one rank's fallback while every rank was attached until every rank is
+attached again), each laid at the last fault before it began. The property:
+after each fault every rank falls back at the same iteration (or none does)
+and attaches again at the same iteration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from cpcache.client import Client
+from cpcache.testing.chaos_episodes import (
+    KINDS,
+    OPEN_KINDS,
+    Fault,
+    LineTimes,
+    analyse,
+    daemon_restarts,
+    events_of,
+    still_fallen,
+)
+from cpcache.testing.sglang_cpu.servers import Watched, make_tiny_model
+from cpcache.testing.sglang_cpu.stacks import DOCS, SLOW_RANK, Shape, Stack, started, workload
+from cpcache.testing.sglang_soak import HttpTraffic, client_loop
+
+DEADLINE_MARGIN_S = 5.0  # the backend refuses a timeout_s not above agreement_timeout_s + this
+
+
+# -- processes ----------------------------------------------------------------------------
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])  # the command may hold spaces and parentheses
+
+
+def _argv(pid: int) -> list[str]:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return []
+    return [part for part in raw.decode(errors="replace").split("\0") if part]
+
+
+def children(pid: int) -> list[int]:
+    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit() and _parent(int(entry)) == pid]
+
+
+def descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        for child in children(todo.pop()):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def scheduler_pids(server_pid: int) -> dict[int, int]:
+    """rank -> pid of the server's scheduler processes (their titles, set by
+    SGLang: `sglang::scheduler_TP0`, `sglang::scheduler_ATTN_CP1_TP1`)."""
+    found: dict[int, int] = {}
+    for pid in descendants(server_pid):
+        title = " ".join(_argv(pid)).strip()
+        if title.startswith("sglang::scheduler"):
+            rank = re.search(r"_TP(\d+)", title)
+            found[int(rank[1]) if rank else 0] = pid
+    return found
+
+
+def daemon_pid(launcher_pid: int, rank: int) -> int | None:
+    """The pid of `rank`'s current daemon process, a child of `cpcache launch`."""
+    for pid in children(launcher_pid):
+        argv = _argv(pid)
+        if "cpcache.daemon" in argv and "--rank" in argv and argv[argv.index("--rank") + 1:][:1] == [str(rank)]:
+            return pid
+    return None
+
+
+def _send(pid: int, sig: int) -> bool:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+# -- what a daemon has open ----------------------------------------------------------------
+
+
+def what_is_open(socket: str, timeout_s: float = 2.0) -> dict[str, Any]:
+    """The daemon's Status and Stats, as far as what it has open goes."""
+    try:
+        with Client(socket, timeout_s=timeout_s) as daemon:
+            status = daemon.status()
+            stats = dict(daemon.stats())
+    except Exception as exc:  # restarting, stopping, or stopped: the fault lands all the same
+        return {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    return {"state": status.state, "attached": status.attached, "epoch": status.epoch,
+            "open_questions": status.open_questions, "in_flight_slots": stats.get("in_flight_slots", 0),
+            **{counter: stats.get(counter, 0) for counter in OPEN_KINDS.values()}}
+
+
+
+# -- faults ---------------------------------------------------------------------------------
+
+
+
+class Injector(threading.Thread):
+    """The fault scheduler: one fault at a time until `until` (monotonic)
+    or `halt`, each after a random wait."""
+
+    def __init__(self, stack: Stack, *, seed: int, kinds: Sequence[str], every_s: float, agreement_s: float,
+                 timeout_s: float, until: float) -> None:
+        super().__init__(name="sglang-chaos-faults", daemon=True)
+        self.stack = stack
+        self.rng = random.Random(seed)
+        self.kinds = tuple(kinds)
+        self.every_s, self.agreement_s, self.timeout_s, self.until = every_s, agreement_s, timeout_s, until
+        self.halt = threading.Event()
+        self.faults: list[Fault] = []
+        self._deck: list[str] = []
+
+    def server_alive(self) -> bool:
+        process = self.stack.cpcache.process
+        return process is not None and process.proc.poll() is None
+
+    def run(self) -> None:
+        while not self.halt.wait(self.rng.uniform(0.75, 1.25) * self.every_s):
+            if time.monotonic() >= self.until or not self.server_alive():
+                return
+            if not self._deck:
+                self._deck = list(self.kinds)
+                self.rng.shuffle(self._deck)
+            self.inject(self._deck.pop(), self.rng.randrange(self.stack.ranks))
+
+    def inject(self, kind: str, rank: int) -> Fault:
+        seen = what_is_open(self.stack.daemons.socket(rank))
+        if kind == "scheduler_sigstop":
+            assert self.stack.cpcache.process is not None
+            pid = scheduler_pids(self.stack.cpcache.process.proc.pid).get(rank)
+        else:
+            assert self.stack.daemons.process is not None
+            pid = daemon_pid(self.stack.daemons.process.proc.pid, rank)
+        fault = Fault(len(self.faults) + 1, kind, rank, time.time(), seen, pid)
+        self.faults.append(fault)
+        if pid is None:
+            fault.missed = "no such process"
+            return fault
+        if kind in ("daemon_sigkill", "daemon_sigterm"):
+            fault.at = time.time()
+            if not _send(pid, signal.SIGKILL if kind == "daemon_sigkill" else signal.SIGTERM):
+                fault.missed = "gone before the signal"
+            return fault
+        span = (0.5, 2.0) if kind == "daemon_sigstop" else (1.05, 1.3)
+        scale = self.agreement_s if kind == "daemon_sigstop" else self.timeout_s
+        fault.pause_s = round(self.rng.uniform(*span) * scale, 2)
+        fault.at = time.time()
+        if not _send(pid, signal.SIGSTOP):
+            fault.missed = "gone before the signal"
+            return fault
+        try:
+            time.sleep(fault.pause_s)  # the fault itself: the process stays stopped this long
+        finally:
+            _send(pid, signal.SIGCONT)
+        return fault
+
+
+# -- the run --------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def chaos_stack(work: Path, args: argparse.Namespace) -> Iterator[Stack]:
+    """The soak's stack at `args.shape`, with the chaos run's deadlines and
+    slowed load-backs; every SGLang process stamps its log lines to the
+    millisecond (SGLANG_LOG_MS, read when the servers start)."""
+    shape = Shape(args.family, tp=2, cp=2 if args.shape == "cp2" else 1, zigzag=args.zigzag, storage=args.storage)
+    model = make_tiny_model(work / shape.family, shape.family)
+    slow = {SLOW_RANK: dict(fault_copy_delay_ms=args.copy_delay_ms * 2,
+                            fault_storage_delay_ms=args.storage_delay_ms * 2,
+                            fault_storage_fail_rate=args.storage_fail_rate, fault_seed=args.seed)}
+    before = os.environ.get("SGLANG_LOG_MS")
+    os.environ["SGLANG_LOG_MS"] = "1"
+    try:
+        with started(work, model, shape, copy_delay_ms=args.copy_delay_ms, storage_delay_ms=args.storage_delay_ms,
+                     per_rank=slow, backend={"timeout_s": args.backend_timeout_s},
+                     daemon_settings=dict(agreement_timeout_s=args.agreement_timeout_s,
+                                          fault_copy_layer_delay_ms=args.layer_delay_ms)) as stack:
+            yield stack
+    finally:
+        if before is None:
+            os.environ.pop("SGLANG_LOG_MS", None)
+        else:
+            os.environ["SGLANG_LOG_MS"] = before
+
+
+def _processes(stack: Stack) -> tuple[Watched, Watched]:
+    assert stack.cpcache.process is not None and stack.daemons.process is not None
+    return stack.cpcache.process, stack.daemons.process
+
+
+def run(args: argparse.Namespace, work: Path) -> dict:
+    began = time.monotonic()
+    with chaos_stack(work, args) as stack:
+        ready_s = time.monotonic() - began
+        server, launcher = _processes(stack)
+        schedulers = scheduler_pids(server.proc.pid)
+        daemons = {r: daemon_pid(launcher.proc.pid, r) for r in range(stack.ranks)}
+        if len(schedulers) != stack.ranks or None in daemons.values():
+            raise RuntimeError(f"sglang-chaos: found schedulers {schedulers} and daemons {daemons} for "
+                               f"{stack.ranks} ranks")
+        with Client(stack.daemons.socket(0), timeout_s=10) as daemon:
+            agreement_s = daemon.status().agreement_timeout_s
+        times = LineTimes(server)
+        system, docs = workload(seed=args.seed, docs=DOCS)
+        traffic = HttpTraffic()
+        t0, deadline = time.time(), time.monotonic() + args.minutes * 60
+        clients = [threading.Thread(target=client_loop, daemon=True,
+                                    args=(stack, traffic, args.seed * 100 + c, deadline, args.hang_s, system, docs))
+                   for c in range(args.clients)]
+        injector = Injector(stack, seed=args.seed, kinds=args.fault_kinds, every_s=args.fault_every_s,
+                            agreement_s=agreement_s, timeout_s=args.backend_timeout_s, until=deadline)
+        for c in clients:
+            c.start()
+        injector.start()
+        for c in clients:
+            c.join()
+        injector.halt.set()
+        injector.join()
+        served_s = time.monotonic() - began - ready_s
+        alive = server.proc.poll() is None
+        settled, flushed = _settle(stack, args.settle_s) if alive else (False, False)
+        if alive and not flushed:
+            traffic.hangs += 1  # the server did not flush at the end
+        logs = stack.decision_logs()
+        sessions = _session_logs(server)
+        epochs = [what_is_open(stack.daemons.socket(r), timeout_s=10).get("epoch") for r in range(stack.ranks)]
+        events = events_of(times.timed())
+        exit_code = server.proc.poll()
+        report = {
+            "shape": stack.shape.name, "minutes": args.minutes, "clients": args.clients, "ready_s": round(ready_s, 1),
+            "served_s": round(served_s, 1), "agreement_timeout_s": agreement_s,
+            "backend_timeout_s": args.backend_timeout_s, "fault_every_s": args.fault_every_s,
+            "server_exits": 0 if exit_code is None else 1, "server_exit_code": exit_code,
+            "schedulers_alive": len(scheduler_pids(server.proc.pid)) if exit_code is None else 0,
+            "settled": settled, **traffic.as_dict(),
+            **analyse(injector.faults, events, stack.ranks, t0),
+            **daemon_restarts(launcher, stack.ranks),
+            "decision_logs_agree": len(logs) == stack.ranks and len(set(logs.values())) == 1,
+            "session_logs_agree": len(sessions) == stack.ranks and len(set(sessions.values())) == 1,
+            "daemon_epochs": epochs,  # each re-formation of the domain is a new epoch (None: no answer)
+            "perturbation": {"copy_delay_ms": args.copy_delay_ms, "layer_delay_ms": args.layer_delay_ms,
+                             "storage_delay_ms": args.storage_delay_ms, "slow_rank": SLOW_RANK,
+                             "slow_rank_storage_fail_rate": args.storage_fail_rate},
+        }
+        if exit_code is not None:
+            gone = times.exited_at or time.time()
+            report["server_exit_evidence"] = {
+                "exited_s": round(gone - t0, 2),
+                "faults_before": [asdict(f) for f in injector.faults if gone - 60 <= f.at <= gone][-4:],
+                "cpcache_lines": [line.strip() for _, line in times.timed()[-20:]],
+                "log_tail": [line.rstrip() for line in server.lines[-60:]],
+                "launcher_tail": [line.rstrip() for line in launcher.lines[-20:]]}
+        times.stop()
+    report["ok"] = (report["server_exits"] == 0 and report["wrong"] == 0 and report["hangs"] == 0
+                    and report["errors"] == 0 and report["requests"] > 0 and report["faults"] > 0
+                    and report["faults_fallback_differs"] == 0 and report["faults_reattach_differs"] == 0
+                    and report["episodes_unfinished"] == 0)
+    return report
+
+
+def _settle(stack: Stack, timeout_s: float) -> tuple[bool, bool]:
+    """After the faults: until every rank is attached again (on the log's
+    lines), then flush_cache, which logs each rank's decision log. ->
+    (settled, flushed)."""
+    server, _ = _processes(stack)
+    with server.new_line:
+        settled = server.new_line.wait_for(lambda: not still_fallen(server.lines) or server.exited.is_set(),
+                                           timeout_s) and server.proc.poll() is None
+    try:
+        before = len(server.lines_with("decision log:"))
+        stack.cpcache.flush_cache(attempts=1000)
+        server.wait_lines("decision log:", before + stack.ranks, timeout_s=120)
+    except (RuntimeError, OSError, urllib.error.URLError) as exc:
+        print(f"sglang-chaos: the server did not flush at the end: {exc}", file=sys.stderr)
+        return bool(settled), False
+    return bool(settled), True
+
+
+def _session_logs(server: Watched) -> dict[int, str]:
+    """Every rank's decision log since its last attach, as of the last flush."""
+    logs: dict[int, str] = {}
+    for line in server.lines_with("decision log:"):
+        found = re.search(r"rank (\d+) decision log: .*since the last attach (\d+ steps, digest \w+)", line)
+        if found:
+            logs[int(found[1])] = found[2]
+    return logs
+
+
+def _kinds(text: str) -> list[str]:
+    kinds = [k.strip() for k in text.split(",") if k.strip()]
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown or not kinds:
+        raise argparse.ArgumentTypeError(f"fault kinds are {', '.join(KINDS)}; got {text!r}")
+    return kinds
+
+
+def add_flags(bench: argparse.ArgumentParser) -> None:
+    """sglang-chaos's own flags; it shares the soak's (--minutes, --clients,
+    --hang-s, --family, --copy-delay-ms, --storage-delay-ms,
+    --storage-fail-rate), --seed, --layer-delay-ms and --work-dir."""
+    chaos = bench.add_argument_group("sglang-chaos")
+    chaos.add_argument("--shape", choices=["tp2", "cp2"], default="cp2",
+                       help="sglang-chaos: the server's shape: --tp 2, or --tp 2 --attn-cp-size 2")
+    chaos.add_argument("--fault-every-s", type=float, default=6.5,
+                       help="sglang-chaos: a fault every uniform(0.75, 1.25) x this many seconds after the last ended")
+    chaos.add_argument("--fault-kinds", type=_kinds, default=list(KINDS), metavar="KIND,...",
+                       help=f"sglang-chaos: the faults dealt (default: all of {', '.join(KINDS)})")
+    chaos.add_argument("--agreement-timeout-s", type=float, default=5.0,
+                       help="sglang-chaos: the daemons' agreement_timeout_s")
+    chaos.add_argument("--backend-timeout-s", type=float, default=12.0,
+                       help="sglang-chaos: the SGLang backend's timeout_s (above the agreement timeout + 5 s)")
+    chaos.add_argument("--settle-s", type=float, default=180.0,
+                       help="sglang-chaos: after the faults, longest wait for every rank to attach again")
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.backend_timeout_s <= args.agreement_timeout_s + DEADLINE_MARGIN_S:
+        print(f"sglang-chaos: --backend-timeout-s ({args.backend_timeout_s:g}) must exceed --agreement-timeout-s "
+              f"({args.agreement_timeout_s:g}) by more than {DEADLINE_MARGIN_S:g} s", file=sys.stderr)
+        return 2
+    work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="cpcache-sglang-chaos-"))
+    work.mkdir(parents=True, exist_ok=True)
+    report = run(args, work)
+    report["work_dir"] = str(work)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(text_report(report))
+    if report["ok"] and not args.work_dir:
+        shutil.rmtree(work, ignore_errors=True)
+    if not report["ok"]:
+        print(f"sglang-chaos: FAILED (logs in {work})", file=sys.stderr)
+    return 0 if report["ok"] else 1
+
+
+def text_report(report: dict) -> str:
+    lines = ["  #     t_s  kind               rank  pause_s  open                   fallback its      "
+             "re-attach its     without tiers s  slots"]
+    for row in report["fault_list"]:
+        lines.append(f"{row['n']:3d} {row['t_s']:7.1f}  {row['kind']:<18} {row['rank']:4d} {row['pause_s']:8.2f}  "
+                     f"{','.join(row['open']):<22} {_its(row['fallback_iterations']):<17} "
+                     f"{_its(row['reattach_iterations']):<17} {_spans(row['without_tiers_s']):<16} "
+                     f"{row['slots_given_back']:5d}" + ("  DIFFERS" if row["fallback_differs"] or
+                                                         row["reattach_differs"] else "")
+                     + ("  (during a fallback)" if row["during_fallback"] else "")
+                     + (f"  (missed: {row['missed']})" if row["missed"] else ""))
+    lines += [f"{key}: {value}" for key, value in report.items() if key != "fault_list"]
+    return "\n".join(lines)
+
+
+def _its(episodes: list[dict[str, int]]) -> str:
+    return " ".join("/".join(f"{r}:{i}" for r, i in e.items()) for e in episodes) or "-"
+
+
+def _spans(spans: list[float | None]) -> str:
+    return " ".join("open" if s is None else f"{s:.1f}" for s in spans) or "-"
