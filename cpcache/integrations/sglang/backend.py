@@ -10,7 +10,7 @@ from typing import Any
 
 from cpcache.client import Client, DecisionLog, SchedulerSession
 from cpcache.client.pools import take_host_pool
-from cpcache.errors import CacheError
+from cpcache.errors import CacheError, Unavailable
 from cpcache.integrations.sglang import server_flags
 from cpcache.integrations.sglang.layer_loads import STOP_WAIT_S, LayerLoads
 from cpcache.integrations.sglang.orphan_loads import OrphanLoads
@@ -20,6 +20,7 @@ from cpcache.load_signals import SLOTS, LoadSignals
 from cpcache.topology import Topology
 
 log = logging.getLogger(__name__)
+SERVING = 1  # grpc.health.v1's HealthCheckResponse.SERVING
 CUDA_SLOTS = 16  # on CUDA hosts each slot is an IPC event per layer: fewer of them
 
 
@@ -135,7 +136,16 @@ def build_cache(context: Any, settings: Settings | None = None) -> Any:
     if layer_loads is not None:
         layer_loads.orphans = daemon[0]
 
+    peers = peer_sockets(settings, topology, rank)
+
     def attach_again() -> SchedulerSession:
+        # An Attach needs every rank of the domain: while a daemon is not
+        # serving (restarting, its domain re-forming) the try would fail
+        # after holding the scheduler for up to agreement_timeout_s. Skipping
+        # it fails it at once (no rank can attach without this one).
+        not_serving = first_not_serving([socket, *peers], settings.token())
+        if not_serving:
+            raise Unavailable(f"the daemon at {not_serving} is not serving yet")
         check_in_place(pool, runner_pool)
         if layer_loads is not None:
             # A fresh board: copies of the ended session may still publish into the old one.
@@ -176,6 +186,19 @@ def peer_sockets(settings: Settings, topology: Topology, rank: int) -> list[str]
         return []
     peers = [r for r in topology.domain(rank).ranks if r != rank]
     return [settings.socket_for(peer, peer % topology.tp) for peer in peers]
+
+
+def first_not_serving(sockets: list[str], token: str | None, timeout_s: float = 1.0) -> str:
+    """The first of these daemons that does not report SERVING now ("": none)."""
+    for address in sockets:
+        with Client(address, token=token, timeout_s=timeout_s) as daemon:
+            try:
+                if daemon.health() == SERVING:
+                    continue
+            except CacheError:
+                pass
+        return address
+    return ""
 
 
 def orphan_loads(socket: str, attached: Any, pool: SharedPool) -> OrphanLoads | None:
