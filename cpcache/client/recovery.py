@@ -71,13 +71,8 @@ class StepRecovery:
         give_up = time.monotonic() + self.give_up_s
         gone = daemon_gone(failure)
         while True:
-            if not gone:
-                try:
-                    return self.resend(request, self.timeout_s)
-                except grpc.RpcError as exc:
-                    if not unanswered(exc):
-                        raise error_from(exc) from None
-                    failure, gone = exc, daemon_gone(exc)
+            # The peers first: they answer as soon as the round is decided,
+            # where this rank's stalled daemon may not.
             if request.HasField("epoch"):
                 decided = self._ask_peers(request, final_if_not_taken=gone)
                 if decided is not None:
@@ -88,6 +83,12 @@ class StepRecovery:
                 cause = error_from(failure)
                 raise type(cause)(f"{cause}; no daemon of the domain could tell how step {request.step} "
                                   "ended") from None
+            try:
+                return self.resend(request, self.timeout_s)
+            except grpc.RpcError as exc:
+                if not unanswered(exc):
+                    raise error_from(exc) from None
+                failure, gone = exc, daemon_gone(exc)
 
     def _ask_peers(self, request: pb.StepRequest, final_if_not_taken: bool) -> pb.OutcomeReply | None:
         """The first peer's answer that decides the step; a peer that has not

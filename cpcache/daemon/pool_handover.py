@@ -39,11 +39,13 @@ import socket
 import struct
 import threading
 import time
+import weakref
 
 from cpcache.daemon import budget
 from cpcache.daemon.pool_fds import Closer, close_now, drain, named_memfd, receive
 from cpcache.daemon.pool_tickets import Tickets
 from cpcache.dataplane.memfd import check_kind
+from cpcache.dataplane.pools import HostPool
 from cpcache.errors import CacheError, PermissionDenied
 
 log = logging.getLogger("cpcached")
@@ -93,9 +95,8 @@ class PoolHandover:
         self._identity: tuple[int, int] | None = None
         self._warnings = _Sometimes()
         self.counters: collections.Counter[str] = collections.Counter()
-        # Host pools offered to schedulers, read-only: ticket -> descriptor.
-        self._host_pools: dict[str, int] = {}
-        self._host_tickets: dict[tuple[int, int], str] = {}  # the pool's memfd (device, inode) -> its ticket
+        # Host pools offered to schedulers, read-only: ticket -> the pool (while it lives).
+        self._host_pools: dict[str, weakref.ref[HostPool]] = {}
 
     def start(self) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -245,10 +246,13 @@ class PoolHandover:
                     break
                 message += more
             with self._lock:
-                host_pool = self._host_pools.get(message[len(HOST_ASK):].decode(errors="replace"))
-            if fds or host_pool is None:
+                offered = self._host_pools.get(message[len(HOST_ASK):].decode(errors="replace"))
+            host_pool = offered() if offered is not None and not fds else None
+            read_only = _reopen_read_only(host_pool.fd) if host_pool is not None else -1
+            if read_only < 0:
                 return _refusal("PERMISSION_DENIED", "unknown host pool ticket (the AttachReply names it)")
-            return b"OK", host_pool
+            received.append(read_only)  # closed once sent
+            return b"OK", read_only
         if len(fds) != 1:
             return _refusal("INVALID_ARGUMENT", "send exactly one descriptor, the pool's")
         if not named_memfd(fds[0]):
@@ -303,19 +307,19 @@ class PoolHandover:
                                    f"on {self.path} (cpcache.client does it)")
         return handed.fd, handed.uid, handed.pid
 
-    def offer_host_pool(self, fd: int) -> str:
+    def offer_host_pool(self, host: HostPool) -> str:
         """A ticket under which a scheduler takes a read-only descriptor of
-        the host pool in memfd `fd` (the same one for the same pool): with
-        it, a scheduler whose daemon died finishes the loads it left."""
-        info = os.fstat(fd)
+        `host`'s memfd while the pool lives (the same ticket for the same
+        pool): with it, a scheduler whose daemon died finishes the loads it
+        left."""
         with self._lock:
-            ticket = self._host_tickets.get((info.st_dev, info.st_ino))
-            if ticket is None:
-                # Read-only: a new open file description of the same memfd.
-                read_only = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
-                ticket = secrets.token_hex(HOST_TICKET_CHARS // 2)
-                self._host_pools[ticket] = read_only
-                self._host_tickets[(info.st_dev, info.st_ino)] = ticket
+            for ticket, offered in list(self._host_pools.items()):
+                if offered() is None:
+                    del self._host_pools[ticket]  # a pool let go
+                elif offered() is host:
+                    return ticket
+            ticket = secrets.token_hex(HOST_TICKET_CHARS // 2)
+            self._host_pools[ticket] = weakref.ref(host)
         return ticket
 
     @property
@@ -336,9 +340,7 @@ class PoolHandover:
             with contextlib.suppress(OSError):
                 listener.shutdown(socket.SHUT_RDWR)  # wakes the acceptor, which closes it
         with self._lock:
-            offered, self._host_pools = list(self._host_pools.values()), {}
-        for fd in offered:
-            os.close(fd)  # a memfd: its close cannot block
+            self._host_pools = {}
         held = [h.fd for h in self._tickets.clear()]
         if held and self._closer is not None:
             self._release_fds(held, -1)
@@ -351,6 +353,16 @@ class PoolHandover:
 def _refusal(status: str, message: str) -> bytes:
     """`ERR <STATUS> <message>`: the client raises the error of that status."""
     return f"ERR {status} {message}".encode()[:4000]
+
+
+def _reopen_read_only(fd: int) -> int:
+    """A new, read-only open of memfd `fd` (-1: it is closed)."""
+    if fd < 0:
+        return -1
+    try:
+        return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return -1
 
 
 def _stale(path: str) -> bool:

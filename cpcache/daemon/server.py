@@ -115,7 +115,7 @@ class Daemon:
                                                             regions, signals))
         host = self.rank.attached_runtime().io.transfers.tiers.host
         if host.fd >= 0 and self._pools is not None:
-            attached = dataclasses.replace(attached, host_pool_ticket=self._pools.offer_host_pool(host.fd))
+            attached = dataclasses.replace(attached, host_pool_ticket=self._pools.offer_host_pool(host))
         return attached
 
     def _open_device(self, geometry: KVGeometry, device_pages: int, kind: str, pool: str | dict[str, Any] | None,

@@ -171,7 +171,12 @@ class CacheDaemonServicer(pb_grpc.CacheDaemonServicer):
         this rank's scheduler is (or will be) given for it."""
         try:
             answer = self._daemon.rank.outcome(request.epoch, request.step)
-        except NotFound as exc:  # not taken here: its round cannot complete anywhere
+        except NotFound as exc:
+            if self._daemon.rank.config.agreement_lag:
+                # At lag >= 1 the step answers an earlier round, which may
+                # have completed without this rank's step: no telling yet.
+                raise Unavailable(f"{exc}; at agreement_lag >= 1 this rank cannot tell how it ends") from None
+            # Not taken here at lag 0: its round cannot complete anywhere.
             error = step_error(Unavailable(str(exc)))
             error.metadata[NOT_TAKEN] = "1"
             return pb.OutcomeReply(error=error)

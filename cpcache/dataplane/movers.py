@@ -323,7 +323,7 @@ class Transfers:
                     self._copying.add(future)
         except RuntimeError:  # shut down: a failed transfer, not an exception on the loop
             self.in_flight.end(slots)
-            _signal_failure(job)
+            self._given_up(job)
             future = Future()
             future.set_result(TransferResult(job.job_id, False, 0))
         else:
@@ -340,6 +340,15 @@ class Transfers:
         and a load's forward must not wait for it in vain."""
         if future.cancelled():
             self.in_flight.end(slots)
+            self._given_up(job)
+
+    def _given_up(self, job: TransferJob) -> None:
+        """A load this daemon will not copy (it stops): where the scheduler
+        maps the host pool, its forward finishes the load itself once this
+        process has exited, so the board is left as it is (FAILED would stop
+        that forward while the process still runs); elsewhere FAILED, so
+        the forward stops at once instead of waiting in vain."""
+        if self.tiers.host.fd < 0:
             _signal_failure(job)
 
     def _lane(self, route: tuple[str, str]) -> ThreadPoolExecutor:
@@ -421,3 +430,4 @@ class Transfers:
             lane.shutdown(wait=False, cancel_futures=True)
         if self.tiers.storage is not None:
             self.tiers.storage.close()
+        self.tiers.host.close()

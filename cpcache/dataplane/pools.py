@@ -236,6 +236,12 @@ class HostPool:
         self._base = self.tensor.data_ptr()
         self._page_bytes = geometry.page_bytes
 
+    def close(self) -> None:
+        """Let go of the memfd (the mapping goes with the last view of it)."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
     @property
     def contiguous_pages(self) -> bool:
         """Whether storage reads and writes pages in place: in page_first_direct
@@ -275,14 +281,21 @@ class HostPool:
         return parts
 
 
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)  # Linux 5.1
+
+
 def _shared_zeros(dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[int, mmap.mmap]:
     """A zeroed memfd of `shape` elements of `dtype`, mapped: (fd, mapping)."""
     size = max(1, int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size())
     fd = os.memfd_create("cpcache-host-pool", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, size)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
-        return fd, mmap.mmap(fd, size)
+        mapping = mmap.mmap(fd, size)
+        # Only this mapping may write: whoever is handed the memfd (the
+        # scheduler, read-only) can neither map it writable nor write it,
+        # even through a new open of /proc/PID/fd.
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE)
+        return fd, mapping
     except BaseException:
         os.close(fd)
         raise

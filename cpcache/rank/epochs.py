@@ -293,6 +293,9 @@ class Formation:
         if confirmer is not None:  # no Attach is being decided (awaited above)
             await bounded_async(confirmer.close, None, "close-confirm")
         offer = await self._detach(stepper)
+        if stepper is not None:
+            # Kept in `recent` for its outcomes only: not the cache (its session's pool and board).
+            stepper.runtime = None
         stop = self._host.stop_requested
         while not stop.is_set():
             forming = asyncio.ensure_future(bounded_async(functools.partial(self._rejoin, leaving, offer), None,

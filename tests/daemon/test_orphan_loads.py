@@ -6,6 +6,7 @@ while a forward waits on a load; a daemon stopped (SIGSTOP) past the load's
 deadline is killed by the scheduler, then the load is finished."""
 
 import signal
+import time
 
 import pytest
 import torch
@@ -23,13 +24,14 @@ pytestmark = [pytest.mark.timeout(120)]
 LAYER_DELAY_MS = 400.0  # each layer of a load-back: a copy of 8 layers takes over 3 s
 
 
-async def _loaded_by_scheduler(run_dir, fault, timeout_s=30.0):
-    """Write pages through, open a load of them, hit the daemon with `fault`
-    once its first layer landed, then run a forward over the load: -> per
-    layer, whether the forward read the pages written."""
+async def _loaded_by_scheduler(run_dir, fault, timeout_s=30.0, split=False, **settings):
+    """Write pages through, open a load of them (`split`: two loads, the
+    second queued behind the first), hit the daemon with `fault` once the
+    first layer landed, then run a forward over the loads: -> the daemon's
+    exit code, and per layer whether the forward read the pages written."""
     layers, attach = _pool("cpu")
     spec = DomainSpec(Topology(tp=1), run_dir,
-                      extra=dict(host_pool_pages=16, fault_copy_layer_delay_ms=LAYER_DELAY_MS))
+                      extra=dict(host_pool_pages=16, fault_copy_layer_delay_ms=LAYER_DELAY_MS, **settings))
     async with LocalDomain(spec) as domain:
         loads = LayerLoads(GEOMETRY.layers, timeout_s=timeout_s, slots=4)
         with Client(domain.sockets[0], timeout_s=30) as client:
@@ -49,19 +51,29 @@ async def _loaded_by_scheduler(run_dir, fault, timeout_s=30.0):
             expected = [_rows(layer, SOURCE).clone() for layer in layers]
             for layer in layers:
                 _rows(layer, TARGET).zero_()
-            opened = session.load_opened(KEYS, TARGET, loads.signals)
-            assert opened is not None
-            loads.opened(OpenLoad(*opened, tuple(session.host.slots(KEYS)), tuple(TARGET)))
+            halves = [(KEYS[:2], TARGET[:2]), (KEYS[2:], TARGET[2:])] if split else [(KEYS, TARGET)]
+            first = None
+            for keys, target in halves:
+                opened = session.load_opened(keys, target, loads.signals)
+                assert opened is not None
+                first = first or opened
+                loads.opened(OpenLoad(*opened, tuple(session.host.slots(keys)), tuple(target)))
             loads.set_consumer(loads.start_batch())
-            loads.wait_until(0)  # the first layer landed: the copy is under way
+            op, slot = first
+            assert loads.signals.wait(slot, op, 1, time.monotonic() + 30)  # the first copy is under way
             fault(domain)
             for layer in range(GEOMETRY.layers):
                 loads.wait_until(layer)
-            return [torch.equal(_rows(layer, TARGET), want) for layer, want in zip(layers, expected)]
+            exit_code = await domain.wait_exit(0, 30)
+            return exit_code, [torch.equal(_rows(layer, TARGET), want) for layer, want in zip(layers, expected)]
 
 
 def _kill(domain):
     domain.signal(0, signal.SIGKILL)
+
+
+def _term(domain):
+    domain.signal(0, signal.SIGTERM)
 
 
 def _stop(domain):
@@ -69,8 +81,20 @@ def _stop(domain):
 
 
 async def test_a_load_whose_daemon_is_killed_mid_copy_is_finished_by_the_scheduler(run_dir):
-    assert await _loaded_by_scheduler(run_dir, _kill) == [True] * GEOMETRY.layers
+    exit_code, landed = await _loaded_by_scheduler(run_dir, _kill)
+    assert exit_code == -signal.SIGKILL and landed == [True] * GEOMETRY.layers
 
 
 async def test_a_load_whose_daemon_is_stuck_past_its_deadline_is_finished_once_the_daemon_is_killed(run_dir):
-    assert await _loaded_by_scheduler(run_dir, _stop, timeout_s=2.0) == [True] * GEOMETRY.layers
+    # The deadline leaves a living daemon time to copy every layer (8 x 0.4 s):
+    # only a stopped one is killed, by the scheduler.
+    exit_code, landed = await _loaded_by_scheduler(run_dir, _stop, timeout_s=6.0)
+    assert exit_code == -signal.SIGKILL and landed == [True] * GEOMETRY.layers
+
+
+async def test_loads_a_graceful_stop_gives_up_on_are_finished_by_the_scheduler(run_dir):
+    """One copy thread, two loads (the second queued), a drain window far
+    shorter than the copies: the stop gives the queued load up, and the
+    scheduler finishes both once the daemon has exited."""
+    exit_code, landed = await _loaded_by_scheduler(run_dir, _term, split=True, io_threads=1, drain_timeout_s=0.5)
+    assert exit_code == 0 and landed == [True] * GEOMETRY.layers

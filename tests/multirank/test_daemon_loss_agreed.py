@@ -9,6 +9,7 @@ point (`fault_exit_after_round`) or by SIGKILL."""
 
 import asyncio
 import signal
+import threading
 
 import pytest
 
@@ -112,10 +113,17 @@ async def test_a_step_whose_deadline_passes_before_its_round_ends_is_retried_not
         # Rank 0's deadline is far shorter than the round, which waits for rank 1.
         hasty = Client(domain.sockets[0], timeout_s=0.5, peers=[domain.sockets[1]])
         patient = Client(domain.sockets[1], timeout_s=CLIENT_TIMEOUT_S, peers=[domain.sockets[0]])
+        # Rank 1 steps only once rank 0's deadline has passed (its client recovers the step).
+        late = threading.Event()
+        recover = hasty._recover
+
+        def recovering(request, failure):
+            late.set()
+            return recover(request, failure)
+
+        hasty._recover = recovering
         first = asyncio.ensure_future(asyncio.to_thread(hasty.step, 1, [(1, Reduce.MIN, 1)], write_step(1), epoch))
-        # Rank 1 steps once rank 0's daemon has taken the step (read from its status).
-        while (await schedulers[0].client.status()).last_step < 1:
-            await asyncio.sleep(0)
+        assert await asyncio.to_thread(late.wait, 30)
         second = await asyncio.to_thread(patient.step, 1, [(1, Reduce.MIN, 1)], write_step(1), epoch)
         assert (await first).wire == second.wire
         hasty.close()

@@ -147,24 +147,29 @@ def build_cache(context: Any, settings: Settings | None = None) -> Any:
         if not_serving:
             raise Unavailable(f"the daemon at {not_serving} is not serving yet")
         check_in_place(pool, runner_pool)
-        if layer_loads is not None:
-            # A fresh board: copies of the ended session may still publish into the old one.
-            layer_loads.rebind(LoadSignals.create(layer_loads.signals.slots))
-        again = _attach(client, model_id, pool, (topology, rank), layer_loads)
-        daemon[0] = orphan_loads(socket, again, pool)
-        if layer_loads is not None:
-            layer_loads.orphans = daemon[0]
+        # A fresh board: copies of the ended session may still publish into
+        # the old one. Both the board and the daemon's process (its pidfd)
+        # are swapped only once the attach succeeded: until then the old ones
+        # are what a flush needs to make sure the old daemon writes no more.
+        board = LoadSignals.create(layer_loads.signals.slots) if layer_loads is not None else None
+        again = _attach(client, model_id, pool, (topology, rank), layer_loads, board)
+        old, daemon[0] = daemon[0], orphan_loads(socket, again, pool)
+        if layer_loads is not None and board is not None:
+            layer_loads.rebind(board, daemon[0])  # closes the old one
+        elif old is not None:
+            old.close()
         return connect(int(client.status().last_step) + 1, again.epoch)
 
     def daemon_quiet(epoch: int | None) -> bool:
         """Whether the daemon of the session of `epoch` writes nothing more
-        into the device pool: it serves a later epoch (its sessions of the
-        earlier ones ended, and their copies with them), or its process has
-        exited, if need be killed here (a daemon that does not answer)."""
+        into the device pool: it is in a later epoch (it left the earlier
+        one only once that session's copies ended), or its process has
+        exited, if need be killed here (a daemon that does not answer, or
+        still in that epoch)."""
         try:
             status = client.status()
-            if epoch is not None and status.epoch > epoch and status.state == "serving":
-                return True
+            if epoch is not None and status.epoch > epoch:
+                return True  # it left that epoch, which it does only once its copies ended
         except CacheError:
             pass
         process = daemon[0]
@@ -216,8 +221,9 @@ def orphan_loads(socket: str, attached: Any, pool: SharedPool) -> OrphanLoads | 
 
 
 def _attach(client: Client, model_id: str, pool: SharedPool, placement: tuple[Topology, int],
-            layer_loads: LayerLoads | None) -> Any:
-    signals = layer_loads.signals if layer_loads is not None else None
+            layer_loads: LayerLoads | None, board: LoadSignals | None = None) -> Any:
+    """`board`: the load-signal board to hand over (default: `layer_loads`')."""
+    signals = board or (layer_loads.signals if layer_loads is not None else None)
     try:
         return client.attach(model_id, pool.geometry, pool.device_pages, pool_fd=pool.fd, placement=placement,
                              regions=pool.regions, load_signals=signals,

@@ -65,7 +65,7 @@ def peer(answer):
 def failed_outcome(not_taken=False):
     error = pb.StepError(status="UNAVAILABLE", reason="PEER_LOST", message="rank 1 did not take part")
     if not_taken:
-        error.reason = "UNAVAILABLE"
+        error.reason, error.message = "UNAVAILABLE", "rank 1 has not taken step 7"
         error.metadata[NOT_TAKEN] = "1"
     return pb.OutcomeReply(error=error)
 
@@ -109,13 +109,21 @@ def test_a_step_no_peer_took_yet_waits_for_a_living_daemon():
     own = daemon(DEADLINE, DEADLINE, REPLY)
     other = peer(failed_outcome(not_taken=True))
     assert StepRecovery(own, [other], 0.01, 30.0).outcome(REQUEST, DEADLINE) == REPLY
-    assert len(own.sent) == 3 and len(other.asked) == 2
+    assert len(own.sent) == 3 and len(other.asked) == 3
 
 
-def test_a_daemon_that_dies_while_retried_hands_the_step_to_the_peers():
-    own = daemon(DEADLINE, GONE)
+def test_a_peer_that_decided_answers_before_a_stalled_daemon_is_waited_for_again():
+    own = daemon(DEADLINE)
     other = peer(pb.OutcomeReply(reply=REPLY))
     assert StepRecovery(own, [other], 0.01, 30.0).outcome(REQUEST, DEADLINE) == REPLY
+    assert own.sent == []
+
+
+def test_a_daemon_that_dies_while_retried_makes_a_peer_s_not_taken_final():
+    own = daemon(DEADLINE, GONE)
+    with pytest.raises(errors.Unavailable, match="not taken"):
+        StepRecovery(own, [peer(failed_outcome(not_taken=True))], 0.01, 30.0).outcome(REQUEST, DEADLINE)
+    assert len(own.sent) == 2
 
 
 def test_nobody_can_tell_fails_with_the_step_s_own_error():

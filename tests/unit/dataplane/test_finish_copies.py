@@ -109,10 +109,18 @@ def test_finish_copies_waits_for_every_copy_issued_and_cancels_storage_work(rig,
     assert write.result().success and queued_write.result().success and load.result().success
     assert board.progress(slot, 9) == MHA.layers
     assert all(torch.equal(a, b) for a, b in zip(creator.page_bytes(7), creator.page_bytes(1)))
-    # Stopped: a job submitted now is a failed transfer, a load published FAILED.
+    # Stopped: a job submitted now is a failed transfer. Its load's board slot
+    # is left as it is: the host pool lies in a memfd the scheduler maps, so
+    # the scheduler finishes the load once this process has exited (FAILED
+    # would stop its forward first; where the pool is not shared, FAILED).
     slot = board.claim(op=10)
     assert not transfers.submit((HOST, DEVICE), [4], [8], signal=(slot, 10)).result().success
-    assert board.progress(slot, 10) == FAILED
+    assert transfers.tiers.host.fd >= 0 and board.progress(slot, 10) == 0
+    transfers.tiers.host.fd, shared = -1, transfers.tiers.host.fd
+    slot = board.claim(op=11)
+    assert not transfers.submit((HOST, DEVICE), [4], [8], signal=(slot, 11)).result().success
+    assert board.progress(slot, 11) == FAILED
+    transfers.tiers.host.fd = shared
     storage_gate.set()
     assert busy.result(10)
 
