@@ -8,6 +8,7 @@ each knowing its peers' sockets; a daemon dies by fault injection at an exact
 point (`fault_exit_after_round`) or by SIGKILL."""
 
 import asyncio
+import contextlib
 import signal
 import threading
 
@@ -41,11 +42,20 @@ async def step_both(blocking, step, epoch, requests=None):
         return_exceptions=True)
 
 
-async def attached(domain, run_dir):
-    schedulers = make(domain, run_dir, 1)
-    replies = await attach_all(schedulers)
-    assert len({r.epoch for r in replies}) == 1
-    return schedulers, replies[0].epoch
+@contextlib.asynccontextmanager
+async def attached_domain(run_dir, per_rank=None):
+    """A 2-rank domain, attached: -> (domain, blocking clients that know their peers, the epoch)."""
+    async with LocalDomain(spec(run_dir, per_rank=per_rank)) as domain:
+        schedulers = make(domain, run_dir, 1)
+        replies = await attach_all(schedulers)
+        assert len({r.epoch for r in replies}) == 1
+        blocking = clients(domain)
+        try:
+            yield domain, blocking, replies[0].epoch
+        finally:
+            for c in blocking:
+                c.close()
+            await close_all(schedulers)
 
 
 def same_outcome(outcomes):
@@ -56,9 +66,7 @@ def same_outcome(outcomes):
 
 
 async def test_a_daemon_dying_between_its_round_and_its_reply_leaves_its_rank_told_what_its_peer_was(run_dir):
-    async with LocalDomain(spec(run_dir, per_rank={1: {"fault_exit_after_round": 3}})) as domain:
-        schedulers, epoch = await attached(domain, run_dir)
-        blocking = clients(domain)
+    async with attached_domain(run_dir, {1: {"fault_exit_after_round": 3}}) as (domain, blocking, epoch):
         for step in (1, 2):
             assert same_outcome(await step_both(blocking, step, epoch))
         # Step 3 carries a write-through; rank 1's daemon decides it with rank
@@ -71,29 +79,19 @@ async def test_a_daemon_dying_between_its_round_and_its_reply_leaves_its_rank_to
         # rank 1 learns that from rank 0's daemon.
         outcomes = await step_both(blocking, 4, epoch)
         assert all(isinstance(o, errors.Unavailable) for o in outcomes), outcomes
-        for c in blocking:
-            c.close()
-        await close_all(schedulers)
 
 
 async def test_a_daemon_killed_before_its_round_fails_the_step_on_every_rank(run_dir):
-    async with LocalDomain(spec(run_dir)) as domain:
-        schedulers, epoch = await attached(domain, run_dir)
-        blocking = clients(domain)
+    async with attached_domain(run_dir) as (domain, blocking, epoch):
         assert same_outcome(await step_both(blocking, 1, epoch))
         domain.signal(1, signal.SIGKILL)
         await domain.wait_exit(1, 30)
         outcomes = await step_both(blocking, 2, epoch, write_step(2))
         assert all(isinstance(o, errors.Unavailable) for o in outcomes), outcomes
-        for c in blocking:
-            c.close()
-        await close_all(schedulers)
 
 
 async def test_a_restarted_daemon_never_takes_a_step_of_the_session_before_it(run_dir):
-    async with LocalDomain(spec(run_dir)) as domain:
-        schedulers, epoch = await attached(domain, run_dir)
-        blocking = clients(domain)
+    async with attached_domain(run_dir) as (domain, blocking, epoch):
         assert same_outcome(await step_both(blocking, 1, epoch))
         domain.signal(1, signal.SIGKILL)
         await domain.wait_exit(1, 30)
@@ -102,14 +100,10 @@ async def test_a_restarted_daemon_never_takes_a_step_of_the_session_before_it(ru
         # refused there, and its outcome is rank 0's (which failed: no peer).
         outcomes = await step_both(blocking, 2, epoch)
         assert all(isinstance(o, errors.Unavailable) for o in outcomes), outcomes
-        for c in blocking:
-            c.close()
-        await close_all(schedulers)
 
 
 async def test_a_step_whose_deadline_passes_before_its_round_ends_is_retried_not_given_up(run_dir):
-    async with LocalDomain(spec(run_dir)) as domain:
-        schedulers, epoch = await attached(domain, run_dir)
+    async with attached_domain(run_dir) as (domain, _, epoch):
         # Rank 0's deadline is far shorter than the round, which waits for rank 1.
         hasty = Client(domain.sockets[0], timeout_s=0.5, peers=[domain.sockets[1]])
         patient = Client(domain.sockets[1], timeout_s=CLIENT_TIMEOUT_S, peers=[domain.sockets[0]])
@@ -128,7 +122,6 @@ async def test_a_step_whose_deadline_passes_before_its_round_ends_is_retried_not
         assert (await first).wire == second.wire
         hasty.close()
         patient.close()
-        await close_all(schedulers)
 
 
 def test_a_client_whose_deadline_the_agreement_timeout_does_not_fit_is_refused():
