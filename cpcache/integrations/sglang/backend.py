@@ -10,7 +10,7 @@ from typing import Any
 
 from cpcache.client import Client, DecisionLog, SchedulerSession
 from cpcache.client.pools import take_host_pool
-from cpcache.errors import CacheError, Unavailable
+from cpcache.errors import CacheError
 from cpcache.integrations.sglang import server_flags
 from cpcache.integrations.sglang.layer_loads import STOP_WAIT_S, LayerLoads
 from cpcache.integrations.sglang.orphan_loads import OrphanLoads
@@ -80,7 +80,7 @@ def log_in_place(rank: int, before: list[tuple[int, ...]], after: list[tuple[int
 
 
 def build_cache(context: Any, settings: Settings | None = None) -> Any:
-    from cpcache.integrations.sglang.radix_cache import CpcacheRadixCache
+    from cpcache.integrations.sglang.radix_cache import CpcacheRadixCache, NotServingYet
 
     server_flags.check(context)
     settings = settings or Settings.load()
@@ -145,7 +145,7 @@ def build_cache(context: Any, settings: Settings | None = None) -> Any:
         # it fails it at once (no rank can attach without this one).
         not_serving = first_not_serving([socket, *peers], settings.token())
         if not_serving:
-            raise Unavailable(f"the daemon at {not_serving} is not serving yet")
+            raise NotServingYet(f"the daemon at {not_serving} is not serving yet")
         check_in_place(pool, runner_pool)
         # A fresh board: copies of the ended session may still publish into
         # the old one. Both the board and the daemon's process (its pidfd)

@@ -39,7 +39,7 @@ from sglang.srt.mem_cache.unified_radix_cache import NodeId, UnifiedRadixCache
 
 from cpcache.client.outcomes import DecisionLog, Tally
 from cpcache.client.session import SchedulerSession
-from cpcache.errors import CacheError
+from cpcache.errors import CacheError, Unavailable
 from cpcache.integrations.sglang.host_hits import HostHit, HostPoolView
 from cpcache.integrations.sglang.layer_loads import LayerLoads, LoadBackFailed, OpenLoad
 from cpcache.integrations.sglang.pool import SharedPool
@@ -48,6 +48,11 @@ from cpcache.integrations.sglang.timing import SchedulerTime
 from cpcache.keys import chain, generation_seed, request_namespace_seed
 
 log = logging.getLogger(__name__)
+
+
+class NotServingYet(Unavailable):
+    """A daemon of the domain is not serving: an attach try now cannot
+    succeed on any rank (it needs every one), so it is skipped."""
 
 
 class CpcacheRadixCache(UnifiedRadixCache):
@@ -80,6 +85,7 @@ class CpcacheRadixCache(UnifiedRadixCache):
         self._iteration = 0  # scheduler iterations (check_hicache_events calls): alike on every rank
         self._next_attach: int | None = None  # iteration of the next attach try while fallen back
         self._attach_wait = self._reattach_after
+        self._skips = 0  # attach tries skipped since the last attach (a daemon not serving)
         self.host_pages = host_pages
         self.decisions = decisions
         # The overlapped load-back (None: blocking): layer_loads.py.
@@ -126,6 +132,16 @@ class CpcacheRadixCache(UnifiedRadixCache):
         assert self._attach_again is not None
         try:
             self.daemon_session = self._attach_again()
+        except NotServingYet as exc:
+            # Skipped, not tried: the wait stays. Ranks whose waits differ
+            # still meet: every try of a rank whose wait doubled falls on a
+            # try of this one (the waits are powers of two of one base).
+            self._next_attach = self._attach_boundary()
+            self._skips += 1
+            if self._skips & (self._skips - 1) == 0:  # the 1st, 2nd, 4th, ...: a log that grows slowly
+                log.info("cpcache: rank %d skipped attaching again at iteration %d (%s; %d skips); next try at "
+                         "iteration %d", self.rank, self._iteration, exc, self._skips, self._next_attach)
+            return
         except CacheError as exc:
             self._attach_wait = min(self._attach_wait * 2, 64 * self._reattach_after)
             self._next_attach = self._attach_boundary()
@@ -133,6 +149,7 @@ class CpcacheRadixCache(UnifiedRadixCache):
                         self.rank, self._iteration, exc, self._attach_wait)
             return
         self._next_attach = None
+        self._skips = 0
         self.reattaches += 1
         # The old session ended on the daemon (its copies too) before the new one began.
         self._log_given_back(self._quarantined.release(self.token_to_kv_pool_allocator.free))
