@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cpcache import errors
 from cpcache.client import Client
 from cpcache.dataplane.storage import framing
 from cpcache.keys import chain, generation_seed
@@ -63,9 +64,13 @@ def open_operations_on(stack: Stack, rank: int, until: Callable[[dict[str, int]]
     nothing runs any more): -> the last counts."""
     kinds = ("open_loads", "open_writes", "open_prefetches", "open_backups")
     with Client(stack.daemons.socket(rank), timeout_s=10) as daemon:
+        ops = {kind: 0 for kind in kinds}
         while True:
-            counters = dict(daemon.stats())
-            ops = {kind: counters.get(kind, 0) for kind in kinds}
+            try:
+                counters = dict(daemon.stats())
+            except errors.Unavailable:  # a loaded host: the daemon may be slow to take the connection
+                counters = {}
+            ops = {kind: counters.get(kind, 0) for kind in kinds} if counters else ops
             if until(ops) or not running():
                 return ops
 
