@@ -42,14 +42,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import random
 import re
-import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 import urllib.error
@@ -59,6 +56,8 @@ from pathlib import Path
 from typing import Any
 
 from cpcache.client import Client
+from cpcache.client.core import check_deadline
+from cpcache.errors import InvalidArgument
 from cpcache.testing.chaos_episodes import (
     KINDS,
     OPEN_KINDS,
@@ -71,10 +70,7 @@ from cpcache.testing.chaos_episodes import (
 )
 from cpcache.testing.sglang_cpu.servers import Watched, make_tiny_model
 from cpcache.testing.sglang_cpu.stacks import DOCS, SLOW_RANK, Shape, Stack, started, workload
-from cpcache.testing.sglang_soak import HttpTraffic, client_loop
-
-DEADLINE_MARGIN_S = 5.0  # the backend refuses a timeout_s not above agreement_timeout_s + this
-
+from cpcache.testing.sglang_soak import HttpTraffic, client_loop, run_reported
 
 # -- processes ----------------------------------------------------------------------------
 
@@ -377,23 +373,12 @@ def add_flags(bench: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.backend_timeout_s <= args.agreement_timeout_s + DEADLINE_MARGIN_S:
-        print(f"sglang-chaos: --backend-timeout-s ({args.backend_timeout_s:g}) must exceed --agreement-timeout-s "
-              f"({args.agreement_timeout_s:g}) by more than {DEADLINE_MARGIN_S:g} s", file=sys.stderr)
+    try:  # the backend's own rule, refused before anything starts
+        check_deadline(args.backend_timeout_s, args.agreement_timeout_s)
+    except InvalidArgument as exc:
+        print(f"sglang-chaos: --backend-timeout-s: {exc}", file=sys.stderr)
         return 2
-    work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="cpcache-sglang-chaos-"))
-    work.mkdir(parents=True, exist_ok=True)
-    report = run(args, work)
-    report["work_dir"] = str(work)
-    if args.json:
-        print(json.dumps(report))
-    else:
-        print(text_report(report))
-    if report["ok"] and not args.work_dir:
-        shutil.rmtree(work, ignore_errors=True)
-    if not report["ok"]:
-        print(f"sglang-chaos: FAILED (logs in {work})", file=sys.stderr)
-    return 0 if report["ok"] else 1
+    return run_reported("sglang-chaos", args, run, text_report)
 
 
 def text_report(report: dict) -> str:

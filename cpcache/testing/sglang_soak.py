@@ -29,6 +29,7 @@ import tempfile
 import threading
 import time
 import urllib.error
+from collections.abc import Callable
 from pathlib import Path
 
 from cpcache.client import Client
@@ -177,17 +178,21 @@ def add_flags(bench: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="cpcache-sglang-soak-"))
+    return run_reported("sglang-soak", args, run,
+                        lambda report: "\n".join(f"{key}: {value}" for key, value in report.items()))
+
+
+def run_reported(name: str, args: argparse.Namespace, run: Callable[[argparse.Namespace, Path], dict],
+                 text: Callable[[dict], str]) -> int:
+    """Run a bench in `--work-dir` (or a temporary folder, removed when it
+    passed), print its report (JSON with `--json`): -> the exit code."""
+    work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix=f"cpcache-{name}-"))
     work.mkdir(parents=True, exist_ok=True)
     report = run(args, work)
     report["work_dir"] = str(work)
-    if args.json:
-        print(json.dumps(report))
-    else:
-        for key, value in report.items():
-            print(f"{key}: {value}")
+    print(json.dumps(report) if args.json else text(report))
     if report["ok"] and not args.work_dir:
         shutil.rmtree(work, ignore_errors=True)
     if not report["ok"]:
-        print(f"sglang-soak: FAILED (logs in {work})", file=sys.stderr)
+        print(f"{name}: FAILED (logs in {work})", file=sys.stderr)
     return 0 if report["ok"] else 1
