@@ -16,12 +16,15 @@ SGLANG_PY := $(SGLANG_VENV)/bin/python
 SGLANG_STAMP := $(SGLANG_VENV)/.installed
 SGLANG_PIN ?= sglang==0.5.23
 # The server's own (sglang.launch_server: HTTP, grammar, metrics) come after
-# the cache code's.
+# the cache code's; then what its prefill/decode disaggregation needs
+# (tests/sglang/test_pd.py): SGLang's router, and Mooncake's transfer engine,
+# its CPU build where there is no GPU (as $(STAMP) picks it for .venv).
+MOONCAKE_TE := $(if $(shell command -v nvidia-smi 2>/dev/null),mooncake-transfer-engine,mooncake-transfer-engine-non-cuda)
 SGLANG_PACKAGES := numpy orjson psutil pybase64 requests packaging pillow starlette msgspec pydantic pyzmq tqdm \
 	ipython aiohttp triton apache-tvm-ffi transformers dill sentencepiece compressed-tensors gguf openai \
 	partial-json-parser datasets \
 	jsonschema xgrammar soundfile fastapi uvicorn uvloop setproctitle python-multipart prometheus-client \
-	interegular einops xxhash
+	interegular einops xxhash sglang-router $(MOONCAKE_TE)
 
 .PHONY: setup setup-sglang demo test test-sglang compose-test bench proto clean
 
@@ -44,7 +47,7 @@ $(STAMP): pyproject.toml
 
 # The base cpcache package (client and integrations, no torch pin) goes into
 # SGLang's environment as an operator would install it.
-$(SGLANG_STAMP): pyproject.toml
+$(SGLANG_STAMP): pyproject.toml Makefile
 	@[ -x $(SGLANG_PY) ] || $(PYTHON) -m venv $(SGLANG_VENV)
 	@$(SGLANG_PY) -c "import torch" 2>/dev/null || $(SGLANG_PY) -m pip install -q "$(TORCH_PIN)"
 	@echo "$(TORCH_PIN)" > $(SGLANG_VENV)/constraints.txt

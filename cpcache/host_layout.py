@@ -42,6 +42,12 @@ def page_view(tensor: torch.Tensor, geometry: KVGeometry, layout: str, first: in
     return tensor[:, first : first + count].permute(2, 0, 1, 3, 4, 5)  # [C, n, L, s, H, D]
 
 
+def stored_page(tensor: torch.Tensor, geometry: KVGeometry, layout: str, slot: int) -> torch.Tensor:
+    """One page in stored order, [components, layers, page_size, heads,
+    head_dim] (a view): the order of a page in storage, whatever the layout."""
+    return page_view(tensor, geometry, layout, slot)[:, :, 0].transpose(0, 1)
+
+
 def paged_layer(tensor: torch.Tensor, geometry: KVGeometry, layout: str, pages: int, layer: int) -> torch.Tensor:
     """One layer as a [pages, components, page_size, heads, head_dim] view,
     indexed by slot on dim 0 (gathers of scattered pages)."""

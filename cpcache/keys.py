@@ -7,12 +7,14 @@ hashes as they come (`request_namespace_seed` is SGLang's
 ``storage_namespace_seed`` for requests with an extra key or cache salt).
 
 Hashes come from schedulers and are not trusted to separate tenants: the
-daemon puts the tenant of the attached model (`tenant_of`) in front of every
-storage key, so a scheduler attached as one model never reaches another
-model's pages through the hashes it sends. A tenant is the model id a client
-declares, not an identity: any client may attach as any model
-(docs/security.md, "Tenants"). The key ends with a
-suffix from the declared sharding of the KV, never from rank numbers by habit.
+daemon puts the tenant of the attached model (`tenant_of`: model id, model
+dtype, KV geometry) in front of every storage key, so a scheduler attached as
+one model never reaches another model's pages through the hashes it sends.
+A tenant is what a client declares, not an identity: any client may attach
+as any model (docs/security.md, "Tenants"). The key ends with a suffix from
+the declared sharding of the KV, never from rank numbers by habit. The host
+layout is in neither: a stored page is in one order whatever the daemon's
+host layout (`HostPool`), so daemons of different layouts share pages.
 """
 
 from __future__ import annotations
@@ -55,9 +57,16 @@ def generation_seed(seed: str | None, generation: int) -> str | None:
     return hashlib.sha256(f"cpcache-flush:{seed or ''}:{generation}".encode()).hexdigest()
 
 
-def tenant_of(model_id: str, geometry_fingerprint: int) -> str:
-    """The storage namespace of an attached model: its id and KV geometry."""
-    return hashlib.sha256(f"cpcache-tenant:{model_id}:{geometry_fingerprint}".encode()).hexdigest()[:16]
+def tenant_of(model_id: str, geometry_fingerprint: int, model_dtype: str = "") -> str:
+    """The storage namespace of an attached model: its id, the dtype it
+    computes in (`model_dtype`, with its weight quantization if any) and its
+    KV geometry (whose fingerprint holds the KV dtype, page size, layers,
+    heads per rank and head size). Everything that makes two servers' pages
+    of one token chain differ must be here or in the key's sharding suffix:
+    SGLang's own hashes hold none of it. An empty `model_dtype` (a client
+    that does not send it) gives the tenant it had before it existed."""
+    dtype = f":{model_dtype}" if model_dtype else ""
+    return hashlib.sha256(f"cpcache-tenant:{model_id}:{geometry_fingerprint}{dtype}".encode()).hexdigest()[:16]
 
 
 def page_hash(tokens: Sequence[int], prior: str | None) -> str:

@@ -89,10 +89,10 @@ def _outcome_call(epoch: int, step: int) -> Call[pb.OutcomeReply]:
 
 def _attach_call(model_id: str, geometry: KVGeometry, device_pages: int, shm_ticket: str,
                  cuda_ipc: dict[str, Any] | None, placement: tuple[Topology, int] | None,
-                 regions: Sequence[Region], load_signals: tuple[str, int, Sequence[bytes]] | None = None
-                 ) -> Call[pb.AttachReply]:
+                 regions: Sequence[Region], load_signals: tuple[str, int, Sequence[bytes]] | None = None,
+                 model_dtype: str = "") -> Call[pb.AttachReply]:
     return Call("Attach", attach_request(model_id, geometry, device_pages, shm_ticket, cuda_ipc, placement, regions,
-                                         load_signals))
+                                         load_signals, model_dtype))
 
 
 def _wait_loads_call(op_ids: Iterable[int], timeout_s: float) -> Call[None]:
@@ -191,7 +191,7 @@ class _Face:
     def attach(self, model_id: str, geometry: KVGeometry, device_pages: int, pool_fd: int = -1,
                cuda_ipc: dict[str, Any] | None = None, placement: tuple[Topology, int] | None = None,
                regions: Sequence[Region] = (), load_signals: LoadSignals | None = None,
-               cuda_events: Sequence[bytes] = ()) -> Any:
+               cuda_events: Sequence[bytes] = (), model_dtype: str = "") -> Any:
         """Hand the daemon this model's device pool: -> pb.AttachReply.
         `pool_fd`: a sealed memfd pool (`DevicePool.create_sealed`), handed
         over by descriptor on the daemon's `<socket>.pools`; or `cuda_ipc`,
@@ -201,12 +201,15 @@ class _Face:
         scheduler's topology and global rank, which the daemon checks
         against its own. `load_signals`: a board where the daemon publishes
         each load's layers as they land (handed over by descriptor too), with
-        `cuda_events` on CUDA hosts: an IPC event handle per slot and layer."""
+        `cuda_events` on CUDA hosts: an IPC event handle per slot and layer.
+        `model_dtype`: the dtype the model computes in (with its weight
+        quantization, if any), part of the tenant with `model_id` and the
+        geometry (AttachRequest.model_dtype)."""
         ticket = hand_over(self._address, pool_fd) if pool_fd >= 0 else ""
         board = (hand_over(self._address, load_signals.fd), load_signals.slots, tuple(cuda_events)) \
             if load_signals is not None else None
         return self._send(_attach_call, model_id, geometry, device_pages, ticket, cuda_ipc, placement, regions,
-                          board)
+                          board, model_dtype)
 
     def wait_loads(self, op_ids: Iterable[int], timeout_s: float = 30.0) -> Any:
         """Wait until these loads reached the device pool: -> None. The call's
@@ -239,7 +242,7 @@ class AsyncClient(_Face):
     async def attach(self, model_id: str, geometry: KVGeometry, device_pages: int, pool_fd: int = -1,
                      cuda_ipc: dict[str, Any] | None = None, placement: tuple[Topology, int] | None = None,
                      regions: Sequence[Region] = (), load_signals: LoadSignals | None = None,
-                     cuda_events: Sequence[bytes] = ()) -> Any:
+                     cuda_events: Sequence[bytes] = (), model_dtype: str = "") -> Any:
         """As `Client.attach`; the handovers (blocking exchanges on the
         daemon's `.pools` socket) run on a thread, off the event loop."""
         ticket = await asyncio.to_thread(hand_over, self._address, pool_fd) if pool_fd >= 0 else ""
@@ -248,7 +251,7 @@ class AsyncClient(_Face):
             board = (await asyncio.to_thread(hand_over, self._address, load_signals.fd), load_signals.slots,
                      tuple(cuda_events))
         return await self._send(_attach_call, model_id, geometry, device_pages, ticket, cuda_ipc, placement,
-                                regions, board)
+                                regions, board, model_dtype)
 
     async def _send(self, build: Callable[..., Call[T]], *args: Any) -> T:
         call = build(*args)

@@ -108,9 +108,10 @@ def step_result(reply: pb.StepReply) -> StepResult:
 def attach_request(model_id: str, geometry: KVGeometry, device_pages: int, shm_ticket: str = "",
                    cuda_ipc: dict[str, Any] | None = None,
                    placement: tuple[Topology, int] | None = None,
-                   regions: Sequence[Region] = (), load_signals: tuple[str, int, Sequence[bytes]] | None = None
-                   ) -> pb.AttachRequest:
-    request = pb.AttachRequest(model_id=model_id, device_pages=device_pages, geometry=pb.Geometry(
+                   regions: Sequence[Region] = (), load_signals: tuple[str, int, Sequence[bytes]] | None = None,
+                   model_dtype: str = "") -> pb.AttachRequest:
+    request = pb.AttachRequest(model_id=model_id, model_dtype=model_dtype, device_pages=device_pages,
+                               geometry=pb.Geometry(
         layers=geometry.layers, kv_kind=geometry.kv_kind, heads=geometry.heads, head_dim=geometry.head_dim,
         dtype=geometry.dtype, page_size=geometry.page_size))
     if placement is not None:

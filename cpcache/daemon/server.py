@@ -109,10 +109,10 @@ class Daemon:
 
     async def attach(self, model_id: str, geometry: KVGeometry, device_pages: int, kind: str,
                      pool: str | dict[str, Any] | None, regions: Sequence[Region] = (),
-                     signals: SignalsAsk | None = None) -> Attached:
+                     signals: SignalsAsk | None = None, model_dtype: str = "") -> Attached:
         attached = await self.rank.attach(model_id, geometry, device_pages, kind,
                                           functools.partial(self._open_device, geometry, device_pages, kind, pool,
-                                                            regions, signals))
+                                                            regions, signals), model_dtype)
         host = self.rank.attached_runtime().io.transfers.tiers.host
         if host.fd >= 0 and self._pools is not None:
             attached = dataclasses.replace(attached, host_pool_ticket=self._pools.offer_host_pool(host))

@@ -54,7 +54,7 @@ class DaemonPort(Protocol):
 
     async def attach(self, model_id: str, geometry: KVGeometry, device_pages: int, kind: str,
                      pool: str | dict[str, Any] | None, regions: Sequence[Region] = (),
-                     signals: SignalsAsk | None = None) -> Attached: ...
+                     signals: SignalsAsk | None = None, model_dtype: str = "") -> Attached: ...
 
     def stats(self) -> dict[str, int]: ...
 
@@ -140,7 +140,7 @@ class CacheDaemonServicer(pb_grpc.CacheDaemonServicer):
         if request.HasField("topology"):
             self._check_scheduler_topology(request.topology)
         attached = await self._daemon.attach(ask.model_id, ask.geometry, ask.device_pages, ask.kind, ask.pool,
-                                             ask.regions, ask.signals)
+                                             ask.regions, ask.signals, ask.model_dtype)
         return attach_reply(attached)
 
     def _check_scheduler_topology(self, declared: pb.SchedulerTopology) -> None:

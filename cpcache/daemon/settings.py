@@ -12,6 +12,7 @@ from typing import Any
 
 import cpcache
 from cpcache.config import SETTINGS, DaemonConfig
+from cpcache.domain_file import convert_setting
 from cpcache.errors import InvalidArgument
 
 ENV_PREFIX = "CPCACHE_"
@@ -19,24 +20,6 @@ ENV_PREFIX = "CPCACHE_"
 
 def env_name(setting: str) -> str:
     return ENV_PREFIX + setting.upper()
-
-
-def _convert(name: str, raw: Any, source: str) -> Any:
-    kind: type = type(SETTINGS[name].default)
-    if isinstance(raw, kind) and not (kind is int and isinstance(raw, bool)):
-        return raw
-    text = str(raw).strip()
-    try:
-        if kind is bool:
-            lowered = text.lower()
-            if lowered in ("1", "true", "yes", "on"):
-                return True
-            if lowered in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(text)
-        return kind(text)
-    except ValueError:
-        raise InvalidArgument(f"setting {name} from {source}: {text!r} is not a valid {kind.__name__}") from None
 
 
 def parser() -> argparse.ArgumentParser:
@@ -73,14 +56,14 @@ def resolve(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None
         unknown = sorted(set(from_file) - set(SETTINGS))
         if unknown:
             raise InvalidArgument(f"config file {config_file}: unknown settings {unknown}")
-        values.update({k: _convert(k, v, config_file) for k, v in from_file.items()})
+        values.update({k: convert_setting(k, v, config_file) for k, v in from_file.items()})
     for name in SETTINGS:
         if env_name(name) in environ:
-            values[name] = _convert(name, environ[env_name(name)], env_name(name))
+            values[name] = convert_setting(name, environ[env_name(name)], env_name(name))
     for name in SETTINGS:
         flag_value = getattr(args, name)
         if flag_value is not None:
-            values[name] = _convert(name, flag_value, "--" + name.replace("_", "-"))
+            values[name] = convert_setting(name, flag_value, "--" + name.replace("_", "-"))
     return DaemonConfig.from_settings(values)
 
 

@@ -79,6 +79,7 @@ class AttachAsk:
     pool: str | dict[str, Any] | None
     regions: list[Region]
     signals: SignalsAsk | None = None
+    model_dtype: str = ""  # "" from a client that does not send it
 
 
 def attach_from_wire(request: pb.AttachRequest) -> AttachAsk:
@@ -107,7 +108,8 @@ def attach_from_wire(request: pb.AttachRequest) -> AttachAsk:
     if kind == "cuda_ipc":
         pool = cuda_ipc_from_wire(request.cuda_ipc) if request.HasField("cuda_ipc") else None
     return AttachAsk(request.model_id, geometry, request.device_pages, kind, pool, regions,
-                     signals_from_wire(request.load_signals) if request.HasField("load_signals") else None)
+                     signals_from_wire(request.load_signals) if request.HasField("load_signals") else None,
+                     request.model_dtype)
 
 
 def signals_from_wire(signals: pb.LoadSignals) -> SignalsAsk:

@@ -266,7 +266,7 @@ class HostPool:
 
     def stored_view(self, slot: int) -> torch.Tensor:
         """One page in stored order, [components, layers, page_size, heads, head_dim] (a view)."""
-        return self.page_view(slot)[:, :, 0].transpose(0, 1)
+        return host_layout.stored_page(self.tensor, self.geometry, self.layout, slot)
 
     def page_parts(self, slot: int) -> list[tuple[int, np.ndarray]]:
         """(address, bytes) of each run of one page, in stored order, in place

@@ -10,9 +10,7 @@ from cpcache.dataplane.copy_faults import CopyFaults
 from cpcache.dataplane.local_io import LocalIO
 from cpcache.dataplane.movers import Tiers, Transfers
 from cpcache.dataplane.pools import DevicePool, HostPool
-from cpcache.dataplane.storage import StorageBackend
-from cpcache.dataplane.storage.faults import FaultyBackend, StorageFaults
-from cpcache.dataplane.storage.file import FileBackend
+from cpcache.dataplane.storage.configured import open_storage
 from cpcache.errors import ResourceExhausted
 from cpcache.geometry import KVGeometry
 from cpcache.keys import ShardingSpec, tenant_of
@@ -20,41 +18,6 @@ from cpcache.rank.runtime import CacheRuntime
 from cpcache.state.allocator import PageAllocator
 from cpcache.state.carryover import KeptPage, restore
 from cpcache.state.machine import CacheState
-
-
-def open_storage(config: DaemonConfig, geometry: KVGeometry, host: HostPool) -> StorageBackend | None:
-    """The chosen backend, given its own settings only."""
-    backend: StorageBackend
-    if config.storage == "none":
-        return None
-    if config.storage == "file":
-        backend = FileBackend(
-            root=config.storage_root,
-            geometry_fingerprint=geometry.fingerprint(),
-            capacity_bytes=config.storage_capacity_bytes,
-            io_threads=config.io_threads,
-            page_bytes=geometry.page_bytes,
-        )
-    else:
-        from cpcache.dataplane.storage.mooncake import MooncakeBackend  # imported only when chosen
-
-        backend = MooncakeBackend(
-            master=config.storage_master,
-            metadata_server=config.storage_metadata_server,
-            buffers=[(host.tensor.data_ptr(), host.nbytes)],
-            protocol=config.storage_protocol,
-            local_hostname=config.storage_local_hostname,
-            device_name=config.storage_device,
-            global_segment_size=config.storage_segment_bytes,
-            geometry_fingerprint=geometry.fingerprint(),
-        )
-    faults = StorageFaults(
-        delay_ms=config.faults.storage_delay_ms,
-        fail_rate=config.faults.storage_fail_rate,
-        truncate_rate=config.faults.storage_truncate_rate,
-        seed=config.faults.seed * 1000 + config.rank,
-    )
-    return FaultyBackend(backend, faults) if faults.active else backend
 
 
 def check_host_budget(config: DaemonConfig, geometry: KVGeometry) -> None:
@@ -67,12 +30,13 @@ def check_host_budget(config: DaemonConfig, geometry: KVGeometry) -> None:
             f"more than host_pool_max_bytes ({config.host_pool_max_bytes}); raise it or send a smaller geometry")
 
 
-def open_runtime(config: DaemonConfig, geometry: KVGeometry, device: DevicePool, model_id: str = "") -> CacheRuntime:
+def open_runtime(config: DaemonConfig, geometry: KVGeometry, device: DevicePool, model_id: str = "",
+                 model_dtype: str = "") -> CacheRuntime:
     check_host_budget(config, geometry)
     topology = config.topology
     coords = topology.coordinates(config.rank)
     host = HostPool(geometry, config.host_pool_pages, config.host_layout)
-    storage = open_storage(config, geometry, host)
+    storage = open_storage(config, geometry, [(host.tensor.data_ptr(), host.nbytes)])
     copy_faults = CopyFaults(config.faults.copy_delay_ms, config.faults.copy_fail_rate,
                              seed=config.faults.seed * 1000 + config.rank + 500,
                              layer_delay_ms=config.faults.copy_layer_delay_ms,
@@ -86,7 +50,7 @@ def open_runtime(config: DaemonConfig, geometry: KVGeometry, device: DevicePool,
         cp_size=topology.cp,
         tp_rank=coords.atp,
         tp_size=topology.atp,
-        tenant=tenant_of(model_id, geometry.fingerprint()),
+        tenant=tenant_of(model_id, geometry.fingerprint(), model_dtype),
     )
     state = CacheState(config.cache_config, PageAllocator(host.pages), sharding, geometry.page_size, device.pages)
     return CacheRuntime(state, LocalIO(transfers, config.storage_timeout_s))

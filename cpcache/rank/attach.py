@@ -55,11 +55,20 @@ class _LastAttach:
     attached: Attached
 
 
-def attach_descriptor(config: DaemonConfig, model_id: str, geometry: KVGeometry, device_pages: int) -> dict[str, Any]:
-    """What must be the same on every rank: it shapes the shared state."""
-    return {"model_id": model_id, "geometry": dataclasses.asdict(geometry), "device_pages": device_pages,
-            "host_pool_pages": config.host_pool_pages, "host_layout": config.host_layout,
-            "cache": dataclasses.asdict(config.cache_config)}
+def attach_descriptor(config: DaemonConfig, model_id: str, geometry: KVGeometry, device_pages: int,
+                      model_dtype: str = "") -> dict[str, Any]:
+    """What must be the same on every rank: it shapes the shared state (and
+    the tenant of its storage keys: a reattach that changes any of it,
+    the model's dtype included, resumes nothing). The model dtype is in it
+    only when declared: an older client's attach agrees with daemons that
+    predate the field, a newer one's never does (they would key its pages
+    apart)."""
+    descriptor = {"model_id": model_id, "geometry": dataclasses.asdict(geometry), "device_pages": device_pages,
+                  "host_pool_pages": config.host_pool_pages, "host_layout": config.host_layout,
+                  "cache": dataclasses.asdict(config.cache_config)}
+    if model_dtype:
+        descriptor["model_dtype"] = model_dtype
+    return descriptor
 
 
 class Attacher:
@@ -72,15 +81,16 @@ class Attacher:
         self._sessions = 0  # data-plane sessions opened
 
     async def attach(self, model_id: str, geometry: KVGeometry, device_pages: int, kind: str,
-                     open_device: Callable[[], DevicePool]) -> Attached:
+                     open_device: Callable[[], DevicePool], model_dtype: str = "") -> Attached:
         """Attach the pool `open_device` opens (blocking: run on a thread),
-        `kind` naming how it was handed over, for the log."""
-        task = asyncio.ensure_future(self._attach(model_id, geometry, device_pages, kind, open_device))
+        `kind` naming how it was handed over, for the log; `model_dtype`
+        (the dtype the model computes in) is part of the tenant."""
+        task = asyncio.ensure_future(self._attach(model_id, geometry, device_pages, kind, open_device, model_dtype))
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
         return await asyncio.shield(task)
 
     async def _attach(self, model_id: str, geometry: KVGeometry, device_pages: int, kind: str,
-                      open_device: Callable[[], DevicePool]) -> Attached:
+                      open_device: Callable[[], DevicePool], model_dtype: str) -> Attached:
         formation = self._formation
         await formation.wait_reformed()
         formation.admit()
@@ -91,7 +101,7 @@ class Attacher:
         # one is refused without ending the session that works.
         check_host_budget(self.config, geometry)
         device = await asyncio.to_thread(open_device)
-        descriptor = attach_descriptor(self.config, model_id, geometry, device_pages)
+        descriptor = attach_descriptor(self.config, model_id, geometry, device_pages, model_dtype)
         # Whether loads are overlapped, and with how many slots, shapes every
         # rank's scheduler steps alike: agreed like the pool.
         descriptor["load_signal_slots"] = device.signals.slots if device.signals is not None else 0
@@ -106,12 +116,13 @@ class Attacher:
             # the host pool holds is carried over.
             await formation.reform("a scheduler attached again: its previous session ends")
             stepper = formation.admit()
-        task = asyncio.ensure_future(self._agreed(stepper, model_id, geometry, device, descriptor, kind))
+        task = asyncio.ensure_future(self._agreed(stepper, model_id, model_dtype, geometry, device, descriptor,
+                                                  kind))
         self._task = formation.attaching = task
         return await task
 
-    async def _agreed(self, stepper: Stepper, model_id: str, geometry: KVGeometry, device: DevicePool,
-                      descriptor: dict[str, Any], kind: str) -> Attached:
+    async def _agreed(self, stepper: Stepper, model_id: str, model_dtype: str, geometry: KVGeometry,
+                      device: DevicePool, descriptor: dict[str, Any], kind: str) -> Attached:
         formation, config = self._formation, self.config
         runtime: CacheRuntime | None = None
         kept = formation.kept if formation.kept is not None and formation.kept.descriptor == descriptor else None
@@ -121,7 +132,7 @@ class Attacher:
             resumes = carryover.digest(kept.runtime.state.index)
         confirmer = formation.confirmer
         try:
-            runtime = await asyncio.to_thread(self._open_runtime, model_id, geometry, device, kept)
+            runtime = await asyncio.to_thread(self._open_runtime, model_id, model_dtype, geometry, device, kept)
             if kept is None:
                 runtime.state.carried_over([], formation.busy)
             # From here the domain decides, once, for every rank alike: nothing
@@ -165,16 +176,18 @@ class Attacher:
         formation.kept, formation.attached_with = None, descriptor
         resumed = len(runtime.state.index) if kept is not None else 0
         key_seed = namespace_seed(model_id, geometry.dtype, config.host_layout, geometry.page_size)
-        log.info("attached %r in epoch %d: %d device pages of %d bytes (%s), %d host pages resumed", model_id,
-                 formation.epoch, device.pages, geometry.page_bytes, kind, resumed)
+        log.info("attached %r (model dtype %r, KV %s) in epoch %d: %d device pages of %d bytes (%s), %d host pages "
+                 "resumed", model_id, model_dtype, geometry.dtype, formation.epoch, device.pages, geometry.page_bytes,
+                 kind, resumed)
         storage = runtime.io.storage
         attached = Attached(geometry.page_bytes, config.host_pool_pages, config.host_layout,
                             storage.name if storage else "none", key_seed, resumed, formation.epoch)
         self._last = _LastAttach(stepper, descriptor, device.identity, stepper.last_step, attached)
         return attached
 
-    def _open_runtime(self, model_id: str, geometry: KVGeometry, device: DevicePool, kept: Held | None) -> CacheRuntime:
+    def _open_runtime(self, model_id: str, model_dtype: str, geometry: KVGeometry, device: DevicePool,
+                      kept: Held | None) -> CacheRuntime:
         check_host_budget(self.config, geometry)
-        if kept is not None:  # the same model and geometry: the host pool and its pages go on
+        if kept is not None:  # the same model, dtype and geometry: the host pool and its pages go on
             return kept.runtime
-        return open_runtime(self.config, geometry, device, model_id)
+        return open_runtime(self.config, geometry, device, model_id, model_dtype)

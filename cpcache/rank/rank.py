@@ -137,8 +137,8 @@ class Rank:
                 "the scheduler's sizes (cpcache launch --tp/--cp/--dp/--pp) and connect rank r to rank r's socket")
 
     async def attach(self, model_id: str, geometry: KVGeometry, device_pages: int, kind: str,
-                     open_device: Callable[[], DevicePool]) -> Attached:
-        return await self._attacher.attach(model_id, geometry, device_pages, kind, open_device)
+                     open_device: Callable[[], DevicePool], model_dtype: str = "") -> Attached:
+        return await self._attacher.attach(model_id, geometry, device_pages, kind, open_device, model_dtype)
 
     async def match(self, pages: Sequence[bytes], host_only: bool = False) -> tuple[int, int]:
         """How many leading `pages` the host pool holds, and storage (0

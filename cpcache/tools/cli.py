@@ -35,34 +35,14 @@ def topology_of(args: argparse.Namespace) -> Topology:
 
 
 def _daemon_settings(path: str | None) -> tuple[dict, dict[int, dict]]:
-    """Every rank's other settings, and settings for single ranks (`[rank.N]`
-    tables, e.g. to slow one rank's copies), from a TOML file of cpcached's
-    settings (names as in `cpcached --help`); the launcher's own (rank,
-    sizes, rendezvous, socket) are not settable there."""
-    if not path:
-        return {}, {}
-    import tomllib
+    """`domain_file_settings`, a bad file stopping the launcher with its reason."""
+    from cpcache.domain_file import domain_file_settings
+    from cpcache.errors import InvalidArgument
 
-    from cpcache.config import FAULT_SETTINGS, SETTINGS
-
-    with open(path, "rb") as fh:
-        settings = tomllib.load(fh)
-    per_rank = settings.pop("rank") if isinstance(settings.get("rank"), dict) else {}
-    own = {"rank", "tp", "pp", "dp", "cp", "rendezvous", "deployment", "socket"}
-    known = set(SETTINGS) - own
-    unknown = sorted(set(settings) - known)
-    if unknown:
-        raise SystemExit(f"cpcache launch: {path}: unknown or launcher-owned settings {', '.join(unknown)}")
-    if not all(r.isdigit() and str(int(r)) == r for r in per_rank):
-        raise SystemExit(f"cpcache launch: {path}: [rank.N] tables need a rank number, got {sorted(per_rank)}")
-    for rank, table in per_rank.items():
-        # What a domain must hold alike (pools, storage, policies) is not a
-        # rank's own: only fault injection may differ between ranks.
-        own_only = sorted(set(table) - set(FAULT_SETTINGS)) if isinstance(table, dict) else ["(not a table)"]
-        if own_only:
-            raise SystemExit(f"cpcache launch: {path}: [rank.{rank}] may set only fault_* settings, "
-                             f"not {', '.join(own_only)}")
-    return settings, {int(r): t for r, t in per_rank.items()}
+    try:
+        return domain_file_settings(path)
+    except InvalidArgument as exc:
+        raise SystemExit(f"cpcache launch: {exc}") from None
 
 
 async def _launch(args: argparse.Namespace) -> int:

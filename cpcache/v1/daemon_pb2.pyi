@@ -65,7 +65,7 @@ class PoolRegion(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., strides: _Optional[_Iterable[int]] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
-    __slots__ = ("model_id", "geometry", "device_pages", "shm_path", "cuda_ipc", "shm_ticket", "topology", "regions", "load_signals")
+    __slots__ = ("model_id", "geometry", "device_pages", "shm_path", "cuda_ipc", "shm_ticket", "topology", "regions", "load_signals", "model_dtype")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
     DEVICE_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,7 @@ class AttachRequest(_message.Message):
     TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     LOAD_SIGNALS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_DTYPE_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     geometry: Geometry
     device_pages: int
@@ -84,7 +85,8 @@ class AttachRequest(_message.Message):
     topology: SchedulerTopology
     regions: _containers.RepeatedCompositeFieldContainer[PoolRegion]
     load_signals: LoadSignals
-    def __init__(self, model_id: _Optional[str] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., device_pages: _Optional[int] = ..., shm_path: _Optional[str] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., shm_ticket: _Optional[str] = ..., topology: _Optional[_Union[SchedulerTopology, _Mapping]] = ..., regions: _Optional[_Iterable[_Union[PoolRegion, _Mapping]]] = ..., load_signals: _Optional[_Union[LoadSignals, _Mapping]] = ...) -> None: ...
+    model_dtype: str
+    def __init__(self, model_id: _Optional[str] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., device_pages: _Optional[int] = ..., shm_path: _Optional[str] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., shm_ticket: _Optional[str] = ..., topology: _Optional[_Union[SchedulerTopology, _Mapping]] = ..., regions: _Optional[_Iterable[_Union[PoolRegion, _Mapping]]] = ..., load_signals: _Optional[_Union[LoadSignals, _Mapping]] = ..., model_dtype: _Optional[str] = ...) -> None: ...
 
 class LoadSignals(_message.Message):
     __slots__ = ("shm_ticket", "slots", "cuda_events")

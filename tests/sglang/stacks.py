@@ -103,7 +103,7 @@ def kill_daemon_mid_run_and_come_back(stack: Stack, seed: int, victim: int = 1) 
         inflight = [prompt(system, docs[d], 1 + attempt, d) for d in (len(docs) - 4, 0, 1)] + \
             [prompt(other_system, new_doc, 0, 0)]
         wanted = [stack.reference(ids) for ids in inflight]
-        workers = [in_background(lambda ids=ids: stack.cpcache.generate(ids)) for ids in inflight]
+        workers = [in_background(lambda ids=ids: stack.generate(ids)) for ids in inflight]
         caught = open_operations_on(stack, victim, until=lambda ops: ops["open_loads"] > 0,
                                     running=lambda workers=workers: any(t.is_alive() for t, _ in workers))
         if caught["open_loads"] > 0:

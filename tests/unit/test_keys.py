@@ -1,13 +1,15 @@
-"""Page keys: SGLang's get_hash_str bytes, namespaces, sharding suffixes and
-writer election."""
+"""Page keys: SGLang's get_hash_str bytes, namespaces, tenants, sharding
+suffixes and writer election."""
 
 import hashlib
 import struct
+from dataclasses import replace
 
 import pytest
 
 from cpcache.errors import InvalidArgument
-from cpcache.keys import ShardingSpec, chain, namespace_seed, page_hash
+from cpcache.geometry import KVGeometry
+from cpcache.keys import ShardingSpec, chain, namespace_seed, page_hash, tenant_of
 
 
 def reference_chain(tokens, page_size, prior_hex):
@@ -86,3 +88,50 @@ def test_a_backups_share_is_the_pages_this_rank_writes_under_their_keys():
         expected = [(spec.storage_key(p.hex()), s) for p, s in zip(pages, slots) if spec.writes(p.hex())]
         assert list(zip(keys, mine)) == expected
         assert spec.storage_keys(pages) == tuple(spec.storage_key(p.hex()) for p in pages)
+
+
+GEOMETRY = KVGeometry(layers=2, kv_kind="mha", heads=2, head_dim=16, dtype="float32", page_size=16)
+
+
+def test_a_tenant_without_a_model_dtype_is_the_one_older_clients_had():
+    # An Attach without model_dtype (a client from before the field) keys its
+    # pages as it always did: what it stored stays reachable.
+    old = hashlib.sha256(f"cpcache-tenant:m:{GEOMETRY.fingerprint()}".encode()).hexdigest()[:16]
+    assert tenant_of("m", GEOMETRY.fingerprint()) == tenant_of("m", GEOMETRY.fingerprint(), "") == old
+
+
+@pytest.mark.parametrize("other", [
+    dict(model_id="m2"),
+    dict(model_dtype="bfloat16"),  # the same KV dtype, computed by a model in another dtype
+    dict(model_dtype="float32+fp8"),  # weights quantized on the fly
+    dict(model_dtype=""),  # a client that does not say
+    dict(geometry=replace(GEOMETRY, dtype="bfloat16")),  # the KV dtype (SGLang's own keys omit it)
+    dict(geometry=replace(GEOMETRY, page_size=32)),
+    dict(geometry=replace(GEOMETRY, heads=1)),  # another attention TP: heads per rank
+    dict(geometry=replace(GEOMETRY, layers=3)),
+    dict(geometry=replace(GEOMETRY, head_dim=32)),
+    dict(geometry=KVGeometry(layers=2, kv_kind="mla", heads=1, head_dim=16, dtype="float32", page_size=16)),
+])
+def test_whatever_makes_pages_incompatible_makes_another_tenant(other):
+    base = dict(model_id="m", model_dtype="float32", geometry=GEOMETRY)
+
+    def key(model_id, model_dtype, geometry):
+        tenant = tenant_of(model_id, geometry.fingerprint(), model_dtype)
+        return ShardingSpec(tp_rank=0, tp_size=1, tenant=tenant).storage_key("ab" * 32)
+
+    assert key(**base) == key(**dict(base))
+    assert key(**base) != key(**{**base, **other})
+
+
+def test_the_host_layout_is_not_in_a_storage_key_and_sharding_is():
+    # Stored pages are in one order whatever the host layout (HostPool), so a
+    # key holds none; attention TP and CP sharding are in its suffix.
+    tenant = tenant_of("m", GEOMETRY.fingerprint(), "float32")
+    page = "cd" * 32
+    # Attention TP 1 under CP 2 (a replicated page) and a plain TP 1 rank: one key.
+    cp_rank = ShardingSpec(cp="cp_replicated", cp_rank=1, cp_size=2, tp_rank=0, tp_size=1, tenant=tenant)
+    tp1 = ShardingSpec(tenant=tenant)
+    assert cp_rank.storage_key(page) == tp1.storage_key(page) == f"{tenant}.{page}_tp0_1"
+    assert ShardingSpec(tp_rank=0, tp_size=2, tenant=tenant).storage_key(page) != tp1.storage_key(page)
+    assert ShardingSpec(cp="cp_sharded", cp_rank=0, cp_size=2, tenant=tenant).storage_key(page) != \
+        tp1.storage_key(page)

@@ -5,6 +5,8 @@ by a hand-kept list.
     tools -> daemon -> rank -> dataplane -> state -> agreement -> vocabulary
     client -> vocabulary (and the generated wire code)
     integrations -> client -> vocabulary (what runs inside an inference server)
+    integrations -> dataplane (the store, written directly by a server with
+                   no daemon beneath it: SGLang's decode offload)
     tools -> testing -> daemon, dataplane, integrations, client, vocabulary
              (the test and measurement kits: the CLI runs them, they never
              import the CLI)
@@ -22,7 +24,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "cpcache"
 VOCABULARY = "vocabulary"  # the top-level modules: errors, values, config, topology, keys, geometry, hashing
 ORDER = ["vocabulary", "agreement", "state", "dataplane", "rank", "daemon", "tools"]
 # Rooms outside the chain, and what each may import besides itself.
-SIDE_ROOMS = {"client": {"vocabulary", "v1"}, "integrations": {"client", "vocabulary", "v1"}, "v1": set(),
+SIDE_ROOMS = {"client": {"vocabulary", "v1"}, "integrations": {"client", "vocabulary", "v1", "dataplane"}, "v1": set(),
               "testing": {"daemon", "dataplane", "integrations", "client", "vocabulary", "v1"}}
 CORE = {"vocabulary", "agreement", "state", "dataplane", "rank"}
 

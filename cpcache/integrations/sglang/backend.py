@@ -35,12 +35,26 @@ def _world_rank(tp_rank: int) -> int:
     return tp_rank
 
 
-def _default_model_id(server_args: Any) -> str:
+def default_model_id(server_args: Any) -> str:
     """SGLang's served model name and weight version: pages computed by other
     weights are another tenant's."""
     name = getattr(server_args, "served_model_name", None) or server_args.model_path
     version = getattr(server_args, "weight_version", None) or "default"
     return f"{name}@{version}"
+
+
+def model_dtype_of(context: Any) -> str:
+    """The dtype the model computes in: SGLang's --dtype as its model config
+    resolved it ("auto" becomes the checkpoint's), with the weights'
+    quantization after a "+" when they have one ("bfloat16+fp8"). Two
+    servers of one model id and KV dtype compute other KV in other dtypes:
+    the daemon makes it part of the tenant (SGLang's own storage keys hold
+    neither it nor the KV dtype)."""
+    config = getattr(context, "model_config", None)
+    dtype = getattr(config, "dtype", None) or getattr(context.server_args, "dtype", "") or ""
+    name = str(dtype).removeprefix("torch.")
+    quantization = getattr(config, "quantization", None) or getattr(context.server_args, "quantization", None)
+    return f"{name}+{quantization}" if quantization else name
 
 
 def scheduler_topology(server_args: Any, tp_size: int) -> Topology:
@@ -89,7 +103,8 @@ def build_cache(context: Any, settings: Settings | None = None) -> Any:
     rank = _world_rank(context.tp_rank)
     topology = scheduler_topology(context.server_args, context.tp_size)
     socket = settings.socket_for(rank, context.tp_rank)
-    model_id = settings.model_id or _default_model_id(context.server_args)
+    model_id = settings.model_id or default_model_id(context.server_args)
+    model = (model_id, model_dtype_of(context))
     kv_pool = params.token_to_kv_pool_allocator.get_kvcache()
     pool = share_device_pool(kv_pool, params.page_size)
     runner_pool = _model_runner_pool(context, kv_pool)
@@ -112,16 +127,16 @@ def build_cache(context: Any, settings: Settings | None = None) -> Any:
             raise server_flags.UnsupportedServer(
                 f"cpcache: the daemon at {socket} runs with agreement_lag {lag}; the SGLang backend needs 0 (its "
                 "host matches follow the host pool step by step); start the daemons with --lag 0")
-        attached = _attach(client, model_id, pool, (topology, rank), layer_loads)
+        attached = _attach(client, model, pool, (topology, rank), layer_loads)
         first_step = client.status().last_step + 1
         first_epoch = attached.epoch
     except BaseException:
         client.close()
         raise
     check_in_place(pool, runner_pool)
-    log.info("cpcache: rank %d attached %r to %s (%d device pages in %d per-layer regions, %d host pages, "
-             "storage %s)", rank, model_id, socket, pool.device_pages, len(pool.regions), attached.host_pages,
-             attached.storage)
+    log.info("cpcache: rank %d attached %r (model dtype %s, KV %s) to %s (%d device pages in %d per-layer regions, "
+             "%d host pages, storage %s)", rank, model_id, model[1], pool.geometry.dtype, socket, pool.device_pages,
+             len(pool.regions), attached.host_pages, attached.storage)
     log_in_place(rank, before, _held(pool, runner_pool))
 
     decisions = DecisionLog() if settings.record_decisions else None  # one log across attaches
@@ -152,7 +167,7 @@ def build_cache(context: Any, settings: Settings | None = None) -> Any:
         # are swapped only once the attach succeeded: until then the old ones
         # are what a flush needs to make sure the old daemon writes no more.
         board = LoadSignals.create(layer_loads.signals.slots) if layer_loads is not None else None
-        again = _attach(client, model_id, pool, (topology, rank), layer_loads, board)
+        again = _attach(client, model, pool, (topology, rank), layer_loads, board)
         old, daemon[0] = daemon[0], orphan_loads(socket, again, pool)
         if layer_loads is not None and board is not None:
             layer_loads.rebind(board, daemon[0])  # closes the old one
@@ -220,14 +235,18 @@ def orphan_loads(socket: str, attached: Any, pool: SharedPool) -> OrphanLoads | 
     return OrphanLoads(fd, pid, pool.geometry, attached.host_pages, attached.host_layout, pool.buffers)
 
 
-def _attach(client: Client, model_id: str, pool: SharedPool, placement: tuple[Topology, int],
+def _attach(client: Client, model: tuple[str, str], pool: SharedPool, placement: tuple[Topology, int],
             layer_loads: LayerLoads | None, board: LoadSignals | None = None) -> Any:
-    """`board`: the load-signal board to hand over (default: `layer_loads`')."""
+    """`model`: its id and the dtype it computes in (the tenant, with the
+    geometry); `board`: the load-signal board to hand over (default:
+    `layer_loads`')."""
     signals = board or (layer_loads.signals if layer_loads is not None else None)
+    model_id, model_dtype = model
     try:
         return client.attach(model_id, pool.geometry, pool.device_pages, pool_fd=pool.fd, placement=placement,
                              regions=pool.regions, load_signals=signals,
-                             cuda_events=layer_loads.event_handles() if layer_loads is not None else ())
+                             cuda_events=layer_loads.event_handles() if layer_loads is not None else (),
+                             model_dtype=model_dtype)
     finally:
         if signals is not None:
             signals.close_fd()  # the daemon holds its own descriptor now; the mapping stays

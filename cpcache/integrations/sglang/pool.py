@@ -54,16 +54,21 @@ class SharedPool:
         return device if device.type == "cuda" else None
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """The geometry's name of a KV dtype, or an error naming those supported."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        raise ValueError(f"cpcache: SGLang KV dtype {dtype} is not supported (supported: {', '.join(DTYPES)})")
+    return name
+
+
 def geometry_of(kv_pool: Any, page_size: int) -> KVGeometry:
     """The daemon's geometry for an SGLang MHA or MLA token-to-KV pool."""
     if getattr(kv_pool, "is_quantized_kv_cache", False) or any(
             getattr(kv_pool, name, None) is not None for name in ("k_scale_buffer", "v_scale_buffer",
                                                                   "kv_scale_buffer")):
         raise ValueError("cpcache: quantized KV pools (with scale buffers) are not supported")
-    dtype = _DTYPE_NAMES.get(kv_pool.store_dtype)
-    if dtype is None:
-        raise ValueError(f"cpcache: SGLang KV dtype {kv_pool.store_dtype} is not supported "
-                         f"(supported: {', '.join(DTYPES)})")
+    dtype = dtype_name(kv_pool.store_dtype)
     if hasattr(kv_pool, "kv_buffer") and not hasattr(kv_pool, "k_buffer"):
         return KVGeometry(layers=kv_pool.layer_num, kv_kind="mla", heads=1, head_dim=kv_pool.kv_cache_dim,
                           dtype=dtype, page_size=page_size)

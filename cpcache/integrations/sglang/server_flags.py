@@ -20,7 +20,20 @@ from typing import Any
 
 # The storage flag's extra config that names cpcache's daemon as the tier.
 STORAGE_EXTRA_CONFIG = {"backend_name": "cpcache", "module_path": "cpcache.integrations.sglang.storage",
-                        "class_name": "DaemonStorage"}
+                        "class_name": "CpcacheStore", "interface_v1": 1}
+
+
+# Why a decode server cannot run over the backend (SGLang 0.5.23).
+DECODE_REFUSED = (
+    "cpcache: --radix-cache-backend cpcache is for aggregated and prefill servers, not a decode server "
+    "(--disaggregation-mode decode). A decode server has a radix cache only with "
+    "--disaggregation-decode-enable-radix-cache, and with --enable-hierarchical-cache (which the backend needs) "
+    "SGLang's decode-side restore (disaggregation/decode_hicache_mixin.py) drives HiCache's own radix tree and "
+    "controller directly (cache_controller.layer_done_counter, has_free_load_back_slot, query_storage_hit_length, "
+    "prefetch_from_storage with its hash chain, is_load_back_event_done), not the radix-cache backend interface; "
+    "without that flag the decode server keeps no cache at all. To share what the decode server generates, run it "
+    "without this backend and with --disaggregation-decode-enable-offload-kvcache over cpcache's store "
+    "(docs/sglang.md, \"Prefill and decode apart\")")
 
 
 class UnsupportedServer(ValueError):
@@ -56,6 +69,8 @@ def storage_prefetch_enabled(server_args: Any) -> bool:
 def check(context: Any) -> None:
     """Refuse what the backend cannot serve, naming the flag."""
     server_args = context.server_args
+    if getattr(server_args, "disaggregation_mode", "null") == "decode":
+        raise UnsupportedServer(DECODE_REFUSED)
     if context.disable_radix_cache:
         raise UnsupportedServer("cpcache: --radix-cache-backend cpcache with --disable-radix-cache caches nothing; "
                                 "drop one of them")

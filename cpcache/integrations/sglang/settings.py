@@ -45,6 +45,10 @@ class Settings:
     # How long the server's start waits for its daemon to serve (a daemon
     # still starting, or busy on a loaded host, is waited for).
     start_timeout_s: float = 120.0
+    # The domain's settings file (the TOML `cpcache launch --config` and the
+    # daemons read): where a server without daemons beneath it (a decode
+    # server's KV offload, `storage.CpcacheStore`) finds the store it shares.
+    daemon_config: str = ""
 
     def __post_init__(self) -> None:
         if self.load_back not in LOAD_BACKS:

@@ -247,8 +247,13 @@ class Daemons:
     per_rank: dict[int, dict] = field(default_factory=dict)  # rank -> settings of that rank only
     process: Watched | None = None
 
+    @property
+    def config(self) -> Path:
+        """The domain's settings file (`cpcache launch --config`), written at start."""
+        return self.run_dir.parent / f"{self.run_dir.name}.toml"
+
     def start(self, timeout_s: float = 120.0) -> Daemons:
-        config = self.run_dir.parent / f"{self.run_dir.name}.toml"
+        config = self.config
 
         def table(settings: dict) -> str:
             return "".join(f"{k} = {json.dumps(v)}\n" for k, v in settings.items())

@@ -134,9 +134,13 @@ class Stack:
             self.expected[key] = self.plain.generate(ids)
         return self.expected[key]
 
+    def generate(self, ids: list[int]) -> Reply:
+        """cpcache's reply, as a client gets it."""
+        return self.cpcache.generate(ids)
+
     def check(self, ids: list[int]) -> Reply:
         """cpcache's reply, asserted equal to the reference server's."""
-        got = self.cpcache.generate(ids)
+        got = self.generate(ids)
         want = self.reference(ids)
         assert same_outputs(got, want), f"cpcache answered {got}, a server without cache {want}"
         return got

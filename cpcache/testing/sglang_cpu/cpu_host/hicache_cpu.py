@@ -1,4 +1,4 @@
-"""SGLang's own HiCache (host memory tier, no storage) on this CPU-only host,
+"""SGLang's own HiCache (host memory tier, and its storage tier) on this CPU-only host,
 for a side-by-side comparison with cpcache. Imported by sitecustomize.py only
 when CPCACHE_TEST_HICACHE_CPU=1; for comparisons on such hosts only (the SGLang
 suite, `cpcache bench sglang`).
@@ -14,6 +14,7 @@ The modules are patched as they are imported (import_patches.py).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from types import ModuleType
 
@@ -29,6 +30,25 @@ def _patch_host_pool_common(module: ModuleType) -> None:
         return None
 
     setattr(module, "_cuda_host_register", no_host_register)  # noqa: B010
+
+
+def _patch_host_pool_base(module: ModuleType) -> None:
+    # HostKVCache keeps its pin_memory flag (True by default) and later
+    # allocates with it: every storage read of a page allocates a pinned
+    # bounce page (pool_host/mha.py get_dummy_flat_data_page), which raises
+    # on a torch without CUDA; cache_controller._page_transfer then logs
+    # "HiCache prefetch transfer failed" and counts 0 pages, so HiCache would
+    # write its storage tier and never read it back. Nothing can be pinned
+    # on a CPU host: every host pool is built unpinned.
+    cls = module.HostKVCache
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def unpinned(self, *args: object, **kwargs: object) -> None:
+        kwargs["pin_memory"] = False
+        init(self, *args, **kwargs)
+
+    cls.__init__ = unpinned
 
 
 def transfer_kv_direct(src_layers: list[torch.Tensor], dst_layers: list[torch.Tensor],
@@ -54,6 +74,7 @@ def _patch_host_pool_mha(module: ModuleType) -> None:
 
 
 PATCHES: dict[str, Callable[[ModuleType], None]] = {
+    "sglang.srt.mem_cache.pool_host.base": _patch_host_pool_base,
     "sglang.srt.mem_cache.pool_host.common": _patch_host_pool_common,
     "sglang.srt.mem_cache.pool_host.mha": _patch_host_pool_mha,
 }

@@ -23,9 +23,11 @@ gpu_stubs.install()
 
 # Opt-in patches of SGLang modules (beside this file, so on the same
 # PYTHONPATH): SGLang's own HiCache on this CPU host, for comparison runs
-# (hicache_cpu.py), and prefill context parallelism in the torch_native
-# attention backend (cp_torch_native.py).
-_OPT_IN = {"CPCACHE_TEST_HICACHE_CPU": "hicache_cpu", "CPCACHE_TEST_CP_TORCH_NATIVE": "cp_torch_native"}
+# (hicache_cpu.py), prefill context parallelism in the torch_native
+# attention backend (cp_torch_native.py), and the prefill side of
+# prefill/decode disaggregation (pd_cpu.py).
+_OPT_IN = {"CPCACHE_TEST_HICACHE_CPU": "hicache_cpu", "CPCACHE_TEST_CP_TORCH_NATIVE": "cp_torch_native",
+           "CPCACHE_TEST_PD_CPU": "pd_cpu"}
 for variable, module_name in _OPT_IN.items():
     if os.environ.get(variable) == "1":
         import importlib

@@ -1,0 +1,50 @@
+"""The storage backend a daemon's settings choose, with its fault injection:
+opened alike by a rank's daemon (over its host pool) and by a process that
+writes the same store directly (SGLang's decode offload, over its own host
+pool), so both frame, key and check pages the same way."""
+
+from __future__ import annotations
+
+from cpcache.config import DaemonConfig
+from cpcache.dataplane.storage import StorageBackend
+from cpcache.dataplane.storage.faults import FaultyBackend, StorageFaults
+from cpcache.dataplane.storage.file import FileBackend
+from cpcache.geometry import KVGeometry
+
+
+def open_storage(config: DaemonConfig, geometry: KVGeometry,
+                 buffers: list[tuple[int, int]]) -> StorageBackend | None:
+    """The chosen backend, given its own settings only; `buffers`: the
+    (address, nbytes) of host memory pages move from and into (Mooncake
+    registers them with its transfer engine)."""
+    backend: StorageBackend
+    if config.storage == "none":
+        return None
+    if config.storage == "file":
+        backend = FileBackend(
+            root=config.storage_root,
+            geometry_fingerprint=geometry.fingerprint(),
+            capacity_bytes=config.storage_capacity_bytes,
+            io_threads=config.io_threads,
+            page_bytes=geometry.page_bytes,
+        )
+    else:
+        from cpcache.dataplane.storage.mooncake import MooncakeBackend  # imported only when chosen
+
+        backend = MooncakeBackend(
+            master=config.storage_master,
+            metadata_server=config.storage_metadata_server,
+            buffers=buffers,
+            protocol=config.storage_protocol,
+            local_hostname=config.storage_local_hostname,
+            device_name=config.storage_device,
+            global_segment_size=config.storage_segment_bytes,
+            geometry_fingerprint=geometry.fingerprint(),
+        )
+    faults = StorageFaults(
+        delay_ms=config.faults.storage_delay_ms,
+        fail_rate=config.faults.storage_fail_rate,
+        truncate_rate=config.faults.storage_truncate_rate,
+        seed=config.faults.seed * 1000 + config.rank,
+    )
+    return FaultyBackend(backend, faults) if faults.active else backend

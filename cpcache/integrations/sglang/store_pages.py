@@ -1,0 +1,137 @@
+"""Pages of an SGLang host pool put into, and read from, the store of a
+cpcache domain directly, under the keys and in the frames its daemons use:
+what SGLang's decode offload writes there is what the prefill's daemons read
+as storage hits (the previous turn's answer), and the other way round.
+
+A stored page is in cpcache's stored order, [components, layers, page_size,
+heads, head_dim] (`HostPool`), whatever SGLang's host layout: each page goes
+through a staging copy of at most `STAGE_PAGES` pages at a time, registered
+with the store once (Mooncake's transfer engine reads and writes it in
+place). The backend frames and checks every page (header, geometry
+fingerprint, checksum; the file backend's atomic rename), so a torn,
+foreign or damaged object reads as a miss, never as KV.
+
+No SGLang import here: `storage.CpcacheStore` adapts this to SGLang's
+storage interface.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from cpcache import host_layout
+from cpcache.config import DaemonConfig
+from cpcache.dataplane.storage import PageBuffer, StorageBackend
+from cpcache.dataplane.storage.configured import open_storage
+from cpcache.errors import InvalidArgument
+from cpcache.geometry import KVGeometry
+from cpcache.keys import ShardingSpec
+
+STAGE_PAGES = 16  # pages one staging copy holds: a batch larger than this goes in parts
+
+
+class _Stage:
+    """A staging area of pages in stored order, one call at a time."""
+
+    def __init__(self, geometry: KVGeometry, pages: int) -> None:
+        g = geometry
+        self.pages = torch.zeros((pages, g.components, g.layers, g.page_size, g.heads, g.head_dim),
+                                 dtype=g.torch_dtype)
+        self.bytes = self.pages.view(-1).view(torch.uint8).numpy()
+        self.base = self.pages.data_ptr()
+        self.page_bytes = g.page_bytes
+        self.lock = threading.Lock()
+
+    @property
+    def region(self) -> tuple[int, int]:
+        return self.base, self.bytes.nbytes
+
+    def buffer(self, i: int) -> PageBuffer:
+        start = i * self.page_bytes
+        return PageBuffer(self.base + start, self.bytes[start : start + self.page_bytes])
+
+
+class StorePages:
+    """One rank's view of the store: SGLang page hashes in, storage keys of
+    this rank's sharding out; pages moved between the store and `host` (an
+    SGLang host pool's buffer, viewed in `layout` by `cpcache.host_layout`)."""
+
+    def __init__(self, backend: StorageBackend, sharding: ShardingSpec, geometry: KVGeometry,
+                 host: torch.Tensor, layout: str, stages: tuple[_Stage, _Stage]) -> None:
+        self.backend = backend
+        self.sharding = sharding
+        self.geometry = geometry
+        self.host = host
+        self.layout = layout
+        self._put_stage, self._get_stage = stages
+
+    @staticmethod
+    def open(config: DaemonConfig, geometry: KVGeometry, sharding: ShardingSpec, host: torch.Tensor,
+             layout: str, stage_pages: int = STAGE_PAGES) -> StorePages:
+        """Over the store `config` names (a domain's settings, `domain_config`)."""
+        # The page count sits at dim 1 (page_first_direct's pages, page_first's
+        # tokens) or dim 2 (layer_first's tokens).
+        count = host.shape[2 if layout == "layer_first" else 1] if host.dim() > 2 else 0
+        pages = count if layout == "page_first_direct" else count // geometry.page_size
+        expected = host_layout.host_shape(geometry, pages, layout)
+        if tuple(host.shape) != expected or host.dtype != geometry.torch_dtype:
+            raise InvalidArgument(f"store: a host pool of shape {tuple(host.shape)} ({host.dtype}) is not the "
+                                  f"{layout} layout of {geometry} (expected {expected})")
+        stages = (_Stage(geometry, stage_pages), _Stage(geometry, stage_pages))
+        backend = open_storage(config, geometry, [stage.region for stage in stages])
+        if backend is None:
+            raise InvalidArgument("store: the domain's settings say storage = \"none\"; there is no store to use")
+        return StorePages(backend, sharding, geometry, host, layout, stages)
+
+    def keys(self, hashes: Sequence[str]) -> list[str]:
+        return [self.sharding.storage_key(h) for h in hashes]
+
+    def exists_prefix(self, hashes: Sequence[str]) -> int:
+        """How many pages, from the first, the store holds for this rank."""
+        return self.backend.exists_prefix(self.keys(hashes))
+
+    def put(self, hashes: Sequence[str], slots: Sequence[int]) -> list[bool]:
+        """Write each host slot's page under its hash. A page another rank
+        of its replica group writes (`ShardingSpec.writes`) counts as
+        written here: one object per replicated page."""
+        done = [True] * len(hashes)
+        mine = [i for i, h in enumerate(hashes) if self.sharding.writes(h)]
+        stage = self._put_stage
+        with stage.lock:
+            for part in _parts(mine, len(stage.pages)):
+                for j, i in enumerate(part):
+                    stage.pages[j].copy_(self._stored_view(slots[i]))
+                written = self.backend.put_from(self.keys([hashes[i] for i in part]),
+                                                [stage.buffer(j) for j in range(len(part))])
+                for i, ok in zip(part, written):
+                    done[i] = ok
+        return done
+
+    def get(self, hashes: Sequence[str], slots: Sequence[int]) -> list[bool]:
+        """Read each hash's page into its host slot; from the first miss on,
+        nothing more is read (a prefix is all a hit can use)."""
+        done = [False] * len(hashes)
+        stage = self._get_stage
+        with stage.lock:
+            for part in _parts(list(range(len(hashes))), len(stage.pages)):
+                read = self.backend.get_into(self.keys([hashes[i] for i in part]),
+                                             [stage.buffer(j) for j in range(len(part))])
+                for j, (i, ok) in enumerate(zip(part, read)):
+                    if not ok:
+                        return done
+                    self._stored_view(slots[i]).copy_(stage.pages[j])
+                    done[i] = True
+        return done
+
+    def _stored_view(self, slot: int) -> torch.Tensor:
+        return host_layout.stored_page(self.host, self.geometry, self.layout, slot)
+
+    def close(self) -> None:
+        self.backend.close()
+
+
+def _parts(items: list[int], size: int) -> list[list[int]]:
+    return [items[i : i + size] for i in range(0, len(items), size)]

@@ -1,0 +1,232 @@
+"""Replicas sharing one store: SGLang servers over their own `cpcache launch`
+daemons and ONE Mooncake Store (one real mooncake_master on loopback).
+
+Server A (`--tp 2 --attn-cp-size 2` over `cpcache launch --tp 2 --cp 2`)
+computes documents; server B (`--tp 1` over its own daemon), which never saw
+them, gets them as storage hits, its replies equal to a tp 1 server's
+without cache: attention TP is 1 in both, so a page's KV, and its key, are
+the same. What must stay apart does, on the same store: a request in a
+cache-salt namespace gets no hit from un-namespaced pages; a server attached
+under another model id gets no hit; one whose KV is another dtype gets none;
+and one whose KV dtype is the same but whose model computes in another dtype
+(whose KV is other bytes: SGLang's own keys hold neither dtype) gets none.
+Each of those answers as its own server without cache does.
+
+Runs alone with `pytest -m sglang tests/sglang/test_replicas_one_store.py`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from cpcache.client import Client
+from cpcache.keys import chain
+from cpcache.testing.mooncake_master import MooncakeMaster
+from cpcache.testing.sglang_cpu.servers import (
+    PLAIN_FLAGS,
+    SGLANG_PYTHON,
+    Reply,
+    Server,
+    make_tiny_model,
+    same_outputs,
+)
+from cpcache.testing.sglang_cpu.stacks import DEVICE_TOKENS, PAGE, SYSTEM, Shape, Stack, prompt, workload
+
+pytestmark = [
+    pytest.mark.sglang,
+    pytest.mark.timeout(1200),
+    pytest.mark.skipif(not SGLANG_PYTHON.exists(), reason=f"SGLang's environment is not built ({SGLANG_PYTHON}); "
+                       "`make setup` builds it"),
+]
+
+DOCS = 3
+# The KV in bfloat16 beside a float32 model: SGLang's CPU path takes it.
+KV_BF16 = ["--kv-cache-dtype", "bfloat16"]
+# The model itself in bfloat16 (its KV then too): the same KV geometry as
+# KV_BF16's, other bytes. (CPU_FLAGS say float32; the last --dtype wins.)
+MODEL_BF16 = ["--dtype", "bfloat16"]
+
+
+def generate(server: Server, ids: list[int], **namespace: str) -> Reply:
+    """`Server.generate`, with SGLang's namespace fields (`cache_salt`,
+    `extra_key`) in the request."""
+    body = {"input_ids": ids, "return_logprob": True, "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+            **namespace}
+    meta = (out := server.post("/generate", body))["meta_info"]
+    details = meta.get("cached_tokens_details") or {}
+    return Reply(tuple(out.get("output_ids") or ()), tuple(x[0] for x in meta.get("output_token_logprobs") or ()),
+                 meta.get("cached_tokens", 0), details.get("device", 0), details.get("host", 0),
+                 details.get("storage", 0), (meta.get("finish_reason") or {}).get("type", ""))
+
+
+@dataclass
+class Store:
+    """One Mooncake Store, the documents server A put in it, and what a tp 1
+    server without cache answers for each."""
+
+    work: Path
+    model: Path
+    storage: dict
+    prompts: list[list[int]]
+    expected: list[Reply]
+    stacks: contextlib.ExitStack
+    replicas: dict[str, Stack] = field(default_factory=dict)
+    healthy_s: dict[str, float] = field(default_factory=dict)
+
+    def replica(self, name: str, tp: int = 1, cp: int = 1, flags: list[str] | None = None,
+                model_id: str = "tiny") -> Stack:
+        """A cpcache server over daemons of its own, on the shared store.
+        Its daemons stay up until the module ends (each holds a segment of the
+        store, with the pages placed there); stop its server when done."""
+        (self.work / name).mkdir()
+        stack = Stack(self.work / name, self.model, Shape("qwen3", tp=tp, cp=cp, storage="mooncake"), self.storage,
+                      copy_delay_ms=0.0, storage_delay_ms=0.0, backend={"model_id": model_id}, with_reference=False)
+        stack.cpcache.name = name
+        stack.cpcache.flags = [*stack.cpcache.flags, *(flags or [])]
+        self.stacks.callback(stack.stop)
+        began = time.monotonic()
+        stack.start()
+        self.healthy_s[name] = time.monotonic() - began
+        self.replicas[name] = stack
+        return stack
+
+    def stored(self, name: str) -> list[int]:
+        """Per prompt, how many of its pages the store holds under the keys
+        of replica `name` (its rank 0's view)."""
+        with Client(self.replicas[name].daemons.socket(0), timeout_s=10) as daemon:
+            return [daemon.match([bytes.fromhex(h) for h in chain(ids, PAGE, None)]).storage_pages
+                    for ids in self.prompts]
+
+    def wait_stored(self, name: str, timeout_s: float = 120.0) -> list[int]:
+        """Until every full page of every prompt that replica `name` served is
+        in the store (its backups are decided in its rounds)."""
+        want = [len(chain(ids, PAGE, None)) for ids in self.prompts]
+        deadline = time.monotonic() + timeout_s
+        while (got := self.stored(name)) != want:
+            assert time.monotonic() < deadline, f"{name}'s pages did not all reach the store: {got} of {want}"
+            time.sleep(0.5)
+        return got
+
+
+def reference(work: Path, model: Path, name: str, flags: list[str] | None = None) -> tuple[Server, float]:
+    """A tp 1 server without cache, started (not yet waited for), and when."""
+    return Server(name, model, work, [*PLAIN_FLAGS, *(flags or [])], tp=1, page_size=PAGE,
+                  device_tokens=DEVICE_TOKENS).start(), time.monotonic()
+
+
+def answers(started: tuple[Server, float], prompts: list[list[int]]) -> list[Reply]:
+    server, began = started
+    server.wait_ready()
+    print(f"{server.name}: healthy in {time.monotonic() - began:.1f} s (a cpcache server starting beside it)")
+    return [server.generate(ids) for ids in prompts]
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
+    work = tmp_path_factory.mktemp("replicas")
+    model = make_tiny_model(work / "qwen3", "qwen3")
+    system, docs = workload(seed=11, docs=DOCS)
+    prompts = [prompt(system, doc, 0, d) for d, doc in enumerate(docs)]
+    with contextlib.ExitStack() as stacks:
+        master = stacks.enter_context(MooncakeMaster(work / "mooncake-master.log"))
+        storage = dict(storage="mooncake", storage_master=master.master,
+                       storage_metadata_server=master.metadata_server, storage_segment_bytes=64 << 20)
+        plain = reference(work, model, "reference")
+        stacks.callback(plain[0].stop)
+        shared = Store(work, model, storage, prompts, [], stacks)
+        a = shared.replica("a", tp=2, cp=2)  # starts while the reference does
+        shared.expected = answers(plain, prompts)
+        plain[0].stop()  # every reply the module compares with is known: its CPU goes to the others
+        for ids, want in zip(prompts, shared.expected):
+            got = a.cpcache.generate(ids)
+            assert same_outputs(got, want), f"A answered {got}, a server without cache {want}"
+        print(f"A (tp 2, attention CP 2): stored pages per document {shared.wait_stored('a')}")
+        a.cpcache.stop()  # its daemons stay: their segments hold pages of the store
+        yield shared
+        print(f"times to healthy (s): { {k: round(v, 1) for k, v in shared.healthy_s.items()} }")
+
+
+def test_a_replica_gets_storage_hits_for_documents_another_replica_computed(store: Store):
+    b = store.replica("b", tp=1)
+    print(f"B (tp 1) healthy in {store.healthy_s['b']:.1f} s; the store holds {store.stored('b')} pages per "
+          "document under its keys")
+    # A namespace first (a cache salt; then an extra key): SGLang chains its
+    # pages from another seed, so A's un-namespaced pages are not its own.
+    # The first request of a namespace hits nothing; the next ones only the
+    # system prompt the namespace's own first request computed.
+    for d, (ids, want) in enumerate(zip(store.prompts, store.expected)):
+        for namespace in ({"cache_salt": "tenant-a"}, {"extra_key": "adapter-7"}):
+            got = generate(b.cpcache, ids, **namespace)
+            assert got.storage == 0 and got.cached <= (SYSTEM if d else 0), \
+                f"a {namespace} request hit un-namespaced pages: {got}"
+            assert same_outputs(got, want), f"B answered {got} in {namespace}, a server without cache {want}"
+    replies = [b.cpcache.generate(ids) for ids in store.prompts]
+    for got, want in zip(replies, store.expected):
+        assert same_outputs(got, want), f"B answered {got}, a server without cache {want}"
+    storage = [r.storage for r in replies]
+    print(f"B: storage/host/device tokens per document {[(r.storage, r.host, r.device) for r in replies]}")
+    assert all(s > 0 for s in storage), f"B found a document A computed not in storage: {replies}"
+    # The documents' own pages (past the shared system prompt) all came from storage.
+    assert sum(storage) >= DOCS * (len(store.prompts[0]) - 64) // PAGE * PAGE, replies
+    # A salted request again: B's own salted pages now (its device tree), still correct.
+    again = generate(b.cpcache, store.prompts[0], cache_salt="tenant-a")
+    assert again.cached > 0 and same_outputs(again, store.expected[0]), again
+    b.cpcache.stop()
+
+
+def test_a_server_attached_under_another_model_id_gets_no_storage_hit(store: Store):
+    assert all(store.stored("a")), "A's pages are not in the store any more"
+    other = store.replica("other-model", tp=1, model_id="another-model")
+    replies = [other.cpcache.generate(ids) for ids in store.prompts]
+    print(f"another model id: storage/host/device tokens {[(r.storage, r.host, r.device) for r in replies]}")
+    assert all(r.storage == 0 and r.host == 0 for r in replies), replies
+    for got, want in zip(replies, store.expected):
+        assert same_outputs(got, want), f"answered {got}, a server without cache {want}"
+    # Its own pages went to the store beside A's, under its own keys.
+    print(f"another model id: stored pages per document {store.wait_stored('other-model')}; A's {store.stored('a')}")
+    other.cpcache.stop()
+
+
+def test_another_kv_dtype_then_another_model_dtype_get_no_storage_hit(store: Store):
+    """KV in bfloat16 from a float32 model, over the store holding A's
+    float32 KV: misses. Then a bfloat16 model (its KV bfloat16 too: the
+    same KV geometry as the first's, so only the model dtype in the tenant
+    keeps them apart) over the store holding both: misses."""
+    assert all(store.stored("a")), "A's pages are not in the store any more"
+    plain = reference(store.work, store.model, "reference-kv-bf16", KV_BF16)
+    try:
+        kv = store.replica("kv-bf16", tp=1, flags=KV_BF16)
+        expected = answers(plain, store.prompts)
+    finally:
+        plain[0].stop()
+    attached = kv.cpcache.log_lines("cpcache: rank 0 attached")
+    assert attached and "model dtype float32, KV bfloat16" in attached[0], attached
+    replies = [kv.cpcache.generate(ids) for ids in store.prompts]
+    print(f"KV bfloat16: storage/host/device tokens {[(r.storage, r.host, r.device) for r in replies]}")
+    assert all(r.storage == 0 and r.host == 0 for r in replies), replies
+    for got, want in zip(replies, expected):
+        assert same_outputs(got, want), f"answered {got}, a server without cache {want}"
+    print(f"KV bfloat16: stored pages per document {store.wait_stored('kv-bf16')}")
+    kv.cpcache.stop()
+
+    plain = reference(store.work, store.model, "reference-model-bf16", MODEL_BF16)
+    try:
+        bf16 = store.replica("model-bf16", tp=1, flags=MODEL_BF16)
+        expected = answers(plain, store.prompts)
+    finally:
+        plain[0].stop()
+    attached = bf16.cpcache.log_lines("cpcache: rank 0 attached")
+    assert attached and "model dtype bfloat16, KV bfloat16" in attached[0], attached
+    assert all(store.stored("kv-bf16")), "the bfloat16 KV of the float32 model is not in the store any more"
+    replies = [bf16.cpcache.generate(ids) for ids in store.prompts]
+    print(f"model bfloat16: storage/host/device tokens {[(r.storage, r.host, r.device) for r in replies]}")
+    assert all(r.storage == 0 and r.host == 0 for r in replies), replies
+    for got, want in zip(replies, expected):
+        assert same_outputs(got, want), f"answered {got}, a server without cache {want}"
+    bf16.cpcache.stop()

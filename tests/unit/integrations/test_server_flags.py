@@ -1,0 +1,38 @@
+"""What the SGLang backend refuses at start, with the flag named: checked on
+SGLang's server arguments alone (no SGLang needed)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from cpcache.integrations.sglang import server_flags
+from cpcache.integrations.sglang.server_flags import STORAGE_EXTRA_CONFIG, UnsupportedServer
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def context(**server_args: object) -> SimpleNamespace:
+    defaults = dict(hicache_storage_backend="dynamic", hicache_storage_backend_extra_config=STORAGE_EXTRA_CONFIG,
+                    dp_size=1, dcp_size=1, hicache_host_memory_mode="cache")
+    args = SimpleNamespace(**{**defaults, **server_args})
+    return SimpleNamespace(server_args=args, disable_radix_cache=False, enable_hierarchical_cache=True,
+                           is_hybrid_swa=False, is_hybrid_ssm=False)
+
+
+def test_an_aggregated_or_prefill_server_is_served():
+    server_flags.check(context())
+    server_flags.check(context(disaggregation_mode="prefill"))
+
+
+def test_a_decode_server_is_refused_with_the_reason_and_the_way_to_share_its_pages():
+    with pytest.raises(UnsupportedServer, match="not a decode server") as refused:
+        server_flags.check(context(disaggregation_mode="decode", disaggregation_decode_enable_radix_cache=True))
+    assert "decode_hicache_mixin.py" in str(refused.value)
+    assert "--disaggregation-decode-enable-offload-kvcache" in str(refused.value)
+
+
+def test_another_storage_backend_is_refused_naming_the_flag():
+    with pytest.raises(UnsupportedServer, match="--hicache-storage-backend file"):
+        server_flags.check(context(hicache_storage_backend="file"))
