@@ -3,21 +3,28 @@ decode server (`python -m sglang.launch_server --disaggregation-mode ...`,
 Mooncake's transfer engine over TCP on loopback) behind SGLang's router
 (cpcache/testing/sglang_cpu/pd.py), with a tiny random Qwen3.
 
-A multi-turn workload (a shared system prompt, documents that overflow the
-prefill server's device pool, then asked about again in reverse) goes
-through the router; every reply must equal, token for token and logprob for
-logprob, a `--disable-radix-cache` server's without disaggregation (tp 1,
-run first and stopped before the pair starts: one deployment at a time).
-First a plain pair (prefill tp 1 with SGLang's radix cache), then a prefill
-server at tp 2 and attention CP 2 over cpcache daemons (host tier, file
-storage): its device, host and storage hits come back through the router
-in the decode server's reply.
+Every reply must equal, token for token and logprob for logprob, a
+`--disable-radix-cache` tp 1 server's without disaggregation (up for the
+whole module, paused between its answers). One deployment at a time:
+
+- a plain pair (prefill tp 1 with SGLang's radix cache);
+- the seed's shape: a prefill server at tp 2 and attention CP 2 over cpcache
+  daemons (host tier and storage: files, then Mooncake Store), the decode
+  server offloading the pages it generates into the same store
+  (`storage.CpcacheStore`). A multi-turn workload (documents that overflow
+  the prefill's device pool, asked about again in reverse) hits the device,
+  the host pool and storage, reported through the router; the next turn of
+  a conversation finds the previous answer in storage; both prefill ranks
+  take the same decisions; a prefill daemon killed mid-run costs the tiers,
+  not the pair (Mooncake Store).
 
 Runs alone with `pytest -m sglang tests/sglang/test_pd.py`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import re
 import subprocess
 import time
@@ -26,17 +33,24 @@ from pathlib import Path
 
 import pytest
 
+from cpcache.dataplane.storage import StorageBackend
+from cpcache.dataplane.storage.file import FileBackend
+from cpcache.domain_file import domain_config
+from cpcache.keys import chain
+from cpcache.testing.mooncake_master import MooncakeMaster
 from cpcache.testing.sglang_cpu.pd import PdDeployment, over_cpcache
 from cpcache.testing.sglang_cpu.servers import (
     PLAIN_FLAGS,
     SGLANG_PYTHON,
+    Daemons,
     Reply,
     Server,
     make_tiny_model,
     same_outputs,
     sglang_interpreter,
 )
-from cpcache.testing.sglang_cpu.stacks import DEVICE_TOKENS, PAGE, prompt, workload
+from cpcache.testing.sglang_cpu.stacks import DEVICE_TOKENS, PAGE, SLOW_RANK, prompt, workload
+from tests.sglang.stacks import kill_daemon_mid_run_and_come_back
 
 pytestmark = [
     pytest.mark.sglang,
@@ -45,6 +59,10 @@ pytestmark = [
                        "`make setup` builds it"),
 ]
 
+# The prefill server at tp 2, attention CP 2 over cpcache daemons, on file
+# storage and on Mooncake Store (the seed's shape); the decode server
+# offloads into the same store.
+CPCACHE_PAIRS = ["cpcache-file", "cpcache-mooncake"]
 DECISION_LOG = re.compile(r"rank (\d+) decision log: (\d+ steps, digest \w+)")
 
 
@@ -108,17 +126,28 @@ def pd(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
     pytest stops one before it starts the next)."""
     work = tmp_path_factory.mktemp(f"pd-{request.param}")
     options = dict(page_size=PAGE, device_tokens=DEVICE_TOKENS)
-    if request.param == "plain":
-        deployment = PdDeployment(work, model, **options)
-    else:
-        deployment = over_cpcache(work, model, tp=2, cp=2, **options)
-    try:
+    with contextlib.ExitStack() as running:
+        if request.param == "plain":
+            deployment = PdDeployment(work, model, **options)
+        else:
+            storage = None
+            if request.param.endswith("mooncake"):
+                master = running.enter_context(MooncakeMaster(work / "mooncake-master.log"))
+                storage = dict(storage="mooncake", storage_master=master.master,
+                               storage_metadata_server=master.metadata_server, storage_segment_bytes=256 << 20)
+            # As the SGLang suite's stacks: every copy and storage call slowed,
+            # one rank twice as much, so operations are open when a daemon dies.
+            deployment = over_cpcache(work, model, tp=2, cp=2, storage=storage,
+                                      daemon_settings=dict(fault_copy_delay_ms=400.0, fault_storage_delay_ms=200.0),
+                                      prefill_flags=["--enable-metrics", "--enable-metrics-for-all-schedulers"],
+                                      **options)
+            assert deployment.daemons is not None
+            deployment.daemons.per_rank = {SLOW_RANK: dict(fault_copy_delay_ms=800.0, fault_storage_delay_ms=400.0)}
+        running.callback(deployment.stop)
         deployment.start().wait_ready()
         memory = {name: f"{rss / 2**30:.2f} GiB" for name, rss in deployment.memory_bytes().items()}
         print(f"\nPD {request.param}: healthy after {deployment.ready_s} s; resident memory {memory}")
         yield deployment
-    finally:
-        deployment.stop()
 
 
 def run_workload(pd: PdDeployment, reference: Reference) -> list[Reply]:
@@ -143,6 +172,37 @@ def test_a_plain_pd_pair_answers_as_a_server_without_cache(pd: PdDeployment, ref
     assert sum(r.device >= 4 * PAGE for r in replies[1:]) == len(replies) - 1, replies
 
 
+def store_observer(pd: PdDeployment) -> tuple[StorageBackend, str, str]:
+    """A client of the domain's store that holds no part of it, and the
+    tenant and key suffix the decode server's offload writes under (its log
+    says them)."""
+    assert pd.daemons is not None and pd.decode is not None and pd.decode.process is not None
+    line = pd.decode.process.wait_lines("cpcache: store", 1, timeout_s=120)[0]
+    found = re.search(r"tenant (\w+), keys ending '(\w*)'", line)
+    assert found, line
+    config = dataclasses.replace(domain_config(str(pd.daemons.config)), storage_segment_bytes=0)
+    if config.storage == "file":
+        return FileBackend(config.storage_root, 0), found[1], found[2]
+    from cpcache.dataplane.storage.mooncake import MooncakeBackend
+
+    return MooncakeBackend(config.storage_master, config.storage_metadata_server, [], global_segment_size=0,
+                           local_buffer_size=0), found[1], found[2]
+
+
+def wait_offloaded(pd: PdDeployment, tokens: list[int], timeout_s: float = 120.0) -> None:
+    """Until the store holds every page of `tokens`: the decode server's
+    offload writes them after the reply, and a next turn sent sooner would
+    find part of them."""
+    store, tenant, suffix = store_observer(pd)
+    keys = [f"{tenant}.{h}_{suffix}" if suffix else f"{tenant}.{h}" for h in chain(tokens, PAGE, None)]
+    deadline = time.monotonic() + timeout_s
+    try:
+        while (present := store.exists_prefix(keys)) < len(keys):
+            assert time.monotonic() < deadline, f"{present} of {len(keys)} offloaded pages stored in {timeout_s} s"
+    finally:
+        store.close()
+
+
 ANSWER = 2 * PAGE + 3  # tokens a turn's answer has: two pages of it are offloaded by the decode server
 
 
@@ -156,13 +216,14 @@ def conversation(reference: Reference, seed: int) -> list[tuple[list[int], Reply
     return [(first, answer), (second, reference.reply(second, ANSWER))]
 
 
-@pytest.mark.parametrize("pd", ["cpcache-tp2-cp2"], indirect=True)
+@pytest.mark.parametrize("pd", CPCACHE_PAIRS, indirect=True)
 def test_the_next_turn_finds_the_previous_answer_in_storage_after_decode_offload(pd: PdDeployment,
                                                                                  reference: Reference):
     (first, want_first), (second, want_second) = conversation(reference, 71)
     got = pd.generate(first, ANSWER)
     assert same_outputs(got, want_first), f"through the router {got}, a server without cache {want_first}"
     offloaded = (len(first) + ANSWER - 1) // PAGE * PAGE  # the decode server offloads whole pages of prompt + answer
+    wait_offloaded(pd, (first + list(got.output_ids))[:offloaded])
     got = pd.generate(second, ANSWER)
     assert same_outputs(got, want_second), f"through the router {got}, a server without cache {want_second}"
     print(f"second turn of {len(second)} tokens: cached {got.cached} (device {got.device}, host {got.host}, "
@@ -174,7 +235,7 @@ def test_the_next_turn_finds_the_previous_answer_in_storage_after_decode_offload
     assert got.cached >= offloaded > len(first) // PAGE * PAGE and got.storage > 0, got
 
 
-@pytest.mark.parametrize("pd", ["cpcache-tp2-cp2"], indirect=True)
+@pytest.mark.parametrize("pd", CPCACHE_PAIRS, indirect=True)
 def test_a_prefill_server_over_cpcache_at_tp2_cp2_answers_as_a_server_without_cache(pd: PdDeployment,
                                                                                      reference: Reference):
     replies = run_workload(pd, reference)
@@ -191,3 +252,41 @@ def test_a_prefill_server_over_cpcache_at_tp2_cp2_answers_as_a_server_without_ca
     digests = {m[1]: m[2] for m in (DECISION_LOG.search(line) for line in logs) if m}
     assert len(digests) == 2 and len(set(digests.values())) == 1, f"the ranks' decisions differ: {logs}"
 
+
+
+@dataclasses.dataclass
+class PdStack:
+    """A PD deployment over cpcache as the SGLang suite's checks see a stack
+    (tests/sglang/stacks.py): the prefill server is the one over the daemons,
+    requests go through the router, the reference is the module's."""
+
+    pd: PdDeployment
+    expected: Reference
+    load_back: str = "overlapped"
+    ranks: int = 2
+
+    @property
+    def cpcache(self) -> Server:
+        assert self.pd.prefill is not None
+        return self.pd.prefill
+
+    @property
+    def daemons(self) -> Daemons:
+        assert self.pd.daemons is not None
+        return self.pd.daemons
+
+    def generate(self, ids: list[int]) -> Reply:
+        return self.pd.generate(ids)
+
+    def reference(self, ids: list[int]) -> Reply:
+        return self.expected.reply(ids)
+
+    def check(self, ids: list[int]) -> Reply:
+        got, want = self.generate(ids), self.reference(ids)
+        assert same_outputs(got, want), f"through the router {got}, a server without cache {want}"
+        return got
+
+
+@pytest.mark.parametrize("pd", ["cpcache-mooncake"], indirect=True)
+def test_a_prefill_daemon_killed_mid_run_costs_the_tiers_not_the_pair(pd: PdDeployment, reference: Reference):
+    kill_daemon_mid_run_and_come_back(PdStack(pd, reference), seed=30)  # type: ignore[arg-type]
