@@ -44,6 +44,7 @@ the router's uvicorn line, then one GET of its /health.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 import urllib.request
@@ -71,6 +72,11 @@ PD_ENV = {"SGLANG_HOST_IP": "127.0.0.1", "MC_TCP_BIND_ADDRESS": "127.0.0.1", "CP
 TRANSFER_FLAGS = ["--disaggregation-transfer-backend", "mooncake_tcp"]
 PD_DECODE_FLAGS = ["--disaggregation-decode-retraction-backup", "cpu_tensor"]
 ROUTER_READY = "Uvicorn running on"
+
+
+def _settled(process: Watched) -> bool:
+    """Whether a starting server serves, failed to bind a port, or exited."""
+    return READY in process.text() or bind_failed(process.text()) or process.exited.is_set()
 
 
 def _rss_bytes(pgid: int) -> int:
@@ -148,8 +154,7 @@ class PdDeployment:
             process = server.process
             assert process is not None
             with process.new_line:
-                process.new_line.wait_for(
-                    lambda p=process: READY in p.text() or bind_failed(p.text()) or p.exited.is_set(), timeout_s)
+                process.new_line.wait_for(functools.partial(_settled, process), timeout_s)
             if READY in process.text() or not bind_failed(process.text()):
                 break
             process.stop()
@@ -182,6 +187,7 @@ class PdDeployment:
             if not bind_failed(self.router.text()):
                 break
             self.router.stop()
+        assert self.router is not None
         self.router.wait_for(ROUTER_READY, timeout_s)
         with urllib.request.urlopen(f"http://127.0.0.1:{self.router_port}/health", timeout=30) as reply:
             assert reply.status == 200, f"the router's /health answered {reply.status}"
@@ -216,8 +222,10 @@ class PdDeployment:
     def memory_bytes(self) -> dict[str, int]:
         """Resident memory of each server's processes (its process group),
         the router's and the daemons' (`cpcache launch` and its daemons)."""
-        processes = {"prefill": self.prefill and self.prefill.process, "decode": self.decode and self.decode.process,
-                     "router": self.router, "daemons": self.daemons and self.daemons.process}
+        processes: dict[str, Watched | None] = {
+            "prefill": self.prefill.process if self.prefill else None,
+            "decode": self.decode.process if self.decode else None,
+            "router": self.router, "daemons": self.daemons.process if self.daemons else None}
         return {name: _rss_bytes(p.proc.pid) for name, p in processes.items() if p is not None}
 
     def stop(self) -> None:

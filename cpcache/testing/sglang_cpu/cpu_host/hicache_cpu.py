@@ -44,7 +44,7 @@ def _patch_host_pool_base(module: ModuleType) -> None:
     init = cls.__init__
 
     @functools.wraps(init)
-    def unpinned(self, *args: object, **kwargs: object) -> None:
+    def unpinned(self: object, *args: object, **kwargs: object) -> None:
         kwargs["pin_memory"] = False
         init(self, *args, **kwargs)
 
