@@ -32,6 +32,18 @@ def convert_setting(name: str, raw: Any, source: str) -> Any:
         raise InvalidArgument(f"setting {name} from {source}: {text!r} is not a valid {kind.__name__}") from None
 
 
+# Set by `cpcache launch` per rank, never in a domain's file.
+LAUNCHER_OWNED = {"rank", "tp", "pp", "dp", "cp", "rendezvous", "deployment", "socket"}
+
+
+def _load(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise InvalidArgument(f"{path}: {exc}") from None
+
+
 def domain_file_settings(path: str | None) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
     """Every rank's settings, and settings for single ranks (`[rank.N]`
     tables, e.g. to slow one rank's copies), from a domain's TOML file of
@@ -40,14 +52,9 @@ def domain_file_settings(path: str | None) -> tuple[dict[str, Any], dict[int, di
     are not settable there."""
     if not path:
         return {}, {}
-    try:
-        with open(path, "rb") as fh:
-            settings = tomllib.load(fh)
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise InvalidArgument(f"{path}: {exc}") from None
+    settings = _load(path)
     per_rank = settings.pop("rank") if isinstance(settings.get("rank"), dict) else {}
-    own = {"rank", "tp", "pp", "dp", "cp", "rendezvous", "deployment", "socket"}
-    unknown = sorted(set(settings) - (set(SETTINGS) - own))
+    unknown = sorted(set(settings) - (set(SETTINGS) - LAUNCHER_OWNED))
     if unknown:
         raise InvalidArgument(f"{path}: unknown or launcher-owned settings {', '.join(unknown)}")
     if not all(r.isdigit() and str(int(r)) == r for r in per_rank):
@@ -61,9 +68,14 @@ def domain_file_settings(path: str | None) -> tuple[dict[str, Any], dict[int, di
     return settings, {int(r): t for r, t in per_rank.items()}
 
 
-def domain_config(path: str, rank: int = 0) -> DaemonConfig:
-    """The settings every rank of a domain shares, from its TOML file, as
-    rank `rank` (which only seeds fault injection): what a process that
-    writes the domain's store directly needs (storage, sharding)."""
-    every_rank, _ = domain_file_settings(path)
-    return DaemonConfig.from_settings({**{k: convert_setting(k, v, path) for k, v in every_rank.items()}, "rank": rank})
+def domain_config(path: str) -> DaemonConfig:
+    """The settings every rank of a domain shares (storage, sharding), from
+    its `cpcache launch --config` file or from one daemon's own `cpcached
+    --config` file (its rank's settings are left out): what a process that
+    writes the domain's store directly needs."""
+    raw = _load(path)
+    settings = {k: v for k, v in raw.items() if k in SETTINGS and k not in LAUNCHER_OWNED}
+    unknown = sorted(set(raw) - set(SETTINGS) - {"rank"})
+    if unknown:
+        raise InvalidArgument(f"{path}: unknown settings {', '.join(unknown)}")
+    return DaemonConfig.from_settings({**{k: convert_setting(k, v, path) for k, v in settings.items()}, "rank": 0})

@@ -10,7 +10,8 @@ to start with an error that names the flag, instead of serving and hanging.
   ``--hicache-storage-backend-extra-config`` (`STORAGE_EXTRA_CONFIG`): the
   scheduler asks the cache for storage prefetches only when a storage backend
   is named. cpcache's daemon is the storage tier; SGLang's own storage code
-  is never built. Without it cpcache serves the host tier only.
+  is never built (a decode server builds it for its offload:
+  `storage.CpcacheStore`). Without it cpcache serves the host tier only.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
     {"socket": "/run/cpcache/rank-{rank}.sock", "model_id": "llama-3-8b",
      "token_file": "", "timeout_s": 30, "record_decisions": false,
-     "reattach_after_iterations": 64, "load_back": "overlapped", "start_timeout_s": 120}
+     "reattach_after_iterations": 64, "load_back": "overlapped", "start_timeout_s": 120,
+     "daemon_config": "", "store_hostname": ""}
 
 `timeout_s` bounds each call to the daemon; it must exceed the daemons'
 `agreement_timeout_s` by more than 5 s (refused at start otherwise): a
@@ -13,6 +14,9 @@ the other ranks apply.
 which is what `cpcache launch` and the systemd units number daemons by) and
 `{tp_rank}`. `model_id` defaults to SGLang's served model name: pages are
 stored under it, and schedulers attached as another model never see them.
+`daemon_config` (relative to this file) and `store_hostname` are for a
+decode server with no daemon beneath it, whose KV offload writes the
+domain's store (`storage.CpcacheStore`).
 """
 
 from __future__ import annotations
@@ -49,6 +53,10 @@ class Settings:
     # daemons read): where a server without daemons beneath it (a decode
     # server's KV offload, `storage.CpcacheStore`) finds the store it shares.
     daemon_config: str = ""
+    # The address this process's Mooncake client gives the store (empty: the
+    # domain file's storage_local_hostname), for a decode server on a host
+    # other than the daemons'.
+    store_hostname: str = ""
 
     def __post_init__(self) -> None:
         if self.load_back not in LOAD_BACKS:
@@ -66,6 +74,8 @@ class Settings:
         if unknown:
             raise ValueError(f"cpcache: {path}: unknown settings {', '.join(unknown)} "
                              f"(known: {', '.join(sorted(known))})")
+        if raw.get("daemon_config"):  # relative to the file that names it, not to the server's directory
+            raw["daemon_config"] = os.path.join(os.path.dirname(os.path.abspath(path)), raw["daemon_config"])
         return Settings(**raw)
 
     def socket_for(self, rank: int, tp_rank: int) -> str:

@@ -12,13 +12,15 @@ fingerprint, checksum; the file backend's atomic rename), so a torn,
 foreign or damaged object reads as a miss, never as KV.
 
 No SGLang import here: `storage.CpcacheStore` adapts this to SGLang's
-storage interface.
+storage interface; `host_pool_geometry` and `page_slots` read SGLang's host
+pool and host indices.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -28,6 +30,7 @@ from cpcache.dataplane.storage import PageBuffer, StorageBackend
 from cpcache.dataplane.storage.configured import open_storage
 from cpcache.errors import InvalidArgument
 from cpcache.geometry import KVGeometry
+from cpcache.integrations.sglang.pool import dtype_name
 from cpcache.keys import ShardingSpec
 
 STAGE_PAGES = 16  # pages one staging copy holds: a batch larger than this goes in parts
@@ -94,14 +97,13 @@ class StorePages:
         return self.backend.exists_prefix(self.keys(hashes))
 
     def put(self, hashes: Sequence[str], slots: Sequence[int]) -> list[bool]:
-        """Write each host slot's page under its hash. A page another rank
-        of its replica group writes (`ShardingSpec.writes`) counts as
-        written here: one object per replicated page."""
-        done = [True] * len(hashes)
-        mine = [i for i, h in enumerate(hashes) if self.sharding.writes(h)]
+        """Write each host slot's page under its hash. The caller chose this
+        rank as the pages' writer (SGLang writes a replicated page from one
+        rank): every page given is written."""
+        done = [False] * len(hashes)
         stage = self._put_stage
         with stage.lock:
-            for part in _parts(mine, len(stage.pages)):
+            for part in _parts(list(range(len(hashes))), len(stage.pages)):
                 for j, i in enumerate(part):
                     stage.pages[j].copy_(self._stored_view(slots[i]))
                 written = self.backend.put_from(self.keys([hashes[i] for i in part]),
@@ -131,6 +133,35 @@ class StorePages:
 
     def close(self) -> None:
         self.backend.close()
+
+
+def host_pool_geometry(host_pool: Any) -> tuple[KVGeometry, torch.Tensor]:
+    """The KV geometry of an SGLang MHA or MLA host pool, and its buffer with
+    the K/V component outermost (`cpcache.host_layout`); refuses what a page
+    of that geometry would not hold whole (scale buffers, draft layers)."""
+    if getattr(host_pool, "layer_num", 0) != getattr(host_pool, "target_layer_num", host_pool.layer_num):
+        raise InvalidArgument("store: a host pool with draft-model layers is not supported")
+    if any(getattr(info, "scales", None) is not None for info in getattr(host_pool, "_buffer_infos", ())):
+        raise InvalidArgument("store: a quantized host pool (KV scale buffers) is not supported")
+    dtype = dtype_name(host_pool.dtype)
+    if hasattr(host_pool, "kv_lora_rank"):  # MLA: one latent, [..., 1, kv_cache_dim] per token
+        geometry = KVGeometry(layers=host_pool.layer_num, kv_kind="mla", heads=1, head_dim=host_pool.kv_cache_dim,
+                              dtype=dtype, page_size=host_pool.page_size)
+        return geometry, host_pool.kv_buffer.unsqueeze(0)
+    if host_pool.v_head_dim != host_pool.head_dim:
+        raise InvalidArgument(f"store: MHA with v_head_dim {host_pool.v_head_dim} != head_dim "
+                              f"{host_pool.head_dim} is not supported")
+    geometry = KVGeometry(layers=host_pool.layer_num, kv_kind="mha", heads=host_pool.head_num,
+                          head_dim=host_pool.head_dim, dtype=dtype, page_size=host_pool.page_size)
+    return geometry, host_pool.kv_buffer
+
+
+def page_slots(host_indices: torch.Tensor, pages: int, page_size: int) -> list[int]:
+    """Host slots of `pages` pages from their token indices (SGLang's host
+    allocator gives pages whole: each page's first index is a multiple of
+    `page_size`)."""
+    firsts = host_indices.reshape(-1)[: pages * page_size : page_size]
+    return [int(i) // page_size for i in firsts.tolist()]
 
 
 def _parts(items: list[int], size: int) -> list[list[int]]:

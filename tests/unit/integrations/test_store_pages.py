@@ -2,11 +2,12 @@
 (`StorePages`, the decode offload's path) are the pages the domain's
 daemons read: same keys, same frames, same stored order, whatever either
 side's host layout; damaged objects read as misses; a replicated page is
-one object."""
+one object; SGLang's host pools are read as the geometry they hold."""
 
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from cpcache.dataplane.storage.file import FileBackend
 from cpcache.errors import InvalidArgument
 from cpcache.geometry import KVGeometry
 from cpcache.host_layout import LAYOUTS, host_shape, stored_page
-from cpcache.integrations.sglang.store_pages import StorePages
+from cpcache.integrations.sglang.store_pages import StorePages, host_pool_geometry, page_slots
 from cpcache.keys import ShardingSpec, chain, tenant_of
 
 pytestmark = pytest.mark.timeout(60)
@@ -88,14 +89,33 @@ def test_a_damaged_or_truncated_object_is_a_miss_and_nothing_after_it_is_read(tm
     assert torch.count_nonzero(into[:, 4 * 4 :]) == 0  # slots 4 and 5: nothing landed
 
 
-def test_a_replicated_page_is_one_object_written_by_its_elected_rank(tmp_path):
+def test_a_replicated_page_is_one_object_written_whole_by_the_rank_sglang_chose(tmp_path):
+    # MLA over attention TP 2: SGLang backs a replicated page up from TP rank
+    # 0 only (its storage config's is_storage_writer); every page it hands
+    # over is written, and the key has no rank in it.
     keys = hashes(8)
-    for rank in (0, 1):  # MLA over attention TP 2: both ranks hold the same bytes
-        host = sglang_host(MLA, "page_first_direct")
-        pages = store(tmp_path, MLA, "page_first_direct", host, tp_rank=rank, tp_size=2)
-        assert pages.put(keys, list(range(6)) + [0, 1]) == [True] * 8
+    pages = store(tmp_path, MLA, "page_first_direct", sglang_host(MLA, "page_first_direct"), tp_rank=0, tp_size=2)
+    assert pages.put(keys, list(range(6)) + [0, 1]) == [True] * 8
     stored = [name for _, _, names in os.walk(tmp_path / "pages") for name in names]
-    assert len(stored) == len(keys), stored
+    assert len(stored) == len(keys) and all(name.count("_") == 0 for name in stored), stored
+    other_rank = store(tmp_path, MLA, "page_first_direct", torch.zeros(host_shape(MLA, HOST_PAGES, "page_first_direct"),
+                                                                       dtype=torch.bfloat16), tp_rank=1, tp_size=2)
+    assert other_rank.exists_prefix(keys) == 8
+
+
+def test_sglang_host_pools_give_their_geometry_and_page_slots():
+    mha = SimpleNamespace(layer_num=3, target_layer_num=3, dtype=torch.float32, head_num=2, head_dim=4, v_head_dim=4,
+                          page_size=4, kv_buffer=torch.zeros(host_shape(MHA, HOST_PAGES, "layer_first")))
+    assert host_pool_geometry(mha)[0] == MHA
+    mla = SimpleNamespace(layer_num=3, dtype=torch.bfloat16, kv_lora_rank=6, kv_cache_dim=8, page_size=4,
+                          kv_buffer=torch.zeros((3, HOST_PAGES * 4, 1, 8)))
+    geometry, buffer = host_pool_geometry(mla)
+    assert geometry == MLA and tuple(buffer.shape) == host_shape(MLA, HOST_PAGES, "layer_first")
+    assert page_slots(torch.arange(8, 16).repeat_interleave(1), 2, 4) == [2, 3]
+    with pytest.raises(InvalidArgument, match="draft-model layers"):
+        host_pool_geometry(SimpleNamespace(**{**vars(mha), "layer_num": 4}))
+    with pytest.raises(InvalidArgument, match="scale buffers"):
+        host_pool_geometry(SimpleNamespace(**vars(mha), _buffer_infos=(SimpleNamespace(scales=object()),)))
 
 
 def test_a_host_pool_of_another_geometry_is_refused(tmp_path):
