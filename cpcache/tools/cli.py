@@ -205,14 +205,14 @@ def main(argv: list[str] | None = None) -> int:
 
     bench = sub.add_parser("bench", help="run a benchmark and print its figures")
     bench.add_argument("name", choices=["agreement", "load-back", "movers", "ranks", "sglang", "sglang-chaos",
-                                        "sglang-soak", "soak", "state"])
+                                        "sglang-pd", "sglang-soak", "soak", "state"])
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.add_argument("--steps", type=int, default=40,
                        help="agreement, ranks, state: measured steps per case and block")
-    bench.add_argument("--repeat", type=int, default=5,
-                       help="agreement, load-back, movers, ranks, sglang: blocks, each measuring candidate and "
-                            "baseline one "
-                            "after the other; ratios are the median over the blocks")
+    bench.add_argument("--repeat", type=int, default=None,
+                       help="agreement, load-back, movers, ranks, sglang, sglang-pd: blocks, each measuring "
+                            "candidate and baseline one after the other; ratios are the median over the blocks "
+                            "(default 5; sglang-pd: 2)")
     from cpcache.tools.bench.sizes import DEFAULT_RANKS, parse_ranks
 
     bench.add_argument("--ranks", type=parse_ranks, default=DEFAULT_RANKS, metavar="N,N,...",
@@ -229,13 +229,16 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--requests", type=int, default=4, help="sglang: concurrent requests per wave")
     bench.add_argument("--waves", type=int, default=2, help="sglang: waves of requests per server and block")
     bench.add_argument("--new-tokens", type=int, default=32, help="sglang: tokens each request generates")
+    bench.add_argument("--conversations", type=int, default=4,
+                       help="sglang-pd: conversations run at once, a thread each")
+    bench.add_argument("--turns", type=int, default=4, help="sglang-pd: turns of each conversation")
     bench.add_argument("--layer-delay-ms", type=float, default=20.0,
                        help="load-back, sglang-chaos: each layer of every load-back's copy takes this long "
                             "(injected); load-back's stand-in forward computes as long per layer")
     bench.add_argument("--sglang", action="store_true",
                        help="load-back: through two SGLang servers (TTFT of host hits) instead of a stand-in forward")
-    bench.add_argument("--work-dir", help="sglang, sglang-soak, sglang-chaos, load-back: where the model, logs and "
-                       "daemons go (kept; default: a temp dir, removed after a run that succeeded)")
+    bench.add_argument("--work-dir", help="sglang, sglang-pd, sglang-soak, sglang-chaos, load-back: where the model, "
+                       "logs and daemons go (kept; default: a temp dir, removed after a run that succeeded)")
     from cpcache.testing.sglang_soak import add_flags as add_soak_flags
 
     add_soak_flags(bench)
@@ -255,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     add_demo_flags(demo)
 
     args = parser.parse_args(argv)
+    if args.command == "bench" and args.repeat is None:
+        args.repeat = 2 if args.name == "sglang-pd" else 5
     from cpcache.errors import CacheError
 
     try:
@@ -288,6 +293,10 @@ def main(argv: list[str] | None = None) -> int:
             from cpcache.tools.bench import sglang
 
             return sglang.main(args)
+        if args.command == "bench" and args.name == "sglang-pd":
+            from cpcache.tools.bench import sglang_pd
+
+            return sglang_pd.main(args)
         if args.command == "bench" and args.name == "sglang-soak":
             from cpcache.testing import sglang_soak
 

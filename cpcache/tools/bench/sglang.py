@@ -90,9 +90,11 @@ class Stream:
     sent: float
     arrivals: list[tuple[float, int]] = field(default_factory=list)  # (perf_counter, completion tokens so far)
     output_ids: list[int] = field(default_factory=list)
+    meta: dict = field(default_factory=dict)  # the last chunk's meta_info (cached tokens per tier, ...)
 
     def add(self, at: float, chunk: dict) -> None:
         meta = chunk.get("meta_info") or {}
+        self.meta = meta or self.meta
         ids = list(chunk.get("output_ids") or [])
         tokens = int(meta.get("completion_tokens", len(self.output_ids) + len(ids)))
         # SGLang streams either every token so far or only the new ones: keep the ids whole.
