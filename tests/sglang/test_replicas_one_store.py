@@ -193,40 +193,32 @@ def test_a_server_attached_under_another_model_id_gets_no_storage_hit(store: Sto
     other.cpcache.stop()
 
 
+def misses_everything(store: Store, name: str, flags: list[str], dtypes: str) -> None:
+    """A replica of `flags` (attached with `dtypes`, its log says) over the
+    store: no storage or host hit, replies equal to its own reference's."""
+    plain = reference(store.work, store.model, f"reference-{name}", flags)
+    try:
+        replica = store.replica(name, tp=1, flags=flags)
+        expected = answers(plain, store.prompts)
+    finally:
+        plain[0].stop()
+    attached = replica.cpcache.log_lines("cpcache: rank 0 attached")
+    assert attached and dtypes in attached[0], attached
+    replies = [replica.cpcache.generate(ids) for ids in store.prompts]
+    print(f"{name}: storage/host/device tokens {[(r.storage, r.host, r.device) for r in replies]}")
+    assert all(r.storage == 0 and r.host == 0 for r in replies), replies
+    for got, want in zip(replies, expected):
+        assert same_outputs(got, want), f"answered {got}, a server without cache {want}"
+    print(f"{name}: stored pages per document {store.wait_stored(name)}")
+    replica.cpcache.stop()
+
+
 def test_another_kv_dtype_then_another_model_dtype_get_no_storage_hit(store: Store):
     """KV in bfloat16 from a float32 model, over the store holding A's
     float32 KV: misses. Then a bfloat16 model (its KV bfloat16 too: the
     same KV geometry as the first's, so only the model dtype in the tenant
     keeps them apart) over the store holding both: misses."""
     assert all(store.stored("a")), "A's pages are not in the store any more"
-    plain = reference(store.work, store.model, "reference-kv-bf16", KV_BF16)
-    try:
-        kv = store.replica("kv-bf16", tp=1, flags=KV_BF16)
-        expected = answers(plain, store.prompts)
-    finally:
-        plain[0].stop()
-    attached = kv.cpcache.log_lines("cpcache: rank 0 attached")
-    assert attached and "model dtype float32, KV bfloat16" in attached[0], attached
-    replies = [kv.cpcache.generate(ids) for ids in store.prompts]
-    print(f"KV bfloat16: storage/host/device tokens {[(r.storage, r.host, r.device) for r in replies]}")
-    assert all(r.storage == 0 and r.host == 0 for r in replies), replies
-    for got, want in zip(replies, expected):
-        assert same_outputs(got, want), f"answered {got}, a server without cache {want}"
-    print(f"KV bfloat16: stored pages per document {store.wait_stored('kv-bf16')}")
-    kv.cpcache.stop()
-
-    plain = reference(store.work, store.model, "reference-model-bf16", MODEL_BF16)
-    try:
-        bf16 = store.replica("model-bf16", tp=1, flags=MODEL_BF16)
-        expected = answers(plain, store.prompts)
-    finally:
-        plain[0].stop()
-    attached = bf16.cpcache.log_lines("cpcache: rank 0 attached")
-    assert attached and "model dtype bfloat16, KV bfloat16" in attached[0], attached
+    misses_everything(store, "kv-bf16", KV_BF16, "model dtype float32, KV bfloat16")
     assert all(store.stored("kv-bf16")), "the bfloat16 KV of the float32 model is not in the store any more"
-    replies = [bf16.cpcache.generate(ids) for ids in store.prompts]
-    print(f"model bfloat16: storage/host/device tokens {[(r.storage, r.host, r.device) for r in replies]}")
-    assert all(r.storage == 0 and r.host == 0 for r in replies), replies
-    for got, want in zip(replies, expected):
-        assert same_outputs(got, want), f"answered {got}, a server without cache {want}"
-    bf16.cpcache.stop()
+    misses_everything(store, "model-bf16", MODEL_BF16, "model dtype bfloat16, KV bfloat16")
