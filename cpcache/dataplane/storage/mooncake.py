@@ -90,15 +90,19 @@ class MooncakeBackend(StorageBackend):
                 f"or fix the setting storage_master"
             )
         self._store = MooncakeDistributedStore()
-        rc = self._store.setup(
-            local_hostname, metadata_server, global_segment_size, local_buffer_size, protocol, device_name, master
-        )
-        if rc != 0:
-            raise Unavailable(f"mooncake: setup against master {master} failed with code {rc}")
-        self._headers = HeaderArena()
-        for address, nbytes in [*buffers, (self._headers.address, self._headers.buffer.nbytes)]:
-            if self._store.register_buffer(address, nbytes) != 0:
-                raise InvalidArgument(f"mooncake: cannot register {nbytes} bytes at {address:#x}")
+        try:
+            rc = self._store.setup(
+                local_hostname, metadata_server, global_segment_size, local_buffer_size, protocol, device_name, master
+            )
+            if rc != 0:
+                raise Unavailable(f"mooncake: setup against master {master} failed with code {rc}")
+            self._headers = HeaderArena()
+            for address, nbytes in [*buffers, (self._headers.address, self._headers.buffer.nbytes)]:
+                if self._store.register_buffer(address, nbytes) != 0:
+                    raise InvalidArgument(f"mooncake: cannot register {nbytes} bytes at {address:#x}")
+        except BaseException:
+            self._store.close()  # a client that failed to set up holds its ports and threads until closed
+            raise
         self._closed = False
         self._damaged_removed = 0
 

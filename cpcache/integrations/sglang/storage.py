@@ -18,8 +18,10 @@ prefill's is not the default.
 SGLang picks the writer of a replicated (MLA) page itself (its storage
 config's `is_storage_writer`: TP rank 0); every page handed to this class
 is written. A store that cannot be reached costs the offload, not the
-decode server: every call is then a miss (tried again every
-`REOPEN_AFTER_S`), logged once.
+decode server: while it cannot be opened every call is a miss, and it is
+tried again every `REOPEN_AFTER_S` (the first failure logged as an error,
+the next ones at debug level). Once open, a store that goes away fails the
+writes (SGLang logs them) until it is back.
 
 SGLang imports this module only in its own processes: it subclasses
 SGLang's `HiCacheStorage`.
@@ -77,9 +79,9 @@ class CpcacheStore(HiCacheStorage):
         self.storage_config = storage_config
         self.pages: StorePages | None = None
         self._opened: tuple[Any, ...] | None = None  # what `_open` needs, once SGLang registered its host pool
-        self._model_id = ""
         self._lock = threading.Lock()
         self._retry_at = 0.0
+        self._failures = 0
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
@@ -104,21 +106,18 @@ class CpcacheStore(HiCacheStorage):
             self.pages = StorePages.open(self.config, geometry, sharding, host, layout)
         except (Unavailable, OSError) as exc:  # the store is down or unwritable; bad settings fail the start
             self._retry_at = time.monotonic() + REOPEN_AFTER_S
-            log.error("cpcache: the store (%s) cannot be opened, the decode server offloads nothing until it "
-                      "can: %s", self.config.storage, exc)
+            self._failures += 1
+            log.log(logging.ERROR if self._failures == 1 else logging.DEBUG,
+                    "cpcache: the store (%s) cannot be opened, the decode server offloads nothing until it can "
+                    "(tried again every %g s): %s", self.config.storage, REOPEN_AFTER_S, exc)
             return
-        self._model_id = model_id
         log.info("cpcache: store %s for %r (%s), tenant %s, keys ending %r", self.config.storage,
                  self.settings.model_id or model_id, model_dtype, sharding.tenant, sharding.suffix())
 
     def _store(self) -> StorePages | None:
-        """The store, reopened under a new tenant after a weight update (the
-        default model id names the weight version), or None while it cannot
-        be reached."""
+        """The store, or None while it cannot be opened (tried again every
+        REOPEN_AFTER_S)."""
         with self._lock:
-            if self.pages is not None and not self.settings.model_id and _served_model()[0] != self._model_id:
-                self.pages.close()
-                self.pages = None
             if self.pages is None and self._opened is not None and time.monotonic() >= self._retry_at:
                 self._open()
             return self.pages

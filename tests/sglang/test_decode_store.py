@@ -1,0 +1,53 @@
+"""`CpcacheStore`, the decode server's storage backend, as SGLang's storage
+factory builds it (in SGLang's environment, with SGLang's storage config):
+refused on a server that is not a decode server, without interface_v1, and
+under attention CP; over a file store it writes pages the store then holds;
+over a store that cannot be reached it opens nothing and every call is a
+miss, the server unharmed. The pages' bytes and keys are checked in
+tests/unit/integrations/test_store_pages.py; through a real decode server
+in test_pd.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from cpcache.testing.sglang_cpu.servers import CPU_HOST, SGLANG_PYTHON, sglang_interpreter
+
+pytestmark = [
+    pytest.mark.sglang,
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(not SGLANG_PYTHON.exists(), reason=f"SGLang's environment is not built ({SGLANG_PYTHON}); "
+                       "`make setup` builds it"),
+]
+WORKER = Path(__file__).resolve().parent / "decode_store_worker.py"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_worker(tmp_path: Path, daemon_toml: str) -> dict:
+    (tmp_path / "daemons.toml").write_text(daemon_toml)
+    (tmp_path / "sglang-cpcache.json").write_text(json.dumps({"model_id": "tiny", "daemon_config": "daemons.toml"}))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(CPU_HOST), str(ROOT)]),
+           "CPCACHE_SGLANG_CONFIG": str(tmp_path / "sglang-cpcache.json")}
+    done = subprocess.run([sglang_interpreter(), str(WORKER)], capture_output=True, text=True, env=env, timeout=240)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_the_decode_stores_refusals_its_writes_and_an_unreachable_store(tmp_path: Path):
+    out = run_worker(tmp_path, f'storage = "file"\nstorage_root = "{tmp_path / "pages"}"\n')
+    assert "--radix-cache-backend cpcache" in out["aggregated"]
+    assert "interface_v1" in out["no_interface_v1"]
+    assert "--attn-cp-size" in out["attention_cp"]
+    assert out["store"] == {"written": [True, True], "found": 2, "open": True}
+    # daemon_config is read relative to the backend's JSON file: the pages are under tmp_path.
+    assert len([p for p in (tmp_path / "pages").rglob("*") if p.is_file()]) == 2
+
+
+def test_a_store_that_cannot_be_reached_costs_the_offload_not_the_server(tmp_path: Path):
+    out = run_worker(tmp_path, 'storage = "mooncake"\nstorage_master = "127.0.0.1:1"\n')
+    assert out["store"] == {"written": [False, False], "found": 0, "open": False}
