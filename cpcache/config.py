@@ -137,6 +137,9 @@ class DaemonConfig:
     storage_root: str = setting("/var/lib/cpcache/pages",
                                 "file: root directory (shared by the ranks that share pages).")
     storage_capacity_bytes: int = setting(0, "file: evict least recently used pages above this size (0: no limit).")
+    storage_durable: bool = setting(False, "file: sync each page's data, and its directory, before a backup counts "
+                                    "as stored, so stored pages survive a power cut (slower). Off, a crash may lose "
+                                    "the latest pages, and never leaves a torn one that reads as a page.")
     storage_master: str = setting("127.0.0.1:50051", "mooncake: master address host:port.")
     storage_metadata_server: str = setting("http://127.0.0.1:8080/metadata", "mooncake: metadata server URL.")
     storage_protocol: str = setting("tcp", "mooncake: transfer protocol (tcp, rdma).", choices=STORAGE_PROTOCOLS)

@@ -1,8 +1,8 @@
 """Shared-storage hygiene, on real files and real processes:
 damaged pages are deleted and rewritten, killed writers' temp files are
 swept and counted, capacity holds for the whole shared root, pages are
-fsynced before they count as stored, and Mooncake objects are checked like
-files."""
+renamed into place (and, when durable, fsynced before they count as
+stored), and Mooncake objects are checked like files."""
 
 import os
 import signal
@@ -77,17 +77,31 @@ def test_a_corrupt_page_is_deleted_on_read_and_rewritten(tmp_path):
     assert backend.get_into(["a", "b"], tiers.host_buffers([0, 1])) == [True, True]
 
 
-def test_a_page_is_fsynced_before_its_rename_and_its_directory_after(tmp_path, monkeypatch):
-    calls = []
+def syscalls(monkeypatch) -> list[str]:
+    calls: list[str] = []
     for name in ("fdatasync", "fsync", "replace"):
         real = getattr(os, name)
         monkeypatch.setattr(file_storage.os, name, lambda *a, _real=real, _name=name: (calls.append(_name),
                                                                                        _real(*a))[1])
+    return calls
+
+
+def test_a_durable_page_is_fsynced_before_its_rename_and_its_directory_after(tmp_path, monkeypatch):
+    calls = syscalls(monkeypatch)
     tiers = host_with_pages(2)
-    backend = backend_at(tmp_path / "store")
+    backend = backend_at(tmp_path / "store", durable=True)
     assert backend.put_from(["pa0", "pa1"], tiers.host_buffers([0, 1])) == [True, True]
     # Each page's data before its rename; one directory sync for the batch (same fan-out dir).
     assert calls == ["fdatasync", "replace", "fdatasync", "replace", "fsync"]
+
+
+def test_by_default_a_page_is_renamed_into_place_unsynced_and_reads_back_whole(tmp_path, monkeypatch):
+    calls = syscalls(monkeypatch)
+    tiers = host_with_pages(2)
+    backend = backend_at(tmp_path / "store")
+    assert backend.put_from(["pa0", "pa1"], tiers.host_buffers([0, 1])) == [True, True]
+    assert calls == ["replace", "replace"]
+    assert backend.get_into(["pa0", "pa1"], tiers.host_buffers([1, 0])) == [True, True]
 
 
 # -- temp files of killed writers ---------------------------------------------------------

@@ -23,7 +23,7 @@ def open_storage(config: DaemonConfig, geometry: KVGeometry,
     options: dict[str, object]
     if config.storage == "file":
         options = dict(root=config.storage_root, capacity_bytes=config.storage_capacity_bytes,
-                       io_threads=config.io_threads, page_bytes=geometry.page_bytes)
+                       io_threads=config.io_threads, page_bytes=geometry.page_bytes, durable=config.storage_durable)
     else:
         options = dict(master=config.storage_master, metadata_server=config.storage_metadata_server,
                        buffers=buffers, protocol=config.storage_protocol,

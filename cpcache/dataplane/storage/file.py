@@ -5,9 +5,12 @@ Each file is a framed page (`framing`: header with magic, geometry
 fingerprint, length and checksum, then the page bytes). Keys are checked so
 that no key can name a path outside the root.
 
-Durability: a page is written to a temp file, its data fsynced, renamed into
-place, and the directory fsynced once per batch before the batch reports
-stored; so after a crash a key names a whole page or nothing, and a backup
+Durability: a page is written to a temp file and renamed into place, so a
+key names a whole page or nothing, and its checksum is checked at every
+read: a cache never reads a torn page. With `durable` (off by default: a
+cache need not outlive a power cut, and a sync per page costs the write
+path most of its speed) the page's data is synced before the rename and
+its directory once per batch before the batch reports stored, so a backup
 reported stored survives power loss.
 
 Damage: a page that reads truncated, not framed or with a bad checksum is
@@ -93,7 +96,7 @@ class _Clock:
 class FileBackend(StorageBackend):
     def __init__(
         self, root: str, geometry_fingerprint: int, capacity_bytes: int = 0, io_threads: int = 4,
-        page_bytes: int = 0,
+        page_bytes: int = 0, durable: bool = False,
     ) -> None:
         """`page_bytes` (0: unknown) lets a lookup tell a whole page from a
         truncated one by its size."""
@@ -101,6 +104,7 @@ class FileBackend(StorageBackend):
         os.makedirs(self.root, exist_ok=True)
         self._geometry = geometry_fingerprint
         self._capacity = capacity_bytes  # 0: unlimited
+        self._durable = durable
         self._page_file_bytes = HEADER.size + page_bytes if page_bytes else 0
         self._tag = f"{host_tag()}-{os.getpid()}"
         self._now_ns = _Clock()
@@ -191,7 +195,7 @@ class FileBackend(StorageBackend):
         done = self._parallel(self._write, keys, pages)
         # The renames of this batch survive a crash once their directories are synced.
         synced: dict[str, bool] = {}
-        for i, key in enumerate(keys):
+        for i, key in enumerate(keys if self._durable else ()):
             if done[i]:
                 directory = os.path.dirname(self.path(key))
                 if directory not in synced:
@@ -305,7 +309,8 @@ class FileBackend(StorageBackend):
                 written = os.writev(fd, [header, *page.views])
                 if written != size:
                     raise OSError(f"short write of {key}")
-                os.fdatasync(fd)  # the data is on disk before any name points at it
+                if self._durable:
+                    os.fdatasync(fd)  # the data is on disk before any name points at it
                 stamp = self._now_ns()
                 os.utime(fd, ns=(stamp, stamp))
             finally:
