@@ -105,12 +105,12 @@ class Store:
 
     def wait_stored(self, name: str, timeout_s: float = 120.0) -> list[int]:
         """Until every full page of every prompt that replica `name` served is
-        in the store (its backups are decided in its rounds)."""
+        in the store (its backups are decided in its rounds): asked of its
+        daemon again and again, each answer a real lookup."""
         want = [len(chain(ids, PAGE, None)) for ids in self.prompts]
         deadline = time.monotonic() + timeout_s
         while (got := self.stored(name)) != want:
             assert time.monotonic() < deadline, f"{name}'s pages did not all reach the store: {got} of {want}"
-            time.sleep(0.5)
         return got
 
 
