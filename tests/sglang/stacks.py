@@ -38,7 +38,9 @@ def stored_pages(stack: Stack, tokens: list[int]) -> list[Path]:
     # Every flush (a weight update's too) seeds the page chains anew.
     generation = len(stack.cpcache.log_lines("cpcache: rank 0 flushed its cache"))
     hashes = chain(tokens, PAGE, generation_seed(None, generation))
-    return sorted(p for h in hashes for p in stack.storage.glob(f"*/*.{h}_*"))
+    # A page's object is `tenant.hash`, then its shard's suffix where the
+    # page differs per rank (none for a replicated MLA latent).
+    return sorted(p for h in hashes for p in stack.storage.glob(f"*/*.{h}*"))
 
 
 def plant_wrong_page(path: Path) -> None:

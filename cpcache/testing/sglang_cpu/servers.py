@@ -1,9 +1,9 @@
 """Real SGLang servers on a host without CUDA, started the way docs/sglang.md says:
 `python -m sglang.launch_server` (its tokenizer manager, spawned schedulers
 and detokenizer, HTTP on a TCP port), with tiny random models made by
-transformers at test time (TINY_MODELS: Llama, Qwen3, Qwen3-MoE), at TP and
-attention CP (prefill CP too: ZIGZAG_FLAGS with ZIGZAG_ENV,
-cpu_host/cp_torch_native.py), and `cpcache launch` daemons beneath.
+transformers at test time (TINY_MODELS: Llama, Qwen3, Qwen3-MoE, DeepSeek-V2
+with MLA), at TP and attention CP (prefill CP too: ZIGZAG_FLAGS with
+ZIGZAG_ENV, cpu_host/cp_torch_native.py), and `cpcache launch` daemons beneath.
 
 SGLang's own HiCache (host memory tier, and its `file` storage tier) runs
 here too, for side-by-side comparisons: HICACHE_FLAGS with HICACHE_ENV
@@ -126,12 +126,34 @@ def free_port() -> int:
 # the logprobs well past the suite's tolerance: with the default 0.02 the
 # model is nearly uniform and a mask off by one token changes them by 1e-5.
 _QWEN = "num_attention_heads=8, num_key_value_heads=2, head_dim=16, initializer_range=0.5"
+# DeepSeek-V2: multi-head latent attention (a 32-wide latent plus 16 rotary
+# columns per token, one KV "head" shared by 8 query heads), a dense first
+# layer then 4 routed experts and a shared one, and YaRN rotary embeddings,
+# the only kind SGLang's CPU rotary path takes for this model. The MoE
+# fields transformers does not declare are the ones SGLang reads from a real
+# DeepSeek-V2 config. It needs MLA_ENV on every server (cpu_host/mla_torch_native.py).
+_DEEPSEEK_V2 = ("num_attention_heads=8, num_key_value_heads=8, kv_lora_rank=32, q_lora_rank=None, "
+                "qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4, n_shared_experts=1, "
+                "num_experts_per_tok=2, moe_intermediate_size=64, first_k_dense_replace=1, moe_layer_freq=1, "
+                "topk_method='greedy', scoring_func='softmax', n_group=1, topk_group=1, ep_size=1, "
+                "initializer_range=0.5, rope_parameters=dict(rope_type='yarn', rope_theta=10000.0, factor=4.0, "
+                "original_max_position_embeddings=1024, beta_fast=32, beta_slow=1, mscale=0.707, "
+                "mscale_all_dim=0.707)")
 TINY_MODELS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", "num_attention_heads=4, num_key_value_heads=4"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", _QWEN),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   f"{_QWEN}, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, decoder_sparse_step=1"),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", _DEEPSEEK_V2),
 }
+# MLA in the torch_native attention backend (cpu_host/mla_torch_native.py).
+MLA_ENV = {"CPCACHE_TEST_MLA_TORCH_NATIVE": "1"}
+_FAMILY_ENV = {"deepseek_v2": MLA_ENV}
+
+
+def family_env(family: str) -> dict[str, str]:
+    """What every SGLang server of a model of `family` needs in its environment here."""
+    return dict(_FAMILY_ENV.get(family, {}))
 
 
 def make_tiny_model(path: Path, family: str = "llama") -> Path:

@@ -29,6 +29,7 @@ from cpcache.testing.sglang_cpu.servers import (
     Daemons,
     Reply,
     Server,
+    family_env,
     same_outputs,
 )
 
@@ -104,11 +105,12 @@ class Stack:
         # and its idle counters (every rank's) tell when its idle checks ran.
         flags = [*CPCACHE_FLAGS, "--enable-metrics", "--enable-metrics-for-all-schedulers",
                  *(ZIGZAG_FLAGS if shape.zigzag else [])]
-        env = {"CPCACHE_SGLANG_CONFIG": str(config), **(ZIGZAG_ENV if shape.zigzag else {})}
+        env = {"CPCACHE_SGLANG_CONFIG": str(config), **(ZIGZAG_ENV if shape.zigzag else {}),
+               **family_env(shape.family)}
         self.cpcache = Server("cpcache", model, work, flags, tp=shape.tp, cp=shape.cp, page_size=PAGE,
                               device_tokens=DEVICE_TOKENS, env=env)
         self.plain = Server("reference", model, work, PLAIN_FLAGS, tp=shape.reference_tp, page_size=PAGE,
-                            device_tokens=DEVICE_TOKENS) if with_reference else None
+                            device_tokens=DEVICE_TOKENS, env=family_env(shape.family)) if with_reference else None
         self.expected: dict[tuple[int, ...], Reply] = {}
 
     def start(self) -> Stack:

@@ -27,7 +27,7 @@ gpu_stubs.install()
 # attention backend (cp_torch_native.py), and the prefill side of
 # prefill/decode disaggregation (pd_cpu.py).
 _OPT_IN = {"CPCACHE_TEST_HICACHE_CPU": "hicache_cpu", "CPCACHE_TEST_CP_TORCH_NATIVE": "cp_torch_native",
-           "CPCACHE_TEST_PD_CPU": "pd_cpu"}
+           "CPCACHE_TEST_PD_CPU": "pd_cpu", "CPCACHE_TEST_MLA_TORCH_NATIVE": "mla_torch_native"}
 for variable, module_name in _OPT_IN.items():
     if os.environ.get(variable) == "1":
         import importlib
