@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import torch
 from sglang.srt import runtime_context
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName
 
 from cpcache.integrations.sglang import storage
 from cpcache.integrations.sglang.server_flags import STORAGE_EXTRA_CONFIG
@@ -52,6 +52,11 @@ def main() -> None:
     storage._served_model = lambda: ("tiny", "float32")  # what the prefill's backend would declare
     store = storage.CpcacheStore(config())
     store.register_mem_pool_host(host_pool())
+    try:  # DSA's indexer keys, registered as SGLang registers a second part of each page
+        store.register_mem_host_pool_v2(host_pool(), PoolName.INDEXER)
+        out["indexer_part"] = ""
+    except ValueError as exc:
+        out["indexer_part"] = str(exc)
     keys = ["ab" * 32, "cd" * 32]
     written = store.batch_set_v1(keys, torch.arange(0, 8))
     out["store"] = {"written": written, "found": store.batch_exists(keys), "open": store.pages is not None}

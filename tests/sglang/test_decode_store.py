@@ -1,7 +1,8 @@
 """`CpcacheStore`, the decode server's storage backend, as SGLang's storage
 factory builds it (in SGLang's environment, with SGLang's storage config):
 refused on a server that is not a decode server, without interface_v1, and
-under attention CP; over a file store it writes pages the store then holds;
+under attention CP, and a second part of each page (DSA's indexer keys)
+refused; over a file store it writes pages the store then holds;
 over a store that cannot be reached it opens nothing and every call is a
 miss, the server unharmed. The pages' bytes and keys are checked in
 tests/unit/integrations/test_store_pages.py; through a real decode server
@@ -43,6 +44,7 @@ def test_the_decode_stores_refusals_its_writes_and_an_unreachable_store(tmp_path
     assert "--radix-cache-backend cpcache" in out["aggregated"]
     assert "interface_v1" in out["no_interface_v1"]
     assert "--attn-cp-size" in out["attention_cp"]
+    assert "indexer beside each page's KV" in out["indexer_part"]
     assert out["store"] == {"written": [True, True], "found": 2, "open": True}
     # daemon_config is read relative to the backend's JSON file: the pages are under tmp_path.
     assert len([p for p in (tmp_path / "pages").rglob("*") if p.is_file()]) == 2

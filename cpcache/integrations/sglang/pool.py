@@ -62,8 +62,30 @@ def dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
+def parts_beside_kv(kv_pool: Any) -> list[str]:
+    """The parts of a page SGLang's pool holds beside its KV, as the pool
+    itself declares them to HiCache (`host_pool_decls`): DSA's indexer keys
+    and scales, and whatever a later pool adds."""
+    declared = getattr(kv_pool, "host_pool_decls", None)
+    if declared is None:
+        return []
+    return [pool_name(getattr(decl, "pool_name", decl)) for decl in tuple(declared())[1:]]
+
+
+def pool_name(name: Any) -> str:
+    """SGLang's name of a part's pool (a `PoolName`, a str enum, or a str)."""
+    return str(getattr(name, "value", name))
+
+
 def geometry_of(kv_pool: Any, page_size: int) -> KVGeometry:
-    """The daemon's geometry for an SGLang MHA or MLA token-to-KV pool."""
+    """The daemon's geometry for an SGLang MHA or MLA token-to-KV pool. A
+    pool with parts beside its KV is refused: a page restored without them
+    would be a wrong hit (its KV with another prefix's indexer keys)."""
+    extra = parts_beside_kv(kv_pool)
+    if extra:
+        raise ValueError(f"cpcache: SGLang's {type(kv_pool).__name__} keeps {', '.join(extra)} beside the KV of "
+                         "each page, which cpcache does not store: serve this model without --radix-cache-backend "
+                         "cpcache")
     if getattr(kv_pool, "is_quantized_kv_cache", False) or any(
             getattr(kv_pool, name, None) is not None for name in ("k_scale_buffer", "v_scale_buffer",
                                                                   "kv_scale_buffer")):

@@ -42,6 +42,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 from cpcache.config import FaultInjection
 from cpcache.domain_file import domain_config
 from cpcache.errors import CacheError, Unavailable
+from cpcache.integrations.sglang.pool import pool_name
 from cpcache.integrations.sglang.settings import Settings
 from cpcache.integrations.sglang.store_pages import StorePages, host_pool_geometry, page_slots
 from cpcache.keys import ShardingSpec, tenant_of
@@ -92,6 +93,17 @@ class CpcacheStore(HiCacheStorage):
                              "layer_first, page_first or page_first_direct") from None
         self._opened = (geometry, host, mem_pool_host.layout)
         self._open()
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """SGLang registers each part of a page as a host pool of its own
+        (DSA's indexer keys beside the KV). A stored page holds the KV only:
+        a second part is refused, or a later hit would pair its KV with no
+        indexer keys."""
+        if pool_name(host_pool_name) != "kv":
+            raise ValueError(f"cpcache: the decode server's pool keeps {pool_name(host_pool_name)} beside each "
+                             "page's KV, which cpcache's store does not hold: serve its offload with another "
+                             "storage backend")
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
 
     def _open(self) -> None:
         """Open the store, or log why not and serve misses until it opens."""

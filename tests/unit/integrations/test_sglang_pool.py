@@ -102,3 +102,12 @@ def test_a_cuda_handle_names_its_gpu_by_uuid_beside_the_index(monkeypatch):
                         lambda index: SimpleNamespace(uuid=f"uuid-of-{index}"))
     fields = cuda_ipc_fields(SharedStorage())  # type: ignore[arg-type]
     assert fields["device"] == 1 and fields["device_uuid"] == "uuid-of-1" and fields["storage_offset"] == 512
+
+
+def test_a_pool_that_declares_a_part_beside_its_kv_is_refused_with_the_part_named():
+    kv_pool = sglang_like_mha()
+    kv_pool.host_pool_decls = lambda: (SimpleNamespace(pool_name="kv"), SimpleNamespace(pool_name="indexer"))
+    with pytest.raises(ValueError, match="keeps indexer beside the KV"):
+        share_device_pool(kv_pool, PAGE)
+    kv_pool.host_pool_decls = lambda: (SimpleNamespace(pool_name="kv"),)
+    assert share_device_pool(kv_pool, PAGE).geometry.kv_kind == "mha"
