@@ -5,6 +5,7 @@ daemon killed mid-run."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from cpcache.dataplane.storage import framing
 from cpcache.keys import chain, generation_seed
 from cpcache.testing.sglang_cpu.servers import Reply, Server, same_outputs
 from cpcache.testing.sglang_cpu.stacks import DOCS, PAGE, Stack, idle_seconds, prompt, workload
+from cpcache.topology import Topology
 
 
 def wait_idle_checks(server: Server, ranks: int, idle_s: float, attempts: int = 100_000) -> None:
@@ -89,13 +91,22 @@ def kill_daemon_mid_run_and_come_back(stack: Stack, seed: int, victim: int = 1) 
     (slowed copies and storage keep them open), the server then idle long
     enough for SGLang's own idle leak check to run again and again, then more
     requests: the server never exits, replies stay equal to the reference's,
-    every rank falls back at one iteration and attaches again at one
-    iteration, and every device slot comes back."""
+    every rank of the victim's domain falls back at one iteration and
+    attaches again at one iteration, and every device slot comes back. Under
+    attention DP the requests go to the victim's DP group, and the other
+    groups' domains are not the victim's."""
     system, docs = workload(seed=seed, docs=DOCS)
     server = stack.cpcache.process
     assert server is not None
+    shape = stack.shape
+    topology = Topology(tp=shape.tp, dp=shape.dp, cp=shape.cp)
+    domain = set(topology.domain(victim).ranks)
+    group = topology.coordinates(victim).dp if shape.dp > 1 else None
+
+    def of_domain(lines: list[str]) -> list[str]:
+        return [line for line in lines if int(re.search(r"rank (\d+)", line)[1]) in domain]  # type: ignore[index]
     for d, doc in enumerate(docs):  # documents now in the device, the host pool and storage
-        stack.check(prompt(system, doc, 0, d))
+        stack.check(prompt(system, doc, 0, d), group)
     # In flight when the daemon dies: a host hit being loaded and written back,
     # a storage prefetch, and new pages being written through. A round whose
     # requests all end before a load opens is checked and sent again (new
@@ -105,7 +116,7 @@ def kill_daemon_mid_run_and_come_back(stack: Stack, seed: int, victim: int = 1) 
         inflight = [prompt(system, docs[d], 1 + attempt, d) for d in (len(docs) - 4, 0, 1)] + \
             [prompt(other_system, new_doc, 0, 0)]
         wanted = [stack.reference(ids) for ids in inflight]
-        workers = [in_background(lambda ids=ids: stack.generate(ids)) for ids in inflight]
+        workers = [in_background(lambda ids=ids: stack.generate(ids, group)) for ids in inflight]
         caught = open_operations_on(stack, victim, until=lambda ops: ops["open_loads"] > 0,
                                     running=lambda workers=workers: any(t.is_alive() for t, _ in workers))
         if caught["open_loads"] > 0:
@@ -130,22 +141,23 @@ def kill_daemon_mid_run_and_come_back(stack: Stack, seed: int, victim: int = 1) 
     for (thread, answer), want in zip(workers, wanted):
         thread.join(300)
         assert answer and same_outputs(answer[0], want), f"answered {answer}, a server without cache {want}"
-    fell = server.wait_lines("fell back to the device tree at iteration", stack.ranks, timeout_s=120)
+    fell = server.wait_lines("fell back to the device tree at iteration", len(domain), timeout_s=120)
+    assert len(of_domain(fell)) == len(fell), f"a rank outside the victim's domain fell back: {fell}"
     iterations = {line.split("at iteration ")[1].split(":")[0] for line in fell}
     assert len(iterations) == 1, f"the ranks fell back at different iterations: {fell}"
     wait_idle_checks(stack.cpcache, stack.ranks, idle_s=3.0)  # SGLang's leak check ran while the daemon was dead
     for d in range(4):  # served without the tiers: device only, still correct
-        stack.check(prompt(system, docs[d], 8, d))
-    back = server.wait_lines("attached again at iteration", stack.ranks, timeout_s=300)
+        stack.check(prompt(system, docs[d], 8, d), group)
+    back = server.wait_lines("attached again at iteration", len(domain), timeout_s=300)
     again = {line.split("at iteration ")[1].split(";")[0] for line in back}
     assert len(again) == 1, f"the ranks attached again at different iterations: {back}"
     # The slots of a load left undecided came back on every rank at once, before
     # it said it attached again. (None when the load seen open was decided,
     # and its reply read, just before the kill.)
     given = server.lines_with("device slots of loads its last session left undecided")
-    assert len(given) in (0, stack.ranks) and len({line.split("gave back ")[1] for line in given}) <= 1, given
+    assert len(given) in (0, len(domain)) and len({line.split("gave back ")[1] for line in given}) <= 1, given
     print(f"slots given back at the attach again: {given[0].split('gave back ')[1].strip() if given else 'none'}")
-    replies = [stack.check(prompt(system, docs[d], 9, d)) for d in range(len(docs))]
+    replies = [stack.check(prompt(system, docs[d], 9, d), group) for d in range(len(docs))]
     assert sum(r.host + r.storage for r in replies) > 0, f"no host or storage hit after attaching again: {replies}"
     wait_idle_checks(stack.cpcache, stack.ranks, idle_s=2.0)
     assert stack.cpcache.process is not None and stack.cpcache.process.proc.poll() is None
@@ -154,8 +166,8 @@ def kill_daemon_mid_run_and_come_back(stack: Stack, seed: int, victim: int = 1) 
     # kill, the dead daemon's rank may lack the reply of the round it died in.)
     logged = len(server.lines_with("decision log:"))
     stack.cpcache.flush_cache()
-    lines = server.wait_lines("decision log:", logged + stack.ranks, timeout_s=60)[logged:]
-    assert len({line.split("since the last attach ")[1] for line in lines}) == 1, lines
+    lines = of_domain(server.wait_lines("decision log:", logged + stack.ranks, timeout_s=60)[logged:])
+    assert len(lines) == len(domain) and len({line.split("since the last attach ")[1] for line in lines}) == 1, lines
 
 
 def flush_with_writes_in_flight_serves_no_wrong_bytes(stack: Stack) -> None:

@@ -49,7 +49,7 @@ from cpcache.testing.sglang_cpu.servers import (
     same_outputs,
     sglang_interpreter,
 )
-from cpcache.testing.sglang_cpu.stacks import DEVICE_TOKENS, PAGE, SLOW_RANK, prompt, workload
+from cpcache.testing.sglang_cpu.stacks import DEVICE_TOKENS, PAGE, SLOW_RANK, Shape, prompt, workload
 from tests.sglang.stacks import kill_daemon_mid_run_and_come_back
 
 pytestmark = [
@@ -264,6 +264,7 @@ class PdStack:
     expected: Reference
     load_back: str = "overlapped"
     ranks: int = 2
+    shape: Shape = Shape("qwen3", tp=2, cp=2)  # the prefill server's
 
     @property
     def cpcache(self) -> Server:
@@ -275,13 +276,13 @@ class PdStack:
         assert self.pd.daemons is not None
         return self.pd.daemons
 
-    def generate(self, ids: list[int]) -> Reply:
+    def generate(self, ids: list[int], dp_rank: int | None = None) -> Reply:
         return self.pd.generate(ids)
 
     def reference(self, ids: list[int]) -> Reply:
         return self.expected.reply(ids)
 
-    def check(self, ids: list[int]) -> Reply:
+    def check(self, ids: list[int], dp_rank: int | None = None) -> Reply:
         got, want = self.generate(ids), self.reference(ids)
         assert same_outputs(got, want), f"through the router {got}, a server without cache {want}"
         return got

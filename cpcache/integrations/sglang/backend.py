@@ -59,12 +59,26 @@ def model_dtype_of(context: Any) -> str:
 
 def scheduler_topology(server_args: Any, tp_size: int) -> Topology:
     """The deployment as SGLang lays it out: CP and attention DP split the TP
-    ranks of a pipeline stage, exactly as the daemons' topology does."""
-    attn_dp = getattr(server_args, "attn_dp_size", None)
+    ranks of a pipeline stage, exactly as the daemons' topology does. The
+    attention DP width is the scheduler's runtime one: under attention DP a
+    scheduler's own server arguments carry a width of 1 (its DP group's)."""
+    attn_dp = _runtime_attention_dp()
     if attn_dp is None:
-        attn_dp = server_args.dp_size if getattr(server_args, "enable_dp_attention", False) else 1
+        attn_dp = getattr(server_args, "attn_dp_size", None)
+    if attn_dp is None or attn_dp == 1 and getattr(server_args, "enable_dp_attention", False):
+        attn_dp = max(getattr(server_args, "dp_size", 1) or 1, attn_dp or 1)
     return Topology(tp=tp_size, cp=getattr(server_args, "attn_cp_size", 1) or 1, dp=attn_dp or 1,
                     pp=getattr(server_args, "pp_size", 1) or 1)
+
+
+def _runtime_attention_dp() -> int | None:
+    """SGLang's published attention DP width in this scheduler, if any."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        return int(get_parallel().attn_dp_size)
+    except Exception:  # noqa: BLE001 - not published (or another SGLang): the server arguments say
+        return None
 
 
 def tree_components() -> tuple[Any, ...]:

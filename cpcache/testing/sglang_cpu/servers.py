@@ -100,6 +100,9 @@ def hicache_file_storage_flags(root: Path) -> list[str]:
 # CP ranks), which torch_native runs only with cpu_host/cp_torch_native.py.
 ZIGZAG_FLAGS = ["--enable-prefill-cp", "--cp-strategy", "zigzag"]
 ZIGZAG_ENV = {"CPCACHE_TEST_CP_TORCH_NATIVE": "1"}
+# Attention DP (`--enable-dp-attention`) pads each rank's batch, which
+# torch_native needs cpu_host/dp_attention_cpu.py for.
+DP_ATTENTION_ENV = {"CPCACHE_TEST_DP_ATTENTION_CPU": "1"}
 READY = "The server is fired up and ready to roll"
 # A port taken before the server bound it: its HTTP port (uvicorn), or the
 # port its ranks meet on (torch's TCPStore), which SGLang picks by itself.
@@ -265,6 +268,7 @@ class Daemons:
     run_dir: Path
     tp: int
     cp: int = 1
+    dp: int = 1  # attention DP: one agreement domain per DP group
     settings: dict = field(default_factory=dict)
     per_rank: dict[int, dict] = field(default_factory=dict)  # rank -> settings of that rank only
     process: Watched | None = None
@@ -282,7 +286,7 @@ class Daemons:
 
         config.write_text(table(self.settings) + "".join(f"[rank.{r}]\n{table(s)}" for r, s in self.per_rank.items()))
         self.process = Watched([str(CPCACHE), "launch", "--tp", str(self.tp), "--cp", str(self.cp),
-                                "--run-dir", str(self.run_dir), "--config", str(config),
+                                "--dp", str(self.dp), "--run-dir", str(self.run_dir), "--config", str(config),
                                 "--agreement-timeout", "10"],
                                self.run_dir.parent / f"{self.run_dir.name}.log", ["press Ctrl-C"])
         self.process.wait_for("press Ctrl-C", timeout_s)
@@ -317,6 +321,7 @@ class Server:
     flags: list[str]
     tp: int = 1
     cp: int = 1  # attention context parallelism: splits the TP ranks (--attn-cp-size)
+    dp: int = 1  # attention data parallelism: splits them too (--enable-dp-attention --dp)
     page_size: int = 16
     device_tokens: int = 1024
     env: dict = field(default_factory=dict)
@@ -327,14 +332,16 @@ class Server:
         return [sglang_interpreter(), "-m", "sglang.launch_server", "--model-path", str(self.model),
                 *CPU_FLAGS, "--tp", str(self.tp), "--page-size", str(self.page_size),
                 "--max-total-tokens", str(self.device_tokens), "--host", "127.0.0.1", "--port", str(self.port),
-                *(["--attn-cp-size", str(self.cp)] if self.cp > 1 else []), *self.flags]
+                *(["--attn-cp-size", str(self.cp)] if self.cp > 1 else []),
+                *(["--enable-dp-attention", "--dp", str(self.dp)] if self.dp > 1 else []), *self.flags]
 
     def start(self) -> Server:
         self.port = self.port or free_port()
         # The caller's own PYTHONPATH follows cpu_host/: a source tree put there
         # (a worktree under test) is the cpcache that SGLang's processes import.
         path = os.pathsep.join(p for p in (str(CPU_HOST), os.environ.get("PYTHONPATH", "")) if p)
-        env = {"PYTHONPATH": path, "SGLANG_USE_CPU_ENGINE": "1", **self.env}
+        env = {"PYTHONPATH": path, "SGLANG_USE_CPU_ENGINE": "1", **(DP_ATTENTION_ENV if self.dp > 1 else {}),
+               **self.env}
         if self.tp > 1:
             env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1))
                                                                   for i in range(self.tp)))
@@ -383,11 +390,14 @@ class Server:
         raise RuntimeError(f"flush_cache refused {attempts} times")
 
     def generate(self, input_ids: list[int], max_new_tokens: int = 4, rid: str | None = None,
-                 timeout_s: float = 120.0) -> Reply:
+                 timeout_s: float = 120.0, dp_rank: int | None = None) -> Reply:
+        """`dp_rank`: the attention DP group to serve it (SGLang's `routed_dp_rank`)."""
         body: dict = {"input_ids": input_ids, "return_logprob": True,
                       "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0}}
         if rid is not None:
             body["rid"] = rid
+        if dp_rank is not None:
+            body["routed_dp_rank"] = dp_rank
         out = self.post("/generate", body, timeout_s=timeout_s)
         meta = out["meta_info"]
         details = meta.get("cached_tokens_details") or {}

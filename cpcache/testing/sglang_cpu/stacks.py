@@ -46,20 +46,21 @@ SLOW_RANK = 1  # its copies and storage calls take twice as long as the others'
 class Shape:
     family: str = "llama"
     tp: int = 2
-    cp: int = 1  # attention CP: splits the TP ranks (attention TP = tp / cp)
+    cp: int = 1  # attention CP: splits the TP ranks (attention TP = tp / (dp * cp))
     zigzag: bool = False  # prefill CP: a prefill's tokens split over the CP ranks
     storage: str = "file"
+    dp: int = 1  # attention DP: DP groups of tp / dp ranks, each its own scheduler and domain
 
     @property
     def name(self) -> str:
-        return f"{self.family}-tp{self.tp}" + (f"-cp{self.cp}" if self.cp > 1 else "") + \
-            ("-zigzag" if self.zigzag else "") + f"-{self.storage}"
+        return f"{self.family}-tp{self.tp}" + (f"-dp{self.dp}" if self.dp > 1 else "") + \
+            (f"-cp{self.cp}" if self.cp > 1 else "") + ("-zigzag" if self.zigzag else "") + f"-{self.storage}"
 
     @property
     def reference_tp(self) -> int:
-        # Under attention CP the reference is a tp 1 server: these models'
-        # outputs under CP equal tp 1's (checked here, request by request).
-        return 1 if self.cp > 1 else self.tp
+        # Under attention CP or DP the reference is a tp 1 server: these
+        # models' outputs there equal tp 1's (checked here, request by request).
+        return 1 if self.cp > 1 or self.dp > 1 else self.tp
 
 
 def workload(seed: int = 1, docs: int = DOCS) -> tuple[list[int], list[list[int]]]:
@@ -87,7 +88,7 @@ class Stack:
         if per_rank is None and shape.tp > 1:
             per_rank = {SLOW_RANK: dict(fault_copy_delay_ms=2 * copy_delay_ms,
                                         fault_storage_delay_ms=2 * storage_delay_ms)}
-        self.daemons = Daemons(work / "run", tp=shape.tp, cp=shape.cp, settings=dict(
+        self.daemons = Daemons(work / "run", tp=shape.tp, cp=shape.cp, dp=shape.dp, settings=dict(
             **storage, host_pool_pages=HOST_PAGES, prefetch_threshold_tokens=0, prefetch_policy="wait_complete",
             # Every device <-> host copy takes uniform(0, copy_delay_ms) ms, on
             # each rank independently: steps overlap I/O and ranks finish it apart.
@@ -107,7 +108,7 @@ class Stack:
                  *(ZIGZAG_FLAGS if shape.zigzag else [])]
         env = {"CPCACHE_SGLANG_CONFIG": str(config), **(ZIGZAG_ENV if shape.zigzag else {}),
                **family_env(shape.family)}
-        self.cpcache = Server("cpcache", model, work, flags, tp=shape.tp, cp=shape.cp, page_size=PAGE,
+        self.cpcache = Server("cpcache", model, work, flags, tp=shape.tp, cp=shape.cp, dp=shape.dp, page_size=PAGE,
                               device_tokens=DEVICE_TOKENS, env=env)
         self.plain = Server("reference", model, work, PLAIN_FLAGS, tp=shape.reference_tp, page_size=PAGE,
                             device_tokens=DEVICE_TOKENS, env=family_env(shape.family)) if with_reference else None
@@ -136,13 +137,13 @@ class Stack:
             self.expected[key] = self.plain.generate(ids)
         return self.expected[key]
 
-    def generate(self, ids: list[int]) -> Reply:
-        """cpcache's reply, as a client gets it."""
-        return self.cpcache.generate(ids)
+    def generate(self, ids: list[int], dp_rank: int | None = None) -> Reply:
+        """cpcache's reply, as a client gets it (`dp_rank`: the attention DP group to serve it)."""
+        return self.cpcache.generate(ids, dp_rank=dp_rank)
 
-    def check(self, ids: list[int]) -> Reply:
+    def check(self, ids: list[int], dp_rank: int | None = None) -> Reply:
         """cpcache's reply, asserted equal to the reference server's."""
-        got = self.generate(ids)
+        got = self.generate(ids, dp_rank)
         want = self.reference(ids)
         assert same_outputs(got, want), f"cpcache answered {got}, a server without cache {want}"
         return got

@@ -23,11 +23,14 @@ gpu_stubs.install()
 
 # Opt-in patches of SGLang modules (beside this file, so on the same
 # PYTHONPATH): SGLang's own HiCache on this CPU host, for comparison runs
-# (hicache_cpu.py), prefill context parallelism in the torch_native
-# attention backend (cp_torch_native.py), and the prefill side of
-# prefill/decode disaggregation (pd_cpu.py).
+# (hicache_cpu.py); in the torch_native attention backend, prefill context
+# parallelism (cp_torch_native.py), DeepSeek's multi-head latent attention
+# (mla_torch_native.py, installed after cp_torch_native.py, which it wraps)
+# and attention data parallelism (dp_attention_cpu.py); and the prefill side
+# of prefill/decode disaggregation (pd_cpu.py).
 _OPT_IN = {"CPCACHE_TEST_HICACHE_CPU": "hicache_cpu", "CPCACHE_TEST_CP_TORCH_NATIVE": "cp_torch_native",
-           "CPCACHE_TEST_PD_CPU": "pd_cpu", "CPCACHE_TEST_MLA_TORCH_NATIVE": "mla_torch_native"}
+           "CPCACHE_TEST_PD_CPU": "pd_cpu", "CPCACHE_TEST_MLA_TORCH_NATIVE": "mla_torch_native",
+           "CPCACHE_TEST_DP_ATTENTION_CPU": "dp_attention_cpu"}
 for variable, module_name in _OPT_IN.items():
     if os.environ.get(variable) == "1":
         import importlib
