@@ -61,13 +61,16 @@ MLA_FAMILIES = {"deepseek_v2"}
 # Opt-in shapes, added to every test of every shape by their variable:
 # - Qwen3-MoE under prefill CP: MoE under prefill CP is DeepSeek-V2's shape
 #   already, which this machine's suite time keeps;
-# - attention TP 2 x CP 2 (the demo's topology): four ranks and their daemons
-#   beside a reference, more than this 2-core machine runs in the suite's time.
+# - attention TP 2 x CP 2 (the demo's topology), GQA and MLA: four ranks and
+#   their daemons beside a reference, more than this 2-core machine runs in
+#   the suite's time.
 CP_MOE_ZIGZAG = Shape("qwen3_moe", tp=2, cp=2, zigzag=True, storage="file")
 CP_TP4 = Shape("qwen3", tp=4, cp=2, zigzag=True, storage="file")
-OPT_IN = {"CPCACHE_SGLANG_QWEN3_MOE": CP_MOE_ZIGZAG, "CPCACHE_SGLANG_TP4": CP_TP4}
+MLA_TP4 = Shape("deepseek_v2", tp=4, cp=2, zigzag=True, storage="file")
+OPT_IN = {"CPCACHE_SGLANG_QWEN3_MOE": [CP_MOE_ZIGZAG], "CPCACHE_SGLANG_TP4": [CP_TP4, MLA_TP4]}
+OPT_IN_SHAPES = [shape for shapes in OPT_IN.values() for shape in shapes]
 EVERY_SHAPE = [CP_FILE, CP_ZIGZAG_MOONCAKE, MLA_FILE, MLA_ZIGZAG_MOONCAKE,
-               *(shape for variable, shape in OPT_IN.items() if os.environ.get(variable))]
+               *(shape for variable, shapes in OPT_IN.items() if os.environ.get(variable) for shape in shapes)]
 FILE_SHAPES = [shape for shape in EVERY_SHAPE if shape.storage == "file"]
 
 
@@ -156,7 +159,7 @@ def test_flush_cache_while_writes_are_in_flight_serves_no_wrong_bytes(stack: Sta
 
 # On Mooncake Store (the seed's storage), each attention kind once: a kill on
 # file storage is the same kill (test_server.py has one at plain TP).
-KILLED_SHAPES = [shape for shape in EVERY_SHAPE if shape.storage == "mooncake" or shape in OPT_IN.values()]
+KILLED_SHAPES = [shape for shape in EVERY_SHAPE if shape.storage == "mooncake" or shape in OPT_IN_SHAPES]
 
 
 @by_shape(*KILLED_SHAPES)

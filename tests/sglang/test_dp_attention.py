@@ -10,7 +10,8 @@ device, host and storage tiers; the other group, which never computed those
 documents, hits the pages the first one stored (one store, the same keys:
 DP groups are replicas of one model shard). Each domain's decisions are its
 own: the ranks of a DP group log the same decisions, the groups different
-ones. `CPCACHE_SGLANG_TP4=1` adds `--tp 4 --dp 2` (two ranks per group).
+ones. `CPCACHE_SGLANG_TP4=1` adds `--tp 4 --dp 2` (two attention-TP ranks
+per group) and `--tp 4 --dp 2 --attn-cp-size 2` (two CP ranks per group).
 
 Runs alone with `pytest -m sglang tests/sglang/test_dp_attention.py`.
 """
@@ -36,7 +37,8 @@ pytestmark = [
 
 DP = Shape("qwen3", tp=2, dp=2, storage="file")
 DP_TP4 = Shape("qwen3", tp=4, dp=2, storage="file")
-SHAPES = [DP, *([DP_TP4] if os.environ.get("CPCACHE_SGLANG_TP4") else [])]
+DP_CP_TP4 = Shape("qwen3", tp=4, dp=2, cp=2, storage="file")  # DP groups of two CP ranks
+SHAPES = [DP, *([DP_TP4, DP_CP_TP4] if os.environ.get("CPCACHE_SGLANG_TP4") else [])]
 
 
 @pytest.fixture(scope="module", params=SHAPES, ids=[s.name for s in SHAPES])
