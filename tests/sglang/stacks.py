@@ -42,7 +42,8 @@ def stored_pages(stack: Stack, tokens: list[int]) -> list[Path]:
     hashes = chain(tokens, PAGE, generation_seed(None, generation))
     # A page's object is `tenant.hash`, then its shard's suffix where the
     # page differs per rank (none for a replicated MLA latent).
-    return sorted(p for h in hashes for p in stack.storage.glob(f"*/*.{h}*"))
+    # Temp files of writes in flight are hidden (a leading dot): not pages.
+    return sorted(p for h in hashes for p in stack.storage.glob(f"*/*.{h}*") if not p.name.startswith("."))
 
 
 def plant_wrong_page(path: Path) -> None:
@@ -150,6 +151,8 @@ def kill_daemon_mid_run_and_come_back(stack: Stack, seed: int, victim: int = 1) 
         stack.check(prompt(system, docs[d], 8, d), group)
     back = server.wait_lines("attached again at iteration", len(domain), timeout_s=300)
     again = {line.split("at iteration ")[1].split(";")[0] for line in back}
+    fell_back = server.lines_with("fell back to the device tree at iteration")
+    assert len(fell_back) == len(domain), f"ranks outside the victim's domain fell back: {fell_back}"
     assert len(again) == 1, f"the ranks attached again at different iterations: {back}"
     # The slots of a load left undecided came back on every rank at once, before
     # it said it attached again. (None when the load seen open was decided,

@@ -40,6 +40,7 @@ from tests.sglang.stacks import (
     kill_daemon_mid_run_and_come_back,
     requests_aborted_during_their_prefetch_are_revoked_on_every_rank,
     stored_pages,
+    wait_no_io,
 )
 
 pytestmark = [
@@ -125,6 +126,8 @@ def test_cp_ranks_of_a_replicated_page_share_one_storage_object_written_once(sta
     system, docs = workload(seed=8, docs=4)
     for d, doc in enumerate(docs):
         stack.check(prompt(system, doc, 0, d))
+    for rank in range(stack.ranks):  # every write through to storage ended
+        wait_no_io(stack, rank)
     files = stored_pages(stack, system + docs[0])
     names = {p.name for p in files}
     assert files and all("_cp" not in name for name in names), f"a CP suffix on replicated pages: {names}"

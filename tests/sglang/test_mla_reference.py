@@ -4,12 +4,14 @@ and without cache, answers what transformers' own DeepSeek-V2 computes for
 the same weights (greedy tokens; logprobs within float32 noise). The CP
 suites' reference servers are such servers, so every MLA reply they check is
 checked against transformers too. The prompts are long enough for several
-pages, and one runs a decode long enough to cross a page."""
+pages, one runs a decode long enough to cross a page, and they are sent
+at once, so prefills and decodes of several sequences share batches."""
 
 from __future__ import annotations
 
 import json
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -32,8 +34,8 @@ pytestmark = [
                        "`make setup` builds it"),
 ]
 
-PROMPTS = [list(range(1, 40)), [(7 * i) % 500 + 1 for i in range(130)]]
-NEW_TOKENS = [6, 24]
+PROMPTS = [list(range(1, 40)), [(7 * i) % 500 + 1 for i in range(130)], [(11 * i) % 500 + 3 for i in range(75)]]
+NEW_TOKENS = [6, 24, 10]
 
 # transformers' own greedy generation, in SGLang's environment (which has it).
 TRANSFORMERS = """
@@ -60,8 +62,10 @@ def test_mla_in_torch_native_answers_what_transformers_computes(tmp_path: Path):
     server = Server("mla-tp1", model, tmp_path, PLAIN_FLAGS, env=MLA_ENV)
     try:
         server.start().wait_ready()
-        for ids, new, want in zip(PROMPTS, NEW_TOKENS, dense):
-            got = server.generate(ids, max_new_tokens=new)
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            replies = list(pool.map(lambda job: server.generate(job[0], max_new_tokens=job[1]),
+                                    zip(PROMPTS, NEW_TOKENS)))
+        for got, want in zip(replies, dense):
             assert same_outputs(got, want), f"SGLang answered {got}, transformers {want}"
         assert server.log_lines("MLA's ragged prefill"), "the patch did not run"
     finally:

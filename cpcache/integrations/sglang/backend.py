@@ -63,11 +63,11 @@ def scheduler_topology(server_args: Any, tp_size: int) -> Topology:
     attention DP width is the scheduler's runtime one: under attention DP a
     scheduler's own server arguments carry a width of 1 (its DP group's)."""
     attn_dp = _runtime_attention_dp()
-    if attn_dp is None:
-        attn_dp = getattr(server_args, "attn_dp_size", None)
-    if attn_dp is None or attn_dp == 1 and getattr(server_args, "enable_dp_attention", False):
-        attn_dp = max(getattr(server_args, "dp_size", 1) or 1, attn_dp or 1)
-    return Topology(tp=tp_size, cp=getattr(server_args, "attn_cp_size", 1) or 1, dp=attn_dp or 1,
+    if attn_dp is None:  # outside SGLang's scheduler: its arguments
+        attn_dp = getattr(server_args, "attn_dp_size", None) or 1
+        if attn_dp == 1 and getattr(server_args, "enable_dp_attention", False):  # the deprecated spelling
+            attn_dp = getattr(server_args, "dp_size", 1) or 1
+    return Topology(tp=tp_size, cp=getattr(server_args, "attn_cp_size", 1) or 1, dp=attn_dp,
                     pp=getattr(server_args, "pp_size", 1) or 1)
 
 

@@ -69,7 +69,8 @@ def parts_beside_kv(kv_pool: Any) -> list[str]:
     declared = getattr(kv_pool, "host_pool_decls", None)
     if declared is None:
         return []
-    return [pool_name(getattr(decl, "pool_name", decl)) for decl in tuple(declared())[1:]]
+    names = [pool_name(getattr(decl, "pool_name", decl)) for decl in declared()]
+    return [name for name in names if name != "kv"]
 
 
 def pool_name(name: Any) -> str:

@@ -28,3 +28,14 @@ def args(**fields: object) -> SimpleNamespace:
 def test_attention_cp_and_dp_split_the_tp_ranks(fields: dict, tp: int, want: tuple[int, int, int]):
     topology = scheduler_topology(args(**fields), tp)
     assert (topology.tp, topology.cp, topology.dp) == want
+
+
+def test_the_runtime_width_wins_over_the_schedulers_own_arguments(monkeypatch: pytest.MonkeyPatch):
+    from cpcache.integrations.sglang import backend
+
+    monkeypatch.setattr(backend, "_runtime_attention_dp", lambda: 2)
+    assert scheduler_topology(args(attn_dp_size=1), 2).dp == 2  # what a DP scheduler's own arguments say
+
+
+def test_without_attention_dp_the_dp_size_is_not_an_attention_width():
+    assert scheduler_topology(args(dp_size=2), 2).dp == 1

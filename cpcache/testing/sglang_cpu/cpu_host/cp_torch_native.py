@@ -89,6 +89,7 @@ def _patch_torch_native(module: ModuleType) -> None:
         out = strategy.run_attention(q_, forward_batch, q.device, attend)
         return out.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 
+    forward_extend.attends_zigzag_rows = True  # type: ignore[attr-defined]  # what mla_torch_native.py checks
     backend.forward_extend = forward_extend
 
 

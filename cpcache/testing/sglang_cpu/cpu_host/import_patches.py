@@ -53,7 +53,10 @@ class _PatchFinder(importlib.abc.MetaPathFinder):
 
 def install(patches: dict[str, Callable[[ModuleType], None]]) -> None:
     for name, patch in patches.items():
-        _PATCHES.setdefault(name, []).append(patch)
+        installed = _PATCHES.setdefault(name, [])
+        if patch in installed:  # installed twice: patched once
+            continue
+        installed.append(patch)
         if name in sys.modules:  # imported before this hook: patch in place
             patch(sys.modules[name])
     if not any(isinstance(f, _PatchFinder) for f in sys.meta_path):

@@ -21,16 +21,17 @@ backend it does not know, as for triton):
 This patch gives the first the ragged attention GPU backends give it,
 causal per sequence, with plain SDPA; the second is left to torch_native.
 
-Under prefill CP (`--enable-prefill-cp`), SGLang's GPU backends (fa3,
-flashinfer, flashmla) send every prefill down the absorbed path, whose
-latent is gathered over the CP ranks in token order before it is written
-(the multi-head path would write each rank's own latents against the whole
-batch's slots); a backend SGLang does not know gets triton's dispatch, which
-has no such rule. The patch gives torch_native the GPU backends' dispatch
-under CP, gathers each layer's latent over the CP ranks and writes it whole
-(`materialize_full_mla_kv` does the same on GPUs, through a CUDA-only
-kernel), then leaves the attention of the rank's zigzag rows to
-cp_torch_native.py, which must be installed first (sitecustomize.py's order).
+Under prefill CP (`--enable-prefill-cp`), SGLang's dispatch for its GPU
+backends (fa3, flashinfer, flashmla) sends every prefill down the absorbed
+path, where the FlashAttention backend gathers the latent over the CP ranks
+in token order before writing it (`materialize_full_mla_kv`; the multi-head
+path would write each rank's own latents against the whole batch's slots);
+a backend SGLang does not know gets triton's dispatch, which has no such
+rule. The patch gives torch_native that dispatch under CP, gathers each
+layer's latent over the CP ranks and writes it whole (on GPUs through a
+CUDA-only kernel), then leaves the attention of the rank's zigzag rows to
+cp_torch_native.py, which must be installed first (sitecustomize.py's
+order; checked).
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ def _is_latent_pool(pool: object) -> bool:
 def _ragged_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extend_seq_lens: list[int],
                    scaling: float) -> torch.Tensor:
     """Each sequence's rows attend causally to its own rows: [tokens, heads, dim]."""
+    if sum(extend_seq_lens) != q.shape[0]:
+        raise ValueError(f"{q.shape[0]} query rows for sequences of {sum(extend_seq_lens)} tokens")
     out = q.new_empty((q.shape[0], q.shape[1], v.shape[-1]))
     start = 0
     for n in extend_seq_lens:
@@ -72,9 +75,12 @@ def _patch_torch_native(module: ModuleType) -> None:
         pool = self.token_to_kv_pool
         if not _is_latent_pool(pool):
             return latent_extend(self, q, k, v, layer, forward_batch, save_kv_cache)
-        if layer.qk_head_dim == pool.kv_lora_rank + pool.qk_rope_head_dim:  # the absorbed path
+        if layer.v_head_dim == pool.kv_lora_rank:  # the absorbed path: values are the latent
             if not is_cp_active(forward_batch):
                 return latent_extend(self, q, k, v, layer, forward_batch, save_kv_cache)
+            if not getattr(latent_extend, "attends_zigzag_rows", False):
+                raise RuntimeError("MLA under prefill CP needs cp_torch_native.py installed first "
+                                   "(CPCACHE_TEST_CP_TORCH_NATIVE=1)")
             if save_kv_cache and k is not None:
                 latent = get_cp_strategy().gather_kv_cache(k.contiguous(), forward_batch)
                 pool.set_kv_buffer(layer, module.KVWriteLoc.for_batch(forward_batch), latent, None)
