@@ -1,5 +1,6 @@
 """Attention data parallelism end to end: a real `sglang.launch_server` at
-`--tp 2 --enable-dp-attention --dp 2` (two DP groups of attention TP 1,
+`--tp 2 --enable-dp-attention --dp 2` with a tiny DeepSeek-V2 (MLA, MoE;
+Qwen3 opt-in) (two DP groups of attention TP 1,
 each with its own scheduler and radix tree, the MLP shared) over
 `cpcache launch --tp 2 --dp 2` daemons (one agreement domain per DP group),
 file storage shared by both groups.
@@ -35,10 +36,15 @@ pytestmark = [
                        "`make setup` builds it"),
 ]
 
+# DeepSeek's serving shape: MLA and MoE under attention DP. The DP groups'
+# domains are the same with grouped KV heads: Qwen3's shape is opt-in
+# (CPCACHE_SGLANG_QWEN3_DP=1), as are the four-rank shapes (CPCACHE_SGLANG_TP4=1).
+MLA_DP = Shape("deepseek_v2", tp=2, dp=2, storage="file")
 DP = Shape("qwen3", tp=2, dp=2, storage="file")
 DP_TP4 = Shape("qwen3", tp=4, dp=2, storage="file")
 DP_CP_TP4 = Shape("qwen3", tp=4, dp=2, cp=2, storage="file")  # DP groups of two CP ranks
-SHAPES = [DP, *([DP_TP4, DP_CP_TP4] if os.environ.get("CPCACHE_SGLANG_TP4") else [])]
+SHAPES = [MLA_DP, *([DP] if os.environ.get("CPCACHE_SGLANG_QWEN3_DP") else []),
+          *([DP_TP4, DP_CP_TP4] if os.environ.get("CPCACHE_SGLANG_TP4") else [])]
 
 
 @pytest.fixture(scope="module", params=SHAPES, ids=[s.name for s in SHAPES])
