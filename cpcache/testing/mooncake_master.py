@@ -64,9 +64,26 @@ class MooncakeMaster:
         )
         ready = threading.Event()
         threading.Thread(target=self._drain, args=(self.proc, ready), daemon=True).start()
-        if ready.wait(self.start_timeout_s) and self.proc.poll() is None:
+        if ready.wait(self.start_timeout_s) and self._rpc_accepts():
             return True
         self.stop()
+        return False
+
+    def _rpc_accepts(self) -> bool:
+        """Until the RPC port takes a connection: the master prints its ready
+        line before its RPC server listens, and a client's first connection
+        in between is refused. False if the master exits or the time is up."""
+        assert self.proc is not None
+        for _ in range(int(self.start_timeout_s / 0.05)):
+            try:
+                socket.create_connection(("127.0.0.1", self.rpc_port), 1.0).close()
+                return True
+            except OSError:
+                try:  # the master's exit, or 50 ms: then try again
+                    self.proc.wait(0.05)
+                    return False
+                except subprocess.TimeoutExpired:
+                    pass
         return False
 
     def _drain(self, proc: subprocess.Popen[bytes], ready: threading.Event) -> None:
