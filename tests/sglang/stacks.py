@@ -1,14 +1,16 @@
 """The SGLang suites' own checks over a `cpcache.testing.sglang_cpu.stacks`
-Stack: SGLang's idle leak check waited for, pages planted in storage, and a
-daemon killed mid-run."""
+Stack: a module's stack of one shape, SGLang's idle leak check waited for,
+pages planted in storage, and a daemon killed mid-run."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -17,9 +19,20 @@ from cpcache import errors
 from cpcache.client import Client
 from cpcache.dataplane.storage import framing
 from cpcache.keys import chain, generation_seed
-from cpcache.testing.sglang_cpu.servers import Reply, Server, same_outputs
-from cpcache.testing.sglang_cpu.stacks import DOCS, PAGE, Stack, idle_seconds, prompt, workload
+from cpcache.testing.sglang_cpu.servers import Reply, Server, make_tiny_model, same_outputs
+from cpcache.testing.sglang_cpu.stacks import DOCS, PAGE, Shape, Stack, idle_seconds, prompt, started, workload
 from cpcache.topology import Topology
+
+
+@contextlib.contextmanager
+def stack_of(shape: Shape, work: Path) -> Iterator[Stack]:
+    """A started stack of `shape` over its tiny model, in `work` (a module's
+    fixture); prints how long the stack took to serve."""
+    model = make_tiny_model(work / shape.family, shape.family)
+    begun = time.monotonic()
+    with started(work, model, shape) as stack:
+        print(f"{shape.name}: servers ready in {time.monotonic() - begun:.1f} s")
+        yield stack
 
 
 def wait_idle_checks(server: Server, ranks: int, idle_s: float, attempts: int = 100_000) -> None:

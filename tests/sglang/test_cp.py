@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -34,12 +33,13 @@ from cpcache.testing.sglang_cpu.servers import (
     Server,
     make_tiny_model,
 )
-from cpcache.testing.sglang_cpu.stacks import Shape, Stack, prompt, started, workload
+from cpcache.testing.sglang_cpu.stacks import Shape, Stack, prompt, workload
 from tests.sglang.stacks import (
     a_wrong_stored_page_breaks_the_match,
     flush_with_writes_in_flight_serves_no_wrong_bytes,
     kill_daemon_mid_run_and_come_back,
     requests_aborted_during_their_prefetch_are_revoked_on_every_rank,
+    stack_of,
     stored_pages,
     wait_no_io,
 )
@@ -79,11 +79,7 @@ FILE_SHAPES = [shape for shape in EVERY_SHAPE if shape.storage == "file"]
 @pytest.fixture(scope="module")
 def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     shape: Shape = request.param
-    work = tmp_path_factory.mktemp(shape.name)
-    model = make_tiny_model(work / shape.family, shape.family)
-    begun = time.monotonic()
-    with started(work, model, shape) as stack:
-        print(f"{shape.name}: servers ready in {time.monotonic() - begun:.1f} s")
+    with stack_of(shape, tmp_path_factory.mktemp(shape.name)) as stack:
         yield stack
 
 

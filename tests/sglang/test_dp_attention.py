@@ -20,14 +20,13 @@ Runs alone with `pytest -m sglang tests/sglang/test_dp_attention.py`.
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 
-from cpcache.testing.sglang_cpu.servers import SGLANG_PYTHON, make_tiny_model
-from cpcache.testing.sglang_cpu.stacks import Shape, Stack, prompt, started, workload
+from cpcache.testing.sglang_cpu.servers import SGLANG_PYTHON
+from cpcache.testing.sglang_cpu.stacks import Shape, Stack, prompt, workload
 from cpcache.topology import Topology
-from tests.sglang.stacks import kill_daemon_mid_run_and_come_back
+from tests.sglang.stacks import kill_daemon_mid_run_and_come_back, stack_of
 
 pytestmark = [
     pytest.mark.sglang,
@@ -50,11 +49,7 @@ SHAPES = [MLA_DP, *([DP] if os.environ.get("CPCACHE_SGLANG_QWEN3_DP") else []),
 @pytest.fixture(scope="module", params=SHAPES, ids=[s.name for s in SHAPES])
 def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     shape: Shape = request.param
-    work = tmp_path_factory.mktemp(shape.name)
-    model = make_tiny_model(work / shape.family, shape.family)
-    begun = time.monotonic()
-    with started(work, model, shape) as stack:
-        print(f"{shape.name}: servers ready in {time.monotonic() - begun:.1f} s")
+    with stack_of(shape, tmp_path_factory.mktemp(shape.name)) as stack:
         yield stack
 
 
