@@ -26,7 +26,7 @@ SGLANG_PACKAGES := numpy orjson psutil pybase64 requests packaging pillow starle
 	jsonschema xgrammar soundfile fastapi uvicorn uvloop setproctitle python-multipart prometheus-client \
 	interegular einops xxhash sglang-router $(MOONCAKE_TE)
 
-.PHONY: setup setup-sglang demo test test-sglang compose-test bench proto clean
+.PHONY: setup setup-sglang demo test test-fast test-sglang compose-test bench proto clean
 
 # `make demo` needs only the project's environment; `make test` builds
 # SGLang's too, for the suites that run SGLang (tests/sglang).
@@ -63,6 +63,11 @@ test: setup
 	$(PY) -m ruff check cpcache tests services/gpu-driver
 	$(PY) -m mypy
 	$(PY) -m pytest
+
+# The in-process tests (tests/unit: no daemon process, no SGLang server), for
+# the edit-test loop: about half a minute.
+test-fast: $(STAMP)
+	$(PY) -m pytest tests/unit -q
 
 # compose.yaml's cpu profile, one container per daemon (podman; installed and
 # configured when run as root): docs/operations.md, Compose tests. Not part of `test`.
