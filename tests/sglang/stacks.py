@@ -5,9 +5,11 @@ pages planted in storage, and a daemon killed mid-run."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,9 +21,28 @@ from cpcache import errors
 from cpcache.client import Client
 from cpcache.dataplane.storage import framing
 from cpcache.keys import chain, generation_seed
-from cpcache.testing.sglang_cpu.servers import Reply, Server, make_tiny_model, same_outputs
+from cpcache.testing.sglang_cpu.servers import (
+    CPU_HOST,
+    Reply,
+    Server,
+    make_tiny_model,
+    same_outputs,
+    sglang_interpreter,
+)
 from cpcache.testing.sglang_cpu.stacks import DOCS, PAGE, Shape, Stack, idle_seconds, prompt, started, workload
 from cpcache.topology import Topology
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_sglang_worker(worker: Path, env: dict[str, str] | None = None, timeout_s: float = 240.0) -> dict:
+    """Run `worker` in SGLang's environment (this checkout's cpcache and the
+    CPU stand-ins on its path): -> the JSON object of its last output line."""
+    path = os.pathsep.join([str(CPU_HOST), str(ROOT)])
+    done = subprocess.run([sglang_interpreter(), str(worker)], capture_output=True, text=True, timeout=timeout_s,
+                          env={**os.environ, "PYTHONPATH": path, **(env or {})})
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 @contextlib.contextmanager

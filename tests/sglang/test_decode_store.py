@@ -11,13 +11,12 @@ in test_pd.py."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from cpcache.testing.sglang_cpu.servers import CPU_HOST, SGLANG_PYTHON, sglang_interpreter
+from cpcache.testing.sglang_cpu.servers import SGLANG_PYTHON
+from tests.sglang.stacks import run_sglang_worker
 
 pytestmark = [
     pytest.mark.sglang,
@@ -26,17 +25,12 @@ pytestmark = [
                        "`make setup` builds it"),
 ]
 WORKER = Path(__file__).resolve().parent / "decode_store_worker.py"
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_worker(tmp_path: Path, daemon_toml: str) -> dict:
     (tmp_path / "daemons.toml").write_text(daemon_toml)
     (tmp_path / "sglang-cpcache.json").write_text(json.dumps({"model_id": "tiny", "daemon_config": "daemons.toml"}))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(CPU_HOST), str(ROOT)]),
-           "CPCACHE_SGLANG_CONFIG": str(tmp_path / "sglang-cpcache.json")}
-    done = subprocess.run([sglang_interpreter(), str(WORKER)], capture_output=True, text=True, env=env, timeout=240)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_sglang_worker(WORKER, {"CPCACHE_SGLANG_CONFIG": str(tmp_path / "sglang-cpcache.json")})
 
 
 def test_the_decode_stores_refusals_its_writes_and_an_unreachable_store(tmp_path: Path):

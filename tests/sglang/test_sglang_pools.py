@@ -7,14 +7,12 @@ hit. The decode store refuses that part too (test_decode_store.py)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from cpcache.testing.sglang_cpu.servers import CPU_HOST, SGLANG_PYTHON, sglang_interpreter
+from cpcache.testing.sglang_cpu.servers import SGLANG_PYTHON
+from tests.sglang.stacks import run_sglang_worker
 
 pytestmark = [
     pytest.mark.sglang,
@@ -23,14 +21,10 @@ pytestmark = [
                        "`make setup` builds it"),
 ]
 WORKER = Path(__file__).resolve().parent / "pools_worker.py"
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_mla_pools_have_one_latent_part_and_dsa_pools_with_indexer_keys_are_refused():
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(CPU_HOST), str(ROOT)])}
-    done = subprocess.run([sglang_interpreter(), str(WORKER)], capture_output=True, text=True, env=env, timeout=240)
-    assert done.returncode == 0, done.stderr[-4000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out = run_sglang_worker(WORKER)
     assert out["dsa_parts"] == ["kv", "indexer"]
     assert out["dsa_device"].startswith("refused:") and "indexer" in out["dsa_device"], out
     assert "kv_kind='mla'" in out["mla_device"] and "head_dim=576" in out["mla_device"], out
