@@ -4,10 +4,18 @@ A page holds `page_size` tokens of every layer. MHA keeps K and V (two
 components of `heads x head_dim`); MLA keeps one latent component (heads = 1,
 head_dim = kv_lora_rank + rope dim). A `Region` is where one layer of an
 attached device pool lies (the daemon's checks: `dataplane/regions.py`).
+
+Some pools keep more than the KV for each page: DeepSeek V3.2's indexer
+keeps its own keys and scales per page and layer, and a page restored
+without them would be attended with another prefix's index. Such a part is
+a `PagePart`, declared in the geometry beside the KV (`beside`), so a page
+is always moved, stored and checked whole: every part or none. Each part is
+a geometry of its own (`parts`), so the movers copy it as they copy the KV.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +34,27 @@ DTYPES = {
     "uint8": torch.uint8,
 }
 KV_KINDS = ("mha", "mla")
+PART_KIND = "part"  # a part beside the KV: one component of `rows_per_page` rows of `width` elements per page
 MAX_PAGE_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class PagePart:
+    """A part of every page kept beside its KV, per layer: `rows_per_page`
+    rows of `width` elements of `dtype` (DeepSeek V3.2's indexer: one row of
+    page_size x (index_head_dim + scale bytes) uint8 per page)."""
+
+    name: str
+    rows_per_page: int
+    width: int
+    dtype: str
+
+    def __post_init__(self) -> None:
+        for name in ("rows_per_page", "width"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise InvalidArgument(f"geometry: part {self.name!r}: {name} must be a positive integer, "
+                                      f"got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -39,20 +67,44 @@ class KVGeometry:
     head_dim: int
     dtype: str
     page_size: int  # tokens per page
+    beside: tuple[PagePart, ...] = ()  # the parts of a page kept beside its KV, in stored order
 
     def __post_init__(self) -> None:
         for name in ("layers", "heads", "head_dim", "page_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise InvalidArgument(f"geometry: {name} must be a positive integer, got {value!r}")
-        if self.kv_kind not in KV_KINDS:
+        if self.kv_kind not in (*KV_KINDS, PART_KIND):
             raise InvalidArgument(f"geometry: kv_kind must be one of {', '.join(KV_KINDS)}, got {self.kv_kind!r}")
-        if self.kv_kind == "mla" and self.heads != 1:
+        if self.kv_kind != "mha" and self.heads != 1:
             raise InvalidArgument(f"geometry: MLA keeps one latent head, got heads={self.heads}")
         if self.dtype not in DTYPES:
             raise InvalidArgument(f"geometry: dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        names = [part.name for part in self.beside]
+        for part in self.beside:
+            if not isinstance(part, PagePart):
+                raise InvalidArgument(f"geometry: a part beside the KV must be a PagePart, got {part!r}")
+            if not part.name or part.name == "kv" or names.count(part.name) > 1:
+                raise InvalidArgument(f"geometry: part names must be distinct, not empty and not 'kv': {names}")
+            if self.kv_kind == PART_KIND:
+                raise InvalidArgument("geometry: a part has no parts beside it")
+        _ = self.parts  # builds each part's geometry, which checks it
         if self.page_bytes > MAX_PAGE_BYTES:
             raise InvalidArgument(f"geometry: a page of {self.page_bytes} bytes exceeds {MAX_PAGE_BYTES}")
+
+    @functools.cached_property
+    def parts(self) -> tuple[KVGeometry, ...]:
+        """The page's parts, each a geometry of one part: the KV, then each
+        part beside it (a part's "page" is its `rows_per_page` rows)."""
+        if not self.beside:
+            return (self,)
+        kv = dataclasses.replace(self, beside=())
+        return (kv, *(KVGeometry(layers=self.layers, kv_kind=PART_KIND, heads=1, head_dim=part.width,
+                                 dtype=part.dtype, page_size=part.rows_per_page) for part in self.beside))
+
+    @property
+    def part_names(self) -> tuple[str, ...]:
+        return ("kv", *(part.name for part in self.beside))
 
     @property
     def components(self) -> int:
@@ -68,19 +120,26 @@ class KVGeometry:
 
     @functools.cached_property
     def token_bytes(self) -> int:
+        """Bytes of the KV per token (the parts beside it are per page)."""
         return self.layers * self.components * self.heads * self.head_dim * self.element_bytes
 
     @functools.cached_property
     def page_bytes(self) -> int:
-        return self.token_bytes * self.page_size
+        """Bytes of a whole page: its KV and every part beside it."""
+        return self.token_bytes * self.page_size + sum(part.page_bytes for part in self.parts[1:])
 
     def pool_shape(self, pages: int) -> tuple[int, ...]:
         """The device pool's shape: [layers, components, tokens, heads, head_dim]."""
         return (self.layers, self.components, pages * self.page_size, self.heads, self.head_dim)
 
     def fingerprint(self) -> int:
-        """Identifies this geometry in stored page headers."""
-        return hash62(repr(tuple(getattr(self, f) for f in self.__dataclass_fields__)).encode())
+        """Identifies this geometry in stored page headers (and in keys: a
+        page with other parts is another page). A geometry without parts
+        beside its KV has the fingerprint it had before parts existed."""
+        fields = [getattr(self, f) for f in self.__dataclass_fields__ if f != "beside"]
+        if self.beside:
+            fields.append(self.beside)
+        return hash62(repr(tuple(fields)).encode())
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,10 @@ pool_host/mla.py), with the K/V component outermost (MLA has one):
   layer_first        [components, layers, tokens, heads, head_dim]
   page_first         [components, tokens, layers, heads, head_dim]
   page_first_direct  [components, pages, layers, page_size, heads, head_dim]
+
+A page with parts beside its KV keeps each part as a pool of its own in the
+same layout (a part's "page" is its rows_per_page rows), the parts one after
+another in one memory (`part_tensors`).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from cpcache.errors import InvalidArgument
 from cpcache.geometry import KVGeometry
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+PART_ALIGN = 64  # bytes: where each part of a host pool starts
 
 
 def host_shape(geometry: KVGeometry, pages: int, layout: str) -> tuple[int, ...]:
@@ -29,6 +34,32 @@ def host_shape(geometry: KVGeometry, pages: int, layout: str) -> tuple[int, ...]
         "page_first": (c, tokens, g.layers, g.heads, g.head_dim),
         "page_first_direct": (c, pages, g.layers, g.page_size, g.heads, g.head_dim),
     }[layout]
+
+
+def part_offsets(geometry: KVGeometry, pages: int, layout: str) -> list[int]:
+    """Where each part's pool starts in the host pool's memory (aligned to
+    PART_ALIGN), and where the last ends."""
+    offsets, end = [], 0
+    for part in geometry.parts:
+        offsets.append(-(-end // PART_ALIGN) * PART_ALIGN)
+        end = offsets[-1] + int(torch.Size(host_shape(part, pages, layout)).numel()) * part.element_bytes
+    return [*offsets, end]
+
+
+def host_bytes(geometry: KVGeometry, pages: int, layout: str) -> int:
+    """The bytes of a host pool of `pages` pages, every part."""
+    return part_offsets(geometry, pages, layout)[-1]
+
+
+def part_tensors(memory: torch.Tensor, geometry: KVGeometry, pages: int, layout: str) -> list[torch.Tensor]:
+    """Each part's pool (`host_shape`), a view of `memory` (bytes, of at least `host_bytes`)."""
+    offsets = part_offsets(geometry, pages, layout)
+    out = []
+    for part, start in zip(geometry.parts, offsets):
+        shape = host_shape(part, pages, layout)
+        size = int(torch.Size(shape).numel()) * part.element_bytes
+        out.append(memory[start : start + size].view(part.torch_dtype).view(shape))
+    return out
 
 
 def page_view(tensor: torch.Tensor, geometry: KVGeometry, layout: str, first: int, count: int = 1) -> torch.Tensor:

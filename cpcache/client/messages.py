@@ -113,7 +113,9 @@ def attach_request(model_id: str, geometry: KVGeometry, device_pages: int, shm_t
     request = pb.AttachRequest(model_id=model_id, model_dtype=model_dtype, device_pages=device_pages,
                                geometry=pb.Geometry(
         layers=geometry.layers, kv_kind=geometry.kv_kind, heads=geometry.heads, head_dim=geometry.head_dim,
-        dtype=geometry.dtype, page_size=geometry.page_size))
+        dtype=geometry.dtype, page_size=geometry.page_size,
+        beside=[pb.PagePart(name=p.name, rows_per_page=p.rows_per_page, width=p.width, dtype=p.dtype)
+                for p in geometry.beside]))
     if placement is not None:
         topology, rank = placement
         request.topology.CopyFrom(pb.SchedulerTopology(tp=topology.tp, cp=topology.cp, dp=topology.dp,

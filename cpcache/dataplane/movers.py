@@ -105,10 +105,17 @@ def _storage(tiers: Tiers) -> StorageBackend:
 
 def _copy_layers(device: DevicePool, host: HostPool, host_pages: Iterable[int], device_pages: Iterable[int],
                  to_device: bool) -> None:
-    """Every layer of the pages, by gather / scatter where they are scattered
-    (`gather.gathers`), run by run otherwise: the device pool's layers lie
-    wherever their creator put them."""
+    """Every layer of every part of the pages (`DevicePool.parts`)."""
     host_pages, device_pages = list(host_pages), list(device_pages)
+    for device_part, host_part in zip(device.parts, host.parts):
+        _copy_part(device_part, host_part, host_pages, device_pages, to_device)
+
+
+def _copy_part(device: DevicePool, host: HostPool, host_pages: list[int], device_pages: list[int],
+               to_device: bool) -> None:
+    """Every layer of one part of the pages, by gather / scatter where they
+    are scattered (`gather.gathers`), run by run otherwise: the device
+    pool's layers lie wherever their creator put them."""
     spans = runs(host_pages, device_pages)
     if not gather.gathers(device.geometry, len(host_pages), len(spans), device_pages if to_device else host_pages):
         _copy_runs(device, host, spans, to_device)
@@ -155,10 +162,12 @@ def host_to_device(tiers: Tiers, job: TransferJob) -> TransferResult:
 
 
 def _load_layer_by_layer(device: DevicePool, host: HostPool, job: TransferJob) -> None:
-    """A load-back a forward may already be reading: all of layer 0's pages,
-    then layer 1's, ..., each layer published once its copies are done (on
-    a CUDA device: queued, and its event recorded after them)."""
-    copy_layer = _layer_loader(device, host, list(job.src), list(job.dst))
+    """A load-back a forward may already be reading: all of layer 0's pages
+    (every part of them), then layer 1's, ..., each layer published once its
+    copies are done (on a CUDA device: queued, and its event recorded after
+    them)."""
+    loaders = [_layer_loader(device_part, host_part, list(job.src), list(job.dst))
+               for device_part, host_part in zip(device.parts, host.parts)]
     slot, op = job.signal
     signals = device.signals if slot else None
     stream = torch.cuda.current_stream(device.layers[0].device) if device.is_cuda else None
@@ -170,7 +179,8 @@ def _load_layer_by_layer(device: DevicePool, host: HostPool, job: TransferJob) -
             if stream is not None and job.layer_faults.delay_ms:
                 with torch.cuda.stream(stream):  # the pool's device and stream, not this thread's current ones
                     torch.cuda._sleep(int(job.layer_faults.delay_ms * GPU_CYCLES_PER_MS))
-        copy_layer(layer)
+        for copy_layer in loaders:
+            copy_layer(layer)
         if signals is not None:
             if signals.events is not None:
                 signals.events[slot - 1][layer].record(stream)
@@ -179,8 +189,9 @@ def _load_layer_by_layer(device: DevicePool, host: HostPool, job: TransferJob) -
 
 def _layer_loader(device: DevicePool, host: HostPool, host_pages: list[int],
                   device_pages: list[int]) -> Callable[[int], None]:
-    """What copies one layer of a load: one gather / scatter where the pages
-    are scattered (`gather.gathers`), one copy per run otherwise."""
+    """What copies one layer of one part of a load: one gather / scatter
+    where the pages are scattered (`gather.gathers`), one copy per run
+    otherwise."""
     spans = runs(host_pages, device_pages)
     if gather.gathers(device.geometry, len(host_pages), len(spans), device_pages):
         index = gather.PageIndex.of(device, host_pages, device_pages)
@@ -195,15 +206,22 @@ def _layer_loader(device: DevicePool, host: HostPool, host_pages: list[int],
 
 
 def _staged(tiers: Tiers, slots: list[int]) -> tuple[list[PageBuffer], torch.Tensor]:
-    """Contiguous bounce pages for a layout whose pages are scattered."""
-    g = tiers.host.geometry
-    stage = torch.empty((len(slots), g.components, g.layers, g.page_size, g.heads, g.head_dim), dtype=g.torch_dtype)
-    flat = stage.view(-1).view(torch.uint8).numpy()
-    buffers = [
-        PageBuffer(stage.data_ptr() + i * g.page_bytes, flat[i * g.page_bytes : (i + 1) * g.page_bytes])
-        for i in range(len(slots))
-    ]
+    """Contiguous bounce pages, as bytes, for a layout whose pages are scattered."""
+    page_bytes = tiers.host.geometry.page_bytes
+    stage = torch.empty((len(slots), page_bytes), dtype=torch.uint8)
+    flat = stage.numpy()
+    buffers = [PageBuffer(stage[i].data_ptr(), flat[i]) for i in range(len(slots))]
     return buffers, stage
+
+
+def _stored_runs(host: HostPool, staged_page: torch.Tensor, slot: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(host view, staged view) of each part of a page, both as bytes in stored order."""
+    pairs, start = [], 0
+    for on_host in host.stored_bytes(slot):
+        size = on_host.numel()
+        pairs.append((on_host, staged_page[start : start + size].view(on_host.shape)))
+        start += size
+    return pairs
 
 
 def host_to_storage(tiers: Tiers, job: TransferJob) -> TransferResult:
@@ -213,7 +231,8 @@ def host_to_storage(tiers: Tiers, job: TransferJob) -> TransferResult:
     else:
         buffers, stage = _staged(tiers, slots)
         for i, slot in enumerate(slots):
-            stage[i].copy_(tiers.host.stored_view(slot))
+            for on_host, staged in _stored_runs(tiers.host, stage[i], slot):
+                staged.copy_(on_host)
         done = _storage(tiers).put_from(keys, buffers)
     n = prefix_done(done)
     return TransferResult(job.job_id, n == len(keys), n)
@@ -227,7 +246,8 @@ def storage_to_host(tiers: Tiers, job: TransferJob) -> TransferResult:
         buffers, stage = _staged(tiers, slots)
         done = _storage(tiers).get_into(keys, buffers)
         for i, slot in enumerate(slots[: prefix_done(done)]):
-            tiers.host.stored_view(slot).copy_(stage[i])
+            for on_host, staged in _stored_runs(tiers.host, stage[i], slot):
+                on_host.copy_(staged)
     n = prefix_done(done)
     return TransferResult(job.job_id, n == len(keys), n)
 

@@ -7,15 +7,21 @@ a view per layer (`regions`: SGLang's buffers where they lie) and
 `page_view` gives a [layers, components, pages, page_size, heads, head_dim]
 view of a run, so a copy between tiers is one `copy_` per layer per run of
 consecutive pages, whatever the layouts.
+
+A page with parts beside its KV (`KVGeometry.beside`: DeepSeek V3.2's
+indexer keys) has a pool per part on each tier, `parts`: the movers copy
+each part as they copy the KV, and storage reads and writes the page as the
+parts' bytes one after another (`HostPool.page_parts`), under one checksum.
 """
 
 from __future__ import annotations
 
 import fcntl
+import functools
 import mmap
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -24,10 +30,9 @@ from cpcache import host_layout
 from cpcache.cuda_devices import on_local_devices
 from cpcache.dataplane.memfd import check_pool
 from cpcache.dataplane.regions import check as check_regions
-from cpcache.dataplane.regions import contiguous, region_shape
+from cpcache.dataplane.regions import contiguous, pool_bytes, region_shape
 from cpcache.errors import FailedPrecondition, InvalidArgument
 from cpcache.geometry import KVGeometry, Region
-from cpcache.host_layout import host_shape
 from cpcache.load_signals import LoadSignals
 
 
@@ -44,6 +49,15 @@ class DevicePool:
     fd: int = -1  # the creator's descriptor of a memfd pool, to hand over
     identity: tuple = ()  # which memory this is (device and inode of a memfd, regions), to tell a retry
     signals: LoadSignals | None = None  # where load-backs publish their layers (the overlapped load-back)
+    beside: list[DevicePool] = field(default_factory=list)  # a pool per part beside the KV (`geometry.beside`)
+
+    @functools.cached_property
+    def parts(self) -> list[DevicePool]:
+        """A pool per part of the page, each of its own geometry: the KV
+        (these layers), then each part beside it. [self] for a page of KV alone."""
+        if not self.beside:
+            return [self]
+        return [DevicePool(self.geometry.parts[0], self.layers), *self.beside]
 
     @property
     def pages(self) -> int:
@@ -110,7 +124,7 @@ class DevicePool:
         try:
             if pages < 1:
                 raise InvalidArgument(f"attach: a pool needs at least 1 page, not {pages}")
-            size = check_pool(fd, geometry.page_bytes * pages if not regions else None)
+            size = check_pool(fd, pool_bytes(geometry, pages) if not regions else None)
             regions = list(regions) or contiguous(geometry, pages)
             check_regions(geometry, pages, regions, [size] * len(regions))
             info = os.fstat(fd)
@@ -120,9 +134,9 @@ class DevicePool:
                 raise FailedPrecondition(f"attach: the pool cannot be mapped: {exc}") from None
         finally:
             os.close(fd)
-        memory = _typed(torch.frombuffer(mapping, dtype=torch.uint8), geometry)
-        layers = [_view(memory, geometry, pages, region) for region in regions]
-        return DevicePool(geometry, layers, mapping,
+        flat = torch.frombuffer(mapping, dtype=torch.uint8)
+        views = [_view(_typed(flat, part), part, pages, region) for part, region in zip(_part_of(geometry), regions)]
+        return _assembled(geometry, views, mapping,
                           identity=(info.st_dev, info.st_ino, tuple(r.key() for r in regions)))
 
     @staticmethod
@@ -131,12 +145,12 @@ class DevicePool:
         memfd sealed against shrinking and growing, mapped here; hand `fd`
         to the daemon (`Client.attach(..., pool_fd=pool.fd)`)."""
         fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        os.ftruncate(fd, geometry.page_bytes * pages)
+        os.ftruncate(fd, pool_bytes(geometry, pages))
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-        mapping = mmap.mmap(fd, geometry.page_bytes * pages)
-        memory = _typed(torch.frombuffer(mapping, dtype=torch.uint8), geometry)
-        pool = DevicePool(geometry, [_view(memory, geometry, pages, r) for r in contiguous(geometry, pages)],
-                          mapping)
+        mapping = mmap.mmap(fd, pool_bytes(geometry, pages))
+        flat = torch.frombuffer(mapping, dtype=torch.uint8)
+        pool = _assembled(geometry, [_view(_typed(flat, part), part, pages, region) for part, region
+                                     in zip(_part_of(geometry), contiguous(geometry, pages))], mapping)
         pool.fd = fd
         return pool
 
@@ -165,13 +179,13 @@ class DevicePool:
         check_regions(geometry, pages, regions, [s.nbytes() for s in storages],
                       memory_of=[(h["device"], bytes(h["handle"])) for h in handles],
                       base_of=[int(h["storage_offset"]) for h in handles])
-        layers = []
-        for storage, region in zip(storages, regions):
-            memory = _typed(torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage), geometry)
-            layers.append(_view(memory, geometry, pages, region))
+        views = []
+        for part, storage, region in zip(_part_of(geometry), storages, regions):
+            memory = _typed(torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage), part)
+            views.append(_view(memory, part, pages, region))
         identity = tuple((h["device"], hash(bytes(h["handle"])), h["storage_offset"], r.offset, r.strides)
                          for h, r in zip(handles, regions))
-        return DevicePool(geometry, layers, storages, identity=identity)
+        return _assembled(geometry, views, storages, identity=identity)
 
 
 def _open_cuda_storages(handles: list[dict]) -> list[torch.UntypedStorage]:
@@ -189,6 +203,18 @@ def _open_cuda_storages(handles: list[dict]) -> list[torch.UntypedStorage]:
                 raise InvalidArgument(f"attach: the CUDA IPC handle cannot be opened: {exc}") from None
         out.append(opened[key])
     return out
+
+
+def _part_of(geometry: KVGeometry) -> list[KVGeometry]:
+    """The part each region is of, in region order (`regions.planes`)."""
+    return [part for part in geometry.parts for _ in range(geometry.layers)]
+
+
+def _assembled(geometry: KVGeometry, views: list[torch.Tensor], keepalive: object, identity: tuple = ()) -> DevicePool:
+    """The pool of a page's parts from the views of every region, in region order."""
+    n = geometry.layers
+    beside = [DevicePool(part, views[i * n : (i + 1) * n]) for i, part in enumerate(geometry.parts[1:], start=1)]
+    return DevicePool(geometry, views[:n], keepalive, identity=identity, beside=beside)
 
 
 def _typed(flat: torch.Tensor, geometry: KVGeometry) -> torch.Tensor:
@@ -209,31 +235,52 @@ class HostPool:
 
     A stored page is always [components, layers, page_size, heads, head_dim]
     (SGLang's page_first_direct and layer_first order), whatever the host
-    layout, so daemons with different layouts share storage. A page is one
-    contiguous run of host memory, read and written by storage in place, only
-    where that order is the memory order: page_first_direct with one
-    component (MLA). Elsewhere storage I/O goes through a staging copy.
+    layout, so daemons with different layouts share storage; a page with
+    parts beside its KV is the KV so, then each part so (`page_parts`). A
+    page is a few contiguous runs of host memory, read and written by
+    storage in place, only where that order is the memory order:
+    page_first_direct. Elsewhere storage I/O goes through a staging copy.
+
+    One memory holds every part (`host_layout.part_tensors`): `tensor` is
+    the KV's, `beside` a pool per part beside it over the same memory.
     """
 
     def __init__(self, geometry: KVGeometry, pages: int, layout: str = "page_first_direct") -> None:
         if pages < 1:
             raise InvalidArgument(f"host pool: pages must be >= 1, got {pages}")
-        shape = host_shape(geometry, pages, layout)
-        self.geometry = geometry
-        self.pages = pages
-        self.layout = layout
+        size = host_layout.host_bytes(geometry, pages, layout)
         pin = torch.cuda.is_available()
         self.fd = -1  # a memfd the pool lies in, to share read-only with the scheduler (-1: none)
         if pin:
-            self.tensor = torch.zeros(shape, dtype=geometry.torch_dtype, pin_memory=True)
+            memory = torch.zeros(size, dtype=torch.uint8, pin_memory=True)
         else:
             # In a memfd, so that a scheduler whose daemon died mid-load can
             # map it and copy the layers not yet landed itself.
-            self.fd, self._mapping = _shared_zeros(geometry.torch_dtype, shape)
-            self.tensor = torch.frombuffer(self._mapping, dtype=geometry.torch_dtype).view(shape)
+            self.fd, self._mapping = _shared_zeros(size)
+            memory = torch.frombuffer(self._mapping, dtype=torch.uint8)
         self.pinned = pin
-        self._bytes = self.tensor.view(-1).view(torch.uint8).numpy()  # the same memory, as bytes
-        self._base = self.tensor.data_ptr()
+        self._memory = memory
+        tensors = host_layout.part_tensors(memory, geometry, pages, layout)
+        self._init_part(geometry.parts[0] if geometry.beside else geometry, pages, layout, tensors[0])
+        self.geometry = geometry
+        self.beside = [HostPool._part(part, pages, layout, tensor)
+                       for part, tensor in zip(geometry.parts[1:], tensors[1:])]
+
+    @staticmethod
+    def _part(geometry: KVGeometry, pages: int, layout: str, tensor: torch.Tensor) -> HostPool:
+        pool = HostPool.__new__(HostPool)
+        pool._memory = tensor.view(-1).view(torch.uint8)
+        pool._init_part(geometry, pages, layout, tensor)
+        pool.fd, pool.pinned, pool.beside = -1, tensor.is_pinned(), []
+        return pool
+
+    def _init_part(self, geometry: KVGeometry, pages: int, layout: str, tensor: torch.Tensor) -> None:
+        self.geometry = geometry
+        self.pages = pages
+        self.layout = layout
+        self.tensor = tensor
+        self._bytes = tensor.view(-1).view(torch.uint8).numpy()  # the same memory, as bytes
+        self._base = tensor.data_ptr()
         self._page_bytes = geometry.page_bytes
 
     def close(self) -> None:
@@ -242,51 +289,69 @@ class HostPool:
             os.close(self.fd)
             self.fd = -1
 
+    @functools.cached_property
+    def parts(self) -> list[HostPool]:
+        """A pool per part of the page (`DevicePool.parts`): [self] for a page of KV alone."""
+        if not self.beside:
+            return [self]
+        return [HostPool._part(self.geometry.parts[0], self.pages, self.layout, self.tensor), *self.beside]
+
     @property
     def contiguous_pages(self) -> bool:
         """Whether storage reads and writes pages in place: in page_first_direct
-        a page is one run per component, in stored order (the K run, then
-        the V run). The other layouts interleave pages, and go through a
-        staging copy."""
+        a page is one run per component and part, in stored order (the K run,
+        then the V run, then each part's). The other layouts interleave
+        pages, and go through a staging copy."""
         return self.layout == "page_first_direct"
 
     @property
+    def address(self) -> int:
+        """Where the pool's memory (every part) starts."""
+        return self._memory.data_ptr()
+
+    @property
     def nbytes(self) -> int:
-        return self.tensor.numel() * self.tensor.element_size()
+        """The bytes of the pool's memory, every part."""
+        return self._memory.numel()
 
     def page_view(self, first: int, count: int = 1) -> torch.Tensor:
-        """Pages [first, first+count) as a [layers, components, pages, page_size,
-        heads, head_dim] view (never a copy: copies into it land in the pool)."""
-        return host_layout.page_view(self.tensor, self.geometry, self.layout, first, count)
+        """Pages [first, first+count) of the KV as a [layers, components,
+        pages, page_size, heads, head_dim] view (never a copy: copies into
+        it land in the pool)."""
+        return host_layout.page_view(self.tensor, self.geometry.parts[0], self.layout, first, count)
 
     def paged_layer(self, layer: int) -> torch.Tensor:
-        """One layer as a [pages, components, page_size, heads, head_dim]
-        view, indexed by slot on dim 0 (gathers of scattered pages)."""
-        return host_layout.paged_layer(self.tensor, self.geometry, self.layout, self.pages, layer)
+        """One layer of the KV as a [pages, components, page_size, heads,
+        head_dim] view, indexed by slot on dim 0 (gathers of scattered pages)."""
+        return host_layout.paged_layer(self.tensor, self.geometry.parts[0], self.layout, self.pages, layer)
 
-    def stored_view(self, slot: int) -> torch.Tensor:
-        """One page in stored order, [components, layers, page_size, heads, head_dim] (a view)."""
-        return host_layout.stored_page(self.tensor, self.geometry, self.layout, slot)
+    def stored_bytes(self, slot: int) -> list[torch.Tensor]:
+        """One page in stored order, part by part: each part's [components,
+        layers, page_size, heads, head_dim] view, as bytes (the last
+        dimension head_dim x element bytes wide)."""
+        return [host_layout.stored_page(part.tensor, part.geometry, self.layout, slot).view(torch.uint8)
+                for part in self.parts]
 
     def page_parts(self, slot: int) -> list[tuple[int, np.ndarray]]:
         """(address, bytes) of each run of one page, in stored order, in place
-        (page_first_direct only)."""
+        (page_first_direct only): each component of the KV, then each part's."""
         if not self.contiguous_pages:
             raise InvalidArgument(f"host pool: pages are not contiguous in the {self.layout} layout")
-        run = self._page_bytes // self.geometry.components
-        parts = []
-        for component in range(self.geometry.components):
-            start = (component * self.pages + slot) * run
-            parts.append((self._base + start, self._bytes[start : start + run]))
-        return parts
+        runs = []
+        for part in self.parts:
+            run = part._page_bytes // part.geometry.components
+            for component in range(part.geometry.components):
+                start = (component * self.pages + slot) * run
+                runs.append((part._base + start, part._bytes[start : start + run]))
+        return runs
 
 
 F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)  # Linux 5.1
 
 
-def _shared_zeros(dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[int, mmap.mmap]:
-    """A zeroed memfd of `shape` elements of `dtype`, mapped: (fd, mapping)."""
-    size = max(1, int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size())
+def _shared_zeros(size: int) -> tuple[int, mmap.mmap]:
+    """A zeroed memfd of `size` bytes, mapped: (fd, mapping)."""
+    size = max(1, size)
     fd = os.memfd_create("cpcache-host-pool", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, size)

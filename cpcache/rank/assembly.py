@@ -36,7 +36,7 @@ def open_runtime(config: DaemonConfig, geometry: KVGeometry, device: DevicePool,
     topology = config.topology
     coords = topology.coordinates(config.rank)
     host = HostPool(geometry, config.host_pool_pages, config.host_layout)
-    storage = open_storage(config, geometry, [(host.tensor.data_ptr(), host.nbytes)])
+    storage = open_storage(config, geometry, [(host.address, host.nbytes)])
     copy_faults = CopyFaults(config.faults.copy_delay_ms, config.faults.copy_fail_rate,
                              seed=config.faults.seed * 1000 + config.rank + 500,
                              layer_delay_ms=config.faults.copy_layer_delay_ms,

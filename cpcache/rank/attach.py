@@ -63,7 +63,10 @@ def attach_descriptor(config: DaemonConfig, model_id: str, geometry: KVGeometry,
     only when declared: an older client's attach agrees with daemons that
     predate the field, a newer one's never does (they would key its pages
     apart)."""
-    descriptor = {"model_id": model_id, "geometry": dataclasses.asdict(geometry), "device_pages": device_pages,
+    shape = dataclasses.asdict(geometry)
+    if not geometry.beside:  # as before parts existed: daemons of either version agree on it
+        del shape["beside"]
+    descriptor = {"model_id": model_id, "geometry": shape, "device_pages": device_pages,
                   "host_pool_pages": config.host_pool_pages, "host_layout": config.host_layout,
                   "cache": dataclasses.asdict(config.cache_config)}
     if model_dtype:

@@ -17,20 +17,34 @@ REDUCE_MIN: Reduce
 REDUCE_MAX: Reduce
 
 class Geometry(_message.Message):
-    __slots__ = ("layers", "kv_kind", "heads", "head_dim", "dtype", "page_size")
+    __slots__ = ("layers", "kv_kind", "heads", "head_dim", "dtype", "page_size", "beside")
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     KV_KIND_FIELD_NUMBER: _ClassVar[int]
     HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BESIDE_FIELD_NUMBER: _ClassVar[int]
     layers: int
     kv_kind: str
     heads: int
     head_dim: int
     dtype: str
     page_size: int
-    def __init__(self, layers: _Optional[int] = ..., kv_kind: _Optional[str] = ..., heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., page_size: _Optional[int] = ...) -> None: ...
+    beside: _containers.RepeatedCompositeFieldContainer[PagePart]
+    def __init__(self, layers: _Optional[int] = ..., kv_kind: _Optional[str] = ..., heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., page_size: _Optional[int] = ..., beside: _Optional[_Iterable[_Union[PagePart, _Mapping]]] = ...) -> None: ...
+
+class PagePart(_message.Message):
+    __slots__ = ("name", "rows_per_page", "width", "dtype")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ROWS_PER_PAGE_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    rows_per_page: int
+    width: int
+    dtype: str
+    def __init__(self, name: _Optional[str] = ..., rows_per_page: _Optional[int] = ..., width: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class CudaIpcHandle(_message.Message):
     __slots__ = ("device", "handle", "storage_size", "storage_offset", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "device_uuid")

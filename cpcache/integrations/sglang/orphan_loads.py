@@ -34,7 +34,6 @@ import signal
 import warnings
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from cpcache import host_layout
@@ -48,8 +47,8 @@ class OrphanLoads:
 
     def __init__(self, fd: int, daemon_pid: int, geometry: KVGeometry, host_pages: int, layout: str,
                  device_buffers: Sequence[tuple[torch.Tensor, ...]]) -> None:
-        """Takes `fd`. `device_buffers`: per layer, the forward's buffers in
-        component order, [rows, heads, head_dim] each."""
+        """Takes `fd`. `device_buffers`: per layer and part (`regions.planes`),
+        the forward's buffers in component order, [rows, heads, head_dim] each."""
         self.geometry = geometry
         self._pages = host_pages
         self._layout = layout
@@ -59,11 +58,10 @@ class OrphanLoads:
             self._mapping = mmap.mmap(fd, size, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
-        shape = host_layout.host_shape(geometry, host_pages, layout)
         with warnings.catch_warnings():  # read-only memory, only ever read
             warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(self._mapping, dtype=geometry.torch_dtype)
-        self._host = flat[: int(np.prod(shape))].view(shape)
+            flat = torch.frombuffer(self._mapping, dtype=torch.uint8)
+        self._host = host_layout.part_tensors(flat, geometry, host_pages, layout)  # a pool per part
         self._pidfd = -1
         with contextlib.suppress(OSError):  # no such process here (another pid namespace): never finished for
             if daemon_pid > 0:
@@ -94,16 +92,18 @@ class OrphanLoads:
 
     def copy(self, host_slots: Sequence[int], device_pages: Sequence[int], first_layer: int) -> None:
         """Copy pages at `host_slots` of the host pool into `device_pages` of
-        the forward's buffers, layers `first_layer` onwards."""
-        s, g = self.geometry.page_size, self.geometry
+        the forward's buffers, layers `first_layer` onwards (every part of them)."""
+        g = self.geometry
         slots = torch.tensor(list(host_slots), dtype=torch.long)
         pages = torch.tensor(list(device_pages), dtype=torch.long)
         for layer in range(max(0, first_layer), g.layers):
-            host = host_layout.paged_layer(self._host, g, self._layout, self._pages, layer)[slots]
-            for component, buffer in enumerate(self._device[layer]):
-                rows = buffer.shape[0] - buffer.shape[0] % s
-                paged = buffer[:rows].unflatten(0, (rows // s, s))
-                paged[pages.to(buffer.device)] = host[:, component].to(buffer.device)
+            for index, (part, pool) in enumerate(zip(g.parts, self._host)):
+                s = part.page_size
+                host = host_layout.paged_layer(pool, part, self._layout, self._pages, layer)[slots]
+                for component, buffer in enumerate(self._device[index * g.layers + layer]):
+                    rows = buffer.shape[0] - buffer.shape[0] % s
+                    paged = buffer[:rows].unflatten(0, (rows // s, s))
+                    paged[pages.to(buffer.device)] = host[:, component].to(buffer.device)
 
     def close(self) -> None:
         if self._pidfd >= 0:

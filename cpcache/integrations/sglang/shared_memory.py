@@ -7,7 +7,9 @@ token-to-KV pools. When the server runs the cpcache backend on the CPU, a
 pool's buffers are views of one memfd, sealed against shrinking and growing
 (what the daemon requires), laid out as SGLang lays them out itself: MHA
 one [2, padded rows, heads, head_dim] block per layer whose halves are K and
-V, MLA one [rows, 1, kv_dim] block per layer. A memfd starts zeroed, as
+V, MLA one [rows, 1, kv_dim] block per layer. DSA's indexer keys (one
+(index pages, bytes) buffer per layer, made after the KV) join the KV in one
+memfd: the daemon maps one memory per pool. A memfd starts zeroed, as
 SGLang's `torch.zeros` buffers do. Anything else (CUDA, another backend,
 another layout) allocates as SGLang does.
 """
@@ -80,9 +82,12 @@ def _mha_buffers(kv_pool: Any) -> None:
     kv_pool.v_buffer = [blocks[layer, 1, :rows] for layer in range(kv_pool.layer_num)]
 
 
+def _mla_shape(kv_pool: Any) -> tuple[int, ...]:
+    return (kv_pool.layer_num, kv_pool.size + kv_pool.page_size, 1, kv_pool.kv_cache_dim)
+
+
 def _mla_buffers(kv_pool: Any) -> None:
-    shape = (kv_pool.layer_num, kv_pool.size + kv_pool.page_size, 1, kv_pool.kv_cache_dim)
-    blocks = _allocate(kv_pool, shape)
+    blocks = _allocate(kv_pool, _mla_shape(kv_pool))
     kv_pool.kv_buffer = [blocks[layer] for layer in range(kv_pool.layer_num)]
 
 
@@ -93,6 +98,47 @@ def _allocate(kv_pool: Any, shape: tuple[int, ...]) -> torch.Tensor:
     setattr(kv_pool, _ATTRIBUTE, memory)
     log.info("cpcache: SGLang's KV pool (%d layers, %d bytes) allocated in shared memory", shape[0], nbytes)
     return memory.bytes().view(dtype).view(shape)
+
+
+ALIGN = 64  # bytes: where each indexer buffer starts in the pool's memory
+
+
+def _with_index_keys(original: Any) -> Any:
+    """Wrap DSA's `_create_index_key_cache`: where the pool's KV is in shared
+    memory, the indexer's buffers join it in one new memfd (nothing is
+    written yet: both are zeros), the KV rebound there with its pointer table."""
+    @functools.wraps(original)
+    def create(self: Any, *args: Any, **kwargs: Any) -> Any:
+        cache = original(self, *args, **kwargs)
+        if memory_of(self) is not None:
+            _rehome_with_index_keys(self, cache)
+        return cache
+
+    create._cpcache_wrapped = True  # type: ignore[attr-defined]
+    return create
+
+
+def _rehome_with_index_keys(kv_pool: Any, cache: Any) -> None:
+    old = memory_of(kv_pool)
+    assert old is not None
+    kv_shape, kv_dtype = _mla_shape(kv_pool), kv_pool.store_dtype
+    kv_bytes = torch.Size(kv_shape).numel() * kv_dtype.itemsize
+    offsets, end = [], -(-kv_bytes // ALIGN) * ALIGN
+    for buffer in cache.buffer:
+        offsets.append(end)
+        end = -(-(end + buffer.numel() * buffer.element_size()) // ALIGN) * ALIGN
+    memory = SharedMemory.create(end)
+    flat = memory.bytes()
+    blocks = flat[:kv_bytes].view(kv_dtype).view(kv_shape)
+    kv_pool.kv_buffer = [blocks[layer] for layer in range(kv_pool.layer_num)]
+    kv_pool.data_ptrs = torch.tensor([b.data_ptr() for b in kv_pool.kv_buffer], dtype=torch.uint64,
+                                     device=kv_pool.device)
+    cache.buffer = [flat[start : start + b.numel() * b.element_size()].view(b.dtype).view(b.shape)
+                    for start, b in zip(offsets, cache.buffer)]
+    setattr(kv_pool, _ATTRIBUTE, memory)
+    os.close(old.fd)
+    log.info("cpcache: SGLang's DSA pool (%d layers, KV and indexer keys, %d bytes) allocated in shared memory",
+             kv_pool.layer_num, end)
 
 
 def _wrap(original: Any, shared: Any, wanted: Any) -> Any:
@@ -112,8 +158,9 @@ def _mha_wanted(kv_pool: Any) -> bool:
 
 
 def install() -> None:
-    """Wrap the allocation of SGLang's MHA (`_create_buffers_normal`) and MLA
-    (`_create_buffers`) pools (once; later calls do nothing)."""
+    """Wrap the allocation of SGLang's MHA (`_create_buffers_normal`), MLA
+    (`_create_buffers`) and DSA (`_create_index_key_cache`) pools (once;
+    later calls do nothing)."""
     from sglang.srt.mem_cache import memory_pool
 
     for cls, name, shared, wanted in (
@@ -123,3 +170,7 @@ def install() -> None:
         if original is None or getattr(original, "_cpcache_wrapped", False):
             continue
         setattr(cls, name, _wrap(original, shared, wanted))
+    dsa: Any = getattr(memory_pool, "DSATokenToKVPool", None)
+    original = dsa.__dict__.get("_create_index_key_cache") if dsa is not None else None
+    if original is not None and not getattr(original, "_cpcache_wrapped", False):
+        dsa._create_index_key_cache = _with_index_keys(original)

@@ -1,5 +1,6 @@
 """Pages move bit-exact device -> host -> storage -> host -> device, for
-every host layout, MHA and MLA, with the file backend (the same round trip
+every host layout, MHA, MLA and DSA (MLA with its indexer's part beside the
+KV: every part of a page moves), with the file backend (the same round trip
 with Mooncake Store on a real mooncake_master is
 tests/storage/test_mooncake_round_trip.py)."""
 
@@ -17,7 +18,7 @@ from cpcache.dataplane.storage import StorageBackend, open_backend
 from cpcache.dataplane.storage.faults import FaultyBackend, StorageFaults
 from cpcache.dataplane.storage.framing import HEADER
 from cpcache.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
-from cpcache.geometry import KVGeometry
+from cpcache.geometry import KVGeometry, PagePart
 from cpcache.host_layout import LAYOUTS
 from cpcache.state.allocator import PageAllocator
 
@@ -26,12 +27,27 @@ pytestmark = pytest.mark.timeout(60)
 GEOMETRIES = {
     "mha": KVGeometry(layers=3, kv_kind="mha", heads=2, head_dim=8, dtype="bfloat16", page_size=4),
     "mla": KVGeometry(layers=3, kv_kind="mla", heads=1, head_dim=24, dtype="float16", page_size=8),
+    "dsa": KVGeometry(layers=3, kv_kind="mla", heads=1, head_dim=24, dtype="bfloat16", page_size=8,
+                      beside=(PagePart("indexer", rows_per_page=1, width=8 * 132, dtype="uint8"),)),
 }
 
 
 def fill_random(pool: DevicePool, seed: int) -> None:
-    raw = pool.tensor.view(-1).view(torch.uint8)
-    raw.copy_(torch.from_numpy(np.random.default_rng(seed).integers(0, 256, raw.numel(), dtype=np.uint8)))
+    for part in pool.parts:
+        raw = part.tensor.view(-1).view(torch.uint8)
+        raw.copy_(torch.from_numpy(np.random.default_rng(seed).integers(0, 256, raw.numel(), dtype=np.uint8)))
+        seed += 1
+
+
+def page_of(pool: DevicePool, page: int) -> list[torch.Tensor]:
+    """Every part of one device page, as bytes."""
+    return [part.tensor[:, :, page * part.geometry.page_size : (page + 1) * part.geometry.page_size]
+            .contiguous().view(torch.uint8) for part in pool.parts]
+
+
+def zero(pool: DevicePool | HostPool) -> None:
+    for part in pool.parts:
+        part.tensor.zero_()
 
 
 def make_backend(kind, tmp_path, geometry, host, master=None) -> StorageBackend:
@@ -50,12 +66,12 @@ def backend_kind():
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("kv", ["mha", "mla"])
+@pytest.mark.parametrize("kv", ["mha", "mla", "dsa"])
 def test_round_trip_is_bit_exact(tmp_path, backend_kind, request, layout, kv):
     geometry = GEOMETRIES[kv]
     device = DevicePool.create_sealed(geometry, pages=16)
     fill_random(device, seed=len(layout) + len(kv))
-    original = device.tensor.clone()
+    original = [page_of(device, p) for p in range(16)]
     host = HostPool(geometry, pages=8, layout=layout)
     master = request.getfixturevalue("mooncake_master") if backend_kind == "mooncake" else None
     tiers = Tiers(host, device, make_backend(backend_kind, tmp_path, geometry, host, master))
@@ -65,19 +81,18 @@ def test_round_trip_is_bit_exact(tmp_path, backend_kind, request, layout, kv):
         device_pages, slots = [9, 2, 3, 4, 15], [7, 0, 1, 2, 5]
         assert transfers.submit((DEVICE, HOST), device_pages, slots).result().success
         assert transfers.submit((HOST, STORAGE), slots, keys).result().success
-        host.tensor.zero_()
+        zero(host)
         assert tiers.storage.exists_prefix(keys + ["absent"]) == 5
         back_slots = [3, 4, 5, 6, 0]
         result = transfers.submit((STORAGE, HOST), keys, back_slots).result()
         assert result.success and result.pages_done == 5
-        device.tensor.zero_()
+        zero(device)
         assert transfers.submit((HOST, DEVICE), back_slots, device_pages).result().success
-        s = geometry.page_size
         for p in device_pages:
-            assert torch.equal(device.tensor[:, :, p * s : (p + 1) * s].view(torch.uint8),
-                               original[:, :, p * s : (p + 1) * s].view(torch.uint8)), f"page {p} differs"
+            for part, (now, before) in zip(geometry.part_names, zip(page_of(device, p), original[p])):
+                assert torch.equal(now, before), f"page {p}'s {part} differs"
         untouched = [p for p in range(16) if p not in device_pages]
-        assert all(device.tensor[:, :, p * s : (p + 1) * s].count_nonzero() == 0 for p in untouched)
+        assert all(part.count_nonzero() == 0 for p in untouched for part in page_of(device, p))
         assert transfers.pages_moved[(STORAGE, HOST)] == 5
     finally:
         transfers.close()

@@ -142,7 +142,7 @@ LAYER_BYTES = GOOD[1].offset
     ([GOOD[0], GOOD[1], Region(GOOD[2].offset, (0, 16, 8, 1))], InvalidArgument, "two elements"),
     ([GOOD[0], GOOD[1], Region(GOOD[2].offset, (512, 8, 8, 1))], InvalidArgument, "two elements"),
     ([GOOD[0], Region(GOOD[0].offset + 2, GOOD[0].strides), GOOD[2]], FailedPrecondition, "overlap"),
-    ([GOOD[0], GOOD[1], GOOD[1]], FailedPrecondition, "regions 1 and 2 overlap"),
+    ([GOOD[0], GOOD[1], GOOD[1]], FailedPrecondition, "region 1 and region 2 overlap"),
 ])
 def test_regions_the_daemon_must_not_map_are_refused(bad, error, words):
     with pytest.raises(error, match=words):

@@ -104,10 +104,62 @@ def test_a_cuda_handle_names_its_gpu_by_uuid_beside_the_index(monkeypatch):
     assert fields["device"] == 1 and fields["device_uuid"] == "uuid-of-1" and fields["storage_offset"] == 512
 
 
-def test_a_pool_that_declares_a_part_beside_its_kv_is_refused_with_the_part_named():
+def test_a_pool_that_declares_a_part_cpcache_does_not_know_is_refused_with_the_part_named():
     kv_pool = sglang_like_mha()
+    kv_pool.host_pool_decls = lambda: (SimpleNamespace(pool_name="kv"), SimpleNamespace(pool_name="mamba"))
+    with pytest.raises(ValueError, match="keeps mamba beside the KV"):
+        share_device_pool(kv_pool, PAGE)
     kv_pool.host_pool_decls = lambda: (SimpleNamespace(pool_name="kv"), SimpleNamespace(pool_name="indexer"))
-    with pytest.raises(ValueError, match="keeps indexer beside the KV"):
+    with pytest.raises(ValueError, match="MHA pool with indexer"):
         share_device_pool(kv_pool, PAGE)
     kv_pool.host_pool_decls = lambda: (SimpleNamespace(pool_name="kv"),)
     assert share_device_pool(kv_pool, PAGE).geometry.kv_kind == "mha"
+
+
+LATENT = 24
+INDEX_ROW = PAGE * 132  # a page's index keys (128 bytes a token), then their scales (4 bytes a token)
+
+
+def sglang_like_dsa() -> SimpleNamespace:
+    """What SGLang's DSATokenToKVPool holds once the plugin allocated it: the
+    latent per token and the indexer's (index pages, bytes) per layer, in one
+    memfd (`shared_memory._rehome_with_index_keys`)."""
+    rows, index_pages = SIZE + PAGE, (SIZE + PAGE + 1) // PAGE
+    pool = SimpleNamespace(layer_num=LAYERS, kv_cache_dim=LATENT, store_dtype=torch.bfloat16, size=SIZE,
+                           page_size=PAGE, index_page_size=PAGE, skip_topk_layers=[False] * LAYERS,
+                           host_pool_decls=lambda: (SimpleNamespace(pool_name="kv"),
+                                                    SimpleNamespace(pool_name="indexer")))
+    kv_bytes = LAYERS * rows * LATENT * 2
+    memory = SharedMemory.create(kv_bytes + LAYERS * index_pages * INDEX_ROW)
+    setattr(pool, _ATTRIBUTE, memory)
+    flat = memory.bytes()
+    blocks = flat[:kv_bytes].view(torch.bfloat16).view(LAYERS, rows, 1, LATENT)
+    pool.kv_buffer = [blocks[layer] for layer in range(LAYERS)]
+    pool.data_ptrs = torch.tensor([b.data_ptr() for b in pool.kv_buffer], dtype=torch.uint64)
+    index = flat[kv_bytes:].view(LAYERS, index_pages, INDEX_ROW)
+    pool.index_k_with_scale_buffer = [index[layer] for layer in range(LAYERS)]
+    return pool
+
+
+def test_a_dsa_pool_shares_its_indexer_as_a_part_of_every_page_where_it_lies():
+    kv_pool = sglang_like_dsa()
+    shared = share_device_pool(kv_pool, PAGE)
+    g = shared.geometry
+    assert g.kv_kind == "mla" and g.part_names == ("kv", "indexer")
+    assert g.beside[0].width == INDEX_ROW and g.beside[0].rows_per_page == 1 and g.beside[0].dtype == "uint8"
+    assert len(shared.regions) == 2 * LAYERS  # the KV's layers, then the indexer's
+    check_in_place(shared, kv_pool)
+    daemon = DevicePool.from_fd(os.dup(shared.fd), g, shared.device_pages, shared.regions)
+    indexer = daemon.parts[1]
+    indexer.layer_pages(2, 5).fill_(0xAB)  # what a load writes: layer 2's indexer row of page 5
+    assert bool((kv_pool.index_k_with_scale_buffer[2][5] == 0xAB).all())
+    assert not kv_pool.index_k_with_scale_buffer[2][4].any() and not kv_pool.index_k_with_scale_buffer[1].any()
+    kv_pool.kv_buffer[0][9].fill_(3.0)  # and what the forward writes, the daemon reads
+    assert bool((daemon.layers[0][0, 9] == 3.0).all())
+
+
+def test_a_dsa_pool_whose_layers_share_top_k_is_refused_with_the_reason():
+    kv_pool = sglang_like_dsa()
+    kv_pool.skip_topk_layers = [False, True, False]
+    with pytest.raises(ValueError, match="shares top-k between layers"):
+        share_device_pool(kv_pool, PAGE)
