@@ -1,9 +1,12 @@
 """SGLang's own device pools, built on this CPU host in SGLang's environment
-(pools_worker.py), through cpcache's geometry check: MLA's pool is one
-latent per token; DSA's (DeepSeek V3.2: MLA plus the indexer's keys and
-scales, a second part of every page) is refused with the part named, since
-a page cpcache stored or restored without its indexer keys would be a wrong
-hit. The decode store refuses that part too (test_decode_store.py)."""
+with the cpcache plugin's shared-memory allocation (pools_worker.py): MLA's
+pool is one latent per token; DSA's (DeepSeek V3.2: MLA plus the indexer's
+keys and scales) has a second part of every page, declared in the geometry
+and handed over in place with the KV. A DSA page taken device -> host ->
+file -> host -> SGLang's own buffers comes back whole, every buffer of it,
+and a page whose indexer bytes are lost in storage is not read back. (The
+decode store, which sees SGLang's host pools, still refuses the indexer part:
+test_decode_store.py.)"""
 
 from __future__ import annotations
 
@@ -23,8 +26,14 @@ pytestmark = [
 WORKER = Path(__file__).resolve().parent / "pools_worker.py"
 
 
-def test_mla_pools_have_one_latent_part_and_dsa_pools_with_indexer_keys_are_refused():
+def test_a_dsa_pool_hands_over_its_indexer_beside_the_kv_and_its_pages_come_back_whole():
     out = run_sglang_worker(WORKER)
+    assert "kv_kind='mla'" in out["mla_geometry"] and "beside=()" in out["mla_geometry"], out
     assert out["dsa_parts"] == ["kv", "indexer"]
-    assert out["dsa_device"].startswith("refused:") and "indexer" in out["dsa_device"], out
-    assert "kv_kind='mla'" in out["mla_device"] and "head_dim=576" in out["mla_device"], out
+    # 64 tokens x (128 key bytes + 4 scale bytes) per layer and page
+    assert "PagePart(name='indexer', rows_per_page=1, width=8448, dtype='uint8')" in out["dsa_geometry"], out
+    assert out["dsa_regions"] == 4  # 2 layers of latent, then 2 of indexer
+    assert out["read_back"] == 2
+    assert out["equal_buffers"] == [True] * 4, out  # both layers' latent and both layers' indexer rows
+    assert out["other_pages_zero"], out
+    assert out["after_part_lost"][1] == 1, out  # the page without its indexer bytes is not read

@@ -81,8 +81,10 @@ def check(context: Any) -> None:
             "the cache once per iteration (check_hicache_events) only then, and cpcache decides every write, "
             "load and prefetch in that call; without it writes are never decided, their pages stay locked "
             "and the server stops admitting requests once the KV pool fills")
-    if context.is_hybrid_swa or context.is_hybrid_ssm or getattr(context, "is_dsa", False):
-        raise UnsupportedServer("cpcache: hybrid sliding-window, Mamba and DSA models are not supported "
+    # DSA (DeepSeek V3.2) is served: its indexer keys are a part of every
+    # page beside the KV (`pool.geometry_of`), moved and stored with it.
+    if context.is_hybrid_swa or context.is_hybrid_ssm:
+        raise UnsupportedServer("cpcache: hybrid sliding-window and Mamba models are not supported "
                                 "(their extra cache components have no tier below the device)")
     if getattr(server_args, "dp_size", 1) > 1 and not getattr(server_args, "enable_dp_attention", False):
         raise UnsupportedServer(
