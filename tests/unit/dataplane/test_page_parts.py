@@ -1,8 +1,9 @@
 """Pages with a part beside their KV (DeepSeek V3.2's indexer keys and
 scales): declared in the geometry, one region per layer and part, moved
 whole between every tier in every host layout (run by run and by gather /
-scatter), a layer published only once every part of it landed, and stored
-as one frame whose bytes are the same whatever the host layout."""
+scatter), a layer published only once every part of it landed, stored as
+one frame whose bytes are the same whatever the host layout, and copied
+whole by a scheduler finishing a load its daemon died in."""
 
 import os
 
@@ -18,6 +19,7 @@ from cpcache.errors import FailedPrecondition, InvalidArgument
 from cpcache.geometry import KVGeometry, PagePart, Region
 from cpcache.hashing import hash62
 from cpcache.host_layout import LAYOUTS
+from cpcache.integrations.sglang.orphan_loads import OrphanLoads
 from cpcache.load_signals import LoadSignals
 from tests.unit.dataplane.test_data_plane import fill_random, page_of, zero
 
@@ -130,3 +132,26 @@ def test_a_layer_is_published_once_every_part_of_it_landed(copy_path):
             assert all(torch.equal(a, b) for a, b in zip(page_of(device, t), originals[p]))
     finally:
         transfers.close()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_scheduler_finishing_an_orphaned_load_copies_every_part_of_the_layers_left(layout):
+    """`OrphanLoads` (the scheduler's side of a daemon dead mid-load) reads
+    the daemon's host pool memfd read-only and copies every part."""
+    host = HostPool(DSA, pages=4, layout=layout)
+    fill_random(host, seed=3)
+    device = DevicePool.create_sealed(DSA, PAGES)
+    buffers = [(layer[0],) for part in device.parts for layer in part.layers]  # per region, [rows, heads, dim]
+    orphans = OrphanLoads(os.dup(host.fd), -1, DSA, host.pages, layout, buffers)
+    try:
+        orphans.copy([2, 0], [5, 9], first_layer=1)
+    finally:
+        orphans.close()
+    for part_device, part_host in zip(device.parts, host.parts):
+        for layer in range(DSA.layers):
+            for slot, page in ((2, 5), (0, 9)):
+                landed = part_device.layer_pages(layer, page)[0, 0].view(torch.uint8)  # bits: NaNs compare too
+                if layer == 0:  # the daemon had landed layer 0 itself: not copied again
+                    assert landed.count_nonzero() == 0
+                else:
+                    assert torch.equal(landed, part_host.paged_layer(layer)[slot, 0].view(torch.uint8))
