@@ -220,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--plot", metavar="FILE", help="ranks: write a plot of round cost and bytes against ranks "
                        "(PNG or SVG, by the file's extension)")
     bench.add_argument("--no-mooncake", action="store_true", help="movers: skip Mooncake Store")
+    bench.add_argument("--against", choices=["sglang"],
+                       help="movers: also SGLang's own HiCacheFile on the same pages (in SGLang's environment)")
     bench.add_argument("--device-only", action="store_true",
                        help="movers: device <-> host alone, for every host layout (no storage)")
     bench.add_argument("--decisions", type=int, default=1_000_000, help="soak: agreed decisions to reach")

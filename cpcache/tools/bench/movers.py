@@ -5,8 +5,14 @@ it is built on, measured alternately in the same run:
   `copy_(non_blocking=True)` of the same bytes between a pinned host buffer
   and device memory, then a stream sync), the most the bus gives;
 - device <-> host without CUDA: torch `index_select(out=)` over the same pages;
-- host <-> file: a plain write / read loop over the same pages;
-- host <-> mooncake: `batch_put_from` / `batch_get_into` on the same buffers.
+- host <-> file: a plain write / read loop over the same pages (`raw`), and
+  the same integrity work by hand (`framed`: `storage_baselines.py`);
+- host <-> mooncake: `batch_put_from` / `batch_get_into` on the same buffers
+  (`raw`), the framed pages by hand (`framed`), and the calls SGLang's
+  MooncakeStore makes for them (`sglang`).
+
+`--against sglang` adds SGLang's own `HiCacheFile` on the same pages, beside
+the file movers, in SGLang's environment (`movers_sglang.py`).
 
 On a host without CUDA the device pool is a shared-memory file (as attached
 by an inference process there), so device <-> host is a memory copy.
@@ -17,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import tempfile
 import time
 import uuid
@@ -34,6 +42,7 @@ from cpcache.geometry import KVGeometry
 from cpcache.host_layout import LAYOUTS
 from cpcache.testing.mooncake_master import MooncakeMaster
 from cpcache.testing.stats import block_summary
+from cpcache.tools.bench import storage_baselines
 
 PAGE_SIZES = {64 << 10: 4, 1 << 20: 64, 4 << 20: 256}  # page bytes -> tokens per page
 BATCH_BYTES = 64 << 20
@@ -68,6 +77,28 @@ def compare_in_blocks(mover: Callable[[], object], raw: Callable[[], object], nb
     summary = block_summary([b / o for o, b in zip(ours, base)])
     return {"gib_s": round(mover_rate, 3), "raw_gib_s": round(raw_rate, 3), "ratio": summary["median"],
             "median": summary["median"], "spread": summary["spread"]}
+
+
+def compare_many(mover: Callable[[], object], baselines: dict[str, Callable[[], object]], nbytes: int,
+                 blocks: int) -> dict:
+    """`compare_in_blocks` against several baselines: each block runs every
+    baseline and the mover, in an order rotating from block to block (a
+    write run after others meets the disk's writeback of theirs); `against[name]`
+    is the median over the blocks of the mover's rate over that baseline's."""
+    sides: dict[str, Callable[[], object]] = {**baselines, "": mover}
+    names = list(sides)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for block in range(blocks):
+        shift = block % len(names)
+        for name in names[shift:] + names[:shift]:
+            times[name].append(timed(sides[name]))
+    ours = times.pop("")
+    against = {}
+    for name, theirs in times.items():
+        summary = block_summary([b / o for o, b in zip(ours, theirs)])
+        against[name] = {"gib_s": round(gib_s(nbytes, statistics.median(theirs)), 3), "ratio": summary["median"],
+                         "spread": summary["spread"]}
+    return {"gib_s": round(gib_s(nbytes, statistics.median(ours)), 3), "against": against}
 
 
 def device_pool(geometry: KVGeometry, pages: int) -> DevicePool:
@@ -168,10 +199,10 @@ def bench_page_size(page_bytes: int, tokens: int, work: Path, master: MooncakeMa
     def entry(name: str, figures: dict) -> None:
         out.append({"mover": name, "page_bytes": page_bytes, **figures})
 
-    def compare(mover: Callable[[], object], raw: Callable[[], object], nbytes: int) -> dict:
-        return compare_in_blocks(mover, raw, nbytes, blocks)
+    def compare(mover: Callable[[], object], baselines: dict[str, Callable[[], object]]) -> dict:
+        return compare_many(mover, baselines, nbytes, blocks)
 
-    # Every repeat writes new pages (new files) on both sides, as a cache does.
+    # Every repeat writes new pages (new files, new keys) on every side, as a cache does.
     storage = open_backend("file", root=str(work / f"files-{page_bytes}"), geometry_fingerprint=geometry.fingerprint())
     transfers = Transfers(Tiers(host, device, storage), threads=1)
     buffers = Tiers(host).host_buffers(pages)
@@ -179,60 +210,76 @@ def bench_page_size(page_bytes: int, tokens: int, work: Path, master: MooncakeMa
     raw_dir.mkdir()
     written: dict[str, list] = {"mover": [], "raw": []}
 
-    def fresh(side: str) -> list[str]:
+    def fresh(side: str = "") -> list[str]:
         names = [f"f{uuid.uuid4().hex[:12]}_{i}" for i in pages]
-        written[side].append(names)
+        if side:
+            written[side].append(names)
         return names
 
     def raw_write() -> None:
         for name, buf in zip(fresh("raw"), buffers):
             with open(raw_dir / name, "wb") as fh:
-                fh.write(buf.view.data)
+                fh.writelines(buf.views)
 
     def raw_read() -> None:
         for name, buf in zip(written["raw"][-1], buffers):
             with open(raw_dir / name, "rb") as fh:
-                fh.readinto(buf.view.data)
+                for view in buf.views:
+                    fh.readinto(view)
 
+    framed_put, framed_get = storage_baselines.framed_file(work / f"framed-{page_bytes}", geometry.fingerprint(),
+                                                           buffers, fresh)
     entry("host->file", compare(lambda: moved(transfers.submit((HOST, STORAGE), pages, fresh("mover")).result(), n),
-                                raw_write, nbytes))
+                                {"raw": raw_write, "framed": framed_put}))
     entry("file->host", compare(
-        lambda: moved(transfers.submit((STORAGE, HOST), written["mover"][-1], pages).result(), n), raw_read, nbytes))
+        lambda: moved(transfers.submit((STORAGE, HOST), written["mover"][-1], pages).result(), n),
+        {"raw": raw_read, "framed": framed_get}))
     transfers.close()
 
     if master is not None:
         from cpcache.dataplane.storage.mooncake import MooncakeBackend
 
         store = open_backend("mooncake", master=master.master, metadata_server=master.metadata_server,
-                             buffers=[(host.tensor.data_ptr(), host.nbytes)],
+                             buffers=[(host.address, host.nbytes)],
                              # every put of this page size stays stored (nothing evicted, no put refused)
-                             global_segment_size=(2 * blocks + 3) * BATCH_BYTES + (64 << 20),
+                             global_segment_size=(4 * blocks + 4) * BATCH_BYTES + (64 << 20),
                              local_buffer_size=16 << 20)
         assert isinstance(store, MooncakeBackend)
         raw_store = store._store  # the mooncake store itself, for the raw calls
         transfers = Transfers(Tiers(host, device, store), threads=1)
-        addresses = [b.address for b in buffers]
-        sizes = [page_bytes] * n
+        runs = [part for b in buffers for part in b.parts]
 
         def fresh_keys() -> list[str]:
             prefix = uuid.uuid4().hex[:12]
             return [f"m{prefix}_{i}" for i in pages]
 
-        def put_via_mover() -> None:
-            moved(transfers.submit((HOST, STORAGE), pages, fresh_keys()).result(), n)
+        bare: list[list[str]] = []
 
         def raw_put() -> None:
-            all_ok(raw_store.batch_put_from(fresh_keys(), addresses, sizes), 0, "put")
+            keys = [f"{k}_{r}" for k in fresh_keys() for r in range(len(buffers[0].parts))]
+            all_ok(raw_store.batch_put_from(keys, [a for a, _ in runs], [v.nbytes for _, v in runs]), 0, "put")
+            bare.append(keys)
 
-        entry("host->mooncake", compare(put_via_mover, raw_put, nbytes))
-        # Each side reads what it wrote: the mover's objects are framed pages
-        # (header and checksum), the raw ones bare bytes.
-        framed, bare = fresh_keys(), fresh_keys()
-        moved(transfers.submit((HOST, STORAGE), pages, framed).result(), n)
-        all_ok(raw_store.batch_put_from(bare, addresses, sizes), 0, "put")
+        def raw_get() -> None:
+            codes = raw_store.batch_get_into(bare[-1], [a for a, _ in runs], [v.nbytes for _, v in runs])
+            if any(c != v.nbytes for c, (_, v) in zip(codes, runs)):
+                raise RuntimeError("bench movers: a raw mooncake get failed")
+
+        framed_put, framed_get = storage_baselines.framed_mooncake(raw_store, geometry.fingerprint(), buffers,
+                                                                   fresh_keys)
+        sglang_put, sglang_get = storage_baselines.sglang_mooncake_calls(raw_store, buffers, fresh_keys)
+        mover_keys: list[list[str]] = []
+
+        def put_via_mover() -> None:
+            mover_keys.append(fresh_keys())
+            moved(transfers.submit((HOST, STORAGE), pages, mover_keys[-1]).result(), n)
+
+        entry("host->mooncake", compare(put_via_mover, {"raw": raw_put, "framed": framed_put, "sglang": sglang_put}))
+        # Each side reads what it wrote last: the mover's and the framed objects
+        # are framed pages (header and checksum), the raw and SGLang's bare runs.
         entry("mooncake->host", compare(
-            lambda: moved(transfers.submit((STORAGE, HOST), framed, pages).result(), n),
-            lambda: all_ok(raw_store.batch_get_into(bare, addresses, sizes), page_bytes, "get"), nbytes))
+            lambda: moved(transfers.submit((STORAGE, HOST), mover_keys[-1], pages).result(), n),
+            {"raw": raw_get, "framed": framed_get, "sglang": sglang_get}))
         raw_store.remove_all()
         transfers.close()
     return out
@@ -262,8 +309,26 @@ def device_name() -> str:
     return f"cuda ({torch.cuda.get_device_name(0)})" if torch.cuda.is_available() else "shared-memory file (no CUDA)"
 
 
+def against_sglang(blocks: int) -> list[dict]:
+    """The file movers and SGLang's HiCacheFile on the same pages, run in
+    SGLang's environment (`movers_sglang.py`; `make setup` builds it)."""
+    from cpcache.testing.sglang_cpu.servers import CPU_HOST, sglang_interpreter
+
+    root = Path(__file__).resolve().parents[3]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(CPU_HOST), str(root)])}
+    done = subprocess.run([sglang_interpreter(), "-m", "cpcache.tools.bench.movers_sglang", str(blocks)],
+                          capture_output=True, text=True, env=env, cwd=root, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"bench movers --against sglang: SGLang's side failed:\n{done.stderr[-3000:]}")
+    rows: list[dict] = json.loads(done.stdout.strip().splitlines()[-1])["movers"]
+    return rows
+
+
 def main(args: argparse.Namespace) -> int:
-    report = run(with_mooncake=not getattr(args, "no_mooncake", False), blocks=getattr(args, "repeat", REPEATS),
+    blocks = getattr(args, "repeat", REPEATS)
+    report = run(with_mooncake=not getattr(args, "no_mooncake", False), blocks=blocks,
                  device_only=getattr(args, "device_only", False))
+    if getattr(args, "against", None) == "sglang":
+        report["against_sglang"] = against_sglang(blocks)
     print(json.dumps(report) if args.json else json.dumps(report, indent=2))
     return 0
