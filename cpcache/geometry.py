@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +37,15 @@ DTYPES = {
 KV_KINDS = ("mha", "mla")
 PART_KIND = "part"  # a part beside the KV: one component of `rows_per_page` rows of `width` elements per page
 MAX_PAGE_BYTES = 1 << 30
+MAX_PARTS = 8  # parts beside the KV (DSA has one): a bound on what one attach may ask to validate
+PART_NAME = re.compile(r"[a-z0-9_]{1,32}")
+PART_ALIGN = 64  # bytes: where each part's block starts in a pool that holds several, on every tier
+
+
+def check_part_count(count: int) -> None:
+    """Refuse more parts beside the KV than MAX_PARTS (a decoder checks before building them)."""
+    if count > MAX_PARTS:
+        raise InvalidArgument(f"geometry: {count} parts beside the KV; at most {MAX_PARTS}")
 
 
 @dataclass(frozen=True)
@@ -50,11 +60,21 @@ class PagePart:
     dtype: str
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not PART_NAME.fullmatch(self.name) or self.name == "kv":
+            raise InvalidArgument(f"geometry: a part's name is 1 to 32 of a-z, 0-9 and _, and not 'kv': "
+                                  f"got {str(self.name)[:40]!r}")
         for name in ("rows_per_page", "width"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise InvalidArgument(f"geometry: part {self.name!r}: {name} must be a positive integer, "
                                       f"got {value!r}")
+        if self.dtype not in DTYPES:
+            raise InvalidArgument(f"geometry: part {self.name!r}: dtype must be one of {', '.join(DTYPES)}, "
+                                  f"got {str(self.dtype)[:40]!r}")
+
+    def key(self) -> tuple[str, int, int, str]:
+        """What identifies the part (in fingerprints: not the class's repr)."""
+        return (self.name, self.rows_per_page, self.width, self.dtype)
 
 
 @dataclass(frozen=True)
@@ -80,14 +100,16 @@ class KVGeometry:
             raise InvalidArgument(f"geometry: MLA keeps one latent head, got heads={self.heads}")
         if self.dtype not in DTYPES:
             raise InvalidArgument(f"geometry: dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if not isinstance(self.beside, tuple):  # a list would hash apart, and fingerprint apart
+            object.__setattr__(self, "beside", tuple(self.beside))
+        check_part_count(len(self.beside))
+        if any(not isinstance(part, PagePart) for part in self.beside):
+            raise InvalidArgument("geometry: each part beside the KV must be a PagePart")
         names = [part.name for part in self.beside]
-        for part in self.beside:
-            if not isinstance(part, PagePart):
-                raise InvalidArgument(f"geometry: a part beside the KV must be a PagePart, got {part!r}")
-            if not part.name or part.name == "kv" or names.count(part.name) > 1:
-                raise InvalidArgument(f"geometry: part names must be distinct, not empty and not 'kv': {names}")
-            if self.kv_kind == PART_KIND:
-                raise InvalidArgument("geometry: a part has no parts beside it")
+        if len(set(names)) != len(names):
+            raise InvalidArgument(f"geometry: part names must be distinct: {names}")
+        if self.beside and self.kv_kind == PART_KIND:
+            raise InvalidArgument("geometry: a part has no parts beside it")
         _ = self.parts  # builds each part's geometry, which checks it
         if self.page_bytes > MAX_PAGE_BYTES:
             raise InvalidArgument(f"geometry: a page of {self.page_bytes} bytes exceeds {MAX_PAGE_BYTES}")
@@ -99,8 +121,14 @@ class KVGeometry:
         if not self.beside:
             return (self,)
         kv = dataclasses.replace(self, beside=())
-        return (kv, *(KVGeometry(layers=self.layers, kv_kind=PART_KIND, heads=1, head_dim=part.width,
-                                 dtype=part.dtype, page_size=part.rows_per_page) for part in self.beside))
+        parts = []
+        for part in self.beside:
+            try:
+                parts.append(KVGeometry(layers=self.layers, kv_kind=PART_KIND, heads=1, head_dim=part.width,
+                                        dtype=part.dtype, page_size=part.rows_per_page))
+            except InvalidArgument as exc:
+                raise InvalidArgument(f"geometry: part {part.name!r}: {str(exc).removeprefix('geometry: ')}") from None
+        return (kv, *parts)
 
     @property
     def part_names(self) -> tuple[str, ...]:
@@ -136,9 +164,9 @@ class KVGeometry:
         """Identifies this geometry in stored page headers (and in keys: a
         page with other parts is another page). A geometry without parts
         beside its KV has the fingerprint it had before parts existed."""
-        fields = [getattr(self, f) for f in self.__dataclass_fields__ if f != "beside"]
+        fields: list[object] = [getattr(self, f) for f in self.__dataclass_fields__ if f != "beside"]
         if self.beside:
-            fields.append(self.beside)
+            fields.append(tuple(part.key() for part in self.beside))
         return hash62(repr(tuple(fields)).encode())
 
 

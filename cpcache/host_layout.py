@@ -18,10 +18,9 @@ from __future__ import annotations
 import torch
 
 from cpcache.errors import InvalidArgument
-from cpcache.geometry import KVGeometry
+from cpcache.geometry import PART_ALIGN, KVGeometry
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
-PART_ALIGN = 64  # bytes: where each part of a host pool starts
 
 
 def host_shape(geometry: KVGeometry, pages: int, layout: str) -> tuple[int, ...]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -92,7 +93,18 @@ def _attach_call(model_id: str, geometry: KVGeometry, device_pages: int, shm_tic
                  regions: Sequence[Region], load_signals: tuple[str, int, Sequence[bytes]] | None = None,
                  model_dtype: str = "") -> Call[pb.AttachReply]:
     return Call("Attach", attach_request(model_id, geometry, device_pages, shm_ticket, cuda_ipc, placement, regions,
-                                         load_signals, model_dtype))
+                                         load_signals, model_dtype), functools.partial(_attached_whole, geometry))
+
+
+def _attached_whole(geometry: KVGeometry, reply: pb.AttachReply) -> pb.AttachReply:
+    """The reply, once it says the daemon took whole pages: a daemon from
+    before parts beside the KV reads a geometry with parts as its KV alone
+    (and would store pages without them)."""
+    if geometry.beside and reply.page_bytes != geometry.page_bytes:
+        raise errors.FailedPrecondition(
+            f"attach: the daemon took pages of {reply.page_bytes} bytes, not the {geometry.page_bytes} of the KV "
+            f"and its parts ({', '.join(geometry.part_names)}): it predates parts beside the KV; upgrade it")
+    return reply
 
 
 def _wait_loads_call(op_ids: Iterable[int], timeout_s: float) -> Call[None]:

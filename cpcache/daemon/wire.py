@@ -12,7 +12,7 @@ from google.protobuf.message import Message
 
 from cpcache.agreement.rounds import Questions
 from cpcache.errors import CacheError, InvalidArgument, PermissionDenied
-from cpcache.geometry import KV_KINDS, KVGeometry, PagePart, Region
+from cpcache.geometry import KV_KINDS, KVGeometry, PagePart, Region, check_part_count
 from cpcache.hashing import hash62
 from cpcache.rank.attach import Attached
 from cpcache.rank.stepper import StepOutcome
@@ -86,6 +86,7 @@ def attach_from_wire(request: pb.AttachRequest) -> AttachAsk:
     g = request.geometry
     if g.kv_kind not in KV_KINDS:
         raise InvalidArgument(f"geometry: kv_kind must be one of {', '.join(KV_KINDS)}, got {g.kv_kind!r}")
+    check_part_count(len(g.beside))  # before any work that grows with them
     beside = tuple(PagePart(p.name, p.rows_per_page, p.width, p.dtype) for p in g.beside)
     geometry = KVGeometry(layers=g.layers, kv_kind=g.kv_kind, heads=g.heads, head_dim=g.head_dim, dtype=g.dtype,
                           page_size=g.page_size, beside=beside)

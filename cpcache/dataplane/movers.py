@@ -107,7 +107,7 @@ def _copy_layers(device: DevicePool, host: HostPool, host_pages: Iterable[int], 
                  to_device: bool) -> None:
     """Every layer of every part of the pages (`DevicePool.parts`)."""
     host_pages, device_pages = list(host_pages), list(device_pages)
-    for device_part, host_part in zip(device.parts, host.parts):
+    for device_part, host_part in zip(device.parts, host.parts, strict=True):
         _copy_part(device_part, host_part, host_pages, device_pages, to_device)
 
 
@@ -167,7 +167,7 @@ def _load_layer_by_layer(device: DevicePool, host: HostPool, job: TransferJob) -
     copies are done (on a CUDA device: queued, and its event recorded after
     them)."""
     loaders = [_layer_loader(device_part, host_part, list(job.src), list(job.dst))
-               for device_part, host_part in zip(device.parts, host.parts)]
+               for device_part, host_part in zip(device.parts, host.parts, strict=True)]
     slot, op = job.signal
     signals = device.signals if slot else None
     stream = torch.cuda.current_stream(device.layers[0].device) if device.is_cuda else None

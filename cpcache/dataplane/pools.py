@@ -30,7 +30,7 @@ from cpcache import host_layout
 from cpcache.cuda_devices import on_local_devices
 from cpcache.dataplane.memfd import check_pool
 from cpcache.dataplane.regions import check as check_regions
-from cpcache.dataplane.regions import contiguous, pool_bytes, region_shape
+from cpcache.dataplane.regions import contiguous, planes, pool_bytes, region_shape
 from cpcache.errors import FailedPrecondition, InvalidArgument
 from cpcache.geometry import KVGeometry, Region
 from cpcache.load_signals import LoadSignals
@@ -50,6 +50,11 @@ class DevicePool:
     identity: tuple = ()  # which memory this is (device and inode of a memfd, regions), to tell a retry
     signals: LoadSignals | None = None  # where load-backs publish their layers (the overlapped load-back)
     beside: list[DevicePool] = field(default_factory=list)  # a pool per part beside the KV (`geometry.beside`)
+
+    def __post_init__(self) -> None:
+        if len(self.beside) != len(self.geometry.beside):  # a part never moved would be stored as zeros
+            raise InvalidArgument(f"device pool: {len(self.beside)} pools beside the KV for the geometry's "
+                                  f"{len(self.geometry.beside)} parts")
 
     @functools.cached_property
     def parts(self) -> list[DevicePool]:
@@ -85,8 +90,8 @@ class DevicePool:
 
     @property
     def tensor(self) -> torch.Tensor:
-        """The whole pool as one [layers, components, rows, heads, head_dim]
-        view, where its layers lie at one stride in one memory (a pool made
+        """The KV as one [layers, components, rows, heads, head_dim] view (a
+        part beside it: `parts[i].tensor`), where its layers lie at one stride in one memory (a pool made
         by `create_sealed`, SGLang's pool on a host without CUDA); for
         creators and tests: movers go layer by layer."""
         first = self.layers[0]
@@ -103,8 +108,8 @@ class DevicePool:
                                 first.storage_offset())
 
     def page_view(self, first: int, count: int = 1) -> torch.Tensor:
-        """Pages [first, first+count) of a pool at one stride (`tensor`) as a
-        [layers, components, pages, page_size, heads, head_dim] view."""
+        """Pages [first, first+count) of the KV of a pool at one stride
+        (`tensor`) as a [layers, components, pages, page_size, heads, head_dim] view."""
         s = self.geometry.page_size
         return self.tensor[:, :, first * s : (first + count) * s].unflatten(2, (count, s))
 
@@ -206,8 +211,8 @@ def _open_cuda_storages(handles: list[dict]) -> list[torch.UntypedStorage]:
 
 
 def _part_of(geometry: KVGeometry) -> list[KVGeometry]:
-    """The part each region is of, in region order (`regions.planes`)."""
-    return [part for part in geometry.parts for _ in range(geometry.layers)]
+    """The part each region is of, in region order."""
+    return [part for part, _ in planes(geometry)]
 
 
 def _assembled(geometry: KVGeometry, views: list[torch.Tensor], keepalive: object, identity: tuple = ()) -> DevicePool:
@@ -224,6 +229,7 @@ def _typed(flat: torch.Tensor, geometry: KVGeometry) -> torch.Tensor:
 
 
 def _view(memory: torch.Tensor, geometry: KVGeometry, pages: int, region: Region) -> torch.Tensor:
+    assert region.offset % geometry.element_bytes == 0, "regions are checked (or made) aligned"
     return memory.as_strided(region_shape(geometry, pages), region.strides,
                              region.offset // geometry.element_bytes)
 

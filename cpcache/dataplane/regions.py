@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 
 from cpcache.errors import FailedPrecondition, InvalidArgument
-from cpcache.geometry import KVGeometry, Region
+from cpcache.geometry import PART_ALIGN, KVGeometry, Region
 
 DIMS = 4  # component, row, head, head_dim
 
@@ -45,22 +45,32 @@ def plane_name(geometry: KVGeometry, index: int) -> str:
     return f"region {index} ({geometry.part_names[index // geometry.layers]} layer {layer})"
 
 
+def part_blocks(geometry: KVGeometry, pages: int) -> list[tuple[int, int]]:
+    """(offset, bytes) of each part's block in a contiguous pool of `pages`
+    pages: one after another, each from a multiple of PART_ALIGN."""
+    blocks, end = [], 0
+    for part in geometry.parts:
+        start = -(-end // PART_ALIGN) * PART_ALIGN
+        end = start + part.page_bytes * pages
+        blocks.append((start, end - start))
+    return blocks
+
+
 def pool_bytes(geometry: KVGeometry, pages: int) -> int:
-    """The bytes of a contiguous pool of `pages` pages, every part."""
-    return geometry.page_bytes * pages
+    """The bytes of a contiguous pool of `pages` pages, every part (a page of KV alone: page_bytes x pages)."""
+    start, size = part_blocks(geometry, pages)[-1]
+    return start + size
 
 
 def contiguous(geometry: KVGeometry, pages: int) -> list[Region]:
     """The regions of a contiguous pool at offset 0 (`DevicePool.create_sealed`'s):
-    one [layers, components, rows, heads, head_dim] block per part, the parts
-    one after another."""
-    regions, offset = [], 0
-    for part in geometry.parts:
+    one [layers, components, rows, heads, head_dim] block per part (`part_blocks`)."""
+    regions = []
+    for part, (offset, _) in zip(geometry.parts, part_blocks(geometry, pages)):
         c, rows, h, d = region_shape(part, pages)
         strides = (rows * h * d, h * d, d, 1)
         layer_bytes = c * rows * h * d * part.element_bytes
         regions += [Region(offset + layer * layer_bytes, strides) for layer in range(part.layers)]
-        offset += layer_bytes * part.layers
     return regions
 
 

@@ -64,6 +64,24 @@ result["dsa_geometry"] = repr(shared.geometry)
 result["dsa_regions"] = len(shared.regions)
 daemon = DevicePool.from_fd(os.dup(shared.fd), shared.geometry, shared.device_pages, shared.regions)
 
+class Counter:
+    """SGLang's layer-transfer counter as the overlapped load-back registers it: what was waited for."""
+
+    def __init__(self) -> None:
+        self.waited: list[int] = []
+
+    def wait_until(self, layer: int) -> None:
+        self.waited.append(layer)
+
+
+# The indexer reads a layer's index keys only once that layer of a load-back landed (the daemon
+# publishes a layer once every part of it did): SGLang's own reads wait on the pool's counter.
+counter = Counter()
+dsa.register_layer_transfer_counter(counter)
+dsa.get_index_k_with_scale_buffer(1)
+result["index_read_waits_for"] = counter.waited
+dsa.register_layer_transfer_counter(None)
+
 scribble(dsa)
 before = pages_of(dsa, PAGES)
 with tempfile.TemporaryDirectory() as root:

@@ -33,6 +33,7 @@ def test_a_dsa_pool_hands_over_its_indexer_beside_the_kv_and_its_pages_come_back
     # 64 tokens x (128 key bytes + 4 scale bytes) per layer and page
     assert "PagePart(name='indexer', rows_per_page=1, width=8448, dtype='uint8')" in out["dsa_geometry"], out
     assert out["dsa_regions"] == 4  # 2 layers of latent, then 2 of indexer
+    assert out["index_read_waits_for"] == [1]  # SGLang's indexer waits for the layer's load, as attention does
     assert out["read_back"] == 2
     assert out["equal_buffers"] == [True] * 4, out  # both layers' latent and both layers' indexer rows
     assert out["other_pages_zero"], out

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from cpcache.cuda_devices import device_uuid
+from cpcache.dataplane.regions import planes
 from cpcache.geometry import DTYPES, KVGeometry, PagePart, Region
 from cpcache.integrations.sglang.shared_memory import SharedMemory, memory_of
 
@@ -180,10 +181,9 @@ def _rows(buffers: list[tuple[torch.Tensor, ...]], geometry: KVGeometry) -> int:
 
 
 def _planes(geometry: KVGeometry, pages: int) -> list[tuple[str, KVGeometry, int]]:
-    """(name, part, rows) of each region, in region order."""
-    return [(f"layer {layer}" if part is geometry.parts[0] else f"{name} layer {layer}", part,
-             pages * part.page_size)
-            for name, part in zip(geometry.part_names, geometry.parts) for layer in range(geometry.layers)]
+    """(name, part, rows) of each region, in region order (`regions.planes`)."""
+    return [(f"{geometry.part_names[i // geometry.layers]} layer {layer}" if geometry.beside else f"layer {layer}",
+             part, pages * part.page_size) for i, (part, layer) in enumerate(planes(geometry))]
 
 
 def share_device_pool(kv_pool: Any, page_size: int) -> SharedPool:

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from cpcache.geometry import PART_ALIGN
+
 log = logging.getLogger(__name__)
 
 BACKEND = "cpcache"
@@ -100,9 +102,6 @@ def _allocate(kv_pool: Any, shape: tuple[int, ...]) -> torch.Tensor:
     return memory.bytes().view(dtype).view(shape)
 
 
-ALIGN = 64  # bytes: where each indexer buffer starts in the pool's memory
-
-
 def _with_index_keys(original: Any) -> Any:
     """Wrap DSA's `_create_index_key_cache`: where the pool's KV is in shared
     memory, the indexer's buffers join it in one new memfd (nothing is
@@ -123,10 +122,10 @@ def _rehome_with_index_keys(kv_pool: Any, cache: Any) -> None:
     assert old is not None
     kv_shape, kv_dtype = _mla_shape(kv_pool), kv_pool.store_dtype
     kv_bytes = torch.Size(kv_shape).numel() * kv_dtype.itemsize
-    offsets, end = [], -(-kv_bytes // ALIGN) * ALIGN
+    offsets, end = [], -(-kv_bytes // PART_ALIGN) * PART_ALIGN
     for buffer in cache.buffer:
         offsets.append(end)
-        end = -(-(end + buffer.numel() * buffer.element_size()) // ALIGN) * ALIGN
+        end = -(-(end + buffer.numel() * buffer.element_size()) // PART_ALIGN) * PART_ALIGN
     memory = SharedMemory.create(end)
     flat = memory.bytes()
     blocks = flat[:kv_bytes].view(kv_dtype).view(kv_shape)

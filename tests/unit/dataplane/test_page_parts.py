@@ -28,6 +28,9 @@ pytestmark = pytest.mark.timeout(60)
 PAGE = 4
 INDEXER = PagePart("indexer", rows_per_page=1, width=PAGE * 132, dtype="uint8")
 DSA = KVGeometry(layers=3, kv_kind="mla", heads=1, head_dim=20, dtype="bfloat16", page_size=PAGE, beside=(INDEXER,))
+# An MHA page with a float32 part of two rows a page (the next pool's state, say): K, V and the part, three runs.
+MHA_AND_STATE = KVGeometry(layers=2, kv_kind="mha", heads=2, head_dim=6, dtype="bfloat16", page_size=3,
+                           beside=(PagePart("state", rows_per_page=2, width=5, dtype="float32"),))
 PAGES = 12
 
 
@@ -45,14 +48,27 @@ def test_a_part_is_a_geometry_of_its_own_and_counts_in_the_page():
 @pytest.mark.parametrize("parts, words", [
     ([("indexer", 1, 8, "uint8"), ("indexer", 1, 8, "uint8")], "distinct"),
     ([("kv", 1, 8, "uint8")], "not 'kv'"),
-    ([("", 1, 8, "uint8")], "not empty"),
-    ([("x", 0, 8, "uint8")], "rows_per_page must be a positive integer"),
-    ([("x", 1, 8, "int4")], "dtype must be one of"),
+    ([("", 1, 8, "uint8")], "1 to 32 of a-z"),
+    ([("index\nforged log line", 1, 8, "uint8")], "1 to 32 of a-z"),
+    ([(f"p{i}", 1, 8, "uint8") for i in range(9)], "9 parts beside the KV; at most 8"),
+    ([("x", 0, 8, "uint8")], "part 'x': rows_per_page must be a positive integer"),
+    ([("x", 1, 8, "int4")], "part 'x': dtype must be one of"),
+    ([("x", 1, 1 << 40, "uint8")], "part 'x': a page of"),
 ])
 def test_bad_parts_are_refused_with_the_reason(parts, words):
     with pytest.raises(InvalidArgument, match=words):
         KVGeometry(layers=3, kv_kind="mla", heads=1, head_dim=20, dtype="bfloat16", page_size=PAGE,
                    beside=tuple(PagePart(*part) for part in parts))
+
+
+def test_a_contiguous_pool_starts_each_part_aligned_and_a_pool_missing_a_part_is_refused():
+    kv, state = regions.part_blocks(MHA_AND_STATE, PAGES)
+    assert kv == (0, MHA_AND_STATE.parts[0].page_bytes * PAGES)
+    assert state[0] % 64 == 0 and state[0] >= kv[1] and regions.pool_bytes(MHA_AND_STATE, PAGES) == sum(state)
+    device = DevicePool.create_sealed(MHA_AND_STATE, PAGES)
+    assert [p.geometry for p in device.parts] == list(MHA_AND_STATE.parts)
+    with pytest.raises(InvalidArgument, match="0 pools beside the KV for the geometry's 1 parts"):
+        DevicePool.of_tensor(MHA_AND_STATE, torch.zeros(MHA_AND_STATE.pool_shape(PAGES)))
 
 
 def test_regions_are_one_per_layer_and_part_and_may_not_overlap_across_parts():
@@ -66,13 +82,14 @@ def test_regions_are_one_per_layer_and_part_and_may_not_overlap_across_parts():
         regions.check(DSA, PAGES, overlapping, [regions.pool_bytes(DSA, PAGES)] * len(good))
 
 
+@pytest.mark.parametrize("geometry", [DSA, MHA_AND_STATE], ids=["dsa", "mha+state"])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_every_part_moves_between_every_tier_scattered_or_not(tmp_path, layout, copy_path):
-    device = DevicePool.create_sealed(DSA, PAGES)
+def test_every_part_moves_between_every_tier_scattered_or_not(tmp_path, layout, copy_path, geometry):
+    device = DevicePool.create_sealed(geometry, PAGES)
     fill_random(device, seed=11)
     original = [page_of(device, p) for p in range(PAGES)]
-    host = HostPool(DSA, pages=8, layout=layout)
-    storage = open_backend("file", root=str(tmp_path / "s"), geometry_fingerprint=DSA.fingerprint())
+    host = HostPool(geometry, pages=8, layout=layout)
+    storage = open_backend("file", root=str(tmp_path / "s"), geometry_fingerprint=geometry.fingerprint())
     transfers = Transfers(Tiers(host, device, storage), threads=2)
     try:
         device_pages, slots = [11, 0, 5, 6, 2, 9], [7, 1, 0, 3, 6, 2]
@@ -86,7 +103,7 @@ def test_every_part_moves_between_every_tier_scattered_or_not(tmp_path, layout, 
         targets = [1, 3, 4, 7, 8, 10]
         assert transfers.submit((HOST, DEVICE), back, targets).result().success
         for source, target in zip(device_pages, targets):
-            for name, now, before in zip(DSA.part_names, page_of(device, target), original[source]):
+            for name, now, before in zip(geometry.part_names, page_of(device, target), original[source]):
                 assert torch.equal(now, before), f"page {source} -> {target}: its {name} differs"
         assert all(part.count_nonzero() == 0 for p in set(range(PAGES)) - set(targets) for part in page_of(device, p))
     finally:
@@ -122,16 +139,34 @@ def test_a_layer_is_published_once_every_part_of_it_landed(copy_path):
     device.signals = LoadSignals.mapped(fd, os.fstat(fd).st_size, 2)
     host = HostPool(DSA, pages=8, layout="page_first")
     transfers = Transfers(Tiers(host, device), threads=2)
+    targets = {1: 6, 2: 7}
+
+    def layer_landed(layer: int) -> list[bool]:
+        """Per part, whether layer `layer` of every target page holds its source's bytes now."""
+        return [all(torch.equal(part.layer_pages(layer, t).view(torch.uint8), originals[s][i][layer])
+                    for s, t in targets.items()) for i, part in enumerate(device.parts)]
+
+    seen: list[tuple[int, list[bool]]] = []
+    publish = device.signals.publish
+
+    def watched(slot: int, op: int, layers: int) -> None:  # what the board says the forward may read
+        seen.append((layers, layer_landed(layers - 1)))
+        publish(slot, op, layers)
+
+    device.signals.publish = watched  # type: ignore[method-assign]
     try:
-        assert transfers.submit((DEVICE, HOST), [1, 2], [4, 5]).result().success
-        originals = {p: page_of(device, p) for p in (1, 2)}
+        assert transfers.submit((DEVICE, HOST), list(targets), [4, 5]).result().success
+        originals = {s: [[part.layer_pages(layer, s).view(torch.uint8).clone() for layer in range(DSA.layers)]
+                         for part in device.parts] for s in targets}
+        for part in device.parts:
+            part.tensor[:, :, 6 * part.geometry.page_size :].zero_()  # the targets (and after) start empty
         slot = board.claim(op=9)
-        assert transfers.submit((HOST, DEVICE), [4, 5], [6, 7], signal=(slot, 9)).result().success
+        assert transfers.submit((HOST, DEVICE), [4, 5], list(targets.values()), signal=(slot, 9)).result().success
         assert board.progress(slot, 9) == DSA.layers
-        for p, t in ((1, 6), (2, 7)):
-            assert all(torch.equal(a, b) for a, b in zip(page_of(device, t), originals[p]))
     finally:
         transfers.close()
+    # Every publication of layer l came after both parts of layer l had landed.
+    assert seen == [(layer + 1, [True, True]) for layer in range(DSA.layers)]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -158,8 +158,12 @@ def test_a_dsa_pool_shares_its_indexer_as_a_part_of_every_page_where_it_lies():
     assert bool((daemon.layers[0][0, 9] == 3.0).all())
 
 
-def test_a_dsa_pool_whose_layers_share_top_k_is_refused_with_the_reason():
+def test_dsa_pools_cpcache_cannot_store_whole_are_refused_with_the_reason():
     kv_pool = sglang_like_dsa()
     kv_pool.skip_topk_layers = [False, True, False]
     with pytest.raises(ValueError, match="shares top-k between layers"):
+        share_device_pool(kv_pool, PAGE)
+    kv_pool = sglang_like_dsa()
+    kv_pool.index_page_size = PAGE // 2  # index keys pooled, or split over DCP ranks
+    with pytest.raises(ValueError, match="DSA index pages of 2 tokens under KV pages of 4"):
         share_device_pool(kv_pool, PAGE)

@@ -66,9 +66,10 @@ def test_the_stepper_applies_rounds_through_the_same_apply_round(rounds):
 
 
 def round_steps_called(tree: ast.AST) -> list[str]:
-    """Where `tree` calls a step of the round itself."""
+    """Where `tree` calls a step of the round itself (`os.open` is a file's, not the round's)."""
     return [f"line {node.lineno}: calls .{node.func.attr}(), a step of the round" for node in ast.walk(tree)
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ROUND_STEPS]
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ROUND_STEPS
+            and not (isinstance(node.func.value, ast.Name) and node.func.value.id == "os")]
 
 
 def test_the_harness_keeps_no_copy_of_the_round_and_touches_no_private_field():
