@@ -130,6 +130,12 @@ class KVGeometry:
                 raise InvalidArgument(f"geometry: part {part.name!r}: {str(exc).removeprefix('geometry: ')}") from None
         return (kv, *parts)
 
+    @functools.cached_property
+    def planes(self) -> tuple[tuple[KVGeometry, int], ...]:
+        """(part, layer) of each region of a device pool, in region order:
+        every layer of the KV, then every layer of each part beside it."""
+        return tuple((part, layer) for part in self.parts for layer in range(self.layers))
+
     @property
     def part_names(self) -> tuple[str, ...]:
         return ("kv", *(part.name for part in self.beside))

@@ -30,7 +30,7 @@ from cpcache import host_layout
 from cpcache.cuda_devices import on_local_devices
 from cpcache.dataplane.memfd import check_pool
 from cpcache.dataplane.regions import check as check_regions
-from cpcache.dataplane.regions import contiguous, planes, pool_bytes, region_shape
+from cpcache.dataplane.regions import contiguous, pool_bytes, region_shape
 from cpcache.errors import FailedPrecondition, InvalidArgument
 from cpcache.geometry import KVGeometry, Region
 from cpcache.load_signals import LoadSignals
@@ -212,7 +212,7 @@ def _open_cuda_storages(handles: list[dict]) -> list[torch.UntypedStorage]:
 
 def _part_of(geometry: KVGeometry) -> list[KVGeometry]:
     """The part each region is of, in region order."""
-    return [part for part, _ in planes(geometry)]
+    return [part for part, _ in geometry.planes]
 
 
 def _assembled(geometry: KVGeometry, views: list[torch.Tensor], keepalive: object, identity: tuple = ()) -> DevicePool:

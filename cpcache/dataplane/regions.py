@@ -9,7 +9,7 @@ memory handed over (a memfd, or a CUDA storage), with any strides.
 
 A pool with parts beside its KV (`KVGeometry.beside`) has one region per
 layer for each part, after the KV's, in the order the geometry declares
-them: region i is layer i % layers of part i // layers (`planes`).
+them: region i is layer i % layers of part i // layers (`KVGeometry.planes`).
 
 The checks are the daemon's protection against a caller's word: exactly one
 region per layer and part, each inside its memory, aligned, no two elements
@@ -29,12 +29,6 @@ DIMS = 4  # component, row, head, head_dim
 
 def region_shape(geometry: KVGeometry, pages: int) -> tuple[int, int, int, int]:
     return (geometry.components, pages * geometry.page_size, geometry.heads, geometry.head_dim)
-
-
-def planes(geometry: KVGeometry) -> list[tuple[KVGeometry, int]]:
-    """(part, layer) of each region, in region order: every layer of the KV,
-    then every layer of each part beside it."""
-    return [(part, layer) for part in geometry.parts for layer in range(geometry.layers)]
 
 
 def plane_name(geometry: KVGeometry, index: int) -> str:
@@ -120,7 +114,7 @@ def check(geometry: KVGeometry, pages: int, regions: Sequence[Region],
     by default one memory at 0 holds every region."""
     if pages < 1:
         raise InvalidArgument(f"attach: a pool needs at least 1 page, not {pages}")
-    each = planes(geometry)
+    each = geometry.planes
     if len(regions) != len(each):
         parts = f" for each of its {len(geometry.parts)} parts ({', '.join(geometry.part_names)})" \
             if geometry.beside else ""

@@ -47,7 +47,7 @@ class OrphanLoads:
 
     def __init__(self, fd: int, daemon_pid: int, geometry: KVGeometry, host_pages: int, layout: str,
                  device_buffers: Sequence[tuple[torch.Tensor, ...]]) -> None:
-        """Takes `fd`. `device_buffers`: per layer and part (`regions.planes`),
+        """Takes `fd`. `device_buffers`: per region (`KVGeometry.planes`),
         the forward's buffers in component order, [rows, heads, head_dim] each."""
         self.geometry = geometry
         self._pages = host_pages

@@ -27,7 +27,6 @@ from typing import Any
 import torch
 
 from cpcache.cuda_devices import device_uuid
-from cpcache.dataplane.regions import planes
 from cpcache.geometry import DTYPES, KVGeometry, PagePart, Region
 from cpcache.integrations.sglang.shared_memory import SharedMemory, memory_of
 
@@ -43,7 +42,7 @@ class SharedPool:
     geometry: KVGeometry
     device_pages: int
     regions: list[Region]
-    # Per region (`regions.planes`): (K, V) or (KV,) of each layer, then (part,)
+    # Per region (`KVGeometry.planes`): (K, V) or (KV,) of each layer, then (part,)
     # of each layer for each part beside the KV: the tensors the regions describe.
     buffers: list[tuple[torch.Tensor, ...]]
     fd: int = -1  # hosts without CUDA: the memfd of SGLang's pool (it owns it), to hand over
@@ -136,7 +135,7 @@ def geometry_of(kv_pool: Any, page_size: int) -> KVGeometry:
 
 
 def layer_buffers(kv_pool: Any, geometry: KVGeometry) -> list[tuple[torch.Tensor, ...]]:
-    """Per region (`regions.planes`), the pool's buffers in component order:
+    """Per region (`KVGeometry.planes`), the pool's buffers in component order:
     (K, V) or (KV,) of each layer, then (indexer,) of each layer as
     [index pages, 1, bytes]."""
     layers = range(geometry.layers)
@@ -181,9 +180,9 @@ def _rows(buffers: list[tuple[torch.Tensor, ...]], geometry: KVGeometry) -> int:
 
 
 def _planes(geometry: KVGeometry, pages: int) -> list[tuple[str, KVGeometry, int]]:
-    """(name, part, rows) of each region, in region order (`regions.planes`)."""
+    """(name, part, rows) of each region, in region order (`KVGeometry.planes`)."""
     return [(f"{geometry.part_names[i // geometry.layers]} layer {layer}" if geometry.beside else f"layer {layer}",
-             part, pages * part.page_size) for i, (part, layer) in enumerate(planes(geometry))]
+             part, pages * part.page_size) for i, (part, layer) in enumerate(geometry.planes)]
 
 
 def share_device_pool(kv_pool: Any, page_size: int) -> SharedPool:
