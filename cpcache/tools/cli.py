@@ -204,8 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         query.add_argument("--timeout", type=float, default=5.0)
 
     bench = sub.add_parser("bench", help="run a benchmark and print its figures")
-    bench.add_argument("name", choices=["agreement", "load-back", "movers", "ranks", "sglang", "sglang-chaos",
-                                        "sglang-pd", "sglang-soak", "soak", "state"])
+    bench.add_argument("name", choices=["agreement", "load-back", "movers", "ranks", "serving", "sglang",
+                                        "sglang-chaos", "sglang-pd", "sglang-soak", "soak", "state"])
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.add_argument("--steps", type=int, default=40,
                        help="agreement, ranks, state: measured steps per case and block")
@@ -239,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
                             "(injected); load-back's stand-in forward computes as long per layer")
     bench.add_argument("--sglang", action="store_true",
                        help="load-back: through two SGLang servers (TTFT of host hits) instead of a stand-in forward")
+    bench.add_argument("--configs", help="serving: which servers, comma-separated (default: all, in their order)")
+    bench.add_argument("--trace-requests", type=int, help="serving: requests of the scaled trace (default 150)")
     bench.add_argument("--work-dir", help="sglang, sglang-pd, sglang-soak, sglang-chaos, load-back: where the model, "
                        "logs and daemons go (kept; default: a temp dir, removed after a run that succeeded)")
     from cpcache.testing.sglang_soak import add_flags as add_soak_flags
@@ -311,6 +313,10 @@ def main(argv: list[str] | None = None) -> int:
             from cpcache.testing import load_back
 
             return load_back.main(args)
+        if args.command == "bench" and args.name == "serving":
+            from cpcache.tools.bench import serving
+
+            return serving.main(args)
         if args.command == "bench" and args.name == "movers":
             from cpcache.tools.bench import movers
 

@@ -325,12 +325,14 @@ class Server:
     page_size: int = 16
     device_tokens: int = 1024
     env: dict = field(default_factory=dict)
+    tokenizer: bool = False  # serve text with the tokenizer saved beside the model (SGLang's bench client sends text)
     port: int = 0
     process: Watched | None = None
 
     def argv(self) -> list[str]:
+        cpu_flags = [f for f in CPU_FLAGS if not (self.tokenizer and f == "--skip-tokenizer-init")]
         return [sglang_interpreter(), "-m", "sglang.launch_server", "--model-path", str(self.model),
-                *CPU_FLAGS, "--tp", str(self.tp), "--page-size", str(self.page_size),
+                *cpu_flags, "--tp", str(self.tp), "--page-size", str(self.page_size),
                 "--max-total-tokens", str(self.device_tokens), "--host", "127.0.0.1", "--port", str(self.port),
                 *(["--attn-cp-size", str(self.cp)] if self.cp > 1 else []),
                 *(["--enable-dp-attention", "--dp", str(self.dp)] if self.dp > 1 else []), *self.flags]
@@ -402,7 +404,10 @@ class Server:
         meta = out["meta_info"]
         details = meta.get("cached_tokens_details") or {}
         finish = meta.get("finish_reason") or {}
-        return Reply(tuple(out.get("output_ids") or ()), tuple(x[0] for x in meta.get("output_token_logprobs") or ()),
+        logprobs = meta.get("output_token_logprobs") or ()
+        # A server with a tokenizer answers text: its token ids are in the logprobs.
+        ids = out.get("output_ids") or [x[1] for x in logprobs]
+        return Reply(tuple(ids), tuple(x[0] for x in logprobs),
                      meta.get("cached_tokens", 0), details.get("device", 0), details.get("host", 0),
                      details.get("storage", 0), finish.get("type", ""), float(meta.get("e2e_latency") or 0.0))
 

@@ -1,0 +1,255 @@
+"""`cpcache bench serving`: SGLang's own benchmark client against CP servers.
+
+`python -m sglang.bench_serving --backend sglang --dataset-name mooncake`
+replays a Mooncake-format trace (a scaled-down slice of
+../shared/traces/conversation_trace.jsonl: the first REQUESTS requests,
+their prefix chains cut to BLOCKS blocks, OUTPUT tokens out, arrivals at
+their timestamps slowed by SLOWDOWN) against real `sglang.launch_server`
+servers at `--tp 2 --attn-cp-size 2`, offline on this host, one server at
+a time, in the order of CONFIGS (cpcache and SGLang's HiCache alternate):
+
+- `radix`: SGLang's plain radix cache;
+- `hicache-host` / `cpcache-host`: a host tier of HOST_PAGES pages;
+- `hicache-file` / `cpcache-file`: the same, with file storage beneath;
+- `hicache-file-bounded` / `cpcache-file-bounded`: file storage bounded to
+  BOUND_PAGES pages' bytes in all (a disk quota: SGLang's `max_size` per
+  rank, each CP rank keeping its own copy of every page; cpcache's
+  `storage_capacity_bytes` for the root its ranks share, one object per page).
+
+The model is a random Qwen3 (`sglang_pd.MODEL`) large enough that a
+prefill's compute is most of a miss's TTFT on this CPU, with a word-level
+tokenizer saved beside it (the dataset's prompts are text). Reported per
+server from bench_serving's own output file: completed and failed requests,
+TTFT (mean, median, p99), ITL, TPOT, request and token throughputs, its
+cache report (hit rate, device / host / storage tokens); beside them the
+CPU seconds the server's processes (and cpcache's daemons) spent, the bytes
+each store holds at the end, and a fixed check set of prompts answered
+equal to a tp 1 server without cache (tokens, and logprobs within 1e-4).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from cpcache.tools.bench.sglang import cpu_seconds, proc_stats
+
+CONFIGS = ("radix", "cpcache-host", "hicache-host", "cpcache-file", "hicache-file", "cpcache-file-bounded",
+           "hicache-file-bounded")
+TP, CP = 2, 2
+PAGE = 16
+DEVICE_TOKENS = 2048
+HOST_PAGES = 2 * DEVICE_TOKENS // PAGE  # HiCache's --hicache-ratio 2; cpcache's host pool as many
+REQUESTS, BLOCKS, OUTPUT, SLOWDOWN = 150, 6, 4, 0.5
+BOUND_PAGES = 1024  # the bounded stores hold this many pages' bytes in all
+TRACE = Path(__file__).resolve().parents[3].parent / "shared" / "traces" / "conversation_trace.jsonl"
+WORDS = ["[UNK]", "[EOS]", *"0123456789", "hi", "story", "Round", "Tell", "me", "a", "based", "on", "this",
+         "context", ".", ":", "user", "assistant", "system"]
+CHECKS = 6  # the fixed check set: prompts answered by every server and the reference
+
+
+def scaled_trace(source: Path, out: Path, requests: int = REQUESTS, blocks: int = BLOCKS,
+                 output: int = OUTPUT) -> Path:
+    """The first `requests` requests of `source`, each prefix chain cut to
+    `blocks` blocks and `output` tokens out (timestamps as they are)."""
+    rows: list[dict] = []
+    with source.open() as fh:
+        for line in fh:
+            if len(rows) == requests:
+                break
+            row = json.loads(line)
+            row["hash_ids"] = row["hash_ids"][:blocks]
+            row["output_length"] = output
+            rows.append(row)
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return out
+
+
+def add_tokenizer(model: Path) -> Path:
+    """A word-level tokenizer over the dataset's words, digits one by one, saved beside `model`."""
+    from cpcache.testing.sglang_cpu.servers import sglang_interpreter
+
+    script = (
+        "import json, sys\n"
+        "from tokenizers import Tokenizer, models, pre_tokenizers\n"
+        "from transformers import PreTrainedTokenizerFast\n"
+        "words = json.loads(sys.argv[2])\n"
+        "tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token='[UNK]'))\n"
+        "tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(),\n"
+        "    pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.Punctuation()])\n"
+        "fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token='[UNK]', eos_token='[EOS]')\n"
+        "fast.save_pretrained(sys.argv[1])\n")
+    subprocess.run([sglang_interpreter(), "-c", script, str(model), json.dumps(WORDS)], check=True,
+                   capture_output=True, timeout=300)
+    return model
+
+
+def page_bytes() -> int:
+    """One page's KV bytes on one CP rank (float32, every layer, K and V)."""
+    from cpcache.tools.bench.sglang_pd import MODEL
+
+    return int(2 * MODEL["num_hidden_layers"] * MODEL["num_key_value_heads"] * MODEL["head_dim"] * 4 * PAGE)
+
+
+class Config:
+    """One server of the comparison (and its daemons, for cpcache)."""
+
+    def __init__(self, name: str, work: Path, model: Path) -> None:
+        from cpcache.testing.sglang_cpu.servers import (
+            CPCACHE_FLAGS,
+            CPCACHE_HOST_FLAGS,
+            HICACHE_ENV,
+            HICACHE_FLAGS,
+            Daemons,
+            Server,
+            hicache_file_storage_flags,
+        )
+
+        self.name = name
+        self.store = work / f"{name}-pages" if "file" in name else None
+        self.daemons = None
+        bound = BOUND_PAGES * page_bytes() if name.endswith("bounded") else 0
+        env: dict[str, str] = {}
+        if name == "radix":
+            flags: list[str] = []
+        elif name.startswith("hicache"):
+            flags, env = list(HICACHE_FLAGS), dict(HICACHE_ENV)
+            if self.store is not None:
+                flags += hicache_file_storage_flags(self.store)
+                if bound:  # per rank: each CP rank keeps its own copy of every page, under its own cap
+                    extra = json.loads(flags[-1])
+                    flags[-1] = json.dumps({**extra, "max_size": str(bound // CP)})
+        else:
+            settings: dict = dict(host_pool_pages=HOST_PAGES, prefetch_threshold_tokens=0,
+                                  prefetch_policy="wait_complete")
+            if self.store is not None:
+                settings |= dict(storage="file", storage_root=str(self.store), storage_capacity_bytes=bound)
+            self.daemons = Daemons(work / f"{name}-run", tp=TP, cp=CP, settings=settings)
+            backend = work / f"{name}.json"
+            backend.write_text(json.dumps({"socket": str(work / f"{name}-run" / "rank-{rank}.sock"),
+                                           "model_id": "bench"}))
+            flags = list(CPCACHE_FLAGS if self.store is not None else CPCACHE_HOST_FLAGS)
+            env = {"CPCACHE_SGLANG_CONFIG": str(backend)}
+        self.server = Server(name, model, work, flags, tp=TP, cp=CP, page_size=PAGE, device_tokens=DEVICE_TOKENS,
+                             env=env, tokenizer=True)
+
+    def start(self) -> float:
+        began = time.monotonic()
+        if self.daemons is not None:
+            self.daemons.start()
+        self.server.start().wait_ready()
+        return time.monotonic() - began
+
+    def stop(self) -> None:
+        self.server.stop()
+        if self.daemons is not None:
+            self.daemons.stop()
+
+    def cpu_seconds(self) -> float:
+        watched = [self.server.process, self.daemons.process if self.daemons is not None else None]
+        groups = {os.getpgid(p.proc.pid) for p in watched if p is not None}
+        return cpu_seconds(proc_stats(), groups, set())
+
+    def stored_bytes(self) -> int:
+        if self.store is None or not self.store.exists():
+            return 0
+        return sum(p.stat().st_size for p in self.store.rglob("*") if p.is_file())
+
+
+def bench_client(port: int, model: Path, trace: Path, out: Path, requests: int) -> dict:
+    """SGLang's bench_serving over the trace: -> its result (the output file's last line)."""
+    from cpcache.testing.sglang_cpu.servers import CPU_HOST, sglang_interpreter
+
+    env = {**os.environ, "PYTHONPATH": str(CPU_HOST)}
+    done = subprocess.run([sglang_interpreter(), "-m", "sglang.bench_serving", "--backend", "sglang",
+                           "--host", "127.0.0.1", "--port", str(port), "--model", str(model),
+                           "--tokenizer", str(model), "--dataset-name", "mooncake", "--dataset-path", str(trace),
+                           "--num-prompts", str(requests), "--mooncake-slowdown-factor", str(SLOWDOWN),
+                           "--mooncake-num-rounds", "1", "--cache-report", "--disable-tqdm",
+                           "--output-file", str(out)], capture_output=True, text=True, env=env, timeout=3600,
+                          check=False)
+    if done.returncode != 0 or not out.exists():
+        raise RuntimeError(f"bench serving: sglang.bench_serving failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+    return json.loads(out.read_text().strip().splitlines()[-1])
+
+
+FIGURES = ("completed", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_itl_ms", "median_itl_ms",
+           "mean_tpot_ms", "request_throughput", "input_throughput", "output_throughput")
+
+
+def check_prompts(trace: Path) -> list[list[int]]:
+    """The fixed check set: token ids of a few of the trace's prompts (ids below the tokenizer's words)."""
+    rows = [json.loads(line) for line in trace.read_text().splitlines()[:CHECKS]]
+    return [[2 + (h * 7 + i) % 10 for i in range(len(r["hash_ids"]) * 40)] for h, r in enumerate(rows)]
+
+
+def run(work: Path, configs: tuple[str, ...] = CONFIGS, requests: int = REQUESTS) -> dict:
+    from cpcache.testing.sglang_cpu.servers import PLAIN_FLAGS, Server, same_outputs
+    from cpcache.tools.bench.sglang_pd import MODEL, make_model
+
+    model = add_tokenizer(make_model(work / "model"))
+    trace = scaled_trace(TRACE, work / "trace.jsonl", requests=requests)
+    checks = check_prompts(trace)
+    reference = Server("reference", model, work, PLAIN_FLAGS, tp=1, page_size=PAGE, device_tokens=DEVICE_TOKENS,
+                       tokenizer=True).start().wait_ready()
+    try:
+        expected = [reference.generate(ids) for ids in checks]
+    finally:
+        reference.stop()
+    report: dict = {"servers": {}, "workload": {
+        "trace": f"{TRACE.name}: first {requests} requests, prefix chains cut to {BLOCKS} blocks, {OUTPUT} "
+                 f"tokens out, arrivals x{SLOWDOWN}", "topology": f"--tp {TP} --attn-cp-size {CP}",
+        "model": f"random Qwen3 {MODEL}, float32, SGLang's CPU path", "page_size": PAGE,
+        "device_pages": DEVICE_TOKENS // PAGE, "host_pages": HOST_PAGES,
+        "bounded_store_bytes": BOUND_PAGES * page_bytes()}}
+    for name in configs:
+        config = Config(name, work, model)
+        try:
+            healthy_s = config.start()
+            cpu_before = config.cpu_seconds()
+            result = bench_client(config.server.port, model, trace, work / f"{name}-bench.jsonl", requests)
+            cpu = config.cpu_seconds() - cpu_before
+            answers = [config.server.generate(ids) for ids in checks]
+            wrong = [i for i, (a, b) in enumerate(zip(answers, expected)) if not same_outputs(a, b)]
+            row = {f: result.get(f) for f in FIGURES}
+            row |= {"failed": requests - (result.get("completed") or 0), "cache": result.get("cache_report"),
+                    "cpu_s": round(cpu, 1), "stored_bytes": config.stored_bytes(), "healthy_s": round(healthy_s, 1),
+                    "checks_equal": f"{len(checks) - len(wrong)}/{len(checks)}"}
+            report["servers"][name] = row
+            print(f"{name}: {json.dumps(row)}", file=sys.stderr, flush=True)
+        finally:
+            config.stop()
+    return report
+
+
+def table(report: dict) -> list[str]:
+    lines = ["| server | done | TTFT mean | median | p99 | ITL mean | in tok/s | hit % | device | host | storage "
+             "| stored MB | CPU s | checks |", "|---|" + "---:|" * 13]
+    for name, r in report["servers"].items():
+        c = r.get("cache") or {}
+        lines.append(f"| {name} | {r['completed']} | {r['mean_ttft_ms']:.0f} | {r['median_ttft_ms']:.0f} | "
+                     f"{r['p99_ttft_ms']:.0f} | {r['mean_itl_ms']:.1f} | {r['input_throughput']:.0f} | "
+                     f"{c.get('cache_hit_rate_pct', 0):.2f} | {c.get('device_cached_tokens') or 0} | "
+                     f"{c.get('host_cached_tokens') or 0} | {c.get('storage_cached_tokens') or 0} | "
+                     f"{r['stored_bytes'] / 1e6:.1f} | {r['cpu_s']} | {r['checks_equal']} |")
+    return lines
+
+
+def main(args: argparse.Namespace) -> int:
+    keep = getattr(args, "work_dir", None)
+    configs = tuple(c for c in (getattr(args, "configs", None) or ",".join(CONFIGS)).split(","))
+    requests = getattr(args, "trace_requests", None) or REQUESTS
+    if keep:
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        report = run(Path(keep), configs, requests)
+    else:
+        with tempfile.TemporaryDirectory(prefix="cpc-serving-") as tmp:
+            report = run(Path(tmp), configs, requests)
+    print(json.dumps(report) if args.json else "\n".join(table(report)))
+    return 0
