@@ -49,8 +49,10 @@ HOST_PAGES = 2 * DEVICE_TOKENS // PAGE  # HiCache's --hicache-ratio 2; cpcache's
 REQUESTS, BLOCKS, OUTPUT, SLOWDOWN = 150, 6, 4, 0.5
 BOUND_PAGES = 1024  # the bounded stores hold this many pages' bytes in all
 TRACE = Path(__file__).resolve().parents[3].parent / "shared" / "traces" / "conversation_trace.jsonl"
-WORDS = ["[UNK]", "[EOS]", *"0123456789", "hi", "story", "Round", "Tell", "me", "a", "based", "on", "this",
-         "context", ".", ":", "user", "assistant", "system"]
+_DATASET_WORDS = ["[UNK]", "[EOS]", *"0123456789", "hi", "story", "Round", "Tell", "me", "a", "based", "on", "this",
+                  "context", ".", ":", "user", "assistant", "system"]
+# Every id the model can answer is a word (the client times a token from its text).
+WORDS = [*_DATASET_WORDS, *(f"w{i}" for i in range(len(_DATASET_WORDS), 512))]
 CHECKS = 6  # the fixed check set: prompts answered by every server and the reference
 
 
