@@ -22,7 +22,7 @@ from cpcache.dataplane.storage.framing import HEADER, Verdict, check_page, pack_
 from cpcache.errors import InvalidArgument, Unavailable
 from cpcache.values import split_host_port
 
-HEADERS_PER_LEASE = 64  # headers one call frames at once; larger batches go in parts
+HEADERS_PER_LEASE = 1024  # headers one call frames at once (each call has its cost); larger batches go in parts
 LEASES = 16  # calls that may frame at once
 
 

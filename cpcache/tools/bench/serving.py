@@ -46,8 +46,8 @@ TP, CP = 2, 2
 PAGE = 16
 DEVICE_TOKENS = 2048
 HOST_PAGES = 2 * DEVICE_TOKENS // PAGE  # HiCache's --hicache-ratio 2; cpcache's host pool as many
-REQUESTS, BLOCKS, OUTPUT, SLOWDOWN = 150, 6, 4, 2.0
-BOUND_PAGES = 1024  # the bounded stores hold this many pages' bytes in all
+REQUESTS, BLOCKS, OUTPUT, SLOWDOWN = 400, 6, 4, 1.5
+BOUND_PAGES = 6144  # the bounded stores hold this many pages' bytes in all
 TRACE = Path(__file__).resolve().parents[3].parent / "shared" / "traces" / "conversation_trace.jsonl"
 _DATASET_WORDS = ["[UNK]", "[EOS]", *"0123456789", "hi", "story", "Round", "Tell", "me", "a", "based", "on", "this",
                   "context", ".", ":", "user", "assistant", "system"]
