@@ -61,7 +61,7 @@ def scaled_trace(source: Path, out: Path, requests: int = REQUESTS, blocks: int 
     """The first `requests` requests of `source`, each prefix chain cut to
     `blocks` blocks and `output` tokens out (timestamps as they are)."""
     rows: list[dict] = []
-    with source.open() as fh:
+    with open(source) as fh:
         for line in fh:
             if len(rows) == requests:
                 break

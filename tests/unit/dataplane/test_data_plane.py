@@ -142,6 +142,7 @@ def test_capacity_evicts_least_recently_used(tmp_path):
     backend.put_from(keys[:3], tiers.host_buffers([0, 1, 2]))
     backend.get_into(["p0"], tiers.host_buffers([0]))  # p0 is now the most recent
     backend.put_from(["p3"], tiers.host_buffers([3]))
+    backend.settled()  # eviction runs on its own thread, after the put
     assert [backend.exists_prefix([k]) for k in keys] == [1, 0, 1, 1]
     assert backend.used_bytes == 3 * page_file
 
