@@ -31,14 +31,18 @@ may exceed the capacity by up to 1/`RESCAN_FRACTION` of it per writer.
 Eviction (and its rescans, a `stat` of every page in the root) runs on its
 own thread, after the put that asked for it returned: on the put's path it
 made a bounded store's puts 2.5 times as slow, and the reads queued behind
-them (`cpcache bench serving`). A rescan keeps, as the most recent, what
-this daemon touched while it listed the root. `settled` waits for it.
+them (`cpcache bench serving`). A put that finds the root over the capacity
+by more than 1/`RESCAN_FRACTION` waits for it, so the bound above holds. A
+rescan keeps what this daemon wrote, read or deleted while it listed the
+root. An eviction that fails is logged and counted (`storage_eviction_errors`),
+and the next put tries again. `settled` waits for it.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 import os
 import re
 import socket
@@ -46,7 +50,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 
 import xxhash
 
@@ -61,6 +65,8 @@ KEY_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,254}")
 TMP_PATTERN = re.compile(r"\.(?P<key>.+)\.(?P<host>[0-9a-f]{8})-(?P<pid>\d+)-[0-9a-f]{8}\.tmp")
 STALE_TMP_S = 600.0  # a temp file this old is a dead writer's, whichever host wrote it
 RESCAN_FRACTION = 32
+
+log = logging.getLogger(__name__)
 
 
 def check_key(key: str) -> str:
@@ -114,7 +120,6 @@ class FileBackend(StorageBackend):
         self._tag = f"{host_tag()}-{os.getpid()}"
         self._now_ns = _Clock()
         self._lock = threading.Lock()  # the index and the counters
-        self._scan_lock = threading.Lock()
         # key -> (file bytes, mtime ns), least recently used first: the last
         # scan of the root, plus this process's touches since.
         self._index: collections.OrderedDict[str, tuple[int, int]] = collections.OrderedDict()
@@ -127,7 +132,9 @@ class FileBackend(StorageBackend):
         self._threads = io_threads
         self._workers = ThreadPoolExecutor(io_threads, thread_name_prefix="cpcache-file")
         self._evictor = ThreadPoolExecutor(1, thread_name_prefix="cpcache-evict")
+        self._eviction: Future[None] | None = None  # the eviction queued or running, if any
         self._eviction_queued = False
+        self._during_scan: dict[str, tuple[int, int] | None] | None = None  # touched while listing
         self._scan(sweep=True)
 
     def path(self, key: str) -> str:
@@ -140,10 +147,36 @@ class FileBackend(StorageBackend):
         """Rebuild the index from every page file under the root (any
         daemon's), oldest first; with `sweep`, delete dead writers' temp
         files and count them."""
+        now = time.time()
+        with self._lock:
+            self._during_scan = {}  # what this daemon writes, reads and deletes while the root is listed
+        try:
+            found, swept_files, swept_bytes = self._listing(sweep, now)
+        except BaseException:
+            with self._lock:
+                self._during_scan = None
+            raise
+        found.sort()
+        with self._lock:
+            index = collections.OrderedDict((key, (size, mtime)) for mtime, key, size in found)
+            # Puts and reads went on beside the listing: what they did stands, as the most recent.
+            for key, entry in self._during_scan.items():
+                index.pop(key, None)
+                if entry is not None:
+                    index[key] = entry
+            self._during_scan = None
+            self._index = index
+            self._bytes = sum(size for size, _ in index.values())
+            self._written_since_scan = 0
+            self._counters["storage_tmp_swept_files"] += swept_files
+            self._counters["storage_tmp_swept_bytes"] += swept_bytes
+            self._counters["storage_root_scans"] += 1
+
+    def _listing(self, sweep: bool, now: float) -> tuple[list[tuple[int, str, int]], int, int]:
+        """(mtime, key, size) of every page file under the root; with `sweep`,
+        dead writers' temp files deleted, and their count and bytes."""
         found: list[tuple[int, str, int]] = []
         swept_files = swept_bytes = 0
-        now = time.time()
-        began_ns = self._now_ns()  # what this daemon touches from now on is newer than the listing
         for entry in os.scandir(self.root):
             if not entry.is_dir(follow_symlinks=False):
                 continue
@@ -156,27 +189,14 @@ class FileBackend(StorageBackend):
                     except FileNotFoundError:
                         continue  # deleted meanwhile by another daemon
                     if not page.name.startswith("."):
-                        found.append((st.st_mtime_ns, page.name, st.st_size))
+                        if KEY_PATTERN.fullmatch(page.name):  # not a page's name: not ours to evict
+                            found.append((st.st_mtime_ns, page.name, st.st_size))
                     elif sweep and self._stale_tmp(page.name, now - st.st_mtime):
                         with contextlib.suppress(FileNotFoundError):
                             os.unlink(page.path)
                             swept_files += 1
                             swept_bytes += st.st_size
-        found.sort()
-        with self._lock:
-            index = collections.OrderedDict((key, (size, mtime)) for mtime, key, size in found)
-            # Puts and reads go on beside a rescan: what they touched while the
-            # root was listed stays, as the most recent.
-            for key, (size, mtime) in list(self._index.items()):
-                if mtime >= began_ns:
-                    index.pop(key, None)
-                    index[key] = (size, mtime)
-            self._index = index
-            self._bytes = sum(size for size, _ in index.values())
-            self._written_since_scan = 0
-            self._counters["storage_tmp_swept_files"] += swept_files
-            self._counters["storage_tmp_swept_bytes"] += swept_bytes
-            self._counters["storage_root_scans"] += 1
+        return found, swept_files, swept_bytes
 
     def _stale_tmp(self, name: str, age_s: float) -> bool:
         # The name first: a dot-file this daemon did not name (a
@@ -240,7 +260,7 @@ class FileBackend(StorageBackend):
 
     def close(self) -> None:
         self._workers.shutdown(wait=True)
-        self._evictor.shutdown(wait=True)
+        self._evictor.shutdown(wait=False, cancel_futures=True)  # a hung rescan does not hold the stop
 
     # -- one page -------------------------------------------------------------------
 
@@ -313,10 +333,15 @@ class FileBackend(StorageBackend):
             # Keys name their content (a hash chain): a whole page already
             # stored under its key holds these bytes. It is recent now.
             stamp = self._now_ns()
-            with contextlib.suppress(OSError):
+            try:
                 os.utime(path, ns=(stamp, stamp), follow_symlinks=False)
-            self._touch(key, size, stamp)
-            return True
+                self._touch(key, size, stamp)
+                return True
+            except FileNotFoundError:
+                pass  # evicted since it was checked: write it again
+            except OSError:
+                self._touch(key, size, stamp)
+                return True
         header = pack_header(self._geometry, page.views, digest)
         directory = os.path.dirname(path)
         tmp = os.path.join(directory, f".{key}.{self._tag}-{uuid.uuid4().hex[:8]}.tmp")
@@ -349,42 +374,58 @@ class FileBackend(StorageBackend):
 
     def _touch(self, key: str, size: int, mtime_ns: int) -> None:
         with self._lock:
+            if self._during_scan is not None:
+                self._during_scan[key] = (size, mtime_ns)
             old = self._index.pop(key, None)
             self._bytes += size - (old[0] if old else 0)
             self._index[key] = (size, mtime_ns)
 
     def _forget(self, key: str) -> None:
         with self._lock:
+            if self._during_scan is not None:
+                self._during_scan[key] = None
             old = self._index.pop(key, None)
             if old:
                 self._bytes -= old[0]
 
     def _evict_soon(self) -> None:
-        """Queue an eviction on the evictor's thread, unless one is queued already."""
+        """Queue an eviction on the evictor's thread, unless one is queued
+        already; wait for it when the root is past the capacity by more than
+        1/RESCAN_FRACTION (the puts outrun it)."""
         if not self._capacity:
             return
         with self._lock:
-            if self._eviction_queued:
-                return
-            self._eviction_queued = True
-        self._evictor.submit(self._evict_queued)
+            behind = self._bytes > self._capacity + self._capacity // RESCAN_FRACTION
+            eviction = self._eviction
+            if not self._eviction_queued:
+                self._eviction_queued = True
+                try:
+                    eviction = self._eviction = self._evictor.submit(self._evict_queued)
+                except RuntimeError:  # closed: nothing more to evict for
+                    self._eviction_queued = False
+                    return
+        if behind and eviction is not None:
+            with contextlib.suppress(CancelledError):  # closed meanwhile
+                eviction.result()
 
     def _evict_queued(self) -> None:
         with self._lock:
             self._eviction_queued = False
-        self._maybe_evict()
+        try:
+            self._maybe_evict()
+        except Exception:  # noqa: BLE001 - a thread's failure is logged, counted and retried by the next put
+            log.exception("file storage: eviction failed; the next put tries again")
+            with self._lock:
+                self._counters["storage_eviction_errors"] += 1
 
     def _maybe_evict(self) -> None:
-        if not self._capacity or not self._scan_lock.acquire(blocking=False):
-            return  # unlimited, or another thread is evicting already
+        with self._lock:
+            rescan = self._written_since_scan * RESCAN_FRACTION > self._capacity
         try:
-            with self._lock:
-                rescan = self._written_since_scan * RESCAN_FRACTION > self._capacity
             if rescan:
                 self._scan()  # learn the other daemons' writes and reads
-            self._evict()
         finally:
-            self._scan_lock.release()
+            self._evict()  # with what this index knows, if the rescan failed
 
     def _evict(self) -> None:
         """Delete least recently used pages until the root fits. A page some
@@ -398,13 +439,17 @@ class FileBackend(StorageBackend):
             path = self.path(key)
             try:
                 now = os.lstat(path)
-            except FileNotFoundError:
-                continue  # another daemon evicted it
+            except OSError:
+                continue  # another daemon evicted it (or it cannot be seen: not counted)
             if now.st_mtime_ns > mtime_ns:
                 self._touch(key, now.st_size, now.st_mtime_ns)  # read or rewritten meanwhile: recent
                 continue
-            with contextlib.suppress(FileNotFoundError):
+            try:
                 os.unlink(path)
+            except FileNotFoundError:
+                pass  # another daemon evicted it meanwhile
+            except OSError:
+                continue  # not ours to delete after all (a read-only root): its bytes stay uncounted
             with self._lock:
                 self._counters["storage_pages_evicted"] += 1
 

@@ -140,6 +140,7 @@ def test_capacity_evicts_least_recently_used(tmp_path):
                            capacity_bytes=3 * page_file)
     tiers = Tiers(host, storage=backend)
     backend.put_from(keys[:3], tiers.host_buffers([0, 1, 2]))
+    backend.settled()
     backend.get_into(["p0"], tiers.host_buffers([0]))  # p0 is now the most recent
     backend.put_from(["p3"], tiers.host_buffers([3]))
     backend.settled()  # eviction runs on its own thread, after the put
@@ -267,3 +268,24 @@ def test_host_pages_sit_where_sglang_puts_them_and_are_stored_in_its_order(tmp_p
     payload = stored.read_bytes()[HEADER.size:]
     # [components, layers, page_size, heads, head_dim], SGLang's page_first_direct order.
     assert payload == page.transpose(0, 1).contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+
+def test_a_rescan_that_fails_is_counted_and_eviction_goes_on_with_what_the_index_knows(tmp_path, monkeypatch):
+    """Eviction runs on its own thread: a failure there is logged and
+    counted, never lost, and the pages this daemon wrote are still evicted."""
+    geometry = GEOMETRIES["mha"]
+    host = HostPool(geometry, pages=4)
+    page_file = geometry.page_bytes + 40
+    backend = open_backend("file", root=str(tmp_path / "s"), geometry_fingerprint=geometry.fingerprint(),
+                           capacity_bytes=3 * page_file)
+    tiers = Tiers(host, storage=backend)
+
+    def unreadable(*args):
+        raise PermissionError("the root cannot be listed")
+
+    monkeypatch.setattr(backend, "_listing", unreadable)
+    backend.put_from([f"p{i}" for i in range(4)], tiers.host_buffers(range(4)))
+    backend.settled()
+    assert backend.counters()["storage_eviction_errors"] >= 1
+    assert backend.exists_prefix(["p0"]) == 0 and backend.exists_prefix(["p1", "p2", "p3"]) == 3
+    assert backend.used_bytes == 3 * page_file
