@@ -164,7 +164,7 @@ class Config:
         return sum(p.stat().st_size for p in self.store.rglob("*") if p.is_file())
 
 
-def bench_client(port: int, model: Path, trace: Path, out: Path, requests: int) -> dict:
+def bench_client(port: int, model: Path, trace: Path, out: Path, requests: int, slowdown: float) -> dict:
     """SGLang's bench_serving over the trace: -> its result (the output file's last line)."""
     from cpcache.testing.sglang_cpu.servers import CPU_HOST, sglang_interpreter
 
@@ -172,7 +172,7 @@ def bench_client(port: int, model: Path, trace: Path, out: Path, requests: int) 
     done = subprocess.run([sglang_interpreter(), "-m", "sglang.bench_serving", "--backend", "sglang",
                            "--host", "127.0.0.1", "--port", str(port), "--model", str(model),
                            "--tokenizer", str(model), "--dataset-name", "mooncake", "--dataset-path", str(trace),
-                           "--num-prompts", str(requests), "--mooncake-slowdown-factor", str(SLOWDOWN),
+                           "--num-prompts", str(requests), "--mooncake-slowdown-factor", str(slowdown),
                            "--mooncake-num-rounds", "1", "--cache-report", "--disable-tqdm",
                            "--output-file", str(out)], capture_output=True, text=True, env=env, timeout=3600,
                           check=False)
@@ -191,7 +191,7 @@ def check_prompts(trace: Path) -> list[list[int]]:
     return [[2 + (h * 7 + i) % 10 for i in range(len(r["hash_ids"]) * 40)] for h, r in enumerate(rows)]
 
 
-def run(work: Path, configs: tuple[str, ...] = CONFIGS, requests: int = REQUESTS) -> dict:
+def run(work: Path, configs: tuple[str, ...] = CONFIGS, requests: int = REQUESTS, slowdown: float = SLOWDOWN) -> dict:
     from cpcache.testing.sglang_cpu.servers import PLAIN_FLAGS, Server, same_outputs
     from cpcache.tools.bench.sglang_pd import MODEL, make_model
 
@@ -206,7 +206,7 @@ def run(work: Path, configs: tuple[str, ...] = CONFIGS, requests: int = REQUESTS
         reference.stop()
     report: dict = {"servers": {}, "workload": {
         "trace": f"{TRACE.name}: first {requests} requests, prefix chains cut to {BLOCKS} blocks, {OUTPUT} "
-                 f"tokens out, arrivals x{SLOWDOWN}", "topology": f"--tp {TP} --attn-cp-size {CP}",
+                 f"tokens out, arrivals x{slowdown}", "topology": f"--tp {TP} --attn-cp-size {CP}",
         "model": f"random Qwen3 {MODEL}, float32, SGLang's CPU path", "page_size": PAGE,
         "device_pages": DEVICE_TOKENS // PAGE, "host_pages": HOST_PAGES,
         "bounded_store_bytes": BOUND_PAGES * page_bytes()}}
@@ -215,7 +215,7 @@ def run(work: Path, configs: tuple[str, ...] = CONFIGS, requests: int = REQUESTS
         try:
             healthy_s = config.start()
             cpu_before = config.cpu_seconds()
-            result = bench_client(config.server.port, model, trace, work / f"{name}-bench.jsonl", requests)
+            result = bench_client(config.server.port, model, trace, work / f"{name}-bench.jsonl", requests, slowdown)
             cpu = config.cpu_seconds() - cpu_before
             answers = [config.server.generate(ids) for ids in checks]
             wrong = [i for i, (a, b) in enumerate(zip(answers, expected)) if not same_outputs(a, b)]
@@ -247,11 +247,12 @@ def main(args: argparse.Namespace) -> int:
     keep = getattr(args, "work_dir", None)
     configs = tuple(c for c in (getattr(args, "configs", None) or ",".join(CONFIGS)).split(","))
     requests = getattr(args, "trace_requests", None) or REQUESTS
+    slowdown = getattr(args, "slowdown", None) or SLOWDOWN
     if keep:
         Path(keep).mkdir(parents=True, exist_ok=True)
-        report = run(Path(keep), configs, requests)
+        report = run(Path(keep), configs, requests, slowdown)
     else:
         with tempfile.TemporaryDirectory(prefix="cpc-serving-") as tmp:
-            report = run(Path(tmp), configs, requests)
+            report = run(Path(tmp), configs, requests, slowdown)
     print(json.dumps(report) if args.json else "\n".join(table(report)))
     return 0
