@@ -131,14 +131,18 @@ def test_keys_that_could_escape_the_root_are_refused(tmp_path, key):
     assert sorted(os.listdir(tmp_path)) == ["store"]
 
 
-def test_capacity_evicts_least_recently_used(tmp_path):
-    keys = [f"p{i}" for i in range(4)]
+def bounded_to_three_pages(tmp_path) -> tuple[StorageBackend, Tiers, int]:
+    """A file store of 3 pages' capacity, a host pool of 4 pages, and a stored page's size."""
     geometry = GEOMETRIES["mha"]
-    host = HostPool(geometry, pages=4)
-    page_file = geometry.page_bytes + 40
+    page_file = geometry.page_bytes + HEADER.size
     backend = open_backend("file", root=str(tmp_path / "s"), geometry_fingerprint=geometry.fingerprint(),
                            capacity_bytes=3 * page_file)
-    tiers = Tiers(host, storage=backend)
+    return backend, Tiers(HostPool(geometry, pages=4), storage=backend), page_file
+
+
+def test_capacity_evicts_least_recently_used(tmp_path):
+    keys = [f"p{i}" for i in range(4)]
+    backend, tiers, page_file = bounded_to_three_pages(tmp_path)
     backend.put_from(keys[:3], tiers.host_buffers([0, 1, 2]))
     backend.settled()
     backend.get_into(["p0"], tiers.host_buffers([0]))  # p0 is now the most recent
@@ -273,12 +277,7 @@ def test_host_pages_sit_where_sglang_puts_them_and_are_stored_in_its_order(tmp_p
 def test_a_rescan_that_fails_is_counted_and_eviction_goes_on_with_what_the_index_knows(tmp_path, monkeypatch):
     """Eviction runs on its own thread: a failure there is logged and
     counted, never lost, and the pages this daemon wrote are still evicted."""
-    geometry = GEOMETRIES["mha"]
-    host = HostPool(geometry, pages=4)
-    page_file = geometry.page_bytes + 40
-    backend = open_backend("file", root=str(tmp_path / "s"), geometry_fingerprint=geometry.fingerprint(),
-                           capacity_bytes=3 * page_file)
-    tiers = Tiers(host, storage=backend)
+    backend, tiers, page_file = bounded_to_three_pages(tmp_path)
 
     def unreadable(*args):
         raise PermissionError("the root cannot be listed")
