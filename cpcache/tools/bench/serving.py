@@ -4,7 +4,7 @@
 replays a Mooncake-format trace (a scaled-down slice of
 ../shared/traces/conversation_trace.jsonl: the first REQUESTS requests,
 their prefix chains cut to BLOCKS blocks, OUTPUT tokens out, arrivals at
-their timestamps slowed by SLOWDOWN) against real `sglang.launch_server`
+their timestamps slowed by SLOWDOWN, `--slowdown`) against real `sglang.launch_server`
 servers at `--tp 2 --attn-cp-size 2`, offline on this host, one server at
 a time, in the order of CONFIGS (cpcache and SGLang's HiCache alternate):
 
@@ -186,7 +186,7 @@ FIGURES = ("completed", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_i
 
 
 def check_prompts(trace: Path) -> list[list[int]]:
-    """The fixed check set: token ids of a few of the trace's prompts (ids below the tokenizer's words)."""
+    """The fixed check set: a few prompts of digit tokens, 40 per block of the trace's first requests."""
     rows = [json.loads(line) for line in trace.read_text().splitlines()[:CHECKS]]
     return [[2 + (h * 7 + i) % 10 for i in range(len(r["hash_ids"]) * 40)] for h, r in enumerate(rows)]
 
