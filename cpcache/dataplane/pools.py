@@ -267,7 +267,7 @@ class HostPool:
         self.pinned = pin
         self._memory = memory
         tensors = host_layout.part_tensors(memory, geometry, pages, layout)
-        self._init_part(geometry.parts[0] if geometry.beside else geometry, pages, layout, tensors[0])
+        self._init_part(geometry.parts[0], pages, layout, tensors[0])
         self.geometry = geometry
         self.beside = [HostPool._part(part, pages, layout, tensor)
                        for part, tensor in zip(geometry.parts[1:], tensors[1:])]

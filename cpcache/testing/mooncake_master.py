@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 from cpcache.errors import Unavailable
@@ -74,7 +75,8 @@ class MooncakeMaster:
         line before its RPC server listens, and a client's first connection
         in between is refused. False if the master exits or the time is up."""
         assert self.proc is not None
-        for _ in range(int(self.start_timeout_s / 0.05)):
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
             try:
                 socket.create_connection(("127.0.0.1", self.rpc_port), 1.0).close()
                 return True
