@@ -57,7 +57,7 @@ $(SGLANG_STAMP): pyproject.toml Makefile
 	@touch $(SGLANG_STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/cpcache demo --trace ../shared/traces/conversation_trace.jsonl --plot demo.png
+	$(VENV)/bin/cpcache demo --trace traces/conversation_trace.jsonl --plot demo.png
 
 test: setup
 	$(PY) -m ruff check cpcache tests services/gpu-driver

@@ -68,7 +68,7 @@ class Divergence(FailedPrecondition):
 
 class RejectedByPeer(FailedPrecondition):
     """Another rank of the domain rejected this step: nothing of it was opened
-    anywhere (DESIGN rule 6). `peer_status` and `peer_message` are what that
+    anywhere (docs/design.md rule 6). `peer_status` and `peer_message` are what that
     rank's scheduler was told."""
 
     reason = "REJECTED_BY_PEER"

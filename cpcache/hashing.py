@@ -1,5 +1,5 @@
 """Digests small enough to negate: fingerprints and state digests travel in
-int64 slots as x and -x (DESIGN section 4), so they are kept below 2**62."""
+int64 slots as x and -x (docs/design.md §4), so they are kept below 2**62."""
 
 from __future__ import annotations
 

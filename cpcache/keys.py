@@ -1,4 +1,4 @@
-"""Page keys (DESIGN section 7).
+"""Page keys (docs/design.md §7).
 
 ``h_i = sha256(h_{i-1} || tokens_i as 4-byte little endian)``: the same bytes
 as SGLang's ``get_hash_str``. A chain starts from a seed: the daemon's

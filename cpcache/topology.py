@@ -1,7 +1,7 @@
 """Rank layout of a TP x PP deployment with attention DP and CP.
 
 The layout is SGLang's, so a daemon can sit beside an unmodified deployment
-(DESIGN section 3). With attention TP ``ATP = TP / (DP * CP)``::
+(docs/design.md §3). With attention TP ``ATP = TP / (DP * CP)``::
 
     g = p*TP + t,   t = (d*CP + c)*ATP + a
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from cpcache.errors import InvalidArgument
 
-# How a rank reduces over its domain (DESIGN section 3).
+# How a rank reduces over its domain (docs/design.md §3).
 MODES = ("domain", "grid")
 
 

@@ -1,5 +1,5 @@
 """Agreeing on what every rank attaches (geometry, pool sizes, the settings
-that shape the shared state) before the cache is used (DESIGN rule 11).
+that shape the shared state) before the cache is used (docs/design.md rule 11).
 
 An Attach is decided once per *attempt*, and every rank of the domain follows
 that one decision, whatever its own timing:

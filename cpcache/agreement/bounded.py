@@ -72,13 +72,13 @@ async def bounded_async(fn: Callable[[], T], timeout_s: float | None, what: str,
     loop = asyncio.get_running_loop()
     done: asyncio.Future[None] = loop.create_future()
 
-    def settle() -> None:
+    def finish() -> None:
         if not done.done():  # cancelled: nobody waits for it any more
             done.set_result(None)
 
     def tell(_: concurrent.futures.Future[T]) -> None:
         with contextlib.suppress(RuntimeError):  # the loop is closed: the daemon has stopped
-            loop.call_soon_threadsafe(settle)
+            loop.call_soon_threadsafe(finish)
 
     job.add_done_callback(tell)
     try:

@@ -3,7 +3,7 @@ order.
 
 The event loop packs a round (`rounds.RoundInput.pack`) and hands it over
 with `submit`, getting a `concurrent.futures.Future` back. The thread reduces,
-settles and resolves the future. Any failure of a round (a lost peer, a crash
+decodes and resolves the future. Any failure of a round (a lost peer, a crash
 of the thread itself) breaks the engine: every pending and later round fails
 with the same `Unavailable` error, in bounded time. Nothing is left waiting.
 
@@ -174,7 +174,7 @@ class AgreementEngine:
         # is agreed (a peer may already apply it) and is delivered all the
         # same; whoever closed decides whether it still applies it.
         try:
-            result = round_input.settle(vector)
+            result = round_input.decode(vector)
         except Divergence:
             self.divergences += 1
             message = f"divergence in round {round_input.number}"

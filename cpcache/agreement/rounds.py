@@ -1,6 +1,6 @@
 """Agreement rounds as plain data: the open-questions table, how a round's
 local answers are packed into one int64 vector, and how the reduced vector is
-read back (DESIGN section 4).
+read back (docs/design.md §4).
 
 The questions of a round are derived from shared state each step (see
 `cpcache.state.machine.CacheState.questions`) plus the step's one-shot votes.
@@ -10,7 +10,7 @@ rejecter, answer_0, ...]``, reduced with MIN. ``min(x) == -min(-x)`` holds
 only when every rank sent the same x, so slots 0..3 detect a different
 question set (or step content) or shared state. MAX questions travel negated.
 
-A rank that rejects its step (DESIGN rule 6) still enters the round, with
+A rank that rejects its step (docs/design.md rule 6) still enters the round, with
 slot 5 set and slot 6 holding ``rank * 16 + status``: the reduced vector
 names the lowest rejecting rank and its status, every rank reads the round
 as rejected, and nothing else in it counts.
@@ -38,16 +38,17 @@ import numpy as np
 import numpy.typing as npt
 
 from cpcache.agreement.kinds import VOTE
-from cpcache.errors import Divergence, InvalidArgument
+from cpcache.errors import FAMILY, CacheError, Divergence, InvalidArgument
 from cpcache.hashing import HASH_MASK as _HASH_MASK
 from cpcache.hashing import hash62
 from cpcache.values import INT64_MAX, Reduce
 
 HEADER_SLOTS = 7
 NO_REJECTION = INT64_MAX
-# Status codes a rejection can carry, by name (slot 6 holds rank * 16 + index).
-REJECTION_STATUSES = ("INTERNAL", "INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION", "RESOURCE_EXHAUSTED",
-                      "UNAVAILABLE")
+# Status codes a rejection can carry, by name (slot 6 holds rank * 16 + index):
+# the base error's (INTERNAL, also what an unknown status travels as), then
+# each status of the error family once, in the family's order.
+REJECTION_STATUSES = tuple(dict.fromkeys((CacheError.status, *(kind.status for kind in FAMILY))))
 MIN_CAPACITY = 64
 # Fingerprints and digests are kept below 2**62 so that negation never overflows.
 
@@ -189,7 +190,7 @@ class RoundInput:
         framed[:kept] = self.vector[:kept]
         return framed
 
-    def settle(self, reduced: np.ndarray) -> RoundResult:
+    def decode(self, reduced: np.ndarray) -> RoundResult:
         """Read the reduced vector: a rejected round (naming the lowest
         rejecting rank and its status), or the agreed answers. Raises
         `Divergence` (without rank names: see `explain_divergence`) when

@@ -24,11 +24,12 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cpcache import errors
-from cpcache.client.messages import CacheRequests, StepResult, attach_request, step_request, step_result
+from cpcache.client.messages import StepResult, attach_request, step_request, step_result
 from cpcache.client.pools import hand_over
 from cpcache.client.recovery import StepRecovery, unanswered
 from cpcache.client.wire_errors import error_from
 from cpcache.load_signals import LoadSignals
+from cpcache.requests import CacheRequests
 from cpcache.topology import Topology
 from cpcache.v1 import daemon_pb2 as pb
 from cpcache.v1 import daemon_pb2_grpc as pb_grpc

@@ -1,6 +1,7 @@
-"""The messages of a scheduler iteration: the operations a `Step` carries
-(`CacheRequests`), the reply as the scheduler reads it (`StepResult`), and the
-requests built from them."""
+"""The messages of a scheduler iteration on the wire: a `Step` built from
+the operations it carries (`cpcache.requests.CacheRequests`, the types the
+daemon reads them back into), the reply as the scheduler reads it
+(`StepResult`), and the attach request."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from cpcache.requests import CacheRequests
 from cpcache.topology import Topology
 from cpcache.v1 import daemon_pb2 as pb
 from cpcache.values import Reduce
@@ -39,32 +41,19 @@ class StepResult:
     host_entered_slots: tuple[int, ...] = ()  # the host slot of each page of host_entered
 
 
-@dataclass(frozen=True)
-class CacheRequests:
-    """Cache operations for one step (the client side of the daemon's `CacheRequests`, cpcache.state.requests)."""
-
-    prefetches: tuple = ()  # (op_id, pages, tokens[, parent])
-    prefetch_polls: tuple = ()  # prefetch op ids
-    revokes: tuple = ()  # prefetch op ids
-    writes: tuple = ()  # (op_id, pages, device_pages[, parent])
-    loads: tuple = ()  # (op_id, pages, device_pages[, signal_slot])
-
-
 def step_request(step: int, votes: Iterable[tuple[int, Reduce, int]] = (),
                  requests: CacheRequests | None = None, epoch: int | None = None) -> pb.StepRequest:
     """`epoch`: the one the session was attached in (None: unchecked)."""
     request = pb.StepRequest(step=step, epoch=epoch)
     if requests is not None:
-        for op_id, pages, tokens, *parent in requests.prefetches:
-            request.prefetches.add(op_id=op_id, pages=pages, tokens=tokens, parent=parent[0] if parent else b"")
+        for p in requests.prefetches:
+            request.prefetches.add(op_id=p.op_id, pages=p.pages, tokens=p.tokens, parent=p.parent or b"")
         request.prefetch_polls.extend(requests.prefetch_polls)
         request.revokes.extend(requests.revokes)
-        for op_id, pages, device_pages, *parent in requests.writes:
-            request.writes.add(op_id=op_id, pages=pages, device_pages=device_pages,
-                               parent=parent[0] if parent and parent[0] else b"")
-        for op_id, pages, device_pages, *signal in requests.loads:
-            request.loads.add(op_id=op_id, pages=pages, device_pages=device_pages,
-                              signal_slot=signal[0] if signal else 0)
+        for w in requests.writes:
+            request.writes.add(op_id=w.op_id, pages=w.pages, device_pages=w.device_pages, parent=w.parent or b"")
+        for x in requests.loads:
+            request.loads.add(op_id=x.op_id, pages=x.pages, device_pages=x.device_pages, signal_slot=x.signal_slot)
     votes = list(votes)
     if votes:
         op_ids, reduces, values = zip(*votes)

@@ -7,7 +7,8 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
-from cpcache.client.messages import CacheRequests, StepResult
+from cpcache.client.messages import StepResult
+from cpcache.requests import CacheRequests
 
 
 @dataclass
@@ -39,7 +40,7 @@ class Tally:
     def carried(self, requests: CacheRequests, sign: int = 1) -> None:
         """Count what a step carries (`sign` -1: a step not taken after all)."""
         self.writes += sign * len(requests.writes)
-        self.written_pages += sign * sum(len(w[1]) for w in requests.writes)
+        self.written_pages += sign * sum(len(w.pages) for w in requests.writes)
         self.loads += sign * len(requests.loads)
         self.prefetches += sign * len(requests.prefetches)
         self.prefetch_polls += sign * len(requests.prefetch_polls)

@@ -1,4 +1,4 @@
-"""How a step ended when its daemon gave no answer (DESIGN rule 12: every
+"""How a step ended when its daemon gave no answer (docs/design.md rule 12: every
 rank's scheduler applies the same decisions at the same step, whatever
 happens to a daemon and whenever).
 

@@ -34,10 +34,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from cpcache.client.core import Client
-from cpcache.client.messages import CacheRequests, StepResult
+from cpcache.client.messages import StepResult
 from cpcache.client.outcomes import DecisionLog, HostMirror, Tally
 from cpcache.errors import Unavailable
 from cpcache.load_signals import LoadSignals
+from cpcache.requests import CacheRequests, LoadRequest, PrefetchRequest, WriteRequest
 
 Stored = Callable[[bool], None]  # a write's end: did its pages enter the host pool?
 Landed = Callable[[bool], None]  # a load's end: are its pages on every rank's device?
@@ -48,11 +49,11 @@ Brought = Callable[[int], None]  # a prefetch's end: pages it brought to the hos
 class _Unsent:
     """The operations collected since the last step, in `CacheRequests` field order."""
 
-    prefetches: list = field(default_factory=list)
-    prefetch_polls: list = field(default_factory=list)
-    revokes: list = field(default_factory=list)
-    writes: list = field(default_factory=list)
-    loads: list = field(default_factory=list)
+    prefetches: list[PrefetchRequest] = field(default_factory=list)
+    prefetch_polls: list[int] = field(default_factory=list)
+    revokes: list[int] = field(default_factory=list)
+    writes: list[WriteRequest] = field(default_factory=list)
+    loads: list[LoadRequest] = field(default_factory=list)
 
     def requests(self) -> CacheRequests:
         return CacheRequests(tuple(self.prefetches), tuple(self.prefetch_polls), tuple(self.revokes),
@@ -72,16 +73,18 @@ class SchedulerSession:
     """One rank's scheduler-side session: the operations collected for the
     next step, the ones open at the daemon, and what the replies agreed."""
 
-    def __init__(self, client: Client | None = None, first_step: int = 1, *, load_timeout_s: float = 30.0,
+    def __init__(self, client: Client | None = None, first_step: int = 1, *, decision_timeout_s: float = 30.0,
                  decisions: DecisionLog | None = None, epoch: int | None = None) -> None:
         """`client`: for the synchronous calls (`iterate`, `flush`,
         `load_now`, `drain_writes`); None when the caller sends each step.
+        `decision_timeout_s`: how long a synchronous wait for agreed
+        decisions (`load_now`, `drain_writes`) steps before `Unavailable`.
         `decisions`: where the agreed decisions are logged, if kept.
         `epoch`: the one the session was attached in (`AttachReply.epoch`),
         which its steps name: a step of an ended epoch opens nothing."""
         self.client = client
         self.epoch = epoch
-        self.load_timeout_s = load_timeout_s
+        self.decision_timeout_s = decision_timeout_s
         self.tally = Tally()
         self.host = HostMirror()
         self.decisions = decisions
@@ -103,17 +106,17 @@ class SchedulerSession:
         """Copy device pages into the host pool: -> the op id. `done(stored)`
         once agreed; until then the device pages must stay as they are."""
         op = next(self._ids)
-        self._unsent.writes.append((op, pages, device_pages, parent or b""))
+        self._unsent.writes.append(WriteRequest(op, tuple(pages), tuple(device_pages), parent or None))
         self._writes[op] = (len(pages), done)
         return op
 
-    def hold_writes(self) -> list:
+    def hold_writes(self) -> list[WriteRequest]:
         """Take the write-throughs not sent yet out of the next step (their
         KV may still be being computed): -> what `release_writes` puts back."""
         held, self._unsent.writes = self._unsent.writes, []
         return held
 
-    def release_writes(self, held: list) -> None:
+    def release_writes(self, held: list[WriteRequest]) -> None:
         self._unsent.writes = held + self._unsent.writes
 
     def cancel_unsent_writes(self) -> int:
@@ -123,7 +126,7 @@ class SchedulerSession:
         cancelled, self._unsent.writes = self._unsent.writes, []
         for write in cancelled:
             self.tally.writes_cancelled += 1
-            self._end_write(write[0], False)
+            self._end_write(write.op_id, False)
         return len(cancelled)
 
     def writes_in_flight(self) -> int:
@@ -140,7 +143,7 @@ class SchedulerSession:
         """Copy host pages into device pages: -> the op id. `done(landed)`
         once agreed (then `Client.wait_loads` waits for this rank's copy)."""
         op = next(self._ids)
-        self._unsent.loads.append((op, pages, device_pages))
+        self._unsent.loads.append(LoadRequest(op, tuple(pages), tuple(device_pages)))
         self._loads[op] = (len(pages), done)
         return op
 
@@ -153,7 +156,7 @@ class SchedulerSession:
         decides it (unless that was this one). None: no slot was free
         (nothing sent), or the round ended the load (refused, or failed
         everywhere it ran: no copy of it runs any more)."""
-        self.settle()
+        self.take_reply()
         if self.host.prefix(pages) < len(pages):
             self.tally.loads += 1  # evicted by the step in flight since the match: a failure like any
             self.tally.load_failures += 1
@@ -162,7 +165,7 @@ class SchedulerSession:
         slot = signals.claim(op)
         if not slot:
             return None
-        self._unsent.loads.append((op, pages, device_pages, slot))
+        self._unsent.loads.append(LoadRequest(op, tuple(pages), tuple(device_pages), slot))
         self._loads[op] = (len(pages), None)
         # The slot is given back when the load is decided (its copies ended on
         # every rank); one never decided (a step failed) stays taken.
@@ -194,7 +197,7 @@ class SchedulerSession:
         if rid is not None:
             self.release(rid)
         op = next(self._ids)
-        self._unsent.prefetches.append((op, pages, tokens, parent or b""))
+        self._unsent.prefetches.append(PrefetchRequest(op, tuple(pages), tokens, parent or None))
         self._prefetches[op] = _Prefetch(rid, done)
         if rid is not None:
             self._prefetch_of[rid] = op
@@ -202,7 +205,7 @@ class SchedulerSession:
 
     def poll(self, op: int) -> None:
         """Ask the next step whether this prefetch may end now (once per step)."""
-        if op not in self._unsent.prefetch_polls and all(p[0] != op for p in self._unsent.prefetches):
+        if op not in self._unsent.prefetch_polls and all(p.op_id != op for p in self._unsent.prefetches):
             self._unsent.prefetch_polls.append(op)
 
     def revoke(self, op: int) -> None:
@@ -211,7 +214,7 @@ class SchedulerSession:
 
     def open_prefetches(self) -> list[int]:
         """The prefetches sent and not ended, oldest first."""
-        unsent = {p[0] for p in self._unsent.prefetches}
+        unsent = {p.op_id for p in self._unsent.prefetches}
         return [op for op in self._prefetches if op not in unsent]
 
     def prefetch_ended(self, rid: str) -> bool:
@@ -244,7 +247,7 @@ class SchedulerSession:
         if op is None:
             return
         del self._prefetches[op]
-        unsent = [p for p in self._unsent.prefetches if p[0] == op]
+        unsent = [p for p in self._unsent.prefetches if p.op_id == op]
         if unsent:  # never sent: nothing to revoke
             self._unsent.prefetches.remove(unsent[0])
         else:
@@ -269,16 +272,16 @@ class SchedulerSession:
         failed everywhere): what it opened ends as not done, uncounted."""
         self.tally.carried(requests, sign=-1)
         for write in requests.writes:
-            self._end_write(write[0], False)
+            self._end_write(write.op_id, False)
         for load in requests.loads:
-            _, done = self._loads.pop(load[0])
-            if load[0] in self._signal_slots:  # no rank took it: no copy runs
-                signals, slot = self._signal_slots.pop(load[0])
+            _, done = self._loads.pop(load.op_id)
+            if load.op_id in self._signal_slots:  # no rank took it: no copy runs
+                signals, slot = self._signal_slots.pop(load.op_id)
                 signals.release(slot)
             if done is not None:
                 done(False)
         for prefetch in requests.prefetches:
-            self._end_prefetch(prefetch[0], 0)
+            self._end_prefetch(prefetch.op_id, 0)
 
     def follow(self, reply: StepResult) -> StepResult:
         """Take an agreed reply: close what it decided, in the order the
@@ -348,7 +351,7 @@ class SchedulerSession:
         decided; open prefetches): alike on every rank at the same iteration, never local I/O
         progress or timing. So every rank skips the same iterations, and the
         number of rounds stays a function of the scheduler's iterations
-        (DESIGN.md, section 2, rule 2)."""
+        (docs/design.md rule 2)."""
         return (self._in_flight is not None or self.has_unsent() or bool(self._writes) or bool(self._loads)
                 or bool(self._prefetches))
 
@@ -367,13 +370,13 @@ class SchedulerSession:
         taken or a step sent."""
         if not self.busy():
             return False
-        self.settle()
+        self.take_reply()
         if self.busy():
             with self._timed():
                 self._send()
         return True
 
-    def settle(self) -> StepResult | None:
+    def take_reply(self) -> StepResult | None:
         """Take the reply of the step in flight, if any (waiting for it)."""
         if self._in_flight is None:
             return None
@@ -383,7 +386,7 @@ class SchedulerSession:
 
     def flush(self) -> StepResult:
         """One step, waited for (after the one in flight)."""
-        self.settle()
+        self.take_reply()
         with self._timed():
             self._send()
             receive, self._in_flight = self._in_flight, None
@@ -406,7 +409,7 @@ class SchedulerSession:
     def load_now(self, pages: list[bytes], device_pages: list[int]) -> bool:
         """Load host pages into device pages and return once every rank has
         them (True) or the load failed on some rank (False), as agreed."""
-        self.settle()
+        self.take_reply()
         if self.host.prefix(pages) < len(pages):
             # The step that was in flight when the pages were matched evicted
             # some of them: known alike on every rank, so a failure like any.
@@ -415,7 +418,7 @@ class SchedulerSession:
             return False
         ended: list[bool] = []
         self.load(pages, device_pages, done=ended.append)
-        deadline = time.monotonic() + self.load_timeout_s
+        deadline = time.monotonic() + self.decision_timeout_s
         # Writes queued since this iteration's step wait for the next one: on
         # an overlapping scheduler their KV (a chunk just launched) may not be
         # computed yet, and their step is where the scheduler has synchronized.
@@ -423,7 +426,7 @@ class SchedulerSession:
         try:
             while not ended:
                 if time.monotonic() > deadline:
-                    raise Unavailable(f"load of {len(pages)} pages not decided in {self.load_timeout_s} s")
+                    raise Unavailable(f"load of {len(pages)} pages not decided in {self.decision_timeout_s} s")
                 self.flush()
         finally:
             self.release_writes(held)
@@ -432,9 +435,9 @@ class SchedulerSession:
     def drain_writes(self) -> None:
         """Step until every write a step carried is decided: only then may
         their device pages be freed (the daemon may still be copying them)."""
-        self.settle()
-        deadline = time.monotonic() + self.load_timeout_s
+        self.take_reply()
+        deadline = time.monotonic() + self.decision_timeout_s
         while self._writes:
             if time.monotonic() > deadline:
-                raise Unavailable(f"{len(self._writes)} writes not decided in {self.load_timeout_s} s")
+                raise Unavailable(f"{len(self._writes)} writes not decided in {self.decision_timeout_s} s")
             self.flush()

@@ -237,7 +237,7 @@ class Daemon:
         await self._health.enter_graceful_shutdown()
         log.info("draining %d in-flight calls (was %s)", self._in_flight, previous.value)
         # One deadline for the calls in flight and the copies issued: both
-        # have run since the signal (DESIGN rule 12: a forward may be reading
+        # have run since the signal (docs/design.md rule 12: a forward may be reading
         # a load, so its copies end before the exit, bounded).
         deadline = time.monotonic() + self.config.drain_s
         try:

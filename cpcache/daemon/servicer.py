@@ -6,22 +6,20 @@ part of a step."""
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 import grpc
 
 from cpcache.agreement.rounds import Questions
-from cpcache.daemon.status import Undecodable, guarded, wire_status
+from cpcache.daemon.status import decoded, guarded
 from cpcache.daemon.wire import (
     DaemonStatus,
     SignalsAsk,
     attach_from_wire,
     attach_reply,
-    prefetches_from_wire,
     request_digest,
     requests_from_wire,
     status_reply,
@@ -33,15 +31,11 @@ from cpcache.errors import CacheError, InvalidArgument, NotFound, Unavailable
 from cpcache.geometry import KVGeometry, Region
 from cpcache.rank.attach import Attached
 from cpcache.rank.rank import Rank
-from cpcache.state.requests import CacheRequests
+from cpcache.requests import CacheRequests
 from cpcache.topology import Topology
 from cpcache.v1 import daemon_pb2 as pb
 from cpcache.v1 import daemon_pb2_grpc as pb_grpc
 from cpcache.values import NOT_TAKEN
-
-log = logging.getLogger(__name__)
-
-StepLike = pb.StepRequest | pb.PrefetchRequest | pb.RevokeRequest | pb.AckRequest
 
 
 class DaemonPort(Protocol):
@@ -61,78 +55,44 @@ class DaemonPort(Protocol):
     def status(self) -> DaemonStatus: ...
 
 
-def _step_parts(request: pb.StepRequest) -> tuple[Questions, CacheRequests]:
-    return votes_from_wire(request.votes), requests_from_wire(request)
-
-
-def _epoch_of(request: StepLike) -> int | None:
-    """The epoch a step names, if it names one (only `StepRequest` can)."""
-    return request.epoch if isinstance(request, pb.StepRequest) and request.HasField("epoch") else None
-
-
 class CacheDaemonServicer(pb_grpc.CacheDaemonServicer):
     def __init__(self, daemon: DaemonPort) -> None:
         self._daemon = daemon
 
-    async def _step(self, method: str, request: StepLike,
-                    parse: Callable[[Any], tuple[Questions, CacheRequests]]) -> pb.StepReply:
+    async def _step(self, request: pb.StepRequest) -> pb.StepReply:
         """One step. A request that cannot be read still takes part in its
         round (rejected), so the other ranks are never left waiting."""
         started = time.perf_counter()
         invalid: CacheError | None = None
         try:
-            votes, requests = parse(request)
+            votes, requests = votes_from_wire(request.votes), requests_from_wire(request)
         except CacheError as exc:
             votes, requests, invalid = Questions.empty(), CacheRequests(), exc
         except Exception as exc:  # a request this daemon cannot read still takes part in its round
             votes, requests, invalid = Questions.empty(), CacheRequests(), InvalidArgument(f"unreadable step: {exc}")
         with self._daemon.in_flight():
-            taken = await self._daemon.rank.step(request.step, votes, requests, invalid=invalid,
-                                                 request_digest=request_digest(method, request),
-                                                 epoch=_epoch_of(request))
+            answer, phases = await self._daemon.rank.step(
+                request.step, votes, requests, invalid=invalid, request_digest=request_digest("Step", request),
+                epoch=request.epoch if request.HasField("epoch") else None)
         built = time.perf_counter()
-        reply = step_reply(taken.outcome)
-        reply.epoch = taken.epoch
+        reply = step_reply(answer)
         ended = time.perf_counter()
-        taken.phases.observe("reply", ended - built)
-        taken.phases.observe("handler", ended - started)
+        phases.observe("reply", ended - built)
+        phases.observe("handler", ended - started)
         return reply
 
     @guarded
     async def Step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> pb.StepReply:
-        return await self._step("Step", request, _step_parts)
+        return await self._step(request)
 
+    @guarded
     async def Steps(self, request_stream: Any, context: grpc.aio.ServicerContext) -> None:
         """`Step` over one stream: each request is one step, answered in
         order with exactly what `Step` answers (a retry, by either call, is
         told apart by the same digest). A step that fails ends the stream
-        with the status `Step` would have answered."""
+        with the status `Step` would have answered (`guarded`)."""
         while (request := await context.read()) is not grpc.aio.EOF:
-            try:
-                if isinstance(request, Undecodable):
-                    raise InvalidArgument(f"the request body does not decode: {request.error}")
-                reply = await self._step("Step", request, _step_parts)
-            except Exception as exc:
-                if not isinstance(exc, CacheError):
-                    log.exception("bug in Steps")
-                await context.abort_with_status(wire_status(exc))
-            else:
-                await context.write(reply)
-
-    @guarded
-    async def Prefetch(self, request: pb.PrefetchRequest, context: grpc.aio.ServicerContext) -> pb.StepReply:
-        return await self._step("Prefetch", request, lambda r: (
-            Questions.empty(),
-            CacheRequests(prefetches=prefetches_from_wire(r.prefetches), prefetch_polls=tuple(r.polls))))
-
-    @guarded
-    async def Revoke(self, request: pb.RevokeRequest, context: grpc.aio.ServicerContext) -> pb.StepReply:
-        return await self._step("Revoke", request,
-                                lambda r: (Questions.empty(), CacheRequests(revokes=tuple(r.op_ids))))
-
-    @guarded
-    async def Ack(self, request: pb.AckRequest, context: grpc.aio.ServicerContext) -> pb.StepReply:
-        return await self._step("Ack", request, lambda r: (Questions.empty(), CacheRequests()))
+            await context.write(await self._step(decoded(request)))
 
     @guarded
     async def Attach(self, request: pb.AttachRequest, context: grpc.aio.ServicerContext) -> pb.AttachReply:
@@ -170,7 +130,7 @@ class CacheDaemonServicer(pb_grpc.CacheDaemonServicer):
         that never heard (its daemon died): the reply, or the error, that
         this rank's scheduler is (or will be) given for it."""
         try:
-            answer = self._daemon.rank.outcome(request.epoch, request.step)
+            kept = self._daemon.rank.outcome(request.epoch, request.step)
         except NotFound as exc:
             if self._daemon.rank.config.agreement_lag:
                 # At lag >= 1 the step answers an earlier round, which may
@@ -181,12 +141,10 @@ class CacheDaemonServicer(pb_grpc.CacheDaemonServicer):
             error.metadata[NOT_TAKEN] = "1"
             return pb.OutcomeReply(error=error)
         try:
-            outcome = await asyncio.shield(answer)
+            answer = await asyncio.shield(kept)
         except CacheError as exc:
             return pb.OutcomeReply(error=step_error(exc))
-        reply = step_reply(outcome)
-        reply.epoch = request.epoch
-        return pb.OutcomeReply(reply=reply)
+        return pb.OutcomeReply(reply=step_reply(answer))
 
     @guarded
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusReply:

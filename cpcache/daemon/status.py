@@ -1,6 +1,6 @@
-"""The one table from cpcache's errors to gRPC status codes (DESIGN
-section 8), and the guard that keeps any exception from escaping a handler
-as UNKNOWN.
+"""The one table from cpcache's errors to gRPC status codes
+(docs/design.md §8), and the guard that keeps any exception from escaping
+a handler as UNKNOWN.
 
 An error leaves as a rich status: its code, its message, and one
 `google.rpc.ErrorInfo` (reason, `errors.DOMAIN`, the error's metadata) that
@@ -88,17 +88,26 @@ def tolerant(decode: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
     return decode_or_report
 
 
+def decoded(request: Any) -> Any:
+    """`request`, unless its body did not decode (`tolerant`): then
+    INVALID_ARGUMENT. `guarded` checks a unary call's request; a streaming
+    handler checks each request it reads."""
+    if isinstance(request, Undecodable):
+        raise errors.InvalidArgument(f"the request body does not decode: {request.error}")
+    return request
+
+
 def guarded(handler: Handler) -> Handler:
     """Turn every error a handler raises into its rich status. An error
     outside the family is a bug: INTERNAL, logged with its traceback. Calls
-    are counted by outcome at the server (`metrics.RpcMetrics`)."""
+    are counted by outcome at the server (`metrics.RpcMetrics`). A streaming
+    handler is guarded whole: its first error ends the stream with that
+    status."""
 
     @functools.wraps(handler)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            if isinstance(request, Undecodable):
-                raise errors.InvalidArgument(f"the request body does not decode: {request.error}")
-            reply = await handler(self, request, context)
+            reply = await handler(self, decoded(request), context)
         except (grpc.aio.AbortError, grpc.aio.UsageError):
             raise
         except Exception as exc:

@@ -15,8 +15,8 @@ from cpcache.errors import CacheError, InvalidArgument, PermissionDenied
 from cpcache.geometry import KV_KINDS, KVGeometry, PagePart, Region, check_part_count
 from cpcache.hashing import hash62
 from cpcache.rank.attach import Attached
-from cpcache.rank.stepper import StepOutcome
-from cpcache.state.requests import CacheRequests, LoadRequest, PrefetchRequest, WriteRequest
+from cpcache.rank.stepper import StepAnswer
+from cpcache.requests import CacheRequests, LoadRequest, PrefetchRequest, WriteRequest, check_page_hash
 from cpcache.v1 import daemon_pb2 as pb
 
 
@@ -27,8 +27,9 @@ def votes_from_wire(votes: pb.Votes) -> Questions:
 
 
 def _parent(raw: bytes) -> bytes | None:
-    if raw and len(raw) != 32:
-        raise InvalidArgument("parent must be a 32-byte page hash or empty")
+    """The wire's empty bytes mean no parent."""
+    if raw:
+        check_page_hash(raw, "parent")
     return raw or None
 
 
@@ -130,11 +131,11 @@ def request_digest(method: str, request: Message) -> int:
     return hash62(method.encode() + request.SerializeToString(deterministic=True))
 
 
-def step_reply(outcome: StepOutcome) -> pb.StepReply:
-    reply = pb.StepReply(step=outcome.step, round=outcome.round, state_digest=outcome.digest)
-    reply.decisions.op_ids.extend(outcome.op_ids.tolist())
-    reply.decisions.values.extend(outcome.values.tolist())
-    d = outcome.decided
+def step_reply(answer: StepAnswer) -> pb.StepReply:
+    reply = pb.StepReply(step=answer.step, round=answer.round, state_digest=answer.digest, epoch=answer.epoch)
+    reply.decisions.op_ids.extend(answer.op_ids.tolist())
+    reply.decisions.values.extend(answer.values.tolist())
+    d = answer.decided
     for op_id, pages in d.prefetch_hits:
         reply.prefetches.add(op_id=op_id, outcome=pb.PrefetchDecision.HIT, pages=pages)
     for op_id, pages in d.prefetch_done:

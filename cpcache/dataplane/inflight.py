@@ -1,4 +1,4 @@
-"""This rank's I/O reference counts per host slot (DESIGN rule 5). Local
+"""This rank's I/O reference counts per host slot (docs/design.md rule 5). Local
 state, written by I/O threads: never part of the replicated state."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from collections.abc import Iterable
 
 
 class InFlight:
-    """This rank's I/O reference counts per host slot (DESIGN rule 5)."""
+    """This rank's I/O reference counts per host slot (docs/design.md rule 5)."""
 
     def __init__(self) -> None:
         self._counts: dict[int, int] = {}

@@ -3,13 +3,13 @@ a new tier adds entries without touching the dispatcher.
 
 A transfer is a job with an id; it runs on an I/O thread and ends with a
 `TransferResult` (success, and how many pages, from the first, are done).
-While a job runs, its host slots are counted in flight (DESIGN rule 5).
+While a job runs, its host slots are counted in flight (docs/design.md rule 5).
 
 A job belongs to the session it was issued in and carries the device pool
-bound then (DESIGN rule 10): a mover never looks up "the current pool" when
+bound then (docs/design.md rule 10): a mover never looks up "the current pool" when
 the job runs. A storage job whose session ended before it started is
 refused; a device <-> host copy issued while its session was open runs to
-its end (a forward may be reading the load, DESIGN rule 12), and whoever
+its end (a forward may be reading the load, docs/design.md rule 12), and whoever
 hands the pool on waits for it (counted).
 
 Three lanes, each its own threads: load-backs (host -> device: a forward

@@ -1,5 +1,5 @@
 """Data-plane sessions: the fence between a scheduler session (of one epoch)
-and the next (DESIGN rule 10).
+and the next (docs/design.md rule 10).
 
 Every job is issued in one session and binds that session's device pool when
 it is issued, never when it runs: a job that outlives its session can only
@@ -7,7 +7,7 @@ touch the pool it was issued for. A session ends once, when its epoch or its
 scheduler's session does; from then on the movers refuse its storage jobs
 that have not started yet (counted), while its device <-> host copies issued
 before the end run to their end: a forward may be reading a load as it lands
-(DESIGN rule 12), and a write-through was acknowledged. The session counts
+(docs/design.md rule 12), and a write-through was acknowledged. The session counts
 the jobs not yet ended, so that whoever hands its pools or slots on waits for
 that count to reach zero instead of for a time.
 """

@@ -58,7 +58,7 @@ def open_runtime(config: DaemonConfig, geometry: KVGeometry, device: DevicePool,
 
 def start_session(runtime: CacheRuntime, epoch: int, number: int, device: DevicePool) -> CacheRuntime:
     """Issue `runtime`'s jobs in a new session from now on: each binds the
-    session's device pool when it is issued (DESIGN rule 10)."""
+    session's device pool when it is issued (docs/design.md rule 10)."""
     runtime.io.begin_session(epoch, number, device)
     runtime.state.signal_slots = device.signals.slots if device.signals is not None else 0
     return runtime

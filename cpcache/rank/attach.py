@@ -1,4 +1,4 @@
-"""Attaching a device pool to a rank (DESIGN rule 11): the cache is opened
+"""Attaching a device pool to a rank (docs/design.md rule 11): the cache is opened
 here, then every rank of the domain agrees that all of them attached the
 same thing (`agreement.attach`: one agreed attempt, then a confirmation
 round); only then is it used. What is agreed is the attach's descriptor:

@@ -1,4 +1,4 @@
-"""A rank's domain across epochs (DESIGN rule 10): formed once every rank
+"""A rank's domain across epochs (docs/design.md rule 10): formed once every rank
 has joined, formed again in the next epoch when a peer is lost, a rank
 restarts or an Attach's confirmation timed out, with what the host pool
 holds carried over to the scheduler's next attach.
@@ -287,7 +287,7 @@ class Formation:
             # A round that completed is agreed: a peer that completed it
             # applies it, so this rank does too (and answers its step alike),
             # before its I/O drains below; then nothing more applies.
-            await stepper.settle_in_flight()
+            await stepper.finish_in_flight()
             stepper.leave(f"rank {self.config.rank} left epoch {leaving} ({reason})")
         confirmer, self.confirmer = self.confirmer, None
         if confirmer is not None:  # no Attach is being decided (awaited above)
@@ -318,7 +318,7 @@ class Formation:
 
     async def _detach(self, stepper: Stepper | None) -> bytes:
         """Keep the cache of the ending epoch for the scheduler's next attach,
-        once this rank's I/O has drained (DESIGN rule 5); what it may offer."""
+        once this rank's I/O has drained (docs/design.md rule 5); what it may offer."""
         held: Held | None = None
         if stepper is not None and stepper.runtime is not None and self.attached_with is not None:
             held = Held(stepper.runtime, self.attached_with)
@@ -329,7 +329,7 @@ class Formation:
         runtime = self._detaching = held.runtime
         # The session ends: its storage jobs not yet started are refused from
         # now on, its copies run to their end (a forward may be reading a
-        # load: DESIGN rule 12), and its pool is let go only once none of its
+        # load: docs/design.md rule 12), and its pool is let go only once none of its
         # jobs touches it (counted: a copy between memory pools ends).
         session = runtime.io.end_session()
         try:
@@ -396,9 +396,9 @@ class Formation:
 
     async def close(self, copies_s: float = 0.0) -> None:
         """Close the epoch's groups, let the copies every cache has issued
-        end (for up to `copies_s`: a forward may be reading a load, DESIGN
-        rule 12), then close every cache's storage (the daemon stops: no
-        call reaches the rank any more)."""
+        end (for up to `copies_s`: a forward may be reading a load,
+        docs/design.md rule 12), then close every cache's storage (the daemon
+        stops: no call reaches the rank any more)."""
         if self.engine is not None:
             await asyncio.to_thread(self.engine.close)
         if self.confirmer is not None:

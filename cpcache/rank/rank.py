@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from cpcache.agreement.bounded import StoreTimeout, bounded_async
 from cpcache.agreement.rounds import Questions
@@ -25,21 +24,11 @@ from cpcache.rank.attach import Attached, Attacher
 from cpcache.rank.epochs import Formation, Formed, RankHost, Standing
 from cpcache.rank.phases import StepPhases
 from cpcache.rank.stats import RankStats
-from cpcache.rank.stepper import StepOutcome, Stepper
-from cpcache.state.requests import CacheRequests
+from cpcache.rank.stepper import StepAnswer, Stepper
+from cpcache.requests import CacheRequests, check_page_hashes
 from cpcache.topology import Topology
 
 MAX_WAIT_S = 3600.0  # the longest a WaitLoads may ask to wait
-
-
-@dataclass(frozen=True)
-class StepTaken:
-    """A step's outcome, the epoch it was decided in, and the phases of the
-    stepper that decided it (the wire layer adds its own to them)."""
-
-    outcome: StepOutcome
-    epoch: int
-    phases: StepPhases
 
 
 class Rank:
@@ -102,11 +91,13 @@ class Rank:
 
     async def step(self, step: int, votes: Questions, requests: CacheRequests = CacheRequests(), *,
                    invalid: CacheError | None = None, request_digest: int = 0, epoch: int | None = None
-                   ) -> StepTaken:
+                   ) -> tuple[StepAnswer, StepPhases]:
         """One scheduler step (`Stepper.step`), in the current epoch.
         `epoch`: the one the scheduler's session opened in (None: unchecked). A
         retry of a step that epoch took gets its kept answer, even once the
-        epoch has ended; any other step of an ended epoch opens nothing."""
+        epoch has ended; any other step of an ended epoch opens nothing.
+        -> the answer, and the phases of the stepper that gave it (where the
+        caller adds its own)."""
         ended = self.formation.recent.get(epoch) if epoch is not None else None
         if ended is not None and 0 < step <= ended.last_step:
             stepper = ended
@@ -115,10 +106,10 @@ class Rank:
             if epoch is not None and stepper.epoch != epoch:
                 raise EpochEnded(f"step {step} belongs to a session of epoch {epoch}, which has ended on rank "
                                  f"{self.config.rank} (it serves epoch {stepper.epoch}): attach again")
-        outcome = await stepper.step(step, votes, requests, invalid=invalid, request_digest=request_digest)
-        return StepTaken(outcome, stepper.epoch, stepper.phases)
+        answer = await stepper.step(step, votes, requests, invalid=invalid, request_digest=request_digest)
+        return answer, stepper.phases
 
-    def outcome(self, epoch: int, step: int) -> asyncio.Future[StepOutcome]:
+    def outcome(self, epoch: int, step: int) -> asyncio.Future[StepAnswer]:
         """What step `step` of epoch `epoch` answers here (`Stepper.kept`);
         `Unavailable` when this rank cannot tell (it keeps no such epoch)."""
         stepper = self.formation.recent.get(epoch)
@@ -146,8 +137,7 @@ class Rank:
         `storage_timeout_s` is `Unavailable`."""
         runtime = self.attached_runtime()
         pages = list(pages)
-        if any(len(p) != 32 for p in pages):
-            raise InvalidArgument("match: page hashes are 32-byte sha256 digests")
+        check_page_hashes(pages, "match")
         host = runtime.state.match(pages)
         backend = runtime.io.storage
         if backend is None or not pages or host_only:

@@ -1,7 +1,7 @@
 """One rank's cache: the shared state and this rank's I/O, and the one copy
 of the round over them.
 
-`CacheRuntime` is all the stepper sees of either (DESIGN section 10: what the
+`CacheRuntime` is all the stepper sees of either (docs/design.md §10: what the
 replica harness runs N copies of): it checks a step, packs a round's
 questions with this rank's local answers, and applies an agreed round
 (`apply_round`): open the step's operations (as a whole, or one by one when
@@ -21,9 +21,9 @@ from typing import Protocol
 from cpcache.agreement.rounds import Questions, RoundInput, RoundResult
 from cpcache.dataplane.local_io import LocalIO
 from cpcache.errors import CacheError, InvalidArgument
+from cpcache.requests import CacheRequests
 from cpcache.state.intents import CopyToDevice, Decisions, Intent
 from cpcache.state.machine import CacheState
-from cpcache.state.requests import CacheRequests
 
 log = logging.getLogger(__name__)
 

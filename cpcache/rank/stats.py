@@ -84,7 +84,7 @@ class RankStats:
             counters.update(cache.state)
             counters["cache_digest"] = cache.digest
             counters["in_flight_slots"] = cache.in_flight_slots
-            # Jobs of an ended session the movers refused (DESIGN rule 10).
+            # Jobs of an ended session the movers refused (docs/design.md rule 10).
             counters["refused_late_jobs"] = sum(cache.moved["refused_jobs"].values())
             for (src, dst), pages in cache.moved["pages_moved"].items():
                 counters[f"pages_moved_{src}_to_{dst}"] = pages

@@ -1,5 +1,5 @@
 """One rank's view of the scheduler protocol: steps in, agreed decisions out
-(DESIGN section 2, rules 6 to 9).
+(docs/design.md rules 6 to 9).
 
 - Every step enters its round, whatever happens locally. A step this rank
   refuses enters it as a rejection; a round that any rank rejected, or that
@@ -20,7 +20,7 @@
 - `step` is idempotent by step number: a retry gets the same outcome while
   it is among the last `REPLIES_KEPT` steps.
 - A stepper decides in one epoch. Leaving it closes its engine first, then
-  lets the steps already taken end (`settle_in_flight`): a round the step
+  lets the steps already taken end (`finish_in_flight`): a round the step
   carries that completed is applied, as on the peers that completed it, so
   at lag 0 every rank answers such a step alike (at lag >= 1 a completed
   round still waiting in the pipeline for its carrying step is not); once
@@ -58,8 +58,8 @@ from cpcache.errors import (
 from cpcache.hashing import hash62
 from cpcache.rank.phases import StepPhases
 from cpcache.rank.runtime import AppliedRound, CacheRuntime, describe
+from cpcache.requests import CacheRequests
 from cpcache.state.intents import Decisions, Intent
-from cpcache.state.requests import CacheRequests
 from cpcache.values import ID_LIMIT
 
 log = logging.getLogger(__name__)
@@ -69,13 +69,14 @@ REPLIES_KEPT = 64
 
 
 @dataclass(frozen=True)
-class StepOutcome:
+class StepAnswer:
     step: int
     round: int  # the step whose round this carries; 0 while the pipeline fills
     op_ids: np.ndarray  # decided votes, by op id
     values: np.ndarray  # their agreed values
     digest: int
     decided: Decisions = field(default_factory=Decisions)
+    epoch: int = 0  # the epoch of the stepper that answered
 
 
 @dataclass
@@ -90,8 +91,7 @@ class _Submitted:
 
 class Stepper:
     def __init__(self, engine: AgreementEngine, rank: int = 0, agreement_lag: int = 0, epoch: int = 0) -> None:
-        if agreement_lag < 0:
-            raise InvalidArgument(f"agreement_lag must be >= 0, got {agreement_lag}")
+        """`agreement_lag`: as `DaemonConfig` checked it (>= 0)."""
         self._engine = engine
         self._rank = rank
         self._lag = agreement_lag
@@ -114,7 +114,7 @@ class Stepper:
         """This stepper's epoch is over: nothing more is applied here."""
         self._left = why
 
-    async def settle_in_flight(self) -> None:
+    async def finish_in_flight(self) -> None:
         """Wait for the steps already taken to end, once their engine has
         closed (so each round either completed or failed): a round that
         completed is applied here as on every peer that completed it, and
@@ -138,7 +138,7 @@ class Stepper:
         return hash62(np.array([self._applied_chain, self.runtime.digest], dtype=np.int64).tobytes())
 
     async def step(self, step: int, votes: Questions, requests: CacheRequests = CacheRequests(), *,
-                   invalid: CacheError | None = None, request_digest: int = 0) -> StepOutcome:
+                   invalid: CacheError | None = None, request_digest: int = 0) -> StepAnswer:
         """Take step `step` (or answer a retry of it). `invalid`: the request
         could not even be read; the step still enters its round, rejected.
         `request_digest` tells a retry from a different step with the same number."""
@@ -147,7 +147,7 @@ class Stepper:
         if step <= self.last_step:
             return await self._retry(step, request_digest)
         self.last_step = step
-        answer: asyncio.Future[StepOutcome] = asyncio.get_running_loop().create_future()
+        answer: asyncio.Future[StepAnswer] = asyncio.get_running_loop().create_future()
         answer.add_done_callback(_observe)
         task = asyncio.ensure_future(self._take(step, votes, requests, invalid, self._tail, answer))
         task.add_done_callback(_observe)
@@ -158,7 +158,7 @@ class Stepper:
         # Shielded: the outcome belongs to the daemon, not to this call.
         return await asyncio.shield(answer)
 
-    def kept(self, step: int) -> asyncio.Future[StepOutcome]:
+    def kept(self, step: int) -> asyncio.Future[StepAnswer]:
         """What step `step` answers on this rank (done once its round is
         applied), for a peer's scheduler whose own daemon never answered it:
         every rank answers a step alike. `NotFound` when this rank has not
@@ -173,7 +173,7 @@ class Stepper:
                               f"step {step}")
         return kept[1]
 
-    async def _retry(self, step: int, request_digest: int) -> StepOutcome:
+    async def _retry(self, step: int, request_digest: int) -> StepAnswer:
         kept = self._replies.get(step)
         if kept is None:
             raise StepOrder(
@@ -187,7 +187,7 @@ class Stepper:
         return await asyncio.shield(task)
 
     async def _take(self, step: int, votes: Questions, requests: CacheRequests, invalid: CacheError | None,
-                    previous: asyncio.Future | None, answer: asyncio.Future[StepOutcome]) -> None:
+                    previous: asyncio.Future | None, answer: asyncio.Future[StepAnswer]) -> None:
         """Take the step: its round is submitted, whatever happens (peers
         wait in it), and `answer` gets what the step answers."""
         submitted = False
@@ -197,13 +197,13 @@ class Stepper:
             if not self._lag:  # the step answers its own round
                 self._submit(step, votes, requests, invalid)
                 submitted = True
-            carried: StepOutcome | CacheError | None = None  # None while the pipeline fills
+            carried: StepAnswer | CacheError | None = None  # None while the pipeline fills
             later: list[Intent] = []
             if self._pipeline and len(self._pipeline) >= self._lag:
-                carried, later = await self._settle_guarded(self._pipeline.popleft())
+                carried, later = await self._apply_guarded(self._pipeline.popleft())
             if self.after_round is not None:
                 self.after_round(step)
-            _answer(answer, step, carried, self.digest)
+            _answer(answer, step, carried, self.digest, self.epoch)
             # The answer leaves before the I/O it need not wait for starts and,
             # at lag >= 1, before this step's round is packed and the agreement
             # thread wakes up.
@@ -283,14 +283,14 @@ class Stepper:
             self._start(intents)
             clock.lap("io_after_reply")
 
-    async def _settle_guarded(self, submitted: _Submitted) -> tuple[StepOutcome | CacheError, list[Intent]]:
+    async def _apply_guarded(self, submitted: _Submitted) -> tuple[StepAnswer | CacheError, list[Intent]]:
         try:
-            return await self._settle(submitted)
+            return await self._apply(submitted)
         except Exception as exc:  # a bug applying a round: loud, and the next round still runs
             log.exception("applying round %d failed", submitted.number)
             return CacheError(f"internal error applying round {submitted.number}: {type(exc).__name__}: {exc}"), []
 
-    async def _settle(self, submitted: _Submitted) -> tuple[StepOutcome | CacheError, list[Intent]]:
+    async def _apply(self, submitted: _Submitted) -> tuple[StepAnswer | CacheError, list[Intent]]:
         """Apply one round, in round order: open its step's operations if
         every rank took it, then apply its answers. Returns what the step
         that carries it answers, and the I/O to start once it has answered
@@ -320,23 +320,23 @@ class Stepper:
             applied = self.runtime.apply_round(submitted.number, submitted.requests, result, self._start, clock)
         decided = applied.decided
         self.decision_count += len(op_ids) + decided.count()
-        return StepOutcome(0, result.number, op_ids, values, result.digest, decided), applied.later
+        return StepAnswer(0, result.number, op_ids, values, result.digest, decided), applied.later
 
 
-def _answer(answer: asyncio.Future[StepOutcome], step: int, carried: StepOutcome | CacheError | None,
-            digest: int) -> None:
+def _answer(answer: asyncio.Future[StepAnswer], step: int, carried: StepAnswer | CacheError | None,
+            digest: int, epoch: int) -> None:
     """What step `step` answers, from the round it carries (None while the
     pipeline fills)."""
     if answer.done():  # its caller's loop is going away
         return
     if carried is None:
         empty = np.empty(0, dtype=np.int64)
-        answer.set_result(StepOutcome(step, 0, empty, empty, digest))
+        answer.set_result(StepAnswer(step, 0, empty, empty, digest, epoch=epoch))
     elif isinstance(carried, CacheError):
         answer.set_exception(carried)
     else:
-        answer.set_result(StepOutcome(step, carried.round, carried.op_ids, carried.values, carried.digest,
-                                      carried.decided))
+        answer.set_result(StepAnswer(step, carried.round, carried.op_ids, carried.values, carried.digest,
+                                     carried.decided, epoch))
 
 
 def _never(exc: BaseException) -> None:

@@ -13,7 +13,7 @@ do not carry over: their schedulers are gone or told so.
 A rank whose I/O has not drained offers no pages and names the host slots
 that I/O still touches: every rank takes the union out of the new epoch's
 free slots (retired, back only through an agreed reclaim once no rank has
-I/O on them, DESIGN rule 5), so a late write never lands in a reused slot.
+I/O on them, docs/design.md rule 5), so a late write never lands in a reused slot.
 """
 
 from __future__ import annotations

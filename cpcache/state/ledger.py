@@ -1,4 +1,4 @@
-"""The ledger every operation kind opens and settles against: the host
+"""The ledger every operation kind opens, and takes its answers, against: the host
 index, the page allocator, the digest of every change and the table of open
 operations. Shared state: identical on every rank of a domain, changed only
 in a step's opening and a round's applying (`machine.CacheState`).
@@ -59,7 +59,7 @@ class Operation:
     def ask(self, ledger: Ledger, local: LocalProgress) -> Asked:
         raise NotImplementedError
 
-    def settle(self, ledger: Ledger, answers: dict[int, int], decisions: Decisions) -> list[Intent]:
+    def take_answers(self, ledger: Ledger, answers: dict[int, int], decisions: Decisions) -> list[Intent]:
         raise NotImplementedError
 
 

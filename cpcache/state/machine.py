@@ -1,12 +1,12 @@
-"""The cache's replicated state machine (DESIGN sections 2 and 5).
+"""The cache's replicated state machine (docs/design.md §2 and §5).
 
 `CacheState` holds what every rank of a domain must hold identically: the
 host index, the page allocator and the table of open operations (its
 `Ledger`). It changes only in `open` (a step's operations, once its round
 agreed that every rank took the step) and `apply` (an agreed round result).
 `check` says whether a step could open, without changing anything, and
-`open` checks again first, so a refused step changes nothing (DESIGN rule 9).
-Each operation kind opens, asks and settles in its own module
+`open` checks again first, so a refused step changes nothing (docs/design.md rule 9).
+Each operation kind opens, asks and takes its answers in its own module
 (`cpcache.state.ops`); this one orders them.
 
 It never does I/O: it emits intents for this rank's data plane and reads this
@@ -24,6 +24,7 @@ from cpcache.agreement.rounds import Questions, RoundResult
 from cpcache.config import CacheConfig
 from cpcache.errors import CacheError, InvalidArgument, NotFound
 from cpcache.keys import ShardingSpec
+from cpcache.requests import CacheRequests, LoadRequest, WriteRequest, check_shape
 from cpcache.state.allocator import PageAllocator
 from cpcache.state.host_index import HostIndex
 from cpcache.state.intents import Decisions, Intent
@@ -34,7 +35,6 @@ from cpcache.state.ops.load import Load, open_load
 from cpcache.state.ops.prefetch import Prefetch
 from cpcache.state.ops.retirement import Retirement, retire
 from cpcache.state.ops.write import Write, open_write
-from cpcache.state.requests import CacheRequests, LoadRequest, WriteRequest, check_shape
 
 
 class CacheState:
@@ -220,7 +220,7 @@ class CacheState:
         for serial in sorted(answers):
             op = ledger.open_ops.get(serial)
             if op is not None:
-                intents += op.settle(ledger, answers[serial], decisions)
+                intents += op.take_answers(ledger, answers[serial], decisions)
         backup.relieve_pressure(ledger)
         intents += backup.start_queued(ledger)
         return decisions, intents

@@ -33,10 +33,10 @@ class BackupOutcome(enum.IntEnum):
     STORED = 3
 
 
-PREFETCH_HIT = register(10, "prefetch hit", Reduce.MIN, "prefetch")  # pages in storage, from the first
-PREFETCH_DONE = register(11, "prefetch done", Reduce.MIN, "prefetch")  # pages fetched, from the first
-PREFETCH_MAY_END = register(12, "prefetch may end", Reduce.MIN, "prefetch")  # the policy lets it end (0/1)
-WRITE_OUTCOME = register(20, "write outcome", Reduce.MIN, "write")  # CopyOutcome of the device -> host copy
-BACKUP_OUTCOME = register(30, "backup outcome", Reduce.MIN, "backup")  # BackupOutcome of the host -> storage write
-LOAD_OUTCOME = register(40, "load outcome", Reduce.MIN, "load")  # CopyOutcome of the host -> device copy
-RECLAIM = register(50, "reclaim", Reduce.MIN, "retirement")  # no I/O is left on these retired slots (0/1)
+PREFETCH_HIT = register(10, "prefetch hit", Reduce.MIN)  # pages in storage, from the first
+PREFETCH_DONE = register(11, "prefetch done", Reduce.MIN)  # pages fetched, from the first
+PREFETCH_MAY_END = register(12, "prefetch may end", Reduce.MIN)  # the policy lets it end (0/1)
+WRITE_OUTCOME = register(20, "write outcome", Reduce.MIN)  # CopyOutcome of the device -> host copy
+BACKUP_OUTCOME = register(30, "backup outcome", Reduce.MIN)  # BackupOutcome of the host -> storage write
+LOAD_OUTCOME = register(40, "load outcome", Reduce.MIN)  # CopyOutcome of the host -> device copy
+RECLAIM = register(50, "reclaim", Reduce.MIN)  # no I/O is left on these retired slots (0/1)

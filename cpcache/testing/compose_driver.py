@@ -161,7 +161,7 @@ def parser() -> argparse.ArgumentParser:
 def run() -> None:
     args = parser().parse_args()
     if not Path(args.trace).is_file():
-        raise SystemExit(f"compose driver: trace {args.trace} not found (mount ../shared/traces at /traces)")
+        raise SystemExit(f"compose driver: trace {args.trace} not found (mount the repository's traces/ at /traces)")
     sys.exit(asyncio.run(main(args)))
 
 

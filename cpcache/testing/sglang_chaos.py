@@ -1,6 +1,6 @@
 """`cpcache bench sglang-chaos`: a real `sglang.launch_server` over `cpcache
 launch` daemons under cache-heavy traffic, and every few seconds a fault on
-a random rank at a random moment (DESIGN.md rule 12: a daemon's fate is
+a random rank at a random moment (docs/design.md rule 12: a daemon's fate is
 never the server's).
 
 The server runs at `--shape tp2` (`--tp 2`) or `cp2` (`--tp 2 --attn-cp-size

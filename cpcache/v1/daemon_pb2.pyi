@@ -182,30 +182,6 @@ class LoadOp(_message.Message):
     signal_slot: int
     def __init__(self, op_id: _Optional[int] = ..., pages: _Optional[_Iterable[bytes]] = ..., device_pages: _Optional[_Iterable[int]] = ..., signal_slot: _Optional[int] = ...) -> None: ...
 
-class PrefetchRequest(_message.Message):
-    __slots__ = ("step", "prefetches", "polls")
-    STEP_FIELD_NUMBER: _ClassVar[int]
-    PREFETCHES_FIELD_NUMBER: _ClassVar[int]
-    POLLS_FIELD_NUMBER: _ClassVar[int]
-    step: int
-    prefetches: _containers.RepeatedCompositeFieldContainer[PrefetchOp]
-    polls: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step: _Optional[int] = ..., prefetches: _Optional[_Iterable[_Union[PrefetchOp, _Mapping]]] = ..., polls: _Optional[_Iterable[int]] = ...) -> None: ...
-
-class RevokeRequest(_message.Message):
-    __slots__ = ("step", "op_ids")
-    STEP_FIELD_NUMBER: _ClassVar[int]
-    OP_IDS_FIELD_NUMBER: _ClassVar[int]
-    step: int
-    op_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step: _Optional[int] = ..., op_ids: _Optional[_Iterable[int]] = ...) -> None: ...
-
-class AckRequest(_message.Message):
-    __slots__ = ("step",)
-    STEP_FIELD_NUMBER: _ClassVar[int]
-    step: int
-    def __init__(self, step: _Optional[int] = ...) -> None: ...
-
 class WaitLoadsRequest(_message.Message):
     __slots__ = ("op_ids", "timeout_s")
     OP_IDS_FIELD_NUMBER: _ClassVar[int]

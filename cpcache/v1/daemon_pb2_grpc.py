@@ -49,21 +49,6 @@ class CacheDaemonStub:
                 request_serializer=cpcache_dot_v1_dot_daemon__pb2.StepRequest.SerializeToString,
                 response_deserializer=cpcache_dot_v1_dot_daemon__pb2.StepReply.FromString,
                 _registered_method=True)
-        self.Prefetch = channel.unary_unary(
-                '/cpcache.v1.CacheDaemon/Prefetch',
-                request_serializer=cpcache_dot_v1_dot_daemon__pb2.PrefetchRequest.SerializeToString,
-                response_deserializer=cpcache_dot_v1_dot_daemon__pb2.StepReply.FromString,
-                _registered_method=True)
-        self.Revoke = channel.unary_unary(
-                '/cpcache.v1.CacheDaemon/Revoke',
-                request_serializer=cpcache_dot_v1_dot_daemon__pb2.RevokeRequest.SerializeToString,
-                response_deserializer=cpcache_dot_v1_dot_daemon__pb2.StepReply.FromString,
-                _registered_method=True)
-        self.Ack = channel.unary_unary(
-                '/cpcache.v1.CacheDaemon/Ack',
-                request_serializer=cpcache_dot_v1_dot_daemon__pb2.AckRequest.SerializeToString,
-                response_deserializer=cpcache_dot_v1_dot_daemon__pb2.StepReply.FromString,
-                _registered_method=True)
         self.WaitLoads = channel.unary_unary(
                 '/cpcache.v1.CacheDaemon/WaitLoads',
                 request_serializer=cpcache_dot_v1_dot_daemon__pb2.WaitLoadsRequest.SerializeToString,
@@ -115,25 +100,6 @@ class CacheDaemonServicer:
         status Step would answer (the scheduler opens a new stream for its next
         step); a retry of a step, by either call, gets the outcome kept for it.
         """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Prefetch(self, request, context):
-        """Single-purpose decision calls: each is one round (and takes a step number).
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Revoke(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Ack(self, request, context):
-        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -194,21 +160,6 @@ def add_CacheDaemonServicer_to_server(servicer, server):
             'Steps': grpc.stream_stream_rpc_method_handler(
                     servicer.Steps,
                     request_deserializer=cpcache_dot_v1_dot_daemon__pb2.StepRequest.FromString,
-                    response_serializer=cpcache_dot_v1_dot_daemon__pb2.StepReply.SerializeToString,
-            ),
-            'Prefetch': grpc.unary_unary_rpc_method_handler(
-                    servicer.Prefetch,
-                    request_deserializer=cpcache_dot_v1_dot_daemon__pb2.PrefetchRequest.FromString,
-                    response_serializer=cpcache_dot_v1_dot_daemon__pb2.StepReply.SerializeToString,
-            ),
-            'Revoke': grpc.unary_unary_rpc_method_handler(
-                    servicer.Revoke,
-                    request_deserializer=cpcache_dot_v1_dot_daemon__pb2.RevokeRequest.FromString,
-                    response_serializer=cpcache_dot_v1_dot_daemon__pb2.StepReply.SerializeToString,
-            ),
-            'Ack': grpc.unary_unary_rpc_method_handler(
-                    servicer.Ack,
-                    request_deserializer=cpcache_dot_v1_dot_daemon__pb2.AckRequest.FromString,
                     response_serializer=cpcache_dot_v1_dot_daemon__pb2.StepReply.SerializeToString,
             ),
             'WaitLoads': grpc.unary_unary_rpc_method_handler(
@@ -317,87 +268,6 @@ class CacheDaemon:
             target,
             '/cpcache.v1.CacheDaemon/Steps',
             cpcache_dot_v1_dot_daemon__pb2.StepRequest.SerializeToString,
-            cpcache_dot_v1_dot_daemon__pb2.StepReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Prefetch(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/cpcache.v1.CacheDaemon/Prefetch',
-            cpcache_dot_v1_dot_daemon__pb2.PrefetchRequest.SerializeToString,
-            cpcache_dot_v1_dot_daemon__pb2.StepReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Revoke(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/cpcache.v1.CacheDaemon/Revoke',
-            cpcache_dot_v1_dot_daemon__pb2.RevokeRequest.SerializeToString,
-            cpcache_dot_v1_dot_daemon__pb2.StepReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Ack(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/cpcache.v1.CacheDaemon/Ack',
-            cpcache_dot_v1_dot_daemon__pb2.AckRequest.SerializeToString,
             cpcache_dot_v1_dot_daemon__pb2.StepReply.FromString,
             options,
             channel_credentials,

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-TRACE = REPO.parent / "shared" / "traces" / "conversation_trace.jsonl"
+TRACE = REPO / "traces" / "conversation_trace.jsonl"
 
 pytestmark = [
     pytest.mark.compose,

@@ -172,7 +172,7 @@ async def test_a_long_prompt_fits_a_step_and_an_oversized_request_is_invalid_arg
     default 4 MiB) is an ordinary step; past the message limit the client
     refuses to send, and the daemon answers INVALID_ARGUMENT, not the
     RESOURCE_EXHAUSTED that means "pool full"."""
-    from cpcache.client import CacheRequests
+    from cpcache.client import CacheRequests, PrefetchRequest
     from cpcache.dataplane.pools import DevicePool
     from cpcache.geometry import KVGeometry
     from cpcache.values import MAX_MESSAGE_BYTES
@@ -185,9 +185,9 @@ async def test_a_long_prompt_fits_a_step_and_an_oversized_request_is_invalid_arg
         async with AsyncClient(domain.sockets[0]) as client:
             await client.attach("long", geometry, 16, pool_fd=pool.fd)
             pages = [i.to_bytes(32, "little") for i in range(128 * 1024)]
-            reply = await client.step(1, requests=CacheRequests(prefetches=((1, pages, len(pages)),)))
+            reply = await client.step(1, requests=CacheRequests(prefetches=(PrefetchRequest(1, pages, len(pages)),)))
             assert reply.step == 1
-            huge = CacheRequests(prefetches=tuple((op, pages, len(pages)) for op in range(2, 20)))
+            huge = CacheRequests(prefetches=tuple(PrefetchRequest(op, pages, len(pages)) for op in range(2, 20)))
             with pytest.raises(errors.InvalidArgument, match="split it over several steps"):
                 await client.step(2, requests=huge)
             request = core.step_request(2, requests=huge)

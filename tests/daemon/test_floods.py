@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from cpcache import errors
-from cpcache.client import AsyncClient, CacheRequests
+from cpcache.client import AsyncClient, CacheRequests, WriteRequest
 from cpcache.daemon import budget
 from cpcache.daemon.launcher import DomainSpec, LocalDomain
 from cpcache.daemon.server import ExitCode
@@ -115,7 +115,7 @@ async def attach_and_step(socket_path: str) -> float:
     async with AsyncClient(socket_path) as client:
         pool = DevicePool.create_sealed(GEOMETRY, 8)
         await client.attach("m", GEOMETRY, 8, pool_fd=pool.fd)
-        reply = await client.step(1, requests=CacheRequests(writes=((1, [bytes(32)], [0]),)))
+        reply = await client.step(1, requests=CacheRequests(writes=(WriteRequest(1, [bytes(32)], [0]),)))
         step = 1
         while 1 not in reply.write_acks:
             step += 1

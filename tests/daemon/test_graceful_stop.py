@@ -1,4 +1,4 @@
-"""Graceful means graceful (DESIGN rule 12): a daemon told to stop (SIGTERM:
+"""Graceful means graceful (docs/design.md rule 12): a daemon told to stop (SIGTERM:
 systemd's stop or restart, an upgrade, an operator's `kill -TERM`) while an
 overlapped load-back is open finishes every copy it has issued, queued ones
 included, publishing each layer on the scheduler's board, and then exits 0:

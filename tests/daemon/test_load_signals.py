@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from cpcache.client import Client, SchedulerSession
+from cpcache.client import Client, LoadRequest, SchedulerSession
 from cpcache.daemon.launcher import DomainSpec, LocalDomain
 from cpcache.dataplane.pools import DevicePool
 from cpcache.errors import CacheError, InvalidArgument
@@ -130,7 +130,7 @@ async def test_a_signal_slot_outside_the_board_or_without_one_is_refused(run_dir
             pages = [bytes.fromhex(h) for h in chain(list(range(4)), 4, seed)]
             session = SchedulerSession(client)
             _written(session, pages, [0])
-            session._unsent.loads.append((99, pages, [3], 3))  # slot 3 of a board of 2
+            session._unsent.loads.append(LoadRequest(99, tuple(pages), (3,), 3))  # slot 3 of a board of 2
             with pytest.raises(InvalidArgument, match="signal slot 3 is outside"):
                 session.flush()
             assert client.status().state  # still serving
@@ -138,7 +138,7 @@ async def test_a_signal_slot_outside_the_board_or_without_one_is_refused(run_dir
         with Client(domain.sockets[0], timeout_s=20) as client:
             seed = client.attach("m", GEOMETRY, DEVICE_PAGES, pool_fd=without.fd).key_seed
             session = SchedulerSession(client, first_step=client.status().last_step + 1)
-            session._unsent.loads.append((7, pages, [3], 1))
+            session._unsent.loads.append(LoadRequest(7, tuple(pages), (3,), 1))
             with pytest.raises(InvalidArgument, match=r"\(0 slots\)"):
                 session.flush()
 

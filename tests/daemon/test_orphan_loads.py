@@ -1,5 +1,5 @@
 """A load-back whose daemon dies in the middle of its copy is finished by the
-scheduler (DESIGN rule 12): the forward reading it goes on, on the right
+scheduler (docs/design.md rule 12): the forward reading it goes on, on the right
 bytes, from the daemon's host pool that the scheduler maps read-only. The
 daemon is a real `cpcached` with its copies slowed layer by layer, killed
 while a forward waits on a load; a daemon stopped (SIGSTOP) past the load's

@@ -17,7 +17,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from cpcache import errors
-from cpcache.client import AsyncClient, CacheRequests
+from cpcache.client import AsyncClient, CacheRequests, WriteRequest
 from cpcache.daemon.launcher import DomainSpec, LocalDomain
 from cpcache.daemon.server import ExitCode
 from cpcache.dataplane import memfd, regions
@@ -333,7 +333,7 @@ async def test_a_pool_that_could_shrink_is_refused_and_a_sealed_one_cannot(run_d
             await client.attach("m", GEOMETRY, 8, pool_fd=pool.fd)
             with pytest.raises(PermissionError):
                 os.ftruncate(pool.fd, 0)  # what a restarting scheduler re-creating its pool would do
-            reply = await client.step(1, requests=CacheRequests(writes=((1, [bytes(32)], [0]),)))
+            reply = await client.step(1, requests=CacheRequests(writes=(WriteRequest(1, [bytes(32)], [0]),)))
             step = 1
             while 1 not in reply.write_acks:
                 step += 1

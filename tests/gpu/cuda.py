@@ -5,7 +5,7 @@ IPC handle per layer), and a write then load of pages through a daemon."""
 
 import torch
 
-from cpcache.client import AsyncClient, CacheRequests
+from cpcache.client import AsyncClient, CacheRequests, LoadRequest, WriteRequest
 from cpcache.geometry import KVGeometry, Region
 from cpcache.integrations.sglang.pool import cuda_ipc_fields
 
@@ -59,7 +59,7 @@ PAGE_KEYS = [bytes([i]) * 32 for i in range(4)]
 
 async def write_pages(client: AsyncClient, step: int, device_pages: list[int], op_id: int = 1) -> int:
     """Write `device_pages` to the host tier under PAGE_KEYS; -> the next step."""
-    await client.step(step, requests=CacheRequests(writes=((op_id, PAGE_KEYS, device_pages),)))
+    await client.step(step, requests=CacheRequests(writes=(WriteRequest(op_id, PAGE_KEYS, device_pages),)))
     while op_id not in (await client.step(step + 1)).write_acks:
         step += 1
     return step + 2
@@ -68,5 +68,5 @@ async def write_pages(client: AsyncClient, step: int, device_pages: list[int], o
 async def start_load(client: AsyncClient, step: int, device_pages: list[int], op_id: int = 2) -> int:
     """Open a load of PAGE_KEYS into `device_pages` (wait for it with
     `client.wait_loads([op_id])`); -> the next step."""
-    await client.step(step, requests=CacheRequests(loads=((op_id, PAGE_KEYS, device_pages),)))
+    await client.step(step, requests=CacheRequests(loads=(LoadRequest(op_id, PAGE_KEYS, device_pages),)))
     return step + 1

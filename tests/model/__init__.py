@@ -1,5 +1,5 @@
 """Exhaustive small-scope model checking of the epoch / Attach / fencing
-protocol (DESIGN section 11).
+protocol (docs/design.md §11).
 
 - `attach_model`: Attach over its own code (`cpcache.agreement.attach`,
   driven step by step over an in-memory store with TCPStore's semantics):

@@ -3,7 +3,7 @@ ranks with scheduler programs (a list of descriptors each attaches, one after
 the other), every order of their steps (publish, look, deadline passing, the
 confirmation round completing or timing out, the rendezvous store restarting
 and forgetting every key, the domain forming again after a confirmation timed
-out) over one store. Invariants (DESIGN rule 11):
+out) over one store. Invariants (docs/design.md rule 11):
 
 - one outcome per attempt: every rank that followed an attempt got the same
   (without store restarts: the same outcome; with them: attached on every

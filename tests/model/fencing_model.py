@@ -1,16 +1,16 @@
 """A model of one rank leaving its epoch while a round is in its collective
-and its data-plane jobs are queued or running (DESIGN rule 10), checked in
+and its data-plane jobs are queued or running (docs/design.md rule 10), checked in
 every order of: the peer entering the round late or never (timeout), the
 rank leaving, its engine thread returning, the stepper applying, the join,
 the detach (session end, device jobs counted), the next session attaching,
 and each job starting and ending.
 
 The model mirrors the code it stands for, step by step: `Formation._reform` in
-rank/epochs.py (close the engine, then `Stepper.settle_in_flight`, then
+rank/epochs.py (close the engine, then `Stepper.finish_in_flight`, then
 `Stepper.leave`, then the detach), `AgreementEngine._one_round` (a round whose
 collective completed is delivered, closed or not: the peer that completed it
 applies it), `AgreementEngine._fail_pending` (the close sentinel is put back)
-and `close` (joins, then destroys the groups), `Stepper._settle` (a stepper
+and `close` (joins, then destroys the groups), `Stepper._apply` (a stepper
 that left applies nothing), `Transfers.submit`/`_run` (a job binds its
 session's pool when issued; a copy issued while its session was open runs to
 its end, since a forward may read it, one issued after the end is refused),

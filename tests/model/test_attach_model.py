@@ -1,4 +1,4 @@
-"""The exhaustive small-scope check of Attach (DESIGN rule 11), and the
+"""The exhaustive small-scope check of Attach (docs/design.md rule 11), and the
 defects it finds when reintroduced."""
 
 import time

@@ -1,5 +1,5 @@
 """The exhaustive check of leaving an epoch under a round in its collective
-and jobs in flight (DESIGN rule 10), and the defects it finds when
+and jobs in flight (docs/design.md rule 10), and the defects it finds when
 reintroduced (a round applied after the leave, jobs reading the pool when
 they run, and a round its peer applied discarded by the leaving rank)."""
 

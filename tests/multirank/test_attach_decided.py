@@ -1,5 +1,5 @@
 """Attach is decided once per attempt, with one outcome on every rank
-(DESIGN rule 11), on real daemons: a refused attempt's descriptor never
+(docs/design.md rule 11), on real daemons: a refused attempt's descriptor never
 matches a later one, a peer arriving at any moment around a rank's deadline
 ends the attempt alike everywhere, and attaching again everywhere converges."""
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cpcache import errors
-from cpcache.client import AsyncClient, CacheRequests
+from cpcache.client import AsyncClient, CacheRequests, LoadRequest, PrefetchRequest, WriteRequest
 from cpcache.daemon.launcher import DomainSpec, LocalDomain
 from cpcache.dataplane.pools import DevicePool
 from cpcache.dataplane.storage import PageBuffer, open_backend
@@ -70,7 +70,8 @@ async def test_revoked_prefetch_keeps_its_slots_until_the_slow_rank_is_done(run_
             assert backend.put_from(keys, buffers) == [True] * PAGES
         hashes = [bytes.fromhex(p) for p in pages]
         step = 1
-        await step_all(clients, step, CacheRequests(prefetches=((1, hashes, PAGES * GEOMETRY.page_size),)))
+        prefetch = PrefetchRequest(1, hashes, PAGES * GEOMETRY.page_size)
+        await step_all(clients, step, CacheRequests(prefetches=(prefetch,)))
         hit = None
         while hit is None:  # each step is a round; the hit is agreed once both ranks have looked
             step += 1
@@ -92,7 +93,7 @@ async def test_revoked_prefetch_keeps_its_slots_until_the_slow_rank_is_done(run_
                 write_page(pool, i, c)
             contents.append(new)
         fresh = [bytes([9]) * 31 + bytes([i]) for i in range(PAGES)]
-        write = CacheRequests(writes=((2, fresh, list(range(PAGES))),))
+        write = CacheRequests(writes=(WriteRequest(2, fresh, list(range(PAGES))),))
         refused = 0
         while True:
             step += 1
@@ -113,7 +114,7 @@ async def test_revoked_prefetch_keeps_its_slots_until_the_slow_rank_is_done(run_
             acked = (await step_all(clients, step)).write_acks
         # The late reads did not overwrite the new pages: load them back and compare.
         step += 1
-        await step_all(clients, step, CacheRequests(loads=((3, fresh, list(range(16, 16 + PAGES))),)))
+        await step_all(clients, step, CacheRequests(loads=(LoadRequest(3, fresh, list(range(16, 16 + PAGES))),)))
         for c in clients:
             await c.wait_loads([3], timeout_s=10)
         for rank, pool in enumerate(pools):
@@ -141,20 +142,22 @@ async def test_every_error_status_leaves_the_daemon_serving_and_state_unchanged(
         await client.attach("m", GEOMETRY, 64, pool_fd=pool.fd)  # the pool holds only 4 pages
     await client.attach("m", GEOMETRY, 4, pool_fd=pool.fd)
     page = bytes(32)
-    reply = await client.step(2, requests=CacheRequests(writes=((1, [page], [0]),)))
+    reply = await client.step(2, requests=CacheRequests(writes=(WriteRequest(1, [page], [0]),)))
     step = 2
     while 1 not in reply.write_acks:  # rounds until the write-through is agreed done
         step += 1
         reply = await client.step(step)
     before = await client.stats()
     bad = [
-        (CacheRequests(writes=((7, [b"short"], [0]),)), errors.InvalidArgument, "32-byte"),
-        (CacheRequests(writes=((7, [page], [0, 1]),)), errors.InvalidArgument, "device pages"),
-        (CacheRequests(writes=((7, [page], [4]),)), errors.InvalidArgument, "outside the attached pool of 4 pages"),
+        (CacheRequests(writes=(WriteRequest(7, [b"short"], [0]),)), errors.InvalidArgument, "32-byte"),
+        (CacheRequests(writes=(WriteRequest(7, [page], [0, 1]),)), errors.InvalidArgument, "device pages"),
+        (CacheRequests(writes=(WriteRequest(7, [page], [4]),)), errors.InvalidArgument,
+         "outside the attached pool of 4 pages"),
         (CacheRequests(prefetch_polls=(99,), revokes=(99,)), errors.InvalidArgument, "polled or revoked twice"),
-        (CacheRequests(writes=((2**63, [page], [0]),)), errors.InvalidArgument, "outside \\[0, 2\\*\\*63\\)"),
+        (CacheRequests(writes=(WriteRequest(2**63, [page], [0]),)), errors.InvalidArgument,
+         "outside \\[0, 2\\*\\*63\\)"),
         (CacheRequests(revokes=(99,)), errors.NotFound, "prefetch 99 is not open"),
-        (CacheRequests(loads=((8, [bytes([1]) * 32], [1]),)), errors.NotFound, "is not in host"),
+        (CacheRequests(loads=(LoadRequest(8, [bytes([1]) * 32], [1]),)), errors.NotFound, "is not in host"),
     ]
     for requests, kind, words in bad:
         step += 1  # a refused step still takes its number: its round ran, rejected
@@ -165,20 +168,22 @@ async def test_every_error_status_leaves_the_daemon_serving_and_state_unchanged(
     # A full host pool is not an error: the write fails, alike on every rank, and nothing changes.
     step += 1
     overflow = [bytes([i]) * 32 for i in range(2, 2 + PAGES + 1)]
-    reply = await client.step(step, requests=CacheRequests(writes=((9, overflow, [0] * (PAGES + 1)),)))
+    reply = await client.step(step, requests=CacheRequests(writes=(WriteRequest(9, overflow, [0] * (PAGES + 1)),)))
     assert reply.write_failures == (9,) and not reply.write_acks
     assert (await client.stats())["host_pages_used"] == before["host_pages_used"]
     with pytest.raises(errors.FailedPrecondition, match="already taken with different content"):
         await client.step(1)
     # Still serving, and the page written before is still there to load.
-    reply = await client.step(step + 1, requests=CacheRequests(loads=((10, [page], [2]),)))
+    reply = await client.step(step + 1, requests=CacheRequests(loads=(LoadRequest(10, [page], [2]),)))
     await client.wait_loads([10], timeout_s=10)
     assert (await client.match([page, bytes([5]) * 32])).host_pages == 1
     del reply
     await client.close()
 
 
-async def test_single_purpose_calls_are_one_round_each(single, run_dir):
+async def test_single_purpose_steps_are_one_round_each(single, run_dir):
+    """Steps that carry one thing (a prefetch, a revoke, nothing: an ack)
+    each take one round, as any step does."""
     import grpc
 
     from cpcache.v1 import daemon_pb2 as pb
@@ -190,17 +195,16 @@ async def test_single_purpose_calls_are_one_round_each(single, run_dir):
     async with grpc.aio.insecure_channel("unix:" + single.sockets[0]) as channel:
         stub = pb_grpc.CacheDaemonStub(channel)
         page = bytes([7]) * 32
-        reply = await stub.Prefetch(pb.PrefetchRequest(step=1, prefetches=[pb.PrefetchOp(op_id=4, pages=[page],
-                                                                                            tokens=16)]))
+        reply = await stub.Step(pb.StepRequest(step=1, prefetches=[pb.PrefetchOp(op_id=4, pages=[page], tokens=16)]))
         assert reply.step == 1 and reply.round == 1
-        reply = await stub.Revoke(pb.RevokeRequest(step=2, op_ids=[4]))
+        reply = await stub.Step(pb.StepRequest(step=2, revokes=[4]))
         assert [(d.op_id, d.outcome) for d in reply.prefetches] == [(4, pb.PrefetchDecision.REVOKED)]
-        reply = await stub.Ack(pb.AckRequest(step=3))
+        reply = await stub.Step(pb.StepRequest(step=3))
         assert reply.round == 3
-        reply = await stub.Revoke(pb.RevokeRequest(step=4, op_ids=[4]))  # ended meanwhile: taken, ignored
+        reply = await stub.Step(pb.StepRequest(step=4, revokes=[4]))  # ended meanwhile: taken, ignored
         assert not reply.prefetches
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            await stub.Revoke(pb.RevokeRequest(step=5, op_ids=[5]))  # never opened
+            await stub.Step(pb.StepRequest(step=5, revokes=[5]))  # never opened
         assert info.value.code() == grpc.StatusCode.NOT_FOUND
         status = await stub.Status(pb.StatusRequest())
         assert status.rounds_completed == 5 and status.attached  # the rejected step ran its round too
@@ -218,7 +222,8 @@ async def test_a_storage_that_does_not_answer_is_an_agreed_miss_in_bounded_time(
         import time
 
         started = time.monotonic()
-        reply = await step_all(clients, 1, CacheRequests(prefetches=((1, [bytes(32)], GEOMETRY.page_size),)))
+        prefetch = PrefetchRequest(1, [bytes(32)], GEOMETRY.page_size)
+        reply = await step_all(clients, 1, CacheRequests(prefetches=(prefetch,)))
         step = 1
         while 1 not in reply.prefetch_revoked:
             step += 1
@@ -241,7 +246,7 @@ async def test_killed_mooncake_master_gives_agreed_misses_and_failures(run_dir):
             before = [bytes([1, i]) * 16 for i in range(2)]
             after = [bytes([2, i]) * 16 for i in range(2)]
             step = 1
-            reply = await step_all(clients, step, CacheRequests(writes=((1, before, [0, 1]),)))
+            reply = await step_all(clients, step, CacheRequests(writes=(WriteRequest(1, before, [0, 1]),)))
             stored = {}
             while not stored:  # write-through acked, then backed up to the store (backup ids are the daemon's)
                 step += 1
@@ -250,8 +255,8 @@ async def test_killed_mooncake_master_gives_agreed_misses_and_failures(run_dir):
             assert list(stored.values()) == [True]
             master.stop()  # the store is gone
             step += 1
-            await step_all(clients, step, CacheRequests(writes=((2, after, [2, 3]),),
-                                              prefetches=((3, [bytes([3]) * 32], GEOMETRY.page_size),)))
+            await step_all(clients, step, CacheRequests(writes=(WriteRequest(2, after, [2, 3]),),
+                                              prefetches=(PrefetchRequest(3, [bytes([3]) * 32], GEOMETRY.page_size),)))
             revoked, backups = {}, {}
             while 3 not in revoked or len(backups) < 1:
                 step += 1

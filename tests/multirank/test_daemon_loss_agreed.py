@@ -1,4 +1,4 @@
-"""A daemon's death is never a disagreement (DESIGN rule 12): whenever a
+"""A daemon's death is never a disagreement (docs/design.md rule 12): whenever a
 daemon dies (before its round, between its round and its reply, after its
 reply) or a reply is late (the client's deadline passed), every rank's
 scheduler is told the same thing for that step, and for the next.
@@ -15,7 +15,7 @@ import threading
 import pytest
 
 from cpcache import errors
-from cpcache.client import CacheRequests, Client
+from cpcache.client import CacheRequests, Client, WriteRequest
 from cpcache.daemon.launcher import LocalDomain
 from cpcache.values import Reduce
 
@@ -32,7 +32,7 @@ def clients(domain, timeout_s=CLIENT_TIMEOUT_S):
 
 
 def write_step(step):
-    return CacheRequests(writes=((step, PAGE_HASHES[:2], [0, 1]),))
+    return CacheRequests(writes=(WriteRequest(step, PAGE_HASHES[:2], [0, 1]),))
 
 
 async def step_both(blocking, step, epoch, requests=None):

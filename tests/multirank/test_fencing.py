@@ -1,4 +1,4 @@
-"""Epochs and sessions fence the data plane (DESIGN rule 10), on real
+"""Epochs and sessions fence the data plane (docs/design.md rule 10), on real
 daemons: a round a peer completes while this rank leaves its epoch is
 applied here too, before the epoch's I/O drains, and answered alike on both
 ranks; a host -> device load still queued when its session ends runs to its
@@ -10,7 +10,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from cpcache.client import CacheRequests
+from cpcache.client import CacheRequests, LoadRequest, WriteRequest
 from cpcache.daemon.launcher import LocalDomain
 
 from .attacks.common import PAGE_HASHES, PAGES, attach_all, close_all, make, spec, step_all, write_through
@@ -37,7 +37,7 @@ async def test_a_round_a_peer_completes_while_this_rank_leaves_its_epoch_is_answ
         old = make(domain, run_dir, 1)
         await attach_all(old)
         step, _ = await write_through(old, 1)
-        late = CacheRequests(writes=((2, [bytes([9]) * 32], [7]),))
+        late = CacheRequests(writes=(WriteRequest(2, [bytes([9]) * 32], [7]),))
         waiting = asyncio.ensure_future(old[0].client.step(step + 1, [], requests=late))
 
         async def rank0_took_it():
@@ -68,7 +68,8 @@ async def test_a_round_a_peer_completes_while_this_rank_leaves_its_epoch_is_answ
 
 
 async def load_back_intact(schedulers, step, expected):
-    replies = await step_all(schedulers, step, CacheRequests(loads=((50, PAGE_HASHES, list(range(8, 8 + PAGES))),)))
+    load = LoadRequest(50, PAGE_HASHES, list(range(8, 8 + PAGES)))
+    replies = await step_all(schedulers, step, CacheRequests(loads=(load,)))
     while 50 not in replies[0].loads:
         step += 1
         replies = await step_all(schedulers, step)

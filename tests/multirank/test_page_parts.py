@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from cpcache.client import AsyncClient, CacheRequests
+from cpcache.client import AsyncClient, CacheRequests, LoadRequest, PrefetchRequest
 from cpcache.daemon.launcher import DomainSpec, LocalDomain
 from cpcache.dataplane.pools import DevicePool
 from cpcache.dataplane.storage import PageBuffer, open_backend
@@ -91,7 +91,7 @@ async def test_a_page_missing_its_indexer_part_on_one_rank_is_a_miss_on_every_ra
 
         hashes = [bytes.fromhex(p) for p in pages]
         step = 1
-        await step_all(clients, step, CacheRequests(prefetches=((1, hashes, PAGES * PAGE),)))
+        await step_all(clients, step, CacheRequests(prefetches=(PrefetchRequest(1, hashes, PAGES * PAGE),)))
         hit = None
         while hit is None:
             step += 1
@@ -105,7 +105,7 @@ async def test_a_page_missing_its_indexer_part_on_one_rank_is_a_miss_on_every_ra
         assert done == LOST  # rank 1 holds every page whole; neither rank is given page LOST
         # The pages given are whole on both ranks: load them and compare every part's bytes.
         step += 1
-        await step_all(clients, step, CacheRequests(loads=((2, hashes[:LOST], list(range(LOST))),)))
+        await step_all(clients, step, CacheRequests(loads=(LoadRequest(2, hashes[:LOST], list(range(LOST))),)))
         await asyncio.gather(*(c.wait_loads([2], timeout_s=30) for c in clients))
         for pool in pools:
             for i in range(LOST):

@@ -16,7 +16,7 @@ from cpcache.topology import Topology
 
 pytestmark = [pytest.mark.multirank, pytest.mark.timeout(240)]
 
-TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "conversation_trace.jsonl"
+TRACE = Path(__file__).resolve().parents[2] / "traces" / "conversation_trace.jsonl"
 
 
 def small(run_dir, **kw) -> ReplayConfig:

@@ -15,7 +15,7 @@ import pytest
 from cpcache import errors
 from cpcache.agreement.collective import Rendezvous
 from cpcache.agreement.epochs import Epochs
-from cpcache.client import AsyncClient, CacheRequests
+from cpcache.client import AsyncClient, CacheRequests, LoadRequest
 from cpcache.daemon.launcher import LocalDomain
 from cpcache.values import Reduce, split_host_port
 
@@ -48,7 +48,7 @@ async def test_a_scheduler_that_attaches_again_finds_the_host_pages_of_its_last_
         assert {st.epoch for st in statuses} == {1} and {st.state for st in statuses} == {"serving"}
         assert [(await s.client.match(PAGE_HASHES)).host_pages for s in new] == [PAGES, PAGES]
         # Steps go on from 1 in the new session; the pages load into the new pools intact.
-        reply = await step_all(new, 1, CacheRequests(loads=((9, PAGE_HASHES, list(range(8, 8 + PAGES))),)))
+        reply = await step_all(new, 1, CacheRequests(loads=(LoadRequest(9, PAGE_HASHES, list(range(8, 8 + PAGES))),)))
         assert reply.epoch == 1
         step = 1
         while 9 not in reply.loads:

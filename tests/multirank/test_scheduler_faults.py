@@ -1,4 +1,4 @@
-"""Agreement under scheduler-side faults (DESIGN rules 6 to 9), on real
+"""Agreement under scheduler-side faults (docs/design.md rules 6 to 9), on real
 daemons: a call cancelled mid-round, a step only one rank rejects, ranks sent
 different cache operations, device pages outside one rank's pool, retries.
 Every rank ends each step with the same answer and the domain goes on."""
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from cpcache import errors
-from cpcache.client import AsyncClient, CacheRequests
+from cpcache.client import AsyncClient, CacheRequests, LoadRequest, PrefetchRequest, WriteRequest
 from cpcache.daemon.launcher import DomainSpec, LocalDomain
 from cpcache.dataplane.pools import DevicePool
 from cpcache.testing.sim.pages import page_content
@@ -104,7 +104,7 @@ async def test_ranks_sent_different_cache_operations_diverge_everywhere_and_open
         page = bytes([3]) * 32
         loop = asyncio.get_running_loop()
         started = loop.time()
-        results = await both(clients, 1, [((), CacheRequests(writes=((7, [page], [0]),))), ((), None)])
+        results = await both(clients, 1, [((), CacheRequests(writes=(WriteRequest(7, [page], [0]),))), ((), None)])
         if lag:
             results = await both(clients, 2, [((), None)] * 2)
         assert loop.time() - started < TIMEOUT_S + 1
@@ -133,7 +133,7 @@ async def test_mismatched_pools_fail_attach_on_every_rank_and_nothing_is_attache
         # The scheduler fixes its pools and attaches again: every rank agrees this time.
         pools[1] = DevicePool.create_sealed(GEOMETRY, 8)
         await asyncio.gather(*(c.attach("m", GEOMETRY, 8, pool_fd=p.fd) for c, p in zip(clients, pools)))
-        results = await both(clients, 1, [((), CacheRequests(writes=((1, [bytes([1]) * 32], [9]),)))] * 2)
+        results = await both(clients, 1, [((), CacheRequests(writes=(WriteRequest(1, [bytes([1]) * 32], [9]),)))] * 2)
         assert all(isinstance(r, errors.InvalidArgument) for r in results)  # device page 9 of 8: refused alike
         for c in clients:
             await c.close()
@@ -166,7 +166,7 @@ async def test_lag1_write_acks_wait_for_slow_copies_and_load_back_exact_bytes(ru
                 write_page(pool, i, content)
             written.append(contents)
         step = 1
-        await both(clients, step, [((), CacheRequests(writes=((1, pages, [0, 1, 2]),)))] * 2)
+        await both(clients, step, [((), CacheRequests(writes=(WriteRequest(1, pages, [0, 1, 2]),)))] * 2)
         acked = False
         while not acked:
             step += 1
@@ -178,7 +178,7 @@ async def test_lag1_write_acks_wait_for_slow_copies_and_load_back_exact_bytes(ru
             for i in range(3):
                 write_page(pool, i, np.zeros(GEOMETRY.page_bytes, dtype=np.uint8))
         step += 1
-        await both(clients, step, [((), CacheRequests(loads=((2, pages, [4, 5, 6]),)))] * 2)
+        await both(clients, step, [((), CacheRequests(loads=(LoadRequest(2, pages, [4, 5, 6]),)))] * 2)
         loaded = False
         while not loaded:
             step += 1
@@ -199,7 +199,7 @@ async def test_a_failed_copy_is_an_agreed_write_failure(run_dir):
             per_rank={1: dict(fault_copy_fail_rate=1.0)})) as domain:
         clients, _ = await attach_pools(domain, run_dir)
         page = bytes([6]) * 32
-        replies = await both(clients, 1, [((), CacheRequests(writes=((1, [page], [0]),)))] * 2)
+        replies = await both(clients, 1, [((), CacheRequests(writes=(WriteRequest(1, [page], [0]),)))] * 2)
         step = 1
         while not any(1 in r.write_failures for r in replies):
             assert not any(1 in r.write_acks for r in replies), "a write whose copy failed was acknowledged"
@@ -226,7 +226,7 @@ async def test_a_hung_store_does_not_hold_write_throughs(run_dir):
         clients, _ = await attach_pools(domain, run_dir)
         lookups = tuple((10 + i, [bytes([7, i]) * 16], GEOMETRY.page_size) for i in range(3))
         await both(clients, 1, [((), CacheRequests(prefetches=lookups))] * 2)
-        await both(clients, 2, [((), CacheRequests(writes=((1, [bytes([8]) * 32], [0]),)))] * 2)
+        await both(clients, 2, [((), CacheRequests(writes=(WriteRequest(1, [bytes([8]) * 32], [0]),)))] * 2)
         step, hits, acked = 2, {}, False
         while not acked:
             step += 1
@@ -253,14 +253,16 @@ async def test_a_cache_operation_sent_to_one_rank_only_diverges_everywhere_in_bo
             assert not any(isinstance(r, Exception) for r in replies), replies
             return replies[0]
 
-        await agreed(CacheRequests(prefetches=((5, [bytes([9]) * 32], GEOMETRY.page_size),)))  # stays open: threshold 0
-        await agreed(CacheRequests(writes=((6, [page], [0]),)))
+        # stays open: threshold 0
+        await agreed(CacheRequests(prefetches=(PrefetchRequest(5, [bytes([9]) * 32], GEOMETRY.page_size),)))
+        await agreed(CacheRequests(writes=(WriteRequest(6, [page], [0]),)))
         while 6 not in (await agreed()).write_acks:
             pass
-        odd = {"prefetch": CacheRequests(prefetches=((7, [bytes([8]) * 32], GEOMETRY.page_size),)),
+        odd = {"prefetch": CacheRequests(prefetches=(PrefetchRequest(7, [bytes([8]) * 32], GEOMETRY.page_size),)),
                "poll": CacheRequests(prefetch_polls=(5,)),
-               "revoke": CacheRequests(revokes=(5,)), "write": CacheRequests(writes=((7, [bytes([7]) * 32], [1]),)),
-               "load": CacheRequests(loads=((7, [page], [2]),))}[kind]
+               "revoke": CacheRequests(revokes=(5,)),
+               "write": CacheRequests(writes=(WriteRequest(7, [bytes([7]) * 32], [1]),)),
+               "load": CacheRequests(loads=(LoadRequest(7, [page], [2]),))}[kind]
         before = [(await c.stats())["cache_digest"] for c in clients]
         loop = asyncio.get_running_loop()
         started = loop.time()
@@ -303,7 +305,7 @@ async def test_at_lag_1_a_load_of_pages_evicted_since_the_scheduler_saw_them_fai
         clients = await attach(domain, run_dir, device_pages=(32, 32))
         old = [bytes([1, i]) + bytes(30) for i in range(16)]
         new = [bytes([2, i]) + bytes(30) for i in range(16)]
-        replies = await both(clients, 1, [(VOTE, CacheRequests(writes=((1, old, list(range(16))),)))] * 2)
+        replies = await both(clients, 1, [(VOTE, CacheRequests(writes=(WriteRequest(1, old, list(range(16))),)))] * 2)
         step, acked, backed_up = 1, False, False
         while not (acked and backed_up):  # then no operation holds `old`: it may be evicted
             step += 1
@@ -313,8 +315,9 @@ async def test_at_lag_1_a_load_of_pages_evicted_since_the_scheduler_saw_them_fai
             backed_up = backed_up or bool(replies[0].backups)
         assert (await clients[0].match(old)).host_pages == 16  # what the scheduler was told
         # The write of `new` opens when the next step is taken, evicting `old`; that step loads `old`.
-        await both(clients, step + 1, [(VOTE, CacheRequests(writes=((2, new, list(range(16))),)))] * 2)
-        loading = await both(clients, step + 2, [(VOTE, CacheRequests(loads=((3, old, list(range(16, 32))),)))] * 2)
+        await both(clients, step + 1, [(VOTE, CacheRequests(writes=(WriteRequest(2, new, list(range(16))),)))] * 2)
+        load_old = CacheRequests(loads=(LoadRequest(3, old, list(range(16, 32))),))
+        loading = await both(clients, step + 2, [(VOTE, load_old)] * 2)
         carried = await both(clients, step + 3, [(VOTE,)] * 2)
         for r in (*loading, *carried):
             assert not isinstance(r, Exception), r

@@ -21,7 +21,7 @@ from ruamel.yaml import YAML
 
 import cpcache
 from cpcache import errors
-from cpcache.client import AsyncClient, CacheRequests
+from cpcache.client import AsyncClient, CacheRequests, LoadRequest, WriteRequest
 from cpcache.config import HOST_LAYOUTS, SETTINGS, DaemonConfig
 from cpcache.daemon import settings
 from cpcache.daemon.launcher import DomainSpec, LocalDomain
@@ -353,13 +353,13 @@ async def test_metrics_move_while_the_cache_works(run_dir):
                 pool = DevicePool.create_sealed(geometry, 8)
                 await client.attach("m", geometry, 8, pool_fd=pool.fd)
                 pages = [bytes([i]) * 32 for i in range(3)]
-                await client.step(1, requests=CacheRequests(writes=((1, pages, [0, 1, 2]),)))
+                await client.step(1, requests=CacheRequests(writes=(WriteRequest(1, pages, [0, 1, 2]),)))
                 step = 1
                 while True:  # steps until the write-through is agreed done
                     step += 1
                     if 1 in (await client.step(step)).write_acks:
                         break
-                await client.step(step + 1, requests=CacheRequests(loads=((2, pages, [3, 4, 5]),)))
+                await client.step(step + 1, requests=CacheRequests(loads=(LoadRequest(2, pages, [3, 4, 5]),)))
                 with pytest.raises(errors.FailedPrecondition):
                     await client.step(1)  # an old step with other content: counted as FAILED_PRECONDITION
             finally:

@@ -1,8 +1,8 @@
-"""A replica-level harness (DESIGN section 11): N in-process copies of one
+"""A replica-level harness (docs/design.md §11): N in-process copies of one
 rank's cache (`cpcache.rank.runtime.CacheRuntime`: the shared state and its
 round) over an in-process MIN, each with a fake local I/O whose completion,
 delay and failure the test controls. `Domain.step` drives one scheduler
-step in the stepper's order (check -> pack or rejected -> reduce -> settle;
+step in the stepper's order (check -> pack or rejected -> reduce -> decode;
 on agreement the rank's own `apply_round`; lag 0 to 3) and checks the
 invariants after it. The round itself is the rank's, never a copy of it
 (tests/unit/rank/test_one_round.py)."""
@@ -18,11 +18,11 @@ from cpcache.config import CacheConfig
 from cpcache.errors import CacheError
 from cpcache.keys import ShardingSpec
 from cpcache.rank.runtime import CacheRuntime
+from cpcache.requests import CacheRequests
 from cpcache.state.allocator import PageAllocator
 from cpcache.state.intents import CopyToHost, Decisions, Fetch, Intent
 from cpcache.state.machine import CacheState
 from cpcache.state.ops.prefetch import Prefetch
-from cpcache.state.requests import CacheRequests
 from tests.support.fakes import FakeIO, IOPlan
 
 
@@ -135,7 +135,7 @@ class Domain:
 
     def _apply(self, pending: Pending, report: StepReport) -> None:
         before = [rep.state.digest for rep in self.replicas]
-        results: list[RoundResult] = [inp.settle(pending.reduced) for inp in pending.inputs]
+        results: list[RoundResult] = [inp.decode(pending.reduced) for inp in pending.inputs]
         report.applied = pending.number
         if results[0].rejection is not None:
             if any(r.rejection is None for r in results):

@@ -1,5 +1,6 @@
-"""Property-based scheduler programs over N in-process replicas (DESIGN
-section 11): invariants are checked after every step by the harness."""
+"""Property-based scheduler programs over N in-process replicas
+(docs/design.md §11): invariants are checked after every step by the
+harness."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cpcache.config import CacheConfig
-from cpcache.state.requests import CacheRequests, LoadRequest, PrefetchRequest, WriteRequest
+from cpcache.requests import CacheRequests, LoadRequest, PrefetchRequest, WriteRequest
 from tests.replicas.conftest import LONG, REPLICA_SETTINGS
 from tests.replicas.harness import Domain, InvariantViolation
 from tests.support.fakes import FakeIO, IOPlan

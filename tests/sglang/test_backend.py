@@ -21,7 +21,7 @@ from cpcache.topology import Topology
 
 ROOT = Path(__file__).resolve().parents[2]
 SGLANG_PYTHON = Path(os.environ.get("CPCACHE_SGLANG_PYTHON", ROOT / ".venv-sglang" / "bin" / "python"))
-TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
+TRACE = ROOT / "traces" / "conversation_trace.jsonl"
 WORKER = Path(__file__).resolve().parent / "worker.py"
 
 pytestmark = [

@@ -4,7 +4,7 @@ under cache-heavy traffic with slowed copies, and every few seconds a fault
 on a random rank (daemon SIGKILL, SIGTERM, SIGSTOP; scheduler SIGSTOP past
 the client deadline). The server stays up, every reply is right, nothing
 hangs, and after each fault every rank leaves the tiers at one iteration
-and comes back at one iteration (DESIGN.md rule 12).
+and comes back at one iteration (docs/design.md rule 12).
 
 The episode bookkeeping the report rests on is checked on its own first,
 on log lines written here (no SGLang needed)."""

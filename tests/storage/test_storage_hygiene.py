@@ -194,8 +194,8 @@ def test_capacity_holds_for_the_root_shared_by_two_daemons(tmp_path):
     for i in range(20):  # the two ranks write alternately, 20 pages each
         assert a.put_from([f"a{i}"], tiers.host_buffers([i])) == [True]
         assert b.put_from([f"b{i}"], tiers.host_buffers([i])) == [True]
-        a.settled()  # eviction runs on each daemon's own thread, after its put
-        b.settled()
+        a.wait_evictions()  # eviction runs on each daemon's own thread, after its put
+        b.wait_evictions()
     on_disk = pages_on_disk(root)
     assert len(on_disk) * PAGE_FILE <= capacity + PAGE_FILE  # one page over at most, between rescans
     assert {f"a{i}" for i in range(15, 20)} <= set(on_disk)  # the most recent of each survive
@@ -210,10 +210,10 @@ def test_a_restarted_rank_evicts_the_oldest_pages_not_the_other_ranks_recent_one
     assert all(a.put_from([f"a{i}"], tiers.host_buffers([i]))[0] for i in range(20))
     recent = [f"a{i}" for i in range(5)]  # rank A's oldest writes, but it just read them: hot
     assert a.get_into(recent, tiers.host_buffers(range(5))) == [True] * 5
-    a.settled()  # rank A's own eviction (on its thread) is done before B restarts
+    a.wait_evictions()  # rank A's own eviction (on its thread) is done before B restarts
     restarted = backend_at(root, capacity_bytes=capacity)  # rank B, restarted, knows nothing of A's reads
     assert all(restarted.put_from([f"b{i}"], tiers.host_buffers([i]))[0] for i in range(5))
-    restarted.settled()
+    restarted.wait_evictions()
     on_disk = set(pages_on_disk(root))
     assert set(recent) <= on_disk
     assert not {f"a{i}" for i in range(5, 10)} & on_disk  # the coldest went

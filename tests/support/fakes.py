@@ -180,5 +180,5 @@ class OneRankEngine:
     def submit(self, round_input: RoundInput) -> Future:
         future: Future = Future()
         vector, self.capacity = round_input.reduce(lambda v: None, self.capacity)
-        future.set_result(round_input.settle(vector))
+        future.set_result(round_input.decode(vector))
         return future

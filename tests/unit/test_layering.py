@@ -1,4 +1,4 @@
-"""The package's rooms and the arrows between them (DESIGN section 10),
+"""The package's rooms and the arrows between them (docs/design.md §10),
 checked by directory: a new module is placed by the folder it lives in, not
 by a hand-kept list.
 
@@ -21,7 +21,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "cpcache"
-VOCABULARY = "vocabulary"  # the top-level modules: errors, values, config, topology, keys, geometry, hashing
+VOCABULARY = "vocabulary"  # the top-level modules: errors, values, config, topology, keys, geometry, hashing, requests
 ORDER = ["vocabulary", "agreement", "state", "dataplane", "rank", "daemon", "tools"]
 # Rooms outside the chain, and what each may import besides itself.
 SIDE_ROOMS = {"client": {"vocabulary", "v1"}, "integrations": {"client", "vocabulary", "v1"}, "v1": set(),

@@ -1,4 +1,4 @@
-"""Worked examples of the rank layout (DESIGN section 3)."""
+"""Worked examples of the rank layout (docs/design.md §3)."""
 
 import pytest
 

@@ -4,6 +4,11 @@ A backend moves whole pages between storage objects and host-pool memory,
 in batches, on the caller's (I/O) thread. Heavy imports happen only when a
 backend is chosen: `open_backend("mooncake", ...)` imports
 `cpcache.dataplane.storage.mooncake`, which registers itself.
+
+Every backend is opened through this registry: by name with its own
+options (`open_backend`, the benches and tests) or by name from a daemon's
+settings (`open_configured`, which each backend reads for itself in
+`from_settings`).
 """
 
 from __future__ import annotations
@@ -12,11 +17,15 @@ import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
 from cpcache.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from cpcache.config import DaemonConfig
+    from cpcache.geometry import KVGeometry
 
 
 @dataclass(frozen=True)
@@ -48,6 +57,15 @@ class StorageBackend(ABC):
 
     name = ""
 
+    @classmethod
+    def from_settings(cls, config: DaemonConfig, geometry: KVGeometry,
+                      buffers: list[tuple[int, int]]) -> StorageBackend:
+        """The backend a daemon's settings describe, for pages of `geometry`;
+        `buffers`: the (address, nbytes) of host memory pages move from and
+        into. Only registered backends have one (a wrapper is built around
+        one of them)."""
+        raise NotImplementedError(f"{cls.__name__} is not opened from a daemon's settings")
+
     @abstractmethod
     def exists_prefix(self, keys: list[str]) -> int:
         """How many of `keys`, from the first, are present."""
@@ -74,7 +92,7 @@ BACKEND_MODULES = {
     "file": "cpcache.dataplane.storage.file",
     "mooncake": "cpcache.dataplane.storage.mooncake",
 }
-_FACTORIES: dict[str, Callable[..., StorageBackend]] = {}
+_FACTORIES: dict[str, type[StorageBackend]] = {}
 
 BackendT = TypeVar("BackendT", bound=type[StorageBackend])
 
@@ -88,9 +106,18 @@ def register(name: str) -> Callable[[BackendT], BackendT]:
     return decorate
 
 
-def open_backend(name: str, **options: object) -> StorageBackend:
-    """Backend `name`, given `options`: its constructor's own, no others."""
+def backend_class(name: str) -> type[StorageBackend]:
     if name not in BACKEND_MODULES:
         raise InvalidArgument(f"storage: unknown backend {name!r}; known: {', '.join(sorted(BACKEND_MODULES))}")
     importlib.import_module(BACKEND_MODULES[name])
-    return _FACTORIES[name](**options)
+    return _FACTORIES[name]
+
+
+def open_backend(name: str, **options: object) -> StorageBackend:
+    """Backend `name`, given `options`: its constructor's own, no others."""
+    return backend_class(name)(**options)
+
+
+def open_configured(config: DaemonConfig, geometry: KVGeometry, buffers: list[tuple[int, int]]) -> StorageBackend:
+    """The backend `config.storage` names, as the daemon's settings describe it."""
+    return backend_class(config.storage).from_settings(config, geometry, buffers)

@@ -6,7 +6,7 @@ pool), so both frame, key and check pages the same way."""
 from __future__ import annotations
 
 from cpcache.config import DaemonConfig
-from cpcache.dataplane.storage import StorageBackend, open_backend
+from cpcache.dataplane.storage import StorageBackend, open_configured
 from cpcache.dataplane.storage.faults import FaultyBackend, StorageFaults
 from cpcache.geometry import KVGeometry
 
@@ -18,18 +18,7 @@ def open_storage(config: DaemonConfig, geometry: KVGeometry,
     registers them with its transfer engine)."""
     if config.storage == "none":
         return None
-    # Each backend's own settings; the backend by name, through the registry
-    # the benches and tests open backends with.
-    options: dict[str, object]
-    if config.storage == "file":
-        options = dict(root=config.storage_root, capacity_bytes=config.storage_capacity_bytes,
-                       io_threads=config.io_threads, page_bytes=geometry.page_bytes, durable=config.storage_durable)
-    else:
-        options = dict(master=config.storage_master, metadata_server=config.storage_metadata_server,
-                       buffers=buffers, protocol=config.storage_protocol,
-                       local_hostname=config.storage_local_hostname, device_name=config.storage_device,
-                       global_segment_size=config.storage_segment_bytes)
-    backend = open_backend(config.storage, geometry_fingerprint=geometry.fingerprint(), **options)
+    backend = open_configured(config, geometry, buffers)
     faults = StorageFaults(
         delay_ms=config.faults.storage_delay_ms,
         fail_rate=config.faults.storage_fail_rate,

@@ -35,7 +35,7 @@ them (`cpcache bench serving`). A put that finds the root over the capacity
 by more than 1/`RESCAN_FRACTION` waits for it, so the bound above holds. A
 rescan keeps what this daemon wrote, read or deleted while it listed the
 root. An eviction that fails is logged and counted (`storage_eviction_errors`),
-and the next put tries again. `settled` waits for it.
+and the next put tries again. `wait_evictions` waits for it.
 """
 
 from __future__ import annotations
@@ -54,9 +54,11 @@ from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 
 import xxhash
 
+from cpcache.config import DaemonConfig
 from cpcache.dataplane.storage import PageBuffer, StorageBackend, register
 from cpcache.dataplane.storage.framing import HEADER, Verdict, check_header, check_page, checksum, pack_header
 from cpcache.errors import InvalidArgument
+from cpcache.geometry import KVGeometry
 
 # Below this page size a read is mostly interpreter time, which threads only
 # contend for; above it the syscalls and checksums (GIL released) overlap.
@@ -105,6 +107,13 @@ class _Clock:
 
 @register("file")
 class FileBackend(StorageBackend):
+    @classmethod
+    def from_settings(cls, config: DaemonConfig, geometry: KVGeometry,
+                      buffers: list[tuple[int, int]]) -> FileBackend:
+        return cls(root=config.storage_root, geometry_fingerprint=geometry.fingerprint(),
+                   capacity_bytes=config.storage_capacity_bytes, io_threads=config.io_threads,
+                   page_bytes=geometry.page_bytes, durable=config.storage_durable)
+
     def __init__(
         self, root: str, geometry_fingerprint: int, capacity_bytes: int = 0, io_threads: int = 4,
         page_bytes: int = 0, durable: bool = False,
@@ -239,7 +248,7 @@ class FileBackend(StorageBackend):
         self._evict_soon()
         return done
 
-    def settled(self) -> None:
+    def wait_evictions(self) -> None:
         """Wait until the eviction the puts so far asked for has run."""
         self._evictor.submit(lambda: None).result()
 

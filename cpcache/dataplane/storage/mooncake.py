@@ -17,9 +17,11 @@ from collections.abc import Callable
 
 import numpy as np
 
+from cpcache.config import DaemonConfig
 from cpcache.dataplane.storage import PageBuffer, StorageBackend, register
 from cpcache.dataplane.storage.framing import HEADER, Verdict, check_page, pack_header
 from cpcache.errors import InvalidArgument, Unavailable
+from cpcache.geometry import KVGeometry
 from cpcache.values import split_host_port
 
 HEADERS_PER_LEASE = 1024  # headers one call frames at once (each call has its cost); larger batches go in parts
@@ -66,6 +68,14 @@ OBJECT_ALREADY_EXISTS = -705  # Mooncake's ErrorCode for a put of a key the stor
 
 @register("mooncake")
 class MooncakeBackend(StorageBackend):
+    @classmethod
+    def from_settings(cls, config: DaemonConfig, geometry: KVGeometry,
+                      buffers: list[tuple[int, int]]) -> MooncakeBackend:
+        return cls(master=config.storage_master, metadata_server=config.storage_metadata_server, buffers=buffers,
+                   protocol=config.storage_protocol, local_hostname=config.storage_local_hostname,
+                   device_name=config.storage_device, global_segment_size=config.storage_segment_bytes,
+                   geometry_fingerprint=geometry.fingerprint())
+
     def __init__(
         self,
         master: str,

@@ -158,7 +158,7 @@ def build_cache(context: Any, settings: Settings | None = None) -> Any:
     def connect(step: int, epoch: int) -> SchedulerSession:
         if decisions is not None:
             decisions.begin_session()
-        return SchedulerSession(client, first_step=step, load_timeout_s=settings.timeout_s, decisions=decisions,
+        return SchedulerSession(client, first_step=step, decision_timeout_s=settings.timeout_s, decisions=decisions,
                                 epoch=epoch)
 
     daemon = [orphan_loads(socket, attached, pool)]  # this rank's daemon process and host pool, as last attached

@@ -1,5 +1,6 @@
-"""Finishing a load-back whose daemon died mid-copy, in the scheduler (DESIGN
-rule 12: no daemon death mid-load stops the forward or feeds it wrong bytes).
+"""Finishing a load-back whose daemon died mid-copy, in the scheduler
+(docs/design.md rule 12: no daemon death mid-load stops the forward or feeds
+it wrong bytes).
 
 A load's pages are in the daemon's host pool before the load opens (the
 agreed state says so), and they stay there while it is open. The daemon

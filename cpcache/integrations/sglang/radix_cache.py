@@ -228,7 +228,7 @@ class CpcacheRadixCache(UnifiedRadixCache):
             # A hit is loaded in this iteration: take the step in flight first,
             # so that no round lands between the match and the load.
             try:
-                session.settle()
+                session.take_reply()
             except CacheError as exc:
                 self._fall_back(exc)
                 return result

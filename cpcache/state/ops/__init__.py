@@ -1,3 +1,3 @@
 """The operation kinds, one module each with its whole lifecycle: how it
-opens, what it asks each round, how it settles on the agreed answers, all
+opens, what it asks each round, how it takes the agreed answers, all
 against the shared `Ledger`."""

@@ -23,7 +23,7 @@ class Backup(Operation):
     def ask(self, ledger: Ledger, local: LocalProgress) -> Asked:
         return [(BACKUP_OUTCOME, local.backup_outcome(self.serial))]
 
-    def settle(self, ledger: Ledger, answers: dict[int, int], decisions: Decisions) -> list[Intent]:
+    def take_answers(self, ledger: Ledger, answers: dict[int, int], decisions: Decisions) -> list[Intent]:
         outcome = answers.get(BACKUP_OUTCOME.code, BackupOutcome.PENDING)
         if outcome != BackupOutcome.PENDING:
             _end(ledger, self, BackupOutcome(outcome), decisions)

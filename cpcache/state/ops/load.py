@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cpcache.requests import LoadRequest
 from cpcache.state.intents import CopyToDevice, Decisions, Intent
 from cpcache.state.ledger import Asked, Ledger, LocalProgress, Operation
 from cpcache.state.ops import backup
 from cpcache.state.questions import LOAD_OUTCOME, CopyOutcome
-from cpcache.state.requests import LoadRequest
 
 
 @dataclass
@@ -25,7 +25,7 @@ class Load(Operation):
     def ask(self, ledger: Ledger, local: LocalProgress) -> Asked:
         return [(LOAD_OUTCOME, local.load_outcome(self.serial))]
 
-    def settle(self, ledger: Ledger, answers: dict[int, int], decisions: Decisions) -> list[Intent]:
+    def take_answers(self, ledger: Ledger, answers: dict[int, int], decisions: Decisions) -> list[Intent]:
         outcome = answers.get(LOAD_OUTCOME.code, CopyOutcome.PENDING)
         if outcome != CopyOutcome.PENDING:
             _end(ledger, self, CopyOutcome(outcome), decisions)

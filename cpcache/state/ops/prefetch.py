@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cpcache.requests import PrefetchRequest
 from cpcache.state.intents import Decisions, Fetch, Intent, Lookup
 from cpcache.state.ledger import Asked, Ledger, LocalProgress, Operation
 from cpcache.state.ops.retirement import make_room, retire
 from cpcache.state.questions import NOT_YET, PREFETCH_DONE, PREFETCH_HIT, PREFETCH_MAY_END
-from cpcache.state.requests import PrefetchRequest
 
 ENDED_PREFETCHES_KEPT = 4096
 
@@ -39,7 +39,7 @@ class Prefetch(Operation):
         may_end = ledger.prefetch_policy.may_end(complete, local.elapsed_s(self.serial), self.request.tokens)
         return [(PREFETCH_DONE, done), (PREFETCH_MAY_END, int(may_end))]
 
-    def settle(self, ledger: Ledger, answers: dict[int, int], decisions: Decisions) -> list[Intent]:
+    def take_answers(self, ledger: Ledger, answers: dict[int, int], decisions: Decisions) -> list[Intent]:
         hit = answers.get(PREFETCH_HIT.code, NOT_YET)
         if hit != NOT_YET and self.hit == NOT_YET:
             return _decide_hit(ledger, self, hit, decisions)

@@ -1,6 +1,6 @@
 """Host slots given up by their owner, and the evictions that make room:
 a retired slot goes back to the allocator once no rank has I/O on it
-(DESIGN rule 5)."""
+(docs/design.md rule 5)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ class Retirement(Operation):
     def ask(self, ledger: Ledger, local: LocalProgress) -> Asked:
         return [(RECLAIM, int(local.idle(self.slots)))]
 
-    def settle(self, ledger: Ledger, answers: dict[int, int], decisions: Decisions) -> list[Intent]:
+    def take_answers(self, ledger: Ledger, answers: dict[int, int], decisions: Decisions) -> list[Intent]:
         if answers.get(RECLAIM.code) == 1:
             ledger.close(self)
             ledger.allocator.reclaim(self.slots)

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cpcache.requests import WriteRequest
 from cpcache.state.intents import CopyToHost, Decisions, Intent
 from cpcache.state.ledger import Asked, Ledger, LocalProgress, Operation
 from cpcache.state.ops import backup
 from cpcache.state.ops.retirement import make_room
 from cpcache.state.questions import WRITE_OUTCOME, CopyOutcome
-from cpcache.state.requests import WriteRequest
 
 
 @dataclass
@@ -28,7 +28,7 @@ class Write(Operation):
     def ask(self, ledger: Ledger, local: LocalProgress) -> Asked:
         return [(WRITE_OUTCOME, local.write_outcome(self.serial))]
 
-    def settle(self, ledger: Ledger, answers: dict[int, int], decisions: Decisions) -> list[Intent]:
+    def take_answers(self, ledger: Ledger, answers: dict[int, int], decisions: Decisions) -> list[Intent]:
         outcome = answers.get(WRITE_OUTCOME.code, CopyOutcome.PENDING)
         if outcome == CopyOutcome.OK:
             _ack(ledger, self, decisions)

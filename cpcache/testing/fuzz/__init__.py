@@ -8,11 +8,12 @@ page lists, wrong hash lengths, device pages out of range, NaN/inf/negative
 timeouts, unknown enum values, absurd geometry, odd pool paths) and raw
 malformed bytes sent through an untyped channel method.
 
-Decision RPCs (Step, Prefetch, Revoke, Ack) go to every rank with the same
-step number, strictly increasing (the same hostile request everywhere, a
-hostile request on one rank and a valid one on the other, two different
-hostile ones, identical raw bytes); out-of-range, stale and retried step
-numbers go to one rank only. Local RPCs (Attach, WaitLoads, Match, Stats,
+Steps (a scheduler iteration's mix of fields, or one purpose alone: only
+prefetches and polls, only revokes, nothing but the step number) go to
+every rank with the same step number, strictly increasing (the same
+hostile request everywhere, a hostile request on one rank and a valid one
+on the other, two different hostile ones, identical raw bytes);
+out-of-range, stale and retried step numbers go to one rank only. Local RPCs (Attach, WaitLoads, Match, Stats,
 Status) go to one rank, 32 at a time, while the rounds run.
 
 Checked: only documented statuses answer (never UNKNOWN or INTERNAL;

@@ -1,8 +1,8 @@
-"""The decision RPCs (Step, Prefetch, Revoke, Ack): one step number, strictly
-increasing, sent to every rank (the same hostile request everywhere, a
-hostile request on one rank and a valid one on the others, two different
-hostile ones, identical raw bytes), and out-of-range, stale and retried step
-numbers to one rank only. Each round is checked: accepted everywhere with
+"""The decision RPC (Step): one step number, strictly increasing, sent to
+every rank (the same hostile request everywhere, a hostile request on one
+rank and a valid one on the others, two different hostile ones, identical
+raw bytes), and out-of-range, stale and retried step numbers to one rank
+only. Each round is checked: accepted everywhere with
 byte-identical replies or refused everywhere, the cache digest the same on
 every rank and unchanged by a refused step."""
 
@@ -53,7 +53,7 @@ class DecisionRounds:
         self.digest = digests[0]
 
     def benign(self, step: int) -> tuple[str, bytes]:
-        return "Ack", pb.AckRequest(step=step).SerializeToString()
+        return "Step", pb.StepRequest(step=step).SerializeToString()  # nothing but the step number
 
     def check_round(self, sent: list[tuple[str, bytes]], outcomes: list[CallOutcome]) -> bool:
         """One round's answers; returns whether the step was refused everywhere."""
@@ -100,8 +100,6 @@ class DecisionRounds:
             for op in request.writes:
                 if op.op_id in reply.write_acks:
                     gen.written.extend(op.pages)
-        elif isinstance(request, pb.PrefetchRequest):
-            gen.open_ids.extend(op.op_id for op in request.prefetches)
         for lst, keep in ((gen.open_ids, 64), (gen.load_ids, 16), (gen.written, 64)):
             del lst[:-keep]
         self.local_gen.load_ids[:] = gen.load_ids
@@ -145,13 +143,13 @@ class DecisionRounds:
         r, gen, n = self.rng, self.gen, len(self.ranks)
         pick = r.random()
         if pick < 0.05:  # a step number out of range, one rank: no round
-            request = gen.decision(method, r.choice([0, 2**63, 2**63 + 1, 2**64 - 1]))
+            request = gen.decision(r.choice([0, 2**63, 2**63 + 1, 2**64 - 1]))
             await self.local_step_check(r.randrange(n), method, request.SerializeToString(), {"INVALID_ARGUMENT"},
                                         None)
             return
         if pick < 0.09 and self.step > 0:  # a stale step number, not a retry: no round
             stale = r.choice([self.step, max(1, self.step - r.randint(1, 100)), 1])
-            request = gen.decision(method, stale)
+            request = gen.decision(stale)
             rank = r.randrange(n)
             data = request.SerializeToString()
             if data in self.recent[rank]:  # a retry of a kept step (the daemon keeps 64): its kept outcome
@@ -180,41 +178,41 @@ class DecisionRounds:
             if data is None:
                 self.step = prev
                 return
-            request = parse(method, data)
+            parsed = parse(method, data)
             sent = [(method, data)] * n
-            if request is None:
+            if parsed is None:
                 self.step = prev  # no rank takes it
                 outcomes = await asyncio.gather(*(rank.call(method, data) for rank in self.ranks))
                 for o in outcomes:
                     self.report.count(method, o, raw=True)
                     self.report.check_undecodable(method, o, data)
                 return
-            if request.step != step:
-                if prev < request.step <= MAX_STEP:
-                    self.step = request.step
+            if parsed.step != step:
+                if prev < parsed.step <= MAX_STEP:
+                    self.step = parsed.step
                     await self.round(sent, [True] * n)  # a fresh step after all
                     return
                 self.step = prev
-                expect = {"INVALID_ARGUMENT"} if not 0 < request.step <= MAX_STEP else {"FAILED_PRECONDITION"}
+                expect = {"INVALID_ARGUMENT"} if not 0 < parsed.step <= MAX_STEP else {"FAILED_PRECONDITION"}
                 for rank in range(n):
                     await self.local_step_check(rank, method, data, expect, None, raw=True)
                 return
             await self.round(sent, [True] * n)
             return
-        hostile = gen.decision(method, step).SerializeToString()
+        hostile = gen.decision(step).SerializeToString()
         if pick < 0.55:  # the same hostile request everywhere
             sent = [(method, hostile)] * n
         elif pick < 0.85:  # hostile on one rank, valid on the others
             bad = r.randrange(n)
             sent = [(method, hostile) if i == bad else self.benign(step) for i in range(n)]
         else:  # different hostile requests
-            sent = [(method, hostile)] + [(method, gen.decision(method, step).SerializeToString())
+            sent = [(method, hostile)] + [(method, gen.decision(step).SerializeToString())
                                           for _ in range(n - 1)]
         await self.round(sent, [False] * n)
 
     def raw_for(self, method: str, step: int) -> bytes | None:
         """Raw bytes whose step, when they decode at all, cannot use up the step space."""
-        template = self.gen.decision(method, step).SerializeToString()
+        template = self.gen.decision(step).SerializeToString()
         for _ in range(8):
             data = self.gen.raw(template)
             request = parse(method, data)

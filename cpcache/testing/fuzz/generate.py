@@ -146,14 +146,19 @@ class Gen:
                 votes.reduces.append(pb.REDUCE_MIN)
         votes.values.extend(values)
 
-    def decision(self, method: str, step: int) -> Message:
+    def decision(self, step: int) -> pb.StepRequest:
+        """A hostile step: half the time a scheduler iteration's mix of
+        fields, else (a sixth each) one purpose alone: nothing but the step
+        number (an ack), only revokes, or only prefetches and polls, up to
+        20 prefetches at once."""
         r = self.r
-        if method == "Ack":
-            return pb.AckRequest(step=step)
-        if method == "Revoke":
-            return pb.RevokeRequest(step=step, op_ids=self.ids())
-        if method == "Prefetch":
-            request = pb.PrefetchRequest(step=step, polls=self.ids())
+        shape = r.random()
+        if shape < 1 / 6:
+            return pb.StepRequest(step=step)
+        if shape < 2 / 6:
+            return pb.StepRequest(step=step, revokes=self.ids())
+        if shape < 3 / 6:
+            request = pb.StepRequest(step=step, prefetch_polls=self.ids())
             for _ in range(r.choice([0, 1, 1, 2, 3, 20])):
                 self.prefetch_op(request.prefetches.add())
             return request

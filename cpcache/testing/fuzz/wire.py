@@ -14,12 +14,11 @@ from cpcache.geometry import KVGeometry
 from cpcache.v1 import daemon_pb2 as pb
 
 SERVICE = "/cpcache.v1.CacheDaemon/"
-DECISIONS = ("Step", "Prefetch", "Revoke", "Ack")
+DECISIONS = ("Step",)
 LOCALS = ("Attach", "WaitLoads", "Match", "Stats", "Status")
-RPCS = ("Attach", "Step", "Prefetch", "Revoke", "Ack", "WaitLoads", "Match", "Stats", "Status")
+RPCS = ("Attach", "Step", "WaitLoads", "Match", "Stats", "Status")
 REQUEST_TYPES: dict[str, type[Message]] = {
-    "Attach": pb.AttachRequest, "Step": pb.StepRequest, "Prefetch": pb.PrefetchRequest,
-    "Revoke": pb.RevokeRequest, "Ack": pb.AckRequest, "WaitLoads": pb.WaitLoadsRequest,
+    "Attach": pb.AttachRequest, "Step": pb.StepRequest, "WaitLoads": pb.WaitLoadsRequest,
     "Match": pb.MatchRequest, "Stats": pb.StatsRequest, "Status": pb.StatusRequest,
 }
 DOCUMENTED = {"OK", "INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED"}

@@ -2,7 +2,7 @@
 
 `python -m sglang.bench_serving --backend sglang --dataset-name mooncake`
 replays a Mooncake-format trace (a scaled-down slice of
-../shared/traces/conversation_trace.jsonl: the first REQUESTS requests,
+traces/conversation_trace.jsonl in the repository: the first REQUESTS requests,
 their prefix chains cut to BLOCKS blocks, OUTPUT tokens out, arrivals at
 their timestamps slowed by SLOWDOWN, `--slowdown`) against real `sglang.launch_server`
 servers at `--tp 2 --attn-cp-size 2`, offline on this host, one server at
@@ -48,7 +48,7 @@ DEVICE_TOKENS = 2048
 HOST_PAGES = 2 * DEVICE_TOKENS // PAGE  # HiCache's --hicache-ratio 2; cpcache's host pool as many
 REQUESTS, BLOCKS, OUTPUT, SLOWDOWN = 400, 6, 4, 1.5
 BOUND_PAGES = 6144  # the bounded stores hold this many pages' bytes in all
-TRACE = Path(__file__).resolve().parents[3].parent / "shared" / "traces" / "conversation_trace.jsonl"
+TRACE = Path(__file__).resolve().parents[3] / "traces" / "conversation_trace.jsonl"
 _DATASET_WORDS = ["[UNK]", "[EOS]", *"0123456789", "hi", "story", "Round", "Tell", "me", "a", "based", "on", "this",
                   "context", ".", ":", "user", "assistant", "system"]
 # Every id the model can answer is a word (the client times a token from its text).

@@ -22,11 +22,11 @@ from cpcache.agreement.rounds import MIN_CAPACITY, Questions
 from cpcache.config import CacheConfig
 from cpcache.keys import ShardingSpec
 from cpcache.rank.runtime import CacheRuntime
+from cpcache.requests import CacheRequests, LoadRequest, WriteRequest
 from cpcache.state.allocator import PageAllocator
 from cpcache.state.intents import Intent
 from cpcache.state.machine import CacheState
 from cpcache.state.questions import BackupOutcome, CopyOutcome
-from cpcache.state.requests import CacheRequests, LoadRequest, WriteRequest
 
 HOST_PAGES = 4096  # the demo's host pool
 DEVICE_PAGES = 2048
@@ -112,7 +112,7 @@ class Driver:
         self.runtime.check(requests)
         round_input = self.runtime.pack(self.number, Questions.empty(), self.runtime.digest, requests)
         vector, self.capacity = round_input.reduce(lambda v: None, self.capacity)
-        result = round_input.settle(vector)
+        result = round_input.decode(vector)
         clock = _CPULaps()
         self.runtime.apply_round(self.number, requests, result, _no_io, clock)
         clock.lap("end")

@@ -4,7 +4,7 @@ import asyncio
 import numpy as np
 import torch
 
-from cpcache.client import AsyncClient, CacheRequests
+from cpcache.client import AsyncClient, CacheRequests, WriteRequest
 from cpcache.daemon.launcher import DomainSpec
 from cpcache.dataplane.pools import DevicePool
 from cpcache.geometry import KVGeometry
@@ -60,7 +60,8 @@ async def write_through(schedulers, step):
         for page in range(PAGES):
             s.fill(page, rank)
     expected = [[s.read(page) for page in range(PAGES)] for s in schedulers]
-    replies = await step_all(schedulers, step, CacheRequests(writes=((1, PAGE_HASHES, list(range(PAGES))),)))
+    write = WriteRequest(1, PAGE_HASHES, list(range(PAGES)))
+    replies = await step_all(schedulers, step, CacheRequests(writes=(write,)))
     assert len({r.wire for r in replies}) == 1
     while 1 not in replies[0].write_acks:
         step += 1

@@ -1,4 +1,4 @@
-"""Closing the agreement engine ends its epoch (DESIGN rule 10): the round in
+"""Closing the agreement engine ends its epoch (docs/design.md rule 10): the round in
 its collective ends as it ends on its peers (delivered if it completed,
 failed if it failed), rounds not begun never begin, the thread is really joined,
 the groups are destroyed, and a failure never eats the close sentinel."""

@@ -8,8 +8,8 @@ import pytest
 
 from cpcache.agreement.divergence import explain_divergence
 from cpcache.agreement.kinds import VOTE
-from cpcache.agreement.rounds import HEADER_SLOTS, MIN_CAPACITY, Questions, RoundInput
-from cpcache.errors import Divergence, InvalidArgument
+from cpcache.agreement.rounds import HEADER_SLOTS, MIN_CAPACITY, REJECTION_STATUSES, Questions, Rejection, RoundInput
+from cpcache.errors import FAMILY, Divergence, InvalidArgument
 from cpcache.values import Reduce
 
 
@@ -60,13 +60,13 @@ def test_capacity_grows_in_the_same_round_when_any_rank_needs_more():
         )
     assert cap_a == cap_b == 128 and len(reduced) == HEADER_SLOTS + 128
     with pytest.raises(Divergence):
-        big.settle(reduced)
+        big.decode(reduced)
 
 
 def test_min_and_max_answers_from_one_min_reduction():
     a = table_with((1, Reduce.MIN, 5), (2, Reduce.MAX, 0)).pack(7, digest=42)
     b = table_with((1, Reduce.MIN, 3), (2, Reduce.MAX, 1)).pack(7, digest=42)
-    result = a.settle(reduce_min(a, b))
+    result = a.decode(reduce_min(a, b))
     op_ids, values = result.of_kind(VOTE.code)
     assert dict(zip(op_ids.tolist(), values.tolist())) == {1: 3, 2: 1}
     assert result.number == 7
@@ -90,7 +90,7 @@ def test_packing_order_does_not_depend_on_opening_order():
 def test_any_difference_in_questions_or_state_is_a_divergence(other):
     mine = table_with((1, Reduce.MIN, 5)).pack(7, 42)
     with pytest.raises(Divergence):
-        mine.settle(reduce_min(mine, other()))
+        mine.decode(reduce_min(mine, other()))
 
 
 def test_divergence_names_ranks_and_operations():
@@ -107,3 +107,26 @@ def test_bad_values_and_duplicate_questions_are_refused():
         table_with((1, Reduce.MIN, -(2**63)))
     with pytest.raises(InvalidArgument, match="appears twice"):
         table_with((1, Reduce.MIN, 1), (1, Reduce.MIN, 2))
+
+
+def test_a_rejection_carries_every_status_of_the_error_family():
+    """The statuses a rejection travels with are the family's, each once,
+    after INTERNAL (the base error's, and what anything else travels as)."""
+    family = {kind.status for kind in FAMILY}
+    assert REJECTION_STATUSES[0] == "INTERNAL" and set(REJECTION_STATUSES) == family | {"INTERNAL"}
+    assert len(REJECTION_STATUSES) == len(set(REJECTION_STATUSES)) <= 16  # 4 bits of slot 6
+    assert "PERMISSION_DENIED" in REJECTION_STATUSES  # told as INTERNAL before the list was derived
+    for rank in (0, 1, 7, 1000):
+        for status in REJECTION_STATUSES:
+            assert Rejection.decode(Rejection(rank, status, "").code()) == (rank, status)
+    assert Rejection.decode(Rejection(3, "CANCELLED", "").code()) == (3, "INTERNAL")  # outside the family
+    assert Rejection.decode(3 * 16 + 15) == (3, "INTERNAL")  # an index this rank does not know
+
+
+def test_a_rejected_round_names_the_lowest_rejecting_rank_and_its_status():
+    fine = table_with((1, Reduce.MIN, 5)).pack(7, 42)
+    denied = RoundInput.rejected(7, 2, "PERMISSION_DENIED", "attach: no")
+    unavailable = RoundInput.rejected(7, 3, "UNAVAILABLE", "draining")
+    result = fine.decode(reduce_min(fine, denied, unavailable))
+    assert result.rejection is not None
+    assert (result.rejection.rank, result.rejection.status) == (2, "PERMISSION_DENIED")

@@ -4,7 +4,7 @@ and nothing open that a round must decide. Such an iteration sends no Step
 (no RPC, no round), and whether an iteration sends one depends only on what
 every rank's scheduler has alike (its own calls and the agreed replies),
 never on local timing: so the number of rounds stays a function of the
-scheduler's iterations (DESIGN.md, section 2, rule 2).
+scheduler's iterations (docs/design.md rule 2).
 
 The daemon here is a deterministic model of one: every rank's model gets the
 same steps and so answers them alike, as agreed replies are alike."""
@@ -19,8 +19,9 @@ from collections.abc import Callable
 import pytest
 
 from cpcache.client import session as session_module
-from cpcache.client.messages import CacheRequests, StepResult
+from cpcache.client.messages import StepResult
 from cpcache.client.session import SchedulerSession
+from cpcache.requests import CacheRequests
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -44,10 +45,10 @@ class ModelDaemon:
                    epoch: int | None = None) -> Callable[[], StepResult]:
         requests = requests or CacheRequests()
         self.steps.append(step)
-        for op, pages, _device, _parent in requests.writes:
-            self._writes[op] = (step + 1, tuple(pages))
-        for op, *_ in requests.prefetches:
-            self._prefetches[op] = step + 2
+        for write in requests.writes:
+            self._writes[write.op_id] = (step + 1, write.pages)
+        for prefetch in requests.prefetches:
+            self._prefetches[prefetch.op_id] = step + 2
         acks = tuple(op for op, (at, _) in self._writes.items() if at == step and op % 7)
         failures = tuple(op for op, (at, _) in self._writes.items() if at == step and not op % 7)
         entered = tuple(page for op in acks for page in self._writes[op][1])
@@ -59,7 +60,7 @@ class ModelDaemon:
             del self._prefetches[op]
         reply = StepResult(step=step, round=step, decisions={}, digest=step, wire=b"", write_acks=acks,
                            write_failures=failures, prefetch_done=done, prefetch_revoked=revoked,
-                           loads={op: len(pages) for op, pages, _device in requests.loads}, host_entered=entered)
+                           loads={x.op_id: len(x.pages) for x in requests.loads}, host_entered=entered)
 
         return _Waiting(reply, self.work, ready=self.ready)
 

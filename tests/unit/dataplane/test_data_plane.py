@@ -144,10 +144,10 @@ def test_capacity_evicts_least_recently_used(tmp_path):
     keys = [f"p{i}" for i in range(4)]
     backend, tiers, page_file = bounded_to_three_pages(tmp_path)
     backend.put_from(keys[:3], tiers.host_buffers([0, 1, 2]))
-    backend.settled()
+    backend.wait_evictions()
     backend.get_into(["p0"], tiers.host_buffers([0]))  # p0 is now the most recent
     backend.put_from(["p3"], tiers.host_buffers([3]))
-    backend.settled()  # eviction runs on its own thread, after the put
+    backend.wait_evictions()  # eviction runs on its own thread, after the put
     assert [backend.exists_prefix([k]) for k in keys] == [1, 0, 1, 1]
     assert backend.used_bytes == 3 * page_file
 
@@ -284,7 +284,7 @@ def test_a_rescan_that_fails_is_counted_and_eviction_goes_on_with_what_the_index
 
     monkeypatch.setattr(backend, "_listing", unreadable)
     backend.put_from([f"p{i}" for i in range(4)], tiers.host_buffers(range(4)))
-    backend.settled()
+    backend.wait_evictions()
     assert backend.counters()["storage_eviction_errors"] >= 1
     assert backend.exists_prefix(["p0"]) == 0 and backend.exists_prefix(["p1", "p2", "p3"]) == 3
     assert backend.used_bytes == 3 * page_file

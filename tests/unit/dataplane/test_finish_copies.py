@@ -1,4 +1,4 @@
-"""A graceful stop finishes what a forward may read (DESIGN rule 12): the
+"""A graceful stop finishes what a forward may read (docs/design.md rule 12): the
 copies between device and host issued before a session ends or the movers
 stop run to their end, bounded; storage work not started is cancelled; and
 a load-back never queues behind write-throughs (a lane of its own)."""

@@ -1,4 +1,4 @@
-"""The round exists once (DESIGN section 10: `rank/` is what the replica
+"""The round exists once (docs/design.md §10: `rank/` is what the replica
 harness runs N copies of): the stepper and the replica harness both apply
 a round through `CacheRuntime.apply_round`, and the harness keeps no copy of
 its logic nor reaches into private fields; nor does any tool or test kit
@@ -17,9 +17,9 @@ from cpcache.config import CacheConfig
 from cpcache.keys import ShardingSpec
 from cpcache.rank.runtime import CacheRuntime
 from cpcache.rank.stepper import Stepper
+from cpcache.requests import CacheRequests, WriteRequest
 from cpcache.state.allocator import PageAllocator
 from cpcache.state.machine import CacheState
-from cpcache.state.requests import CacheRequests, WriteRequest
 from tests.replicas.harness import Domain
 from tests.support.fakes import FakeIO, IOPlan, OneRankEngine
 

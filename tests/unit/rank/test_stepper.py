@@ -12,10 +12,10 @@ from cpcache.errors import CacheError
 from cpcache.keys import ShardingSpec
 from cpcache.rank.assembly import CacheRuntime
 from cpcache.rank.stepper import Stepper
+from cpcache.requests import CacheRequests, LoadRequest, WriteRequest
 from cpcache.state.allocator import PageAllocator
 from cpcache.state.intents import CopyToHost
 from cpcache.state.machine import CacheState
-from cpcache.state.requests import CacheRequests, LoadRequest, WriteRequest
 from tests.support.fakes import FakeIO, IOPlan, OneRankEngine
 
 

@@ -21,7 +21,7 @@ from cpcache.testing.sim.trace import (
 
 pytestmark = pytest.mark.timeout(60)
 
-TRACES = Path(__file__).resolve().parents[5] / "shared" / "traces"
+TRACES = Path(__file__).resolve().parents[4] / "traces"
 SEED = "00" * 32
 
 

@@ -1,5 +1,9 @@
 """What a scheduler step carries, and the checks that need no shared state.
 
+One vocabulary for both ends of the wire: the client builds these requests
+and the daemon reads them back into the same types before its state machine
+sees them.
+
 Every id is checked to lie in [0, 2**63), every device page to lie inside the
 attached pool, every page count to be bounded, before anything reaches the
 state machine.
@@ -8,6 +12,7 @@ state machine.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from cpcache.errors import InvalidArgument
@@ -17,6 +22,17 @@ from cpcache.values import check_id
 MAX_PAGES_PER_OP = 1 << 18  # a 256k-token prompt at page size 1
 MAX_REQUESTS_PER_STEP = 4096
 PAGE_HASH_BYTES = 32
+
+
+def check_page_hash(page: bytes, what: str) -> None:
+    """Refuse anything but a page hash (a 32-byte sha256 digest)."""
+    if len(page) != PAGE_HASH_BYTES:
+        raise InvalidArgument(f"{what}: page hashes are {PAGE_HASH_BYTES}-byte sha256 digests")
+
+
+def check_page_hashes(pages: Iterable[bytes], what: str) -> None:
+    for page in pages:
+        check_page_hash(page, what)
 
 
 @dataclass(frozen=True)
@@ -96,11 +112,10 @@ def check_shape(requests: CacheRequests, device_pages: int, signal_slots: int = 
             raise InvalidArgument(f"operation {req.op_id} has no pages")
         if len(req.pages) > MAX_PAGES_PER_OP:
             raise InvalidArgument(f"operation {req.op_id} has {len(req.pages)} pages, at most {MAX_PAGES_PER_OP}")
-        if any(len(p) != PAGE_HASH_BYTES for p in req.pages):
-            raise InvalidArgument(f"operation {req.op_id}: page hashes are 32-byte sha256 digests")
+        check_page_hashes(req.pages, f"operation {req.op_id}")
         parent: bytes | None = getattr(req, "parent", None)
-        if parent is not None and len(parent) != PAGE_HASH_BYTES:
-            raise InvalidArgument(f"operation {req.op_id}: parent must be a 32-byte page hash")
+        if parent is not None:
+            check_page_hash(parent, f"operation {req.op_id}: parent")
         if isinstance(req, PrefetchRequest):
             check_id(req.tokens, f"operation {req.op_id}: tokens")
             continue
