@@ -158,8 +158,11 @@ class EpochEnded(Unavailable):
 
 # Every class, most specific first. A client rebuilds the class named by the
 # ErrorInfo reason (`BY_REASON`); without one, the base class of the status.
+# New kinds go last: a round carries a rejection's status as its index in
+# this order (agreement/rounds.py), which every daemon of a domain, old or
+# new during an upgrade, must read alike.
 FAMILY: tuple[type[CacheError], ...] = (
-    InvalidArgument, NotFound, Divergence, RejectedByPeer, StepOrder, FailedPrecondition, PermissionDenied,
-    ResourceExhausted, PeerLost, EpochEnded, Unavailable,
+    InvalidArgument, NotFound, Divergence, RejectedByPeer, StepOrder, FailedPrecondition,
+    ResourceExhausted, PeerLost, EpochEnded, Unavailable, PermissionDenied,
 )
 BY_REASON: dict[str, type[CacheError]] = {kind.reason: kind for kind in FAMILY}

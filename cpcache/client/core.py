@@ -2,10 +2,13 @@
 schedulers, `Client` for synchronous scheduler loops.
 
 One core serves both: the functions here build each call from the messages
-of `messages.py` and read each reply (`Call`), and `error_from` rebuilds the typed error the daemon raised
-from the `google.rpc.ErrorInfo` in its status, so a scheduler handles
-`PeerLost` or `Divergence` without knowing gRPC. The two faces differ only in
-how they send a `Call`: `_Face` holds every public method once.
+of `messages.py` and read each reply (`Call`), and `error_from` rebuilds the
+typed error the daemon raised from the `google.rpc.ErrorInfo` in its status,
+so a scheduler handles `PeerLost` or `Divergence` without knowing gRPC. The
+two faces differ only in how they send a `Call`: each public call is defined
+once, on `_Face`, as an `_Rpc` over its builder, and is typed for each face
+(`Client.step(...) -> StepResult`, `AsyncClient.step(...) ->
+Awaitable[StepResult]`).
 
 Every call has a deadline (`timeout_s`, 30 s unless told); a call that
 passes it raises `Unavailable`.
@@ -15,10 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, overload
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -39,6 +43,7 @@ if TYPE_CHECKING:
     from cpcache.geometry import KVGeometry, Region
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 DEFAULT_TIMEOUT_S = 30.0
 WAIT_MARGIN_S = 5.0  # wait_loads' deadline: its own timeout plus this, for the daemon to answer
@@ -71,30 +76,59 @@ def target_of(address: str) -> str:
 @dataclass(frozen=True)
 class Call(Generic[T]):
     """One unary call, ready to send: the RPC, its request, how to read the
-    reply, and its deadline (None: the client's)."""
+    reply, and its deadline (None: the client's). `prepare`, if any, makes
+    the request first from the daemon's address: blocking work (a pool
+    handed over on the daemon's socket), which the asyncio face runs on a
+    thread."""
 
     rpc: str  # the method's name on its stub
-    request: Any
+    request: Any = None
     read: Callable[[Any], T] = lambda reply: reply
     timeout_s: float | None = None
     service: str = "daemon"  # or "health"
+    prepare: Callable[[str], Any] | None = None
 
 
-def _step_call(step: int, votes: Iterable[tuple[int, Reduce, int]], requests: CacheRequests | None,
+def _step_call(step: int, votes: Iterable[tuple[int, Reduce, int]] = (), requests: CacheRequests | None = None,
                epoch: int | None = None) -> Call[StepResult]:
+    """One scheduler iteration: -> StepResult. `epoch`: the one the
+    session was attached in (`AttachReply.epoch`; None: unchecked)."""
     return Call("Step", step_request(step, votes, requests, epoch), step_result)
 
 
 def _outcome_call(epoch: int, step: int) -> Call[pb.OutcomeReply]:
+    """How step `step` of epoch `epoch` ended on this daemon's rank:
+    -> pb.OutcomeReply (a peer's scheduler asks it when its own daemon
+    died before answering; `Client` does so by itself)."""
     return Call("Outcome", pb.OutcomeRequest(epoch=epoch, step=step))
 
 
-def _attach_call(model_id: str, geometry: KVGeometry, device_pages: int, shm_ticket: str,
-                 cuda_ipc: dict[str, Any] | None, placement: tuple[Topology, int] | None,
-                 regions: Sequence[Region], load_signals: tuple[str, int, Sequence[bytes]] | None = None,
-                 model_dtype: str = "") -> Call[pb.AttachReply]:
-    return Call("Attach", attach_request(model_id, geometry, device_pages, shm_ticket, cuda_ipc, placement, regions,
-                                         load_signals, model_dtype), functools.partial(_attached_whole, geometry))
+def _attach_call(model_id: str, geometry: KVGeometry, device_pages: int, pool_fd: int = -1,
+                 cuda_ipc: dict[str, Any] | None = None, placement: tuple[Topology, int] | None = None,
+                 regions: Sequence[Region] = (), load_signals: LoadSignals | None = None,
+                 cuda_events: Sequence[bytes] = (), model_dtype: str = "") -> Call[pb.AttachReply]:
+    """Hand the daemon this model's device pool: -> pb.AttachReply.
+    `pool_fd`: a sealed memfd pool (`DevicePool.create_sealed`), handed
+    over by descriptor on the daemon's `<socket>.pools`; or `cuda_ipc`,
+    one CUDA storage. `regions`: where each layer lies in it (none: one
+    contiguous pool), or, with neither `pool_fd` nor `cuda_ipc`, each
+    layer in its own CUDA storage (`Region.cuda_ipc`). `placement`: the
+    scheduler's topology and global rank, which the daemon checks
+    against its own. `load_signals`: a board where the daemon publishes
+    each load's layers as they land (handed over by descriptor too), with
+    `cuda_events` on CUDA hosts: an IPC event handle per slot and layer.
+    `model_dtype`: the dtype the model computes in (with its weight
+    quantization, if any), part of the tenant with `model_id` and the
+    geometry (AttachRequest.model_dtype)."""
+
+    def request(address: str) -> pb.AttachRequest:
+        ticket = hand_over(address, pool_fd) if pool_fd >= 0 else ""
+        board = (hand_over(address, load_signals.fd), load_signals.slots, tuple(cuda_events)) \
+            if load_signals is not None else None
+        return attach_request(model_id, geometry, device_pages, ticket, cuda_ipc, placement, regions, board,
+                              model_dtype)
+
+    return Call("Attach", read=functools.partial(_attached_whole, geometry), prepare=request)
 
 
 def _attached_whole(geometry: KVGeometry, reply: pb.AttachReply) -> pb.AttachReply:
@@ -108,25 +142,32 @@ def _attached_whole(geometry: KVGeometry, reply: pb.AttachReply) -> pb.AttachRep
     return reply
 
 
-def _wait_loads_call(op_ids: Iterable[int], timeout_s: float) -> Call[None]:
+def _wait_loads_call(op_ids: Iterable[int], timeout_s: float = 30.0) -> Call[None]:
+    """Wait until these loads reached the device pool: -> None. The call's
+    deadline is `timeout_s` plus a margin."""
     # 0 asks the daemon to wait without a limit: the client's deadline bounds it.
     deadline = timeout_s + WAIT_MARGIN_S if timeout_s > 0 else None
     return Call("WaitLoads", pb.WaitLoadsRequest(op_ids=op_ids, timeout_s=timeout_s), lambda reply: None, deadline)
 
 
 def _match_call(pages: Iterable[bytes], host_only: bool = False) -> Call[pb.MatchReply]:
+    """Host and storage prefix hits: -> pb.MatchReply. `host_only`: the
+    host pool only (agreed state, the same on every rank; no storage)."""
     return Call("Match", pb.MatchRequest(pages=pages, host_only=host_only))
 
 
 def _stats_call() -> Call[dict[str, int]]:
+    """-> dict[str, int], the daemon's counters."""
     return Call("Stats", pb.StatsRequest(), lambda reply: dict(reply.counters))
 
 
 def _status_call() -> Call[pb.StatusReply]:
+    """-> pb.StatusReply."""
     return Call("Status", pb.StatusRequest())
 
 
-def _health_call(service: str) -> Call[int]:
+def _health_call(service: str = "") -> Call[int]:
+    """-> int, a `HealthCheckResponse.ServingStatus`."""
     return Call("Check", health_pb2.HealthCheckRequest(service=service), lambda reply: reply.status, service="health")
 
 
@@ -146,10 +187,40 @@ def check_deadline(timeout_s: float | None, agreement_timeout_s: float) -> None:
 # -- the two faces ----------------------------------------------------------------------
 
 
+class _Rpc(Generic[P, T]):
+    """A public call of both faces, defined once by the function that builds
+    its `Call`: read on a `Client` it sends the call and returns its value;
+    on an `AsyncClient`, it returns an awaitable of it."""
+
+    def __init__(self, build: Callable[P, Call[T]]) -> None:
+        self._build = build
+        self.__doc__ = build.__doc__
+
+    @overload
+    def __get__(self, face: None, owner: type) -> _Rpc[P, T]: ...
+
+    @overload
+    def __get__(self, face: Client, owner: type) -> Callable[P, T]: ...
+
+    @overload
+    def __get__(self, face: AsyncClient, owner: type) -> Callable[P, Awaitable[T]]: ...
+
+    def __get__(self, face: _Face | None, owner: type) -> Any:
+        if face is None:
+            return self
+        build = self._build
+
+        def send(*args: P.args, **kwargs: P.kwargs) -> Any:
+            return face._send(build(*args, **kwargs))
+
+        send.__doc__ = build.__doc__
+        return send
+
+
 class _Face:
-    """Every public call, once. Each builds its `Call` and hands it to the
-    face's `_send`: `AsyncClient`'s methods return awaitables of the values
-    named here, `Client`'s return the values."""
+    """Every public call, once: each builds its `Call` and hands it to the
+    face's `_send`, which returns the value (`Client`) or an awaitable of it
+    (`AsyncClient`)."""
 
     _grpc: Any  # grpc or grpc.aio: where the channel comes from
 
@@ -178,22 +249,17 @@ class _Face:
         timeout = call.timeout_s if call.timeout_s is not None else self._timeout_s
         return getattr(stub, call.rpc), dict(timeout=timeout, metadata=self._metadata)
 
-    # The calls below return what `_send` does: the value itself (`Client`)
-    # or an awaitable of it (`AsyncClient`), hence `Any`.
-    def _send(self, build: Callable[..., Call[Any]], *args: Any) -> Any:
+    def _send(self, call: Call[Any]) -> Any:
         raise NotImplementedError
 
-    def step(self, step: int, votes: Iterable[tuple[int, Reduce, int]] = (),
-             requests: CacheRequests | None = None, epoch: int | None = None) -> Any:
-        """One scheduler iteration: -> StepResult. `epoch`: the one the
-        session was attached in (`AttachReply.epoch`; None: unchecked)."""
-        return self._send(_step_call, step, votes, requests, epoch)
-
-    def outcome(self, epoch: int, step: int) -> Any:
-        """How step `step` of epoch `epoch` ended on this daemon's rank:
-        -> pb.OutcomeReply (a peer's scheduler asks it when its own daemon
-        died before answering; `Client` does so by itself)."""
-        return self._send(_outcome_call, epoch, step)
+    step = _Rpc(_step_call)
+    outcome = _Rpc(_outcome_call)
+    attach = _Rpc(_attach_call)
+    wait_loads = _Rpc(_wait_loads_call)
+    match = _Rpc(_match_call)
+    stats = _Rpc(_stats_call)
+    status = _Rpc(_status_call)
+    health = _Rpc(_health_call)
 
     def check_deadline(self, agreement_timeout_s: float) -> None:
         """Refuse a call deadline that a living daemon may miss: a round
@@ -201,73 +267,15 @@ class _Face:
         sooner may be one its peers are told the answer of."""
         check_deadline(self._timeout_s, agreement_timeout_s)
 
-    def attach(self, model_id: str, geometry: KVGeometry, device_pages: int, pool_fd: int = -1,
-               cuda_ipc: dict[str, Any] | None = None, placement: tuple[Topology, int] | None = None,
-               regions: Sequence[Region] = (), load_signals: LoadSignals | None = None,
-               cuda_events: Sequence[bytes] = (), model_dtype: str = "") -> Any:
-        """Hand the daemon this model's device pool: -> pb.AttachReply.
-        `pool_fd`: a sealed memfd pool (`DevicePool.create_sealed`), handed
-        over by descriptor on the daemon's `<socket>.pools`; or `cuda_ipc`,
-        one CUDA storage. `regions`: where each layer lies in it (none: one
-        contiguous pool), or, with neither `pool_fd` nor `cuda_ipc`, each
-        layer in its own CUDA storage (`Region.cuda_ipc`). `placement`: the
-        scheduler's topology and global rank, which the daemon checks
-        against its own. `load_signals`: a board where the daemon publishes
-        each load's layers as they land (handed over by descriptor too), with
-        `cuda_events` on CUDA hosts: an IPC event handle per slot and layer.
-        `model_dtype`: the dtype the model computes in (with its weight
-        quantization, if any), part of the tenant with `model_id` and the
-        geometry (AttachRequest.model_dtype)."""
-        ticket = hand_over(self._address, pool_fd) if pool_fd >= 0 else ""
-        board = (hand_over(self._address, load_signals.fd), load_signals.slots, tuple(cuda_events)) \
-            if load_signals is not None else None
-        return self._send(_attach_call, model_id, geometry, device_pages, ticket, cuda_ipc, placement, regions,
-                          board, model_dtype)
-
-    def wait_loads(self, op_ids: Iterable[int], timeout_s: float = 30.0) -> Any:
-        """Wait until these loads reached the device pool: -> None. The call's
-        deadline is `timeout_s` plus a margin."""
-        return self._send(_wait_loads_call, op_ids, timeout_s)
-
-    def match(self, pages: Iterable[bytes], host_only: bool = False) -> Any:
-        """Host and storage prefix hits: -> pb.MatchReply. `host_only`: the
-        host pool only (agreed state, the same on every rank; no storage)."""
-        return self._send(_match_call, pages, host_only)
-
-    def stats(self) -> Any:
-        """-> dict[str, int], the daemon's counters."""
-        return self._send(_stats_call)
-
-    def status(self) -> Any:
-        """-> pb.StatusReply."""
-        return self._send(_status_call)
-
-    def health(self, service: str = "") -> Any:
-        """-> int, a `HealthCheckResponse.ServingStatus`."""
-        return self._send(_health_call, service)
-
 
 class AsyncClient(_Face):
     """For asyncio schedulers: every call is awaited."""
 
     _grpc = grpc.aio
 
-    async def attach(self, model_id: str, geometry: KVGeometry, device_pages: int, pool_fd: int = -1,
-                     cuda_ipc: dict[str, Any] | None = None, placement: tuple[Topology, int] | None = None,
-                     regions: Sequence[Region] = (), load_signals: LoadSignals | None = None,
-                     cuda_events: Sequence[bytes] = (), model_dtype: str = "") -> Any:
-        """As `Client.attach`; the handovers (blocking exchanges on the
-        daemon's `.pools` socket) run on a thread, off the event loop."""
-        ticket = await asyncio.to_thread(hand_over, self._address, pool_fd) if pool_fd >= 0 else ""
-        board = None
-        if load_signals is not None:
-            board = (await asyncio.to_thread(hand_over, self._address, load_signals.fd), load_signals.slots,
-                     tuple(cuda_events))
-        return await self._send(_attach_call, model_id, geometry, device_pages, ticket, cuda_ipc, placement,
-                                regions, board, model_dtype)
-
-    async def _send(self, build: Callable[..., Call[T]], *args: Any) -> T:
-        call = build(*args)
+    async def _send(self, call: Call[T]) -> T:
+        if call.prepare is not None:  # blocking: off the event loop
+            call = dataclasses.replace(call, request=await asyncio.to_thread(call.prepare, self._address))
         method, kwargs = self._prepare(call)
         try:
             reply = await method(call.request, **kwargs)
@@ -385,8 +393,13 @@ class Client(_Face):
         self._peer_clients: list[Client] | None = None
         self._token, self._credentials = token, credentials
 
-    def _send(self, build: Callable[..., Call[T]], *args: Any) -> T:
-        call = build(*args)
+    def _send(self, call: Call[T]) -> T:
+        if call.rpc == "Attach":
+            # A deadline the daemons' agreement timeout does not fit is refused
+            # first: a step given up on sooner may be one its peers apply.
+            self.check_deadline(self.status().agreement_timeout_s)
+        if call.prepare is not None:
+            call = dataclasses.replace(call, request=call.prepare(self._address))
         method, kwargs = self._prepare(call)
         try:
             reply = method(call.request, **kwargs)
@@ -395,12 +408,6 @@ class Client(_Face):
                 return call.read(self._recover(call.request, exc))
             raise error_from(exc) from None
         return call.read(reply)
-
-    def attach(self, *args: Any, **kwargs: Any) -> pb.AttachReply:
-        """As `_Face.attach`; a client whose deadline the daemon's agreement
-        timeout does not fit is refused first (`check_deadline`)."""
-        self.check_deadline(self.status().agreement_timeout_s)
-        return super().attach(*args, **kwargs)
 
     def wait_serving(self, timeout_s: float) -> None:
         """Wait until the daemon reports SERVING (its socket may not exist

@@ -95,8 +95,8 @@ def client_loop(stack: Stack, traffic: HttpTraffic, seed: int, deadline: float, 
                 traffic.first_wrong.append(f"doc {d} turn {turn}: {got} != {want}")
 
 
-def daemon_counters(stack: Stack) -> list[dict[str, int]]:
-    counters = []
+def daemon_counters(stack: Stack) -> list[dict[str, int | str]]:
+    counters: list[dict[str, int | str]] = []
     for rank in range(stack.ranks):
         try:
             with Client(stack.daemons.socket(rank), timeout_s=10) as daemon:

@@ -44,7 +44,7 @@ import json
 import random
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -289,7 +289,7 @@ class ReplicatedScheduler:
                 t.cancelled_mid_round += 1
             cancel_rank = None
             t.retried_steps += 1
-        calls = []
+        calls: list[Awaitable[StepResult]] = []
         for rank, client in enumerate(self.clients):
             mine = votes[rank]
             if rank == reject_rank:

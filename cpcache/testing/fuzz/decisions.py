@@ -37,7 +37,7 @@ class DecisionRounds:
 
     async def digests(self) -> list[int]:
         stats = await asyncio.gather(*(c.stats() for c in self.clients))
-        return [s.get("cache_digest") for s in stats]
+        return [s["cache_digest"] for s in stats]
 
     async def check_digest(self, what: str, refused: bool, detail: str) -> None:
         try:
