@@ -19,7 +19,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Coroutine, Iterator, Sequence
+from collections.abc import Coroutine, Iterator
 from typing import Any
 
 import grpc
@@ -28,6 +28,7 @@ from grpc_health.v1 import _async as health_async
 from cpcache.agreement.bounded import bounded_async
 from cpcache.config import DaemonConfig
 from cpcache.daemon import metrics
+from cpcache.daemon.device_pools import open_device
 from cpcache.daemon.grpc_server import new_server, set_health
 from cpcache.daemon.listeners import release_unix, start_listeners
 from cpcache.daemon.metrics import DaemonCollector
@@ -35,11 +36,8 @@ from cpcache.daemon.pool_handover import SUFFIX as POOLS_SUFFIX
 from cpcache.daemon.pool_handover import PoolHandover
 from cpcache.daemon.servicer import CacheDaemonServicer
 from cpcache.daemon.systemd import Notifier, extend_timeout_while
-from cpcache.daemon.wire import DaemonStatus, SignalsAsk
-from cpcache.dataplane.pools import DevicePool
-from cpcache.dataplane.signal_board import open_board
+from cpcache.daemon.wire import AttachAsk, DaemonStatus
 from cpcache.errors import CacheError, Unavailable
-from cpcache.geometry import KVGeometry, Region
 from cpcache.rank.attach import Attached
 from cpcache.rank.epochs import Standing
 from cpcache.rank.rank import Rank
@@ -107,37 +105,16 @@ class Daemon:
             if self._in_flight == 0:
                 self._idle.set()
 
-    async def attach(self, model_id: str, geometry: KVGeometry, device_pages: int, kind: str,
-                     pool: str | dict[str, Any] | None, regions: Sequence[Region] = (),
-                     signals: SignalsAsk | None = None, model_dtype: str = "") -> Attached:
-        attached = await self.rank.attach(model_id, geometry, device_pages, kind,
-                                          functools.partial(self._open_device, geometry, device_pages, kind, pool,
-                                                            regions, signals), model_dtype)
-        host = self.rank.attached_runtime().io.transfers.tiers.host
+    async def attach_pool(self, ask: AttachAsk) -> Attached:
+        """Open the pool `ask` hands over and have the domain attach it; a
+        host pool in shared memory is offered back by ticket."""
+        rank = self.rank
+        attached = await rank.attacher.decide(ask.model_id, ask.geometry, ask.device_pages, ask.pool.kind,
+                                              functools.partial(open_device, ask, self._take), ask.model_dtype)
+        host = rank.attached_runtime().io.transfers.tiers.host
         if host.fd >= 0 and self._pools is not None:
             attached = dataclasses.replace(attached, host_pool_ticket=self._pools.offer_host_pool(host))
         return attached
-
-    def _open_device(self, geometry: KVGeometry, device_pages: int, kind: str, pool: str | dict[str, Any] | None,
-                     regions: Sequence[Region], signals: SignalsAsk | None) -> DevicePool:
-        if kind == "cuda_ipc":
-            assert not isinstance(pool, str)
-            device = DevicePool.from_cuda_ipc(pool, geometry, device_pages, regions)
-        else:
-            assert isinstance(pool, str)
-            fd, uid, pid = self._take(pool)
-            device = DevicePool.from_fd(fd, geometry, device_pages, regions)
-            log.info("attach: pool of %d pages (%s) handed over by pid %d (uid %d)", device_pages,
-                     f"{len(regions)} regions" if regions else "contiguous", pid, uid)
-        if signals is not None:
-            fd, _, _ = self._take(signals.ticket)
-            device.signals = open_board(fd, signals.slots, geometry.layers, signals.cuda_events,
-                                        device.layers[0].device)
-            # Another board is another attach, not a retry of the last one.
-            device.identity = (*device.identity, device.signals.identity)
-            log.info("attach: load-signal board of %d slots%s", signals.slots,
-                     " with CUDA events" if signals.cuda_events else "")
-        return device
 
     def _take(self, ticket: str) -> tuple[int, int, int]:
         """A descriptor handed over on the `.pools` socket: -> (fd, uid, pid)."""
@@ -192,7 +169,7 @@ class Daemon:
             self.spawn(extend_timeout_while(self.notifier, lambda: self.lifecycle is Lifecycle.JOINING),
                        "extend-start")
         # On a thread of its own: a stop meanwhile must not wait for it.
-        joining = asyncio.ensure_future(bounded_async(self.rank.join, None, "rendezvous"))
+        joining = asyncio.ensure_future(bounded_async(self.rank.formation.join, None, "rendezvous"))
         stop = asyncio.ensure_future(self.stop_requested.wait())
         await asyncio.wait((joining, stop), return_when=asyncio.FIRST_COMPLETED)
         if not joining.done():
@@ -210,11 +187,11 @@ class Daemon:
         # No await until the rank serves: no call sees the daemon serving
         # while its rank is still forming.
         self.lifecycle = Lifecycle.SERVING
-        await self.rank.serve(formed)
+        await self.rank.formation.serve(formed)
         self.notifier.ready(f"serving rank {self.config.rank} of domain {ranks}")
         log.info("serving rank %d of domain %s in epoch %d (%s mode, lag %d)", self.config.rank,
                  ranks, self.rank.epoch, self.config.mode, self.config.agreement_lag)
-        self.rank.watch(loop)
+        self.rank.formation.watch(loop)
         await self.stop_requested.wait()
         broken = self.rank.standing in (Standing.BROKEN, Standing.REFORMING)
         await self._shutdown()
@@ -246,7 +223,7 @@ class Daemon:
             log.warning("%d calls still in flight after %.1fs; stopping anyway", self._in_flight, self.config.drain_s)
         for server in self._servers:
             await server.stop(grace=1.0)
-        await self.rank.close(deadline - time.monotonic())
+        await self.rank.formation.close(deadline - time.monotonic())
         release_unix(self.config.socket_path)  # only the socket this daemon bound
         if self._pools is not None:
             self._pools.close()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
@@ -16,8 +15,8 @@ import grpc
 from cpcache.agreement.rounds import Questions
 from cpcache.daemon.status import decoded, guarded
 from cpcache.daemon.wire import (
+    AttachAsk,
     DaemonStatus,
-    SignalsAsk,
     attach_from_wire,
     attach_reply,
     request_digest,
@@ -28,7 +27,6 @@ from cpcache.daemon.wire import (
     votes_from_wire,
 )
 from cpcache.errors import CacheError, InvalidArgument, NotFound, Unavailable
-from cpcache.geometry import KVGeometry, Region
 from cpcache.rank.attach import Attached
 from cpcache.rank.rank import Rank
 from cpcache.requests import CacheRequests
@@ -46,9 +44,7 @@ class DaemonPort(Protocol):
 
     def in_flight(self) -> AbstractContextManager[None]: ...
 
-    async def attach(self, model_id: str, geometry: KVGeometry, device_pages: int, kind: str,
-                     pool: str | dict[str, Any] | None, regions: Sequence[Region] = (),
-                     signals: SignalsAsk | None = None, model_dtype: str = "") -> Attached: ...
+    async def attach_pool(self, ask: AttachAsk) -> Attached: ...
 
     def stats(self) -> dict[str, int]: ...
 
@@ -99,9 +95,7 @@ class CacheDaemonServicer(pb_grpc.CacheDaemonServicer):
         ask = attach_from_wire(request)
         if request.HasField("topology"):
             self._check_scheduler_topology(request.topology)
-        attached = await self._daemon.attach(ask.model_id, ask.geometry, ask.device_pages, ask.kind, ask.pool,
-                                             ask.regions, ask.signals, ask.model_dtype)
-        return attach_reply(attached)
+        return attach_reply(await self._daemon.attach_pool(ask))
 
     def _check_scheduler_topology(self, declared: pb.SchedulerTopology) -> None:
         try:

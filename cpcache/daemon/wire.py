@@ -59,6 +59,23 @@ def regions_from_wire(regions: Iterable[pb.PoolRegion]) -> list[Region]:
 
 
 @dataclass(frozen=True)
+class ShmPool:
+    """A sealed memfd pool, handed over on the `.pools` socket."""
+
+    ticket: str
+    kind = "shm_ticket"
+
+
+@dataclass(frozen=True)
+class CudaPool:
+    """CUDA storage: one IPC handle's fields for the pool, or None when
+    every region names its own storage."""
+
+    handle: dict[str, Any] | None
+    kind = "cuda_ipc"
+
+
+@dataclass(frozen=True)
 class SignalsAsk:
     """The load-signal board an Attach hands over (`LoadSignals`)."""
 
@@ -69,15 +86,12 @@ class SignalsAsk:
 
 @dataclass(frozen=True)
 class AttachAsk:
-    """What an `AttachRequest` asks for, read and checked: the pool is a
-    ticket (`shm_ticket`), a CUDA IPC handle's fields (`cuda_ipc`), or None
-    when every region names its own CUDA storage."""
+    """What an `AttachRequest` asks for, read and checked."""
 
     model_id: str
     geometry: KVGeometry
     device_pages: int
-    kind: str
-    pool: str | dict[str, Any] | None
+    pool: ShmPool | CudaPool
     regions: list[Region]
     signals: SignalsAsk | None = None
     model_dtype: str = ""  # "" from a client that does not send it
@@ -109,10 +123,10 @@ def attach_from_wire(request: pb.AttachRequest) -> AttachAsk:
         raise PermissionDenied("attach: the daemon opens no file a caller names; hand the pool over by "
                                "descriptor (a sealed memfd) on its .pools socket and attach with the "
                                "ticket (cpcache.client does it: attach(..., pool_fd=...))")
-    pool: str | dict[str, Any] | None = request.shm_ticket
+    pool: ShmPool | CudaPool = ShmPool(request.shm_ticket)
     if kind == "cuda_ipc":
-        pool = cuda_ipc_from_wire(request.cuda_ipc) if request.HasField("cuda_ipc") else None
-    return AttachAsk(request.model_id, geometry, request.device_pages, kind, pool, regions,
+        pool = CudaPool(cuda_ipc_from_wire(request.cuda_ipc) if request.HasField("cuda_ipc") else None)
+    return AttachAsk(request.model_id, geometry, request.device_pages, pool, regions,
                      signals_from_wire(request.load_signals) if request.HasField("load_signals") else None,
                      request.model_dtype)
 

@@ -83,16 +83,16 @@ class Attacher:
         self._joined = (-1, 0)  # (epoch, attempt) of the last attach agreement this rank joined
         self._sessions = 0  # data-plane sessions opened
 
-    async def attach(self, model_id: str, geometry: KVGeometry, device_pages: int, kind: str,
+    async def decide(self, model_id: str, geometry: KVGeometry, device_pages: int, kind: str,
                      open_device: Callable[[], DevicePool], model_dtype: str = "") -> Attached:
         """Attach the pool `open_device` opens (blocking: run on a thread),
         `kind` naming how it was handed over, for the log; `model_dtype`
         (the dtype the model computes in) is part of the tenant."""
-        task = asyncio.ensure_future(self._attach(model_id, geometry, device_pages, kind, open_device, model_dtype))
+        task = asyncio.ensure_future(self._prepare(model_id, geometry, device_pages, kind, open_device, model_dtype))
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
         return await asyncio.shield(task)
 
-    async def _attach(self, model_id: str, geometry: KVGeometry, device_pages: int, kind: str,
+    async def _prepare(self, model_id: str, geometry: KVGeometry, device_pages: int, kind: str,
                       open_device: Callable[[], DevicePool], model_dtype: str) -> Attached:
         formation = self._formation
         await formation.wait_reformed()
@@ -119,16 +119,17 @@ class Attacher:
             # the host pool holds is carried over.
             await formation.reform("a scheduler attached again: its previous session ends")
             stepper = formation.admit()
-        task = asyncio.ensure_future(self._agreed(stepper, model_id, model_dtype, geometry, device, descriptor,
+        task = asyncio.ensure_future(self._agree(stepper, model_id, model_dtype, geometry, device, descriptor,
                                                   kind))
-        self._task = formation.attaching = task
+        self._task = task
+        formation.attach_started(task)
         return await task
 
-    async def _agreed(self, stepper: Stepper, model_id: str, model_dtype: str, geometry: KVGeometry,
+    async def _agree(self, stepper: Stepper, model_id: str, model_dtype: str, geometry: KVGeometry,
                       device: DevicePool, descriptor: dict[str, Any], kind: str) -> Attached:
         formation, config = self._formation, self.config
         runtime: CacheRuntime | None = None
-        kept = formation.kept if formation.kept is not None and formation.kept.descriptor == descriptor else None
+        kept = formation.kept_for(descriptor)
         # What the attach resumes is part of what every rank must agree on.
         resumes = 0
         if kept is not None and len(kept.runtime.state.index):
@@ -167,16 +168,15 @@ class Attacher:
             if runtime is not None and kept is None:
                 runtime.io.close()
             raise  # a kept runtime stays kept, for the next attempt: no session was opened on it
-        if kept is None and formation.kept is not None:  # another model or geometry, agreed: start clean
-            old, formation.kept = formation.kept, None
+        old = formation.release_kept() if kept is None else None
+        if old is not None:  # another model or geometry, agreed: start clean
             # Decided: nothing may fail here any more (a storage that fails to
             # close is logged, not answered), or ranks would end apart.
             await close_storage(old.runtime, "closing the previous cache's storage")
         # The session's jobs bind this pool when they are issued; the previous
         # session of this runtime ended (and its device jobs with it) on detach.
         self._sessions += 1
-        stepper.runtime = start_session(runtime, formation.epoch, self._sessions, device)
-        formation.kept, formation.attached_with = None, descriptor
+        formation.session_started(stepper, start_session(runtime, formation.epoch, self._sessions, device), descriptor)
         resumed = len(runtime.state.index) if kept is not None else 0
         key_seed = namespace_seed(model_id, geometry.dtype, config.host_layout, geometry.page_size)
         log.info("attached %r (model dtype %r, KV %s) in epoch %d: %d device pages of %d bytes (%s), %d host pages "

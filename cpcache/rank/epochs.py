@@ -152,6 +152,28 @@ class Formation:
     def epoch(self) -> int:
         return self.rdzv.epoch
 
+    # -- what an Attach changes (rank/attach.py decides it; the fields are this class's)
+
+    def attach_started(self, task: asyncio.Future) -> None:
+        """An Attach is being decided: re-forming waits for it."""
+        self.attaching = task
+
+    def kept_for(self, descriptor: dict[str, Any]) -> Held | None:
+        """The cache kept apart, if it was attached with `descriptor`."""
+        return self.kept if self.kept is not None and self.kept.descriptor == descriptor else None
+
+    def release_kept(self) -> Held | None:
+        """Give up the cache kept apart (another model or geometry was
+        agreed): -> it, whose storage its caller closes."""
+        released, self.kept = self.kept, None
+        return released
+
+    def session_started(self, stepper: Stepper, runtime: CacheRuntime, descriptor: dict[str, Any]) -> None:
+        """An agreed Attach: `stepper` decides over `runtime`, attached with
+        `descriptor`; nothing is kept apart any more."""
+        stepper.runtime = runtime
+        self.kept, self.attached_with = None, descriptor
+
     def admit(self) -> Stepper:
         """The stepper that decides now, or why decisions are refused."""
         why = self._host.not_serving()

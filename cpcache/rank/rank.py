@@ -11,17 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from cpcache.agreement.bounded import StoreTimeout, bounded_async
 from cpcache.agreement.rounds import Questions
 from cpcache.config import DaemonConfig
-from cpcache.dataplane.pools import DevicePool
 from cpcache.errors import CacheError, EpochEnded, FailedPrecondition, InvalidArgument, NotFound, Unavailable
-from cpcache.geometry import KVGeometry
 from cpcache.rank.assembly import CacheRuntime
-from cpcache.rank.attach import Attached, Attacher
-from cpcache.rank.epochs import Formation, Formed, RankHost, Standing
+from cpcache.rank.attach import Attacher
+from cpcache.rank.epochs import Formation, RankHost, Standing
 from cpcache.rank.phases import StepPhases
 from cpcache.rank.stats import RankStats
 from cpcache.rank.stepper import StepAnswer, Stepper
@@ -35,7 +33,7 @@ class Rank:
     def __init__(self, config: DaemonConfig, host: RankHost) -> None:
         self.config = config
         self.formation = Formation(config, host)
-        self._attacher = Attacher(config, self.formation)
+        self.attacher = Attacher(config, self.formation)
 
     @property
     def epoch(self) -> int:
@@ -58,23 +56,6 @@ class Rank:
     def attached(self) -> bool:
         stepper = self.formation.stepper
         return stepper is not None and stepper.runtime is not None
-
-    # -- what the daemon's lifecycle drives ------------------------------------
-
-    def join(self) -> Formed:
-        """Blocking: meet every rank of the domain in the epoch to join."""
-        return self.formation.join()
-
-    async def serve(self, formed: Formed) -> None:
-        await self.formation.serve(formed)
-
-    def watch(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Leave the epoch when the deployment moves past it (a daemon thread)."""
-        self.formation.watch(loop)
-
-    async def close(self, copies_s: float = 0.0) -> None:
-        """Stop: the copies issued so far end first, for up to `copies_s`."""
-        await self.formation.close(copies_s)
 
     # -- decisions --------------------------------------------------------------
 
@@ -126,10 +107,6 @@ class Rank:
             raise FailedPrecondition(
                 f"attach: the scheduler's topology is not this daemon's: {differs}; start the daemons with "
                 "the scheduler's sizes (cpcache launch --tp/--cp/--dp/--pp) and connect rank r to rank r's socket")
-
-    async def attach(self, model_id: str, geometry: KVGeometry, device_pages: int, kind: str,
-                     open_device: Callable[[], DevicePool], model_dtype: str = "") -> Attached:
-        return await self._attacher.attach(model_id, geometry, device_pages, kind, open_device, model_dtype)
 
     async def match(self, pages: Sequence[bytes], host_only: bool = False) -> tuple[int, int]:
         """How many leading `pages` the host pool holds, and storage (0

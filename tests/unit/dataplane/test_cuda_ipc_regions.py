@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cpcache.client.messages import attach_request
-from cpcache.daemon.wire import attach_from_wire
+from cpcache.daemon.wire import CudaPool, attach_from_wire
 from cpcache.dataplane.pools import DevicePool
 from cpcache.dataplane.regions import contiguous
 from cpcache.errors import FailedPrecondition
@@ -115,7 +115,7 @@ def test_the_fields_cross_the_wire_with_the_types_torch_checks():
     regions = [Region(0, STRIDES, fields)] * GEOMETRY.layers
     request = attach_request("m", GEOMETRY, PAGES, regions=regions)
     ask = attach_from_wire(type(request).FromString(request.SerializeToString()))
-    assert ask.kind == "cuda_ipc" and ask.pool is None
+    assert ask.pool == CudaPool(None)  # every region names its own storage
     for region in ask.regions:
         assert region.cuda_ipc == fields
         assert [type(region.cuda_ipc[k]) for k in fields] == [type(v) for v in fields.values()]
