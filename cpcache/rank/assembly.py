@@ -70,8 +70,10 @@ def carry_over(runtime: CacheRuntime, kept: list[KeptPage], busy: list[int], sto
     offered alike), the `busy` slots retired until every rank's I/O on them
     has ended, no open operations, and a fresh record of this rank's I/O."""
     old = runtime.state
-    state = CacheState(old.config, PageAllocator(old.allocator.pages), old.sharding, old.page_size, old.device_pages)
+    ledger = old.ledger
+    state = CacheState(ledger.config, PageAllocator(ledger.allocator.pages), ledger.sharding, ledger.page_size,
+                       old.device_pages)
     state.signal_slots = old.signal_slots  # the same session's board
-    restore(kept, state.index, state.allocator)
+    restore(kept, state.ledger.index, state.ledger.allocator)
     state.carried_over(kept, busy)
     return CacheRuntime(state, runtime.io.renewed(storage_timeout_s))

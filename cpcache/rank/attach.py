@@ -132,8 +132,8 @@ class Attacher:
         kept = formation.kept_for(descriptor)
         # What the attach resumes is part of what every rank must agree on.
         resumes = 0
-        if kept is not None and len(kept.runtime.state.index):
-            resumes = carryover.digest(kept.runtime.state.index)
+        if kept is not None and len(kept.runtime.state.ledger.index):
+            resumes = carryover.digest(kept.runtime.state.ledger.index)
         confirmer = formation.confirmer
         try:
             runtime = await asyncio.to_thread(self._open_runtime, model_id, model_dtype, geometry, device, kept)
@@ -177,7 +177,7 @@ class Attacher:
         # session of this runtime ended (and its device jobs with it) on detach.
         self._sessions += 1
         formation.session_started(stepper, start_session(runtime, formation.epoch, self._sessions, device), descriptor)
-        resumed = len(runtime.state.index) if kept is not None else 0
+        resumed = len(runtime.state.ledger.index) if kept is not None else 0
         key_seed = namespace_seed(model_id, geometry.dtype, config.host_layout, geometry.page_size)
         log.info("attached %r (model dtype %r, KV %s) in epoch %d: %d device pages of %d bytes (%s), %d host pages "
                  "resumed", model_id, model_dtype, geometry.dtype, formation.epoch, device.pages, geometry.page_bytes,

@@ -366,7 +366,7 @@ class Formation:
             log.warning("I/O still in flight after %.0fs on %d slots: this rank carries no pages over, and "
                         "those slots stay out of use until it ends", drain_s, len(busy))
             return carryover.encode([], busy)
-        return carryover.encode(carryover.offer(runtime.state.index))
+        return carryover.encode(carryover.offer(runtime.state.ledger.index))
 
     # -- watching -------------------------------------------------------------
 

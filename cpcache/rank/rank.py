@@ -119,7 +119,7 @@ class Rank:
         backend = runtime.io.storage
         if backend is None or not pages or host_only:
             return host, 0
-        keys = list(runtime.state.sharding.storage_keys(pages))
+        keys = list(runtime.state.ledger.sharding.storage_keys(pages))
         timeout_s = runtime.io.storage_timeout_s
         try:
             # On the storage executor (never the loop's default pool, which

@@ -57,7 +57,7 @@ class CacheRuntime:
 
     @property
     def digest(self) -> int:
-        return self.state.digest
+        return self.state.ledger.digest
 
     def open_questions(self) -> int:
         return self.state.open_questions()
@@ -120,8 +120,8 @@ class CacheRuntime:
         clock.lap("apply")
         self.io.forget(state.take_closed())
         applied.decided.merge(decisions)
-        applied.decided.host_entered, applied.decided.host_left = state.index.take_changes()
-        applied.decided.host_entered_slots = [state.index[page].slot for page in applied.decided.host_entered]
+        applied.decided.host_entered, applied.decided.host_left = state.ledger.index.take_changes()
+        applied.decided.host_entered_slots = [state.ledger.index[page].slot for page in applied.decided.host_entered]
         return applied
 
     def start(self, intents: list[Intent]) -> None:

@@ -118,6 +118,7 @@ class RankStats:
 
 def _cache_stats(runtime: CacheRuntime) -> CacheStats:
     storage = runtime.io.storage
-    return CacheStats(dict(runtime.state.stats()), runtime.state.digest, dict(runtime.state.hit_pages),
+    ledger = runtime.state.ledger
+    return CacheStats(dict(runtime.state.stats()), ledger.digest, dict(ledger.hit_pages),
                       len(runtime.io.busy_slots()), runtime.io.transfer_counters(),
                       storage.counters() if storage is not None else {})

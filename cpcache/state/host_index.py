@@ -32,6 +32,10 @@ class HostIndex:
         too (`least_recent_unbacked`), for a policy that backs pages up
         before it may evict them."""
         self._entries: dict[bytes, Entry] = {}
+        # parent hash -> resident pages that follow it while it is not
+        # resident itself: its children once it enters (a chain's pages may
+        # enter in any order: each write is acknowledged on its own).
+        self._orphans: dict[bytes, int] = {}
         self._leaves: list[tuple[int, bytes]] = []  # lazy heap of (last_used, hash)
         # Lazy heap of (last_used, hash) holding every page not backed up
         # (None: not tracked); stale items are dropped as they surface.
@@ -68,11 +72,14 @@ class HostIndex:
 
     def insert(self, pages: list[bytes], slots: list[int], parent: bytes | None, step: int) -> None:
         """Insert a chain `pages` whose first page follows `parent`."""
-        entries, changes = self._entries, self._changes
+        entries, changes, orphans = self._entries, self._changes, self._orphans
         for page, slot in zip(pages, slots):
-            if parent is not None and (parent_entry := entries.get(parent)) is not None:
-                parent_entry.children += 1
-            entries[page] = Entry(slot, parent, 0, 0, step)
+            if parent is not None:
+                if (parent_entry := entries.get(parent)) is not None:
+                    parent_entry.children += 1
+                else:
+                    orphans[parent] = orphans.get(parent, 0) + 1
+            entries[page] = Entry(slot, parent, orphans.pop(page, 0), 0, step)
             changes[page] = True
             parent = page
         if pages:
@@ -183,10 +190,11 @@ class HostIndex:
             freed += bool(frees(entry))
             gone.add(page)
             parent_page = entry.parent
-            if parent_page is None or (parent := entries.get(parent_page)) is None:
+            if parent_page is None:
                 continue
             lost = lost_children[parent_page] = lost_children.get(parent_page, 0) + 1
-            if parent.children == lost:
+            parent = entries.get(parent_page)
+            if parent is not None and parent.children == lost:
                 item = (parent.last_used, parent_page)
                 if (not leaves or item < leaves[0]) and (not exposed or item < exposed[0]):
                     following = item
@@ -198,7 +206,10 @@ class HostIndex:
             kept += [(entry.last_used, page) for page, entry in evicted]
             evicted, exposed, lost_children = [], [], {}
         for parent_page, lost in lost_children.items():
-            self._entries[parent_page].children -= lost
+            if (parent_entry := self._entries.get(parent_page)) is not None:
+                parent_entry.children -= lost
+            elif (left := self._orphans.pop(parent_page) - lost) > 0:
+                self._orphans[parent_page] = left
         for page, _ in evicted:
             del self._entries[page]
             self._changes[page] = False

@@ -26,7 +26,6 @@ from cpcache.errors import CacheError, InvalidArgument, NotFound
 from cpcache.keys import ShardingSpec
 from cpcache.requests import CacheRequests, LoadRequest, WriteRequest, check_shape
 from cpcache.state.allocator import PageAllocator
-from cpcache.state.host_index import HostIndex
 from cpcache.state.intents import Decisions, Intent
 from cpcache.state.ledger import Ledger, LocalProgress, Operation
 from cpcache.state.ops import backup, prefetch
@@ -44,51 +43,13 @@ class CacheState:
         self.device_pages = device_pages
         self.signal_slots = 0  # slots of the attached pool's load-signal board (0: none)
 
-    # What the rank, the daemon and the tests read of the ledger.
-    @property
-    def config(self) -> CacheConfig:
-        return self.ledger.config
-
-    @property
-    def sharding(self) -> ShardingSpec:
-        return self.ledger.sharding
-
-    @property
-    def page_size(self) -> int:
-        return self.ledger.page_size
-
-    @property
-    def allocator(self) -> PageAllocator:
-        return self.ledger.allocator
-
-    @property
-    def index(self) -> HostIndex:
-        return self.ledger.index
-
-    @property
-    def open_ops(self) -> dict[int, Operation]:
-        return self.ledger.open_ops
-
-    @property
-    def by_op_id(self) -> dict[int, int]:
-        return self.ledger.by_op_id
-
-    @property
-    def digest(self) -> int:
-        return self.ledger.digest
-
-    @property
-    def hit_pages(self) -> dict[str, int]:
-        """Pages loaded back ("host") and prefetched ("storage"), agreed."""
-        return self.ledger.hit_pages
-
     def carried_over(self, kept: list, busy: list[int]) -> None:
         """A new epoch's start: the pages kept (already restored) enter the
         digest, so ranks that started from different pages disagree at their
         first round; slots still under some rank's I/O wait for a reclaim."""
         self.ledger.record("carried over", tuple((k.page, k.slot) for k in kept), tuple(busy))
         if busy:
-            self.allocator.take(list(busy))
+            self.ledger.allocator.take(list(busy))
             retire(self.ledger, list(busy))
 
     # -- a scheduler step ----------------------------------------------------------
@@ -103,14 +64,14 @@ class CacheState:
         it fails on its own when its step opens."""
         check_shape(requests, self.device_pages, self.signal_slots)
         for req in requests.opened():
-            if req.op_id in self.by_op_id:
+            if req.op_id in self.ledger.by_op_id:
                 raise InvalidArgument(f"operation {req.op_id} is already open")
         for op_id in (*requests.prefetch_polls, *requests.revokes):
             if prefetch.find(self.ledger, op_id) is None and op_id not in self.ledger.ended_prefetches \
                     and op_id not in expected_prefetches:
                 raise NotFound(f"prefetch {op_id} is not open")
         for load in requests.loads if loads_resident else ():
-            resident = self.index.prefix(list(load.pages))
+            resident = self.ledger.index.prefix(list(load.pages))
             if resident < len(load.pages):
                 raise NotFound(f"load {load.op_id}: page {resident} ({load.pages[resident].hex()[:16]}) is not in host")
 
@@ -184,10 +145,10 @@ class CacheState:
         values: list[int] = []
         asking: dict[int, Operation] = {}
         backups = 0
-        for op in self.open_ops.values():
+        for op in self.ledger.open_ops.values():
             if isinstance(op, Backup):
                 backups += 1
-                if backups > self.config.backup_window:
+                if backups > self.ledger.config.backup_window:
                     continue
             for kind, value in op.ask(self.ledger, local):
                 assert kind.reduce is not None, f"{kind.name}: a cache question names its reduction"
@@ -205,7 +166,7 @@ class CacheState:
 
     def open_questions(self) -> int:
         """Operations the next rounds may ask about."""
-        return len(self.open_ops)
+        return len(self.ledger.open_ops)
 
     def apply(self, result: RoundResult) -> tuple[Decisions, list[Intent]]:
         """Apply an agreed round, operation by operation in serial order.
@@ -228,14 +189,14 @@ class CacheState:
     # -- reads --------------------------------------------------------------------------
 
     def match(self, pages: list[bytes]) -> int:
-        return self.index.prefix(pages)
+        return self.ledger.index.prefix(pages)
 
     def stats(self) -> dict[str, int]:
         ledger = self.ledger
         counts = {kind: len(ledger.of_kind(kind)) for kind in (Prefetch, Write, Backup, Load)}
         return {
-            "host_pages_used": len(self.index),
-            "host_pages_free": self.allocator.free_count,
+            "host_pages_used": len(self.ledger.index),
+            "host_pages_free": self.ledger.allocator.free_count,
             "host_pages_retiring": sum(len(r.slots) for r in ledger.of_kind(Retirement)),
             "open_prefetches": counts[Prefetch],
             "open_writes": counts[Write],

@@ -245,12 +245,7 @@ def main(argv: list[str] | None = None) -> int:
                        help="serving: the trace's arrival intervals times this (default 1.5; higher: less queueing)")
     bench.add_argument("--work-dir", help="sglang, sglang-pd, sglang-soak, sglang-chaos, load-back: where the model, "
                        "logs and daemons go (kept; default: a temp dir, removed after a run that succeeded)")
-    from cpcache.testing.sglang_soak import add_flags as add_soak_flags
-
-    add_soak_flags(bench)
-    from cpcache.testing.sglang_chaos import add_flags as add_chaos_flags
-
-    add_chaos_flags(bench)
+    _add_sglang_cpu_flags(bench)
 
     fuzz = sub.add_parser("fuzz", help="send hostile requests to live daemons and check they stay sound")
     fuzz.add_argument("--per-rpc", type=int, default=10_000, help="hostile requests per RPC")
@@ -330,7 +325,35 @@ def main(argv: list[str] | None = None) -> int:
     except CacheError as exc:
         print(f"cpcache: {exc}", file=sys.stderr)
         return 1
+    except ModuleNotFoundError as exc:
+        if not _is_sglang_cpu(exc):
+            raise
+        print(f"cpcache: {args.command} {getattr(args, 'name', '')} runs SGLang on CPU with the test kits of a "
+              "source checkout (cpcache/testing/sglang_cpu, set up by `make setup`); a wheel leaves them out",
+              file=sys.stderr)
+        return 2
     return 2
+
+
+SGLANG_CPU = "cpcache.testing.sglang_cpu"
+
+
+def _is_sglang_cpu(exc: ModuleNotFoundError) -> bool:
+    return (exc.name or "").startswith(SGLANG_CPU)
+
+
+def _add_sglang_cpu_flags(bench: argparse.ArgumentParser) -> None:
+    """The SGLang soak's and chaos run's own flags, where their kits exist
+    (a source checkout): a wheel leaves SGLang's CPU patches out."""
+    try:
+        from cpcache.testing.sglang_chaos import add_flags as add_chaos_flags
+        from cpcache.testing.sglang_soak import add_flags as add_soak_flags
+    except ModuleNotFoundError as exc:
+        if not _is_sglang_cpu(exc):
+            raise
+        return
+    add_soak_flags(bench)
+    add_chaos_flags(bench)
 
 
 if __name__ == "__main__":

@@ -86,7 +86,7 @@ async def test_a_load_queued_when_its_session_ends_lands_in_its_own_pool_never_i
         old = make(domain, run_dir, 1)
         await attach_all(old)
         step, expected = await write_through(old, 1)
-        loads = tuple((10 + i, [PAGE_HASHES[i]], [PAGES + i]) for i in range(PAGES))
+        loads = tuple(LoadRequest(10 + i, [PAGE_HASHES[i]], [PAGES + i]) for i in range(PAGES))
         # The step's round opens the loads and issues their copies (a load
         # closes only once every rank's copy has ended: later).
         await step_all(old, step + 1, CacheRequests(loads=loads))

@@ -224,7 +224,7 @@ async def test_a_hung_store_does_not_hold_write_throughs(run_dir):
                        storage_timeout_s=30.0),
             per_rank={1: dict(fault_storage_delay_ms=20_000.0, fault_seed=1)})) as domain:
         clients, _ = await attach_pools(domain, run_dir)
-        lookups = tuple((10 + i, [bytes([7, i]) * 16], GEOMETRY.page_size) for i in range(3))
+        lookups = tuple(PrefetchRequest(10 + i, [bytes([7, i]) * 16], GEOMETRY.page_size) for i in range(3))
         await both(clients, 1, [((), CacheRequests(prefetches=lookups))] * 2)
         await both(clients, 2, [((), CacheRequests(writes=(WriteRequest(1, [bytes([8]) * 32], [0]),)))] * 2)
         step, hits, acked = 2, {}, False

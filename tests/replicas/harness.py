@@ -105,7 +105,7 @@ class Domain:
             if refusal is not None:
                 inputs.append(RoundInput.rejected(number, rep.rank, refusal.status, str(refusal)))
             else:
-                inputs.append(rep.runtime.pack(number, Questions.empty(), rep.state.digest, requests))
+                inputs.append(rep.runtime.pack(number, Questions.empty(), rep.state.ledger.digest, requests))
             taken.append(None if refusal else requests)
         return inputs, taken
 
@@ -134,14 +134,14 @@ class Domain:
         return reduced
 
     def _apply(self, pending: Pending, report: StepReport) -> None:
-        before = [rep.state.digest for rep in self.replicas]
+        before = [rep.state.ledger.digest for rep in self.replicas]
         results: list[RoundResult] = [inp.decode(pending.reduced) for inp in pending.inputs]
         report.applied = pending.number
         if results[0].rejection is not None:
             if any(r.rejection is None for r in results):
                 raise InvariantViolation("a round read as rejected on some replicas only")
             report.rejected = True
-            after = [rep.state.digest for rep in self.replicas]
+            after = [rep.state.ledger.digest for rep in self.replicas]
             if after != before:
                 raise InvariantViolation(f"rejected round {pending.number} changed a digest")
             return
@@ -174,7 +174,7 @@ class Domain:
         holds exactly the pages resident in the host pool."""
         self.mirror.difference_update(decisions.host_left)
         self.mirror.update(decisions.host_entered)
-        resident = {page for page, _ in self.lead.index.items()}
+        resident = {page for page, _ in self.lead.ledger.index.items()}
         if self.mirror != resident:
             raise InvariantViolation(f"after round {self.number}: the replies' host changes give "
                                      f"{len(self.mirror)} pages, the host pool holds {len(resident)} "
@@ -186,7 +186,7 @@ class Domain:
         busy = set().union(*(r.io.busy() for r in self.replicas))
         for intent in intents:
             if isinstance(intent, CopyToHost):
-                op = rep.state.open_ops.get(intent.serial)
+                op = rep.state.ledger.open_ops.get(intent.serial)
                 if op is not None:
                     self.write_serials[op.request.op_id] = intent.serial
             if isinstance(intent, (CopyToHost, Fetch)):
@@ -224,13 +224,13 @@ class Domain:
         return report
 
     def check_shared(self) -> None:
-        digests = {rep.state.digest for rep in self.replicas}
+        digests = {rep.state.ledger.digest for rep in self.replicas}
         if len(digests) != 1:
             raise InvariantViolation(f"digests differ after step {self.number}: {digests}")
         for rep in self.replicas:
             st = rep.state
-            alloc = st.allocator
-            index_slots = [e.slot for _, e in st.index.items()]
+            alloc = st.ledger.allocator
+            index_slots = [e.slot for _, e in st.ledger.index.items()]
             if len(set(index_slots)) != len(index_slots):
                 raise InvariantViolation(f"replica {rep.rank}: two resident pages share a slot")
             allocated, retiring, free_slots = alloc.allocated, alloc.retiring, alloc.free_slots
@@ -243,7 +243,7 @@ class Domain:
                 raise InvariantViolation(f"replica {rep.rank}: allocator lost slots")
 
     def open_prefetch_ids(self) -> list[int]:
-        return sorted(op.request.op_id for op in self.lead.open_ops.values() if isinstance(op, Prefetch))
+        return sorted(op.request.op_id for op in self.lead.ledger.open_ops.values() if isinstance(op, Prefetch))
 
     def settle_all(self, max_steps: int = 40) -> int:
         """Complete every I/O and step (polling every open prefetch) until no
@@ -251,19 +251,19 @@ class Domain:
         for rep in self.replicas:
             rep.io.end_all()
         for i in range(max_steps):
-            if not self.lead.open_ops and not any(p.requests.opened() for p in self.pipeline):
+            if not self.lead.ledger.open_ops and not any(p.requests.opened() for p in self.pipeline):
                 return i
             self.step(CacheRequests(prefetch_polls=tuple(self.open_prefetch_ids())) if i % 2 == 0 else CacheRequests())
         raise InvariantViolation(f"operations still open after {max_steps} idle steps with all I/O ended: "
-                                 f"{[op.label() for op in self.lead.open_ops.values()]}")
+                                 f"{[op.label() for op in self.lead.ledger.open_ops.values()]}")
 
     def check_quiescent(self) -> None:
         for rep in self.replicas:
             st = rep.state
-            if st.open_ops or st.by_op_id:
-                raise InvariantViolation(f"replica {rep.rank}: open operations remain: {list(st.open_ops)}")
-            index_slots = {e.slot for _, e in st.index.items()}
-            allocated, retiring = st.allocator.allocated, st.allocator.retiring
+            if st.ledger.open_ops or st.ledger.by_op_id:
+                raise InvariantViolation(f"replica {rep.rank}: open operations remain: {list(st.ledger.open_ops)}")
+            index_slots = {e.slot for _, e in st.ledger.index.items()}
+            allocated, retiring = st.ledger.allocator.allocated, st.ledger.allocator.retiring
             if allocated != index_slots or retiring:
                 raise InvariantViolation(f"replica {rep.rank}: allocated {sorted(allocated)} but resident "
                                          f"{sorted(index_slots)}, retiring {sorted(retiring)}")

@@ -104,8 +104,8 @@ class Program:
                     missing = [p for p in UNIVERSE if p not in resident]
                     if missing:
                         loads.append(LoadRequest(self.new_id(), (missing[0],), (0,)))
-                elif bad == "reopen" and self.domain.lead.by_op_id:
-                    i = self.draw(st.sampled_from(sorted(self.domain.lead.by_op_id)))
+                elif bad == "reopen" and self.domain.lead.ledger.by_op_id:
+                    i = self.draw(st.sampled_from(sorted(self.domain.lead.ledger.by_op_id)))
                     prefetches.append(PrefetchRequest(i, pages, 16))
                 elif bad == "empty":
                     writes.append(WriteRequest(self.new_id(), (), ()))
@@ -158,11 +158,11 @@ def test_rejected_step_changes_nothing_and_settles():
     domain = Domain([IOPlan(seed=s, max_delay=3) for s in range(3)], CacheConfig(prefetch_threshold_tokens=0))
     requests = CacheRequests(prefetches=(PrefetchRequest(7, tuple(UNIVERSE[:3]), 48),),
                   writes=(WriteRequest(8, (UNIVERSE[5],), (1,)),))
-    digest = domain.lead.digest
+    digest = domain.lead.ledger.digest
     report = domain.step(requests, reject_rank=2)
-    assert report.rejected and domain.lead.digest == digest and not domain.lead.open_ops
+    assert report.rejected and domain.lead.ledger.digest == digest and not domain.lead.ledger.open_ops
     domain.step(requests)
-    assert set(domain.lead.by_op_id) == {7, 8}
+    assert set(domain.lead.ledger.by_op_id) == {7, 8}
     domain.step(CacheRequests(prefetch_polls=(7,)))
     domain.settle_all()
     domain.check_quiescent()
@@ -172,15 +172,39 @@ def test_rejected_step_changes_nothing_and_settles():
 def test_eviction_of_suspect_pages_makes_room():
     """Minimal program: 4 host slots; a write of 2 pages is acked; its backup
     times out on one replica (pages become io_suspect); a prefetch of 4 new
-    pages hits storage on every replica: deciding the hit evicts the 2 suspect
-    pages (retired, not freed) and allocates 4 from 2 free slots."""
+    pages hits storage on every replica. Evicting a suspect page would leave
+    its slot retiring, not free, so the 2 suspect pages make no room: with 2
+    free slots for 4 pages, deciding the hit evicts nothing (all or nothing)
+    and revokes the prefetch, host pool full; the suspect pages stay in
+    their slots and the domain settles."""
+    from cpcache.state.intents import Decisions
     domain = Domain([IOPlan(max_delay=0, timeout_rate=1.0), IOPlan(max_delay=0)],
                     CacheConfig(prefetch_threshold_tokens=0), host_pages=4)
-    domain.step(CacheRequests(writes=(WriteRequest(1, tuple(UNIVERSE[:2]), (0, 1)),)))
-    for _ in range(3):
-        domain.step(CacheRequests())  # ack, then the backup ends TIMED_OUT
-    domain.step(CacheRequests(prefetches=(PrefetchRequest(2, tuple(UNIVERSE[4:8]), 64),)))
-    for _ in range(3):
-        domain.step(CacheRequests())  # the lookup answers: the hit is decided
-    domain.settle_all()
+    written = list(UNIVERSE[:2])
+
+    def pool() -> list[tuple[list[int], list[int], list[int], dict[bytes, tuple[int, bool]]]]:
+        """Per replica: its free, allocated and retiring slots, and page -> (slot, io_suspect)."""
+        seen = []
+        for rep in domain.replicas:
+            alloc, index = rep.state.ledger.allocator, rep.state.ledger.index
+            seen.append((sorted(alloc.free_slots), sorted(alloc.allocated), sorted(alloc.retiring),
+                         {p: (e.slot, e.io_suspect) for p, e in index.items()}))
+        return seen
+
+    assert domain.step(CacheRequests(writes=(WriteRequest(1, tuple(written), (0, 1)),))).decisions == Decisions()
+    report = domain.step(CacheRequests())  # every copy ended: the ack, and write_through's backup starts
+    assert report.decisions == Decisions(write_acks=[1], host_entered=written, host_entered_slots=[0, 1])
+    report = domain.step(CacheRequests())  # replica 0's store timed out, replica 1's stored: MIN is TIMED_OUT
+    assert report.decisions == Decisions(backups=[(2, False)])
+    assert pool() == [([2, 3], [0, 1], [], {written[0]: (0, True), written[1]: (1, True)})] * 2
+    assert domain.step(CacheRequests()).decisions == Decisions()
+
+    report = domain.step(CacheRequests(prefetches=(PrefetchRequest(2, tuple(UNIVERSE[4:8]), 64),)))
+    assert report.decisions == Decisions()
+    report = domain.step(CacheRequests())  # the lookups answer: the hit is decided
+    assert report.decisions == Decisions(prefetch_hits=[(2, 4)],
+                                         prefetch_revoked=[(2, "host pool full: 4 pages do not fit")])
+    assert pool() == [([2, 3], [0, 1], [], {written[0]: (0, True), written[1]: (1, True)})] * 2
+    assert not domain.lead.ledger.open_ops
+    assert domain.settle_all() == 0
     domain.check_quiescent()

@@ -138,7 +138,7 @@ class _CPULaps:
 
 def run(steps: int, repeat: int, write_policy: str = "write_through", host_pages: int = HOST_PAGES) -> dict:
     driver = Driver(write_policy, host_pages)
-    while driver.state.allocator.free_count > 0 or driver.number < 60:  # fill the host pool first
+    while driver.state.ledger.allocator.free_count > 0 or driver.number < 60:  # fill the host pool first
         driver.step()
     blocks = []
     for _ in range(repeat):

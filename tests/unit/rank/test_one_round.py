@@ -50,7 +50,7 @@ def test_the_harness_applies_rounds_through_the_ranks_apply_round(rounds):
     domain.step(A_WRITE)
     domain.step(CacheRequests())
     assert rounds == [1, 1, 2, 2]  # each round once per replica
-    assert domain.lead.by_op_id == {}  # the write opened and was acknowledged, through it
+    assert domain.lead.ledger.by_op_id == {}  # the write opened and was acknowledged, through it
 
 
 def test_the_stepper_applies_rounds_through_the_same_apply_round(rounds):

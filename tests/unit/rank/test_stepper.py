@@ -61,7 +61,7 @@ def test_what_a_step_opened_starts_its_io_even_when_applying_the_round_fails():
     for lag in (0, 1):
         io, acks, state = asyncio.run(_a_write_whose_round_fails_to_apply(lag))
         assert [i.serial for i in io.started if isinstance(i, CopyToHost)] == [1], lag
-        assert acks == [5] and not state.open_ops, lag  # acknowledged, nothing left open
+        assert acks == [5] and not state.ledger.open_ops, lag  # acknowledged, nothing left open
 
 
 def test_opening_one_by_one_keeps_the_whole_steps_pages():
@@ -70,7 +70,7 @@ def test_opening_one_by_one_keeps_the_whole_steps_pages():
     outcomes = []
     for stale_load in (False, True):
         state = CacheState(CacheConfig(), PageAllocator(4), ShardingSpec(), 16, 64)
-        state.index.insert([page(1)], state.allocator.allocate(1), None, 1)
+        state.ledger.index.insert([page(1)], state.ledger.allocator.allocate(1), None, 1)
         found = WriteRequest(10, (page(1), page(2)), (0, 1))  # page 1 is resident: kept
         room = WriteRequest(11, (page(3), page(4), page(5)), (2, 3, 4))  # needs 3 of the 3 free slots
         loads = (LoadRequest(12, (page(9),), (5,)),) if stale_load else ()
@@ -79,5 +79,5 @@ def test_opening_one_by_one_keeps_the_whole_steps_pages():
             _, decided = state.open(5, requests)
         except CacheError:
             _, decided = state.open_each(5, requests)
-        outcomes.append((page(1) in state.index, decided.write_failures))
+        outcomes.append((page(1) in state.ledger.index, decided.write_failures))
     assert outcomes[0] == outcomes[1] == (True, [11])

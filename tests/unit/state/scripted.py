@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cpcache.agreement.kinds import describe
-from cpcache.agreement.rounds import MIN_CAPACITY, Questions, RoundInput
+from cpcache.agreement.rounds import HEADER_SLOTS, MIN_CAPACITY, Questions, RoundInput
 from cpcache.config import CacheConfig
 from cpcache.errors import CacheError
 from cpcache.keys import ShardingSpec
@@ -33,6 +33,7 @@ from cpcache.requests import CacheRequests, WriteRequest
 from cpcache.state.allocator import PageAllocator
 from cpcache.state.host_index import Entry
 from cpcache.state.intents import Decisions, Intent
+from cpcache.state.ledger import Ledger
 from cpcache.state.machine import CacheState
 from cpcache.state.questions import NOT_YET, BackupOutcome, CopyOutcome
 
@@ -135,6 +136,7 @@ class ScriptedCache:
         self.number = 0
         self.capacity = MIN_CAPACITY
         self.pipeline: list[_Pending] = []
+        self.digests: list[int] = []  # the digest after each step, refused ones included
 
     # -- scripting the ranks' I/O ---------------------------------------------------------
 
@@ -162,8 +164,13 @@ class ScriptedCache:
         applies)."""
         requests = requests if requests is not None else CacheRequests()
         self.number += 1
-        number = self.number
-        step = Step(number, 0, [], [], Decisions(), None, self.state.digest)
+        try:
+            return self._step(self.number, requests)
+        finally:
+            self.digests.append(self.ledger.digest)
+
+    def _step(self, number: int, requests: CacheRequests) -> Step:
+        step = Step(number, 0, [], [], Decisions(), None, self.ledger.digest)
         if self.lag and len(self.pipeline) >= self.lag:
             step = self._apply(number, self.pipeline.pop(0))
         in_pipeline = [p.requests for p in self.pipeline if p.inputs is not None]
@@ -175,7 +182,7 @@ class ScriptedCache:
             self.pipeline.append(_Pending(number, requests, None))
             step.rejected = exc
             return step
-        inputs = [rt.pack(number, Questions.empty(), self.state.digest, requests) for rt in self.runtimes]
+        inputs = [rt.pack(number, Questions.empty(), self.ledger.digest, requests) for rt in self.runtimes]
         self.pipeline.append(_Pending(number, requests, inputs))
         if not self.lag:
             step = self._apply(number, self.pipeline.pop(0))
@@ -183,7 +190,7 @@ class ScriptedCache:
 
     def _apply(self, number: int, pending: _Pending) -> Step:
         if pending.inputs is None:  # a rejected round: nothing of it applies
-            return Step(number, pending.number, [], [], Decisions(), None, self.state.digest)
+            return Step(number, pending.number, [], [], Decisions(), None, self.ledger.digest)
         result = pending.inputs[0].decode(self._reduce(pending.inputs))
         started: list[Intent] = []
         done = self.runtimes[0].apply_round(pending.number, pending.requests, result, started.extend)
@@ -191,11 +198,11 @@ class ScriptedCache:
         for rank in self.ranks:
             rank.start(intents)
         answers = [(int(s), describe(int(k)), int(v)) for s, k, v in zip(result.op_ids, result.kinds, result.values)]
-        return Step(number, pending.number, answers, intents, done.decided, done.refused, self.state.digest)
+        return Step(number, pending.number, answers, intents, done.decided, done.refused, self.ledger.digest)
 
     def _reduce(self, inputs: list[RoundInput]) -> np.ndarray:
         def reduce_min(vec: np.ndarray) -> None:
-            vec[:] = np.minimum.reduce([inp.framed(len(vec) - 7) for inp in inputs])
+            vec[:] = np.minimum.reduce([inp.framed(len(vec) - HEADER_SLOTS) for inp in inputs])
 
         vec, self.capacity = inputs[0].reduce(reduce_min, self.capacity)
         return vec
@@ -204,7 +211,7 @@ class ScriptedCache:
         """Two steps: write pages `ns` (from device pages 0, 1, ...), then
         acknowledge it, every rank's copy having ended well."""
         opened = self.step(CacheRequests(writes=(WriteRequest(op_id, pages(*ns), tuple(range(len(ns))), parent),)))
-        self.answer("writes", self.state.by_op_id[op_id], CopyOutcome.OK)
+        self.answer("writes", self.ledger.by_op_id[op_id], CopyOutcome.OK)
         acked = self.step()
         assert op_id in acked.decided.write_acks
         return opened, acked
@@ -212,33 +219,27 @@ class ScriptedCache:
     # -- reads ------------------------------------------------------------------------------
 
     @property
+    def ledger(self) -> Ledger:
+        """The shared state's ledger: index, allocator, open operations, digest."""
+        return self.state.ledger
+
+    @property
     def digest(self) -> int:
-        return self.state.digest
+        return self.ledger.digest
 
     def slots(self) -> dict[bytes, int]:
         """Resident page -> its host slot."""
-        return {p: e.slot for p, e in self.state.index.items()}
+        return {p: e.slot for p, e in self.ledger.index.items()}
 
     def entry(self, n: int) -> Entry:
-        return self.state.index[page(n)]
+        return self.ledger.index[page(n)]
 
     def pool(self) -> tuple[list[int], list[int], list[int]]:
         """(free, allocated, retiring) host slots, each sorted."""
-        alloc = self.state.allocator
+        alloc = self.ledger.allocator
         return sorted(alloc.free_slots), sorted(alloc.allocated), sorted(alloc.retiring)
 
     def open_ops(self) -> list[str]:
-        return [f"{serial}: {op.label()}" for serial, op in self.state.open_ops.items()]
+        return [f"{serial}: {op.label()}" for serial, op in self.ledger.open_ops.items()]
 
 
-class _Pin:  # AUTHORING ONLY: removed once the digests are pinned
-    def __eq__(self, other: object) -> bool:
-        import inspect
-        import json
-        frame = inspect.stack()[1]
-        with open("/tmp/pins.jsonl", "a") as fh:
-            fh.write(json.dumps([frame.filename, frame.lineno, other]) + "\n")
-        return True
-
-
-PIN = _Pin()

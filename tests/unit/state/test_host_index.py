@@ -137,3 +137,27 @@ def test_eviction_and_backup_candidates_agree_with_the_rules_stated_plainly(data
             count = data.draw(st.integers(1, 12))
             assert index.least_recent_unbacked(count) == reference.least_recent_unbacked(count)
         assert sorted(p for p, _ in index.items()) == sorted(reference.parent)
+
+
+def test_a_chain_whose_pages_enter_out_of_order_counts_its_children():
+    """Each write is acknowledged on its own, so a page may enter before the
+    page it follows: that parent enters with the child already counted, and
+    is evicted only after it, whatever the recency."""
+    index = HostIndex()
+    index.insert([page(2)], [1], page(1), step=1)  # the child first
+    index.insert([page(1)], [0], None, step=2)
+    assert index[page(1)].children == 1
+    index.touch([page(2)], step=3)  # the parent is now the least recent page, but not a leaf
+    assert [p for p, _ in index.evict(1)] == [page(2)]
+    assert index[page(1)].children == 0
+    assert [p for p, _ in index.evict(1)] == [page(1)]
+    assert len(index) == 0
+
+
+def test_a_child_evicted_before_its_parent_entered_leaves_no_count_behind():
+    index = HostIndex()
+    index.insert([page(2)], [1], page(1), step=1)
+    assert [p for p, _ in index.evict(1)] == [page(2)]
+    index.insert([page(1)], [0], None, step=2)
+    assert index[page(1)].children == 0
+    assert [p for p, _ in index.evict(1)] == [page(1)]
