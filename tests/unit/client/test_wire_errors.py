@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from cpcache import errors
-from cpcache.client import AsyncClient, Client, core
+from cpcache.client import AsyncClient, Client, calls
 from cpcache.daemon.metrics import RpcMetrics
 from cpcache.daemon.status import guarded
 from cpcache.v1 import daemon_pb2 as pb
@@ -174,5 +174,5 @@ async def test_a_call_past_its_default_deadline_is_unavailable(daemon, kind):
 
 
 def test_wait_loads_deadline_is_its_own_timeout_plus_a_margin():
-    assert core._wait_loads_call([1], 2.0).timeout_s == 2.0 + core.WAIT_MARGIN_S
-    assert core._wait_loads_call([1], 0).timeout_s is None  # the client's default
+    assert calls.wait_loads_call([1], 2.0).timeout_s == 2.0 + calls.WAIT_MARGIN_S
+    assert calls.wait_loads_call([1], 0).timeout_s is None  # the client's default

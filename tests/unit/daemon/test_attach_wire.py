@@ -70,7 +70,7 @@ def test_a_hostile_part_is_a_clear_invalid_argument(request_, words):
 
 def test_a_client_refuses_a_daemon_that_took_only_the_kv_of_a_page_with_parts():
     """A daemon from before parts reads field 7 as unknown and attaches the KV alone."""
-    from cpcache.client.core import _attached_whole
+    from cpcache.client.calls import attached_whole as _attached_whole
     from cpcache.errors import FailedPrecondition
 
     assert _attached_whole(DSA, pb.AttachReply(page_bytes=DSA.page_bytes)).page_bytes == DSA.page_bytes
