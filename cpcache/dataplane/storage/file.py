@@ -44,65 +44,24 @@ import collections
 import contextlib
 import logging
 import os
-import re
-import socket
 import threading
 import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 
-import xxhash
-
 from cpcache.config import DaemonConfig
 from cpcache.dataplane.storage import PageBuffer, StorageBackend, register
+from cpcache.dataplane.storage.file_names import KEY_PATTERN, Clock, check_key, host_tag, stale_tmp
 from cpcache.dataplane.storage.framing import HEADER, Verdict, check_header, check_page, checksum, pack_header
-from cpcache.errors import InvalidArgument
 from cpcache.geometry import KVGeometry
 
 # Below this page size a read is mostly interpreter time, which threads only
 # contend for; above it the syscalls and checksums (GIL released) overlap.
 PARALLEL_MIN_PAGE_BYTES = 256 << 10
-KEY_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,254}")
-TMP_PATTERN = re.compile(r"\.(?P<key>.+)\.(?P<host>[0-9a-f]{8})-(?P<pid>\d+)-[0-9a-f]{8}\.tmp")
-STALE_TMP_S = 600.0  # a temp file this old is a dead writer's, whichever host wrote it
 RESCAN_FRACTION = 32
 
 log = logging.getLogger(__name__)
-
-
-def check_key(key: str) -> str:
-    if not isinstance(key, str) or not KEY_PATTERN.fullmatch(key) or ".." in key:
-        raise InvalidArgument(f"storage: key {key!r} is not a plain name ([A-Za-z0-9_.-], no '..')")
-    return key
-
-
-def host_tag() -> str:
-    return xxhash.xxh3_64_hexdigest(socket.gethostname().encode())[:8]
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's live process
-    return True
-
-
-class _Clock:
-    """Wall-clock nanoseconds, strictly increasing within this process, so
-    pages touched one after another never tie in mtime order."""
-
-    def __init__(self) -> None:
-        self._last = 0
-        self._lock = threading.Lock()
-
-    def __call__(self) -> int:
-        with self._lock:
-            self._last = max(time.time_ns(), self._last + 1)
-            return self._last
 
 
 @register("file")
@@ -127,7 +86,7 @@ class FileBackend(StorageBackend):
         self._durable = durable
         self._page_file_bytes = HEADER.size + page_bytes if page_bytes else 0
         self._tag = f"{host_tag()}-{os.getpid()}"
-        self._now_ns = _Clock()
+        self._now_ns = Clock()
         self._lock = threading.Lock()  # the index and the counters
         # key -> (file bytes, mtime ns), least recently used first: the last
         # scan of the root, plus this process's touches since.
@@ -200,25 +159,12 @@ class FileBackend(StorageBackend):
                     if not page.name.startswith("."):
                         if KEY_PATTERN.fullmatch(page.name):  # not a page's name: not ours to evict
                             found.append((st.st_mtime_ns, page.name, st.st_size))
-                    elif sweep and self._stale_tmp(page.name, now - st.st_mtime):
+                    elif sweep and stale_tmp(self._tag, page.name, now - st.st_mtime):
                         with contextlib.suppress(FileNotFoundError):
                             os.unlink(page.path)
                             swept_files += 1
                             swept_bytes += st.st_size
         return found, swept_files, swept_bytes
-
-    def _stale_tmp(self, name: str, age_s: float) -> bool:
-        # The name first: a dot-file this daemon did not name (a
-        # `.gitattributes` beside the pages) is never ours to delete, however old.
-        match = TMP_PATTERN.fullmatch(name)
-        if match is None:
-            return False
-        if age_s > STALE_TMP_S:
-            return True
-        if match["host"] != self._tag.split("-")[0]:
-            return False  # another host's writer: only by age
-        pid = int(match["pid"])
-        return pid == os.getpid() or not _pid_alive(pid)  # this process has no writes yet
 
     # -- StorageBackend -------------------------------------------------------------
 
