@@ -25,14 +25,14 @@ PAGE_HASH_BYTES = 32
 
 
 def check_page_hash(page: bytes, what: str) -> None:
-    """Refuse anything but a page hash (a 32-byte sha256 digest)."""
+    """Refuse anything but a page hash (a 32-byte sha256 digest) as `what`."""
     if len(page) != PAGE_HASH_BYTES:
-        raise InvalidArgument(f"{what}: page hashes are {PAGE_HASH_BYTES}-byte sha256 digests")
+        raise InvalidArgument(f"{what} must be a {PAGE_HASH_BYTES}-byte page hash, got {len(page)} bytes")
 
 
 def check_page_hashes(pages: Iterable[bytes], what: str) -> None:
-    for page in pages:
-        check_page_hash(page, what)
+    if any(len(page) != PAGE_HASH_BYTES for page in pages):
+        raise InvalidArgument(f"{what}: page hashes are {PAGE_HASH_BYTES}-byte sha256 digests")
 
 
 @dataclass(frozen=True)
@@ -116,6 +116,11 @@ def check_shape(requests: CacheRequests, device_pages: int, signal_slots: int = 
         parent: bytes | None = getattr(req, "parent", None)
         if parent is not None:
             check_page_hash(parent, f"operation {req.op_id}: parent")
+        # A chain's hash covers every page before it: no chain repeats one.
+        if len(set(req.pages)) != len(req.pages):
+            raise InvalidArgument(f"operation {req.op_id}: a page appears twice: its pages are not a chain")
+        if parent is not None and parent in req.pages:
+            raise InvalidArgument(f"operation {req.op_id}: its parent is one of its pages: they are not a chain")
         if isinstance(req, PrefetchRequest):
             check_id(req.tokens, f"operation {req.op_id}: tokens")
             continue

@@ -45,7 +45,7 @@ class Call(Generic[T]):
 
 
 def step_call(step: int, votes: Iterable[tuple[int, Reduce, int]] = (), requests: CacheRequests | None = None,
-               epoch: int | None = None) -> Call[StepResult]:
+              epoch: int | None = None) -> Call[StepResult]:
     """One scheduler iteration: -> StepResult. `epoch`: the one the
     session was attached in (`AttachReply.epoch`; None: unchecked)."""
     return Call("Step", step_request(step, votes, requests, epoch), step_result)
@@ -59,9 +59,9 @@ def outcome_call(epoch: int, step: int) -> Call[pb.OutcomeReply]:
 
 
 def attach_call(model_id: str, geometry: KVGeometry, device_pages: int, pool_fd: int = -1,
-                 cuda_ipc: dict[str, Any] | None = None, placement: tuple[Topology, int] | None = None,
-                 regions: Sequence[Region] = (), load_signals: LoadSignals | None = None,
-                 cuda_events: Sequence[bytes] = (), model_dtype: str = "") -> Call[pb.AttachReply]:
+                cuda_ipc: dict[str, Any] | None = None, placement: tuple[Topology, int] | None = None,
+                regions: Sequence[Region] = (), load_signals: LoadSignals | None = None,
+                cuda_events: Sequence[bytes] = (), model_dtype: str = "") -> Call[pb.AttachReply]:
     """Hand the daemon this model's device pool: -> pb.AttachReply.
     `pool_fd`: a sealed memfd pool (`DevicePool.create_sealed`), handed
     over by descriptor on the daemon's `<socket>.pools`; or `cuda_ipc`,

@@ -19,8 +19,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
+import inspect
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar, overload
+from typing import Any, Generic, ParamSpec, TypeVar, overload
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -44,9 +46,6 @@ from cpcache.requests import CacheRequests
 from cpcache.v1 import daemon_pb2 as pb
 from cpcache.v1 import daemon_pb2_grpc as pb_grpc
 from cpcache.values import MAX_MESSAGE_BYTES, Reduce
-
-if TYPE_CHECKING:
-    pass
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -99,7 +98,13 @@ class _Rpc(Generic[P, T]):
 
     def __init__(self, build: Callable[P, Call[T]]) -> None:
         self._build = build
-        self.__doc__ = build.__doc__
+        functools.update_wrapper(self, build)  # its signature and docs, for help() and inspect
+        self._name = build.__name__
+        # The signature a face's call shows: the builder's, returning what the face does.
+        self._signature = inspect.signature(build).replace(return_annotation=inspect.Signature.empty)
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
 
     @overload
     def __get__(self, face: None, owner: type) -> _Rpc[P, T]: ...
@@ -114,12 +119,25 @@ class _Rpc(Generic[P, T]):
         if face is None:
             return self
         build = self._build
-
-        def send(*args: P.args, **kwargs: P.kwargs) -> Any:
-            return face._send(build(*args, **kwargs))
-
-        send.__doc__ = build.__doc__
+        send: Callable[..., Any]
+        if isinstance(face, AsyncClient):
+            async def send(*args: P.args, **kwargs: P.kwargs) -> Any:
+                # Built when awaited, as a coroutine method would: a bad
+                # argument raises where the call is awaited.
+                return await face._send(build(*args, **kwargs))
+        else:
+            def send(*args: P.args, **kwargs: P.kwargs) -> Any:
+                return face._send(build(*args, **kwargs))
+        functools.update_wrapper(send, build)
+        send.__name__ = send.__qualname__ = self._name
+        send.__signature__ = self._signature  # type: ignore[union-attr]
+        face.__dict__[self._name] = send  # made once per client: later reads find it first
         return send
+
+    def __call__(self, face: _Face, *args: P.args, **kwargs: P.kwargs) -> Any:
+        """Called on the class (`Client.step(client, ...)`), as a method would be."""
+        send: Callable[..., Any] = self.__get__(face, type(face))  # type: ignore[call-overload]  # either face
+        return send(*args, **kwargs)
 
 
 class _Face:
@@ -143,7 +161,7 @@ class _Face:
         self._metadata = _metadata(token)
         self._timeout_s = timeout_s
 
-    def _prepare(self, call: Call[T]) -> tuple[Callable[..., Any], dict[str, Any]]:
+    def _method_for(self, call: Call[T]) -> tuple[Callable[..., Any], dict[str, Any]]:
         """The stub method to send `call` with, and its keyword arguments.
         A request over the message limit is refused here, unsent."""
         size = call.request.ByteSize()
@@ -181,7 +199,7 @@ class AsyncClient(_Face):
     async def _send(self, call: Call[T]) -> T:
         if call.prepare is not None:  # blocking: off the event loop
             call = dataclasses.replace(call, request=await asyncio.to_thread(call.prepare, self._address))
-        method, kwargs = self._prepare(call)
+        method, kwargs = self._method_for(call)
         try:
             reply = await method(call.request, **kwargs)
         except grpc.aio.AioRpcError as exc:
@@ -231,11 +249,11 @@ class AsyncStepStream:
         self._call: Any = None
         self._lock: asyncio.Lock | None = None  # made on first use, inside the loop
 
-    async def step(self, step: int, votes: Iterable[tuple[int, Reduce, int]] = (), requests: CacheRequests | None = None
-                   ) -> StepResult:
-        """One scheduler iteration: -> StepResult."""
-        call = step_call(step, votes, requests)
-        _, kwargs = self._client._prepare(call)  # refuses an oversized request, unsent
+    async def step(self, step: int, votes: Iterable[tuple[int, Reduce, int]] = (),
+                   requests: CacheRequests | None = None, epoch: int | None = None) -> StepResult:
+        """One scheduler iteration, as `AsyncClient.step`: -> StepResult."""
+        call = step_call(step, votes, requests, epoch)
+        _, kwargs = self._client._method_for(call)  # refuses an oversized request, unsent
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:
@@ -305,7 +323,7 @@ class Client(_Face):
             self.check_deadline(self.status().agreement_timeout_s)
         if call.prepare is not None:
             call = dataclasses.replace(call, request=call.prepare(self._address))
-        method, kwargs = self._prepare(call)
+        method, kwargs = self._method_for(call)
         try:
             reply = method(call.request, **kwargs)
         except grpc.RpcError as exc:
@@ -334,7 +352,7 @@ class Client(_Face):
         """Send step `step` now and return at once: -> what waits for its
         reply (raising as `step` would). The round runs meanwhile."""
         call = step_call(step, votes, requests, epoch)
-        method, kwargs = self._prepare(call)
+        method, kwargs = self._method_for(call)
         future = method.future(call.request, **kwargs)  # type: ignore[attr-defined]  # a grpc multi-callable
 
         def reply() -> StepResult:

@@ -88,11 +88,12 @@ class Attacher:
         """Attach the pool `open_device` opens (blocking: run on a thread),
         `kind` naming how it was handed over, for the log; `model_dtype`
         (the dtype the model computes in) is part of the tenant."""
-        task = asyncio.ensure_future(self._prepare(model_id, geometry, device_pages, kind, open_device, model_dtype))
+        task = asyncio.ensure_future(self._open_and_agree(model_id, geometry, device_pages, kind, open_device,
+                                                          model_dtype))
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
         return await asyncio.shield(task)
 
-    async def _prepare(self, model_id: str, geometry: KVGeometry, device_pages: int, kind: str,
+    async def _open_and_agree(self, model_id: str, geometry: KVGeometry, device_pages: int, kind: str,
                       open_device: Callable[[], DevicePool], model_dtype: str) -> Attached:
         formation = self._formation
         await formation.wait_reformed()

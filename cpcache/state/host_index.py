@@ -79,7 +79,10 @@ class HostIndex:
                     parent_entry.children += 1
                 else:
                     orphans[parent] = orphans.get(parent, 0) + 1
-            entries[page] = Entry(slot, parent, orphans.pop(page, 0), 0, step)
+            entry = entries[page] = Entry(slot, parent, 0, 0, step)
+            waiting = orphans.pop(page, 0)
+            if waiting:  # pages that follow it entered first
+                entry.children = waiting - self._cut_loop(page)
             changes[page] = True
             parent = page
         if pages:
@@ -87,6 +90,24 @@ class HostIndex:
         if self._unbacked is not None:
             for page in pages:
                 self._push_unbacked(step, page)
+
+    def _cut_loop(self, page: bytes) -> int:
+        """1 if following parents from `page`, just entered, leads back to it,
+        0 if not. A real chain never loops: a page's hash covers its
+        parent's. Hashes a scheduler made up may loop, and a loop would pin
+        every page on it, each a parent of the next. So the loop's last link
+        (the page whose parent is `page`) is cut: that page has no parent."""
+        entries = self._entries
+        node = entries[page]
+        for _ in range(len(entries)):
+            up = node.parent
+            if up is None or (above := entries.get(up)) is None:
+                return 0
+            if up == page:
+                node.parent = None
+                return 1
+            node = above
+        return 0
 
     def touch(self, pages: list[bytes], step: int, hit: bool = False) -> None:
         for page in pages:
@@ -208,7 +229,7 @@ class HostIndex:
         for parent_page, lost in lost_children.items():
             if (parent_entry := self._entries.get(parent_page)) is not None:
                 parent_entry.children -= lost
-            elif (left := self._orphans.pop(parent_page) - lost) > 0:
+            elif (left := self._orphans.pop(parent_page, 0) - lost) > 0:
                 self._orphans[parent_page] = left
         for page, _ in evicted:
             del self._entries[page]

@@ -25,7 +25,6 @@ pytestmark = [
     pytest.mark.skipif(shutil.which("podman") is None or shutil.which("podman-compose") is None,
                        reason="podman and podman-compose are not installed: `make compose-test` installs them "
                               "(as root, Debian's packages)"),
-    pytest.mark.skipif(not TRACE.exists(), reason=f"the trace {TRACE} is not here"),
 ]
 
 

@@ -12,7 +12,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from cpcache import errors
-from cpcache.client import AsyncClient, core
+from cpcache.client import AsyncClient, messages
 from cpcache.daemon.launcher import DomainSpec, LocalDomain
 from cpcache.daemon.server import ExitCode
 from cpcache.topology import Topology
@@ -190,7 +190,7 @@ async def test_a_long_prompt_fits_a_step_and_an_oversized_request_is_invalid_arg
             huge = CacheRequests(prefetches=tuple(PrefetchRequest(op, pages, len(pages)) for op in range(2, 20)))
             with pytest.raises(errors.InvalidArgument, match="split it over several steps"):
                 await client.step(2, requests=huge)
-            request = core.step_request(2, requests=huge)
+            request = messages.step_request(2, requests=huge)
             assert MAX_MESSAGE_BYTES < request.ByteSize() < 2 * MAX_MESSAGE_BYTES
             async with grpc.aio.insecure_channel("unix:" + domain.sockets[0],
                                                  options=[("grpc.max_send_message_length", -1)]) as channel:

@@ -35,9 +35,9 @@ class DecisionRounds:
         self.digest: int | None = None
         self.recent: list[list[bytes]] = [[] for _ in self.ranks]  # requests of the last rounds, per rank
 
-    async def digests(self) -> list[int]:
+    async def digests(self) -> list[int | None]:
         stats = await asyncio.gather(*(c.stats() for c in self.clients))
-        return [s["cache_digest"] for s in stats]
+        return [s.get("cache_digest") for s in stats]
 
     async def check_digest(self, what: str, refused: bool, detail: str) -> None:
         try:

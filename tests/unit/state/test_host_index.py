@@ -161,3 +161,16 @@ def test_a_child_evicted_before_its_parent_entered_leaves_no_count_behind():
     index.insert([page(1)], [0], None, step=2)
     assert index[page(1)].children == 0
     assert [p for p, _ in index.evict(1)] == [page(1)]
+
+
+def test_made_up_hashes_that_loop_pin_no_page():
+    """A real chain never loops (a page's hash covers its parent's), but a
+    scheduler may send hashes that do: each page of the loop would be the
+    other's parent, and neither ever a leaf."""
+    index = HostIndex()
+    index.insert([page(1)], [0], page(2), step=1)  # 1 follows 2
+    index.insert([page(2)], [1], page(1), step=2)  # and 2 follows 1
+    assert sorted(p for p, _ in index.evict(2)) == [page(1), page(2)]
+    index.insert([page(3)], [2], page(3), step=3)  # its own parent
+    assert [p for p, _ in index.evict(1)] == [page(3)]
+    assert len(index) == 0

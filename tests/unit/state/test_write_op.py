@@ -336,21 +336,6 @@ def test_two_writes_of_one_page_acked_in_one_round_enter_it_in_serial_order():
     ]
 
 
-def test_a_page_twice_in_one_write_enters_once():
-    c = ScriptedCache(SELECTIVE)
-    s = c.step(writes(WriteRequest(1, pages(1, 1, 2), (4, 5, 6))))
-    assert s.intents == [CopyToHost(1, (4, 5, 6), (0, 1, 2))]  # not resident when it opened: each copied
-    c.answer("writes", 1, OK)
-    s = c.step()
-    assert s.decided == Decisions(write_acks=[1], host_entered=[page(1), page(2)], host_entered_slots=[0, 2])
-    assert (c.entry(2).parent, c.entry(1).children) == (page(1), 1)
-    assert c.pool() == ([1, 3], [0, 2], [])
-    assert s.digest == 0x268ff7c6af76aac2
-    assert c.digests == [  # the digest after every step
-        0xa7ba499c5a56b16, 0x268ff7c6af76aac2,
-    ]
-
-
 def test_under_write_through_an_ack_backs_the_new_pages_up():
     c = ScriptedCache()  # the default policy: write_through
     c.step(writes(WriteRequest(1, pages(1, 2, 3), (0, 1, 2))))

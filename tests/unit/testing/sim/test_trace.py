@@ -26,10 +26,13 @@ SEED = "00" * 32
 
 
 def shipped_traces() -> list[Path]:
-    return sorted(TRACES.glob("*.jsonl")) if TRACES.is_dir() else []
+    return sorted(TRACES.glob("*.jsonl"))
 
 
-@pytest.mark.skipif(not shipped_traces(), reason=f"no traces under {TRACES}")
+def test_the_repository_carries_its_traces():
+    assert [p.name for p in shipped_traces()] == ["conversation_trace.jsonl", "synthetic_trace.jsonl"]
+
+
 @pytest.mark.parametrize("trace", shipped_traces(), ids=lambda p: p.name)
 @pytest.mark.parametrize("page_size", [256])
 def test_every_request_of_every_trace_synthesizes(trace, page_size):
@@ -46,11 +49,8 @@ def test_every_request_of_every_trace_synthesizes(trace, page_size):
     assert tokens.dtype == np.uint32 and tokens.shape == (BLOCK_TOKENS,) and int(tokens.max()) < VOCAB
 
 
-@pytest.mark.skipif(not shipped_traces(), reason=f"no traces under {TRACES}")
 def test_skip_and_limit_keep_trace_positions():
     trace = TRACES / "conversation_trace.jsonl"
-    if not trace.exists():
-        pytest.skip("conversation_trace.jsonl is missing")
     requests = load(trace, limit=30, skip=2100)
     assert [r.index for r in requests] == list(range(2100, 2130))
     hasher = PageHasher(SEED, 256)
