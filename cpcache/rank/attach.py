@@ -26,6 +26,7 @@ from cpcache.rank.assembly import CacheRuntime, check_host_budget, open_runtime,
 from cpcache.rank.epochs import Formation, Held, close_storage
 from cpcache.rank.stepper import Stepper
 from cpcache.state import carryover
+from cpcache.state.machine import STATE_RULES
 
 log = logging.getLogger("cpcached")
 
@@ -62,13 +63,15 @@ def attach_descriptor(config: DaemonConfig, model_id: str, geometry: KVGeometry,
     the model's dtype included, resumes nothing). The model dtype is in it
     only when declared: an older client's attach agrees with daemons that
     predate the field, a newer one's never does (they would key its pages
-    apart)."""
+    apart). `state_rules`: daemons whose state machines could apply the
+    same agreed rounds differently never attach as one domain (they would
+    diverge later, on some round): they are refused at attach, by name."""
     shape = dataclasses.asdict(geometry)
     if not geometry.beside:  # as before parts existed: daemons of either version agree on it
         del shape["beside"]
     descriptor = {"model_id": model_id, "geometry": shape, "device_pages": device_pages,
                   "host_pool_pages": config.host_pool_pages, "host_layout": config.host_layout,
-                  "cache": dataclasses.asdict(config.cache_config)}
+                  "cache": dataclasses.asdict(config.cache_config), "state_rules": STATE_RULES}
     if model_dtype:
         descriptor["model_dtype"] = model_dtype
     return descriptor

@@ -35,6 +35,11 @@ from cpcache.state.ops.prefetch import Prefetch
 from cpcache.state.ops.retirement import Retirement, retire
 from cpcache.state.ops.write import Write, open_write
 
+# The version of the rules by which agreed rounds change the shared state:
+# raised whenever the same rounds could leave it different (2: a chain's
+# pages entering out of order count as their parent's children).
+STATE_RULES = 2
+
 
 class CacheState:
     def __init__(self, config: CacheConfig, allocator: PageAllocator, sharding: ShardingSpec, page_size: int,

@@ -1,4 +1,4 @@
-"""The decision RPC (Step): one step number, strictly increasing, sent to
+"""Steps (the one decision RPC): one step number, strictly increasing, sent to
 every rank (the same hostile request everywhere, a hostile request on one
 rank and a valid one on the others, two different hostile ones, identical
 raw bytes), and out-of-range, stale and retried step numbers to one rank
@@ -221,7 +221,7 @@ class DecisionRounds:
         return None
 
     async def run(self, per_rpc: int) -> None:
-        """Send `per_rpc` requests of each decision RPC, in a seeded order."""
+        """Send `per_rpc` steps, in a seeded order."""
         left = {m: per_rpc for m in DECISIONS}
         while any(v > 0 for v in left.values()):
             method = self.rng.choice([m for m, v in left.items() if v > 0])
