@@ -58,11 +58,18 @@ def test_tickets_are_capped_per_uid_and_the_descriptors_stay_bounded(handover):
     before = open_fds()
     tickets, refusals = [], []
     started = time.monotonic()
+    retries = 0
     for _ in range(1100):
-        try:
-            tickets.append(hand_over(address(handover), fd, timeout_s=5))
-        except errors.ResourceExhausted as exc:
-            refusals.append(str(exc))
+        while True:
+            try:
+                tickets.append(hand_over(address(handover), fd, timeout_s=5))
+            except errors.ResourceExhausted as exc:
+                refusals.append(str(exc))
+            except errors.Unavailable:  # the refused ones' closes lag (a busy machine): as it says, retry
+                retries += 1
+                assert retries < 100_000
+                continue
+            break
     elapsed = time.monotonic() - started
     assert len(tickets) == budget.POOLS_TICKETS_PER_UID
     assert len(refusals) == 1100 - budget.POOLS_TICKETS_PER_UID and "too many pool tickets" in refusals[0]
