@@ -241,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
                        help="load-back: through two SGLang servers (TTFT of host hits) instead of a stand-in forward")
     bench.add_argument("--configs", help="serving: which servers, comma-separated (default: all, in their order)")
     bench.add_argument("--trace-requests", type=int, help="serving: requests of the scaled trace (default 400)")
+    bench.add_argument("--prefetch-policy", choices=["best_effort", "wait_complete", "timeout"],
+                       help="serving: how a storage prefetch ends, on both stacks (default wait_complete; timeout: "
+                       "SGLang's default budget, given to both)")
     bench.add_argument("--slowdown", type=float,
                        help="serving: the trace's arrival intervals times this (default 1.5; higher: less queueing)")
     bench.add_argument("--work-dir", help="sglang, sglang-pd, sglang-soak, sglang-chaos, load-back: where the model, "

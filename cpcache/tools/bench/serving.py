@@ -48,6 +48,12 @@ DEVICE_TOKENS = 2048
 HOST_PAGES = 2 * DEVICE_TOKENS // PAGE  # HiCache's --hicache-ratio 2; cpcache's host pool as many
 REQUESTS, BLOCKS, OUTPUT, SLOWDOWN = 400, 6, 4, 1.5
 BOUND_PAGES = 6144  # the bounded stores hold this many pages' bytes in all
+# How a storage prefetch ends (`--prefetch-policy`), the same on both stacks:
+# from the first page until every rank has every page, unless told otherwise.
+POLICY = "wait_complete"
+# Under `timeout`: SGLang's default budget, given to both stacks alike.
+TIMEOUT_HICACHE = {"prefetch_timeout_base": 1.0, "prefetch_timeout_per_ki_token": 0.25}
+TIMEOUT_CPCACHE = {"prefetch_timeout_base_s": 1.0, "prefetch_timeout_per_ki_token_s": 0.25}
 TRACE = Path(__file__).resolve().parents[3] / "traces" / "conversation_trace.jsonl"
 _DATASET_WORDS = ["[UNK]", "[EOS]", *"0123456789", "hi", "story", "Round", "Tell", "me", "a", "based", "on", "this",
                   "context", ".", ":", "user", "assistant", "system"]
@@ -102,7 +108,9 @@ def page_bytes() -> int:
 class Config:
     """One server of the comparison (and its daemons, for cpcache)."""
 
-    def __init__(self, name: str, work: Path, model: Path) -> None:
+    def __init__(self, name: str, work: Path, model: Path, policy: str = POLICY) -> None:
+        """`policy`: how a storage prefetch ends, on either stack, with the
+        same timeout (SGLang's defaults) under `timeout`."""
         from cpcache.testing.sglang_cpu.servers import (
             CPCACHE_FLAGS,
             CPCACHE_HOST_FLAGS,
@@ -124,12 +132,14 @@ class Config:
             flags, env = list(HICACHE_FLAGS), dict(HICACHE_ENV)
             if self.store is not None:
                 flags += hicache_file_storage_flags(self.store)
+                flags[flags.index("--hicache-storage-prefetch-policy") + 1] = policy
+                extra = json.loads(flags[-1]) | TIMEOUT_HICACHE
                 if bound:  # per rank: each CP rank keeps its own copy of every page, under its own cap
-                    extra = json.loads(flags[-1])
-                    flags[-1] = json.dumps({**extra, "max_size": str(bound // CP)})
+                    extra["max_size"] = str(bound // CP)
+                flags[-1] = json.dumps(extra)
         else:
-            settings: dict = dict(host_pool_pages=HOST_PAGES, prefetch_threshold_tokens=0,
-                                  prefetch_policy="wait_complete")
+            settings: dict = dict(host_pool_pages=HOST_PAGES, prefetch_threshold_tokens=0, prefetch_policy=policy,
+                                  **TIMEOUT_CPCACHE)
             if self.store is not None:
                 settings |= dict(storage="file", storage_root=str(self.store), storage_capacity_bytes=bound)
             self.daemons = Daemons(work / f"{name}-run", tp=TP, cp=CP, settings=settings)
@@ -191,7 +201,8 @@ def check_prompts(trace: Path) -> list[list[int]]:
     return [[2 + (h * 7 + i) % 10 for i in range(len(r["hash_ids"]) * 40)] for h, r in enumerate(rows)]
 
 
-def run(work: Path, configs: tuple[str, ...] = CONFIGS, requests: int = REQUESTS, slowdown: float = SLOWDOWN) -> dict:
+def run(work: Path, configs: tuple[str, ...] = CONFIGS, requests: int = REQUESTS, slowdown: float = SLOWDOWN,
+        policy: str = POLICY) -> dict:
     from cpcache.testing.sglang_cpu.servers import PLAIN_FLAGS, Server, same_outputs
     from cpcache.tools.bench.sglang_pd import MODEL, make_model
 
@@ -208,10 +219,10 @@ def run(work: Path, configs: tuple[str, ...] = CONFIGS, requests: int = REQUESTS
         "trace": f"{TRACE.name}: first {requests} requests, prefix chains cut to {BLOCKS} blocks, {OUTPUT} "
                  f"tokens out, arrivals x{slowdown}", "topology": f"--tp {TP} --attn-cp-size {CP}",
         "model": f"random Qwen3 {MODEL}, float32, SGLang's CPU path", "page_size": PAGE,
-        "device_pages": DEVICE_TOKENS // PAGE, "host_pages": HOST_PAGES,
+        "device_pages": DEVICE_TOKENS // PAGE, "host_pages": HOST_PAGES, "prefetch_policy": policy,
         "bounded_store_bytes": BOUND_PAGES * page_bytes()}}
     for name in configs:
-        config = Config(name, work, model)
+        config = Config(name, work, model, policy)
         try:
             healthy_s = config.start()
             cpu_before = config.cpu_seconds()
@@ -248,11 +259,12 @@ def main(args: argparse.Namespace) -> int:
     configs = tuple(c for c in (getattr(args, "configs", None) or ",".join(CONFIGS)).split(","))
     requests = getattr(args, "trace_requests", None) or REQUESTS
     slowdown = getattr(args, "slowdown", None) or SLOWDOWN
+    policy = getattr(args, "prefetch_policy", None) or POLICY
     if keep:
         Path(keep).mkdir(parents=True, exist_ok=True)
-        report = run(Path(keep), configs, requests, slowdown)
+        report = run(Path(keep), configs, requests, slowdown, policy)
     else:
         with tempfile.TemporaryDirectory(prefix="cpc-serving-") as tmp:
-            report = run(Path(tmp), configs, requests, slowdown)
+            report = run(Path(tmp), configs, requests, slowdown, policy)
     print(json.dumps(report) if args.json else "\n".join(table(report)))
     return 0
