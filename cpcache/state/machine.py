@@ -37,7 +37,8 @@ from cpcache.state.ops.write import Write, open_write
 
 # The version of the rules by which agreed rounds change the shared state:
 # raised whenever the same rounds could leave it different (2: a chain's
-# pages entering out of order count as their parent's children).
+# pages entering out of order count as their parent's children, and an
+# accepted prefetch takes the pages after one already resident).
 STATE_RULES = 2
 
 

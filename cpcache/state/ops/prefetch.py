@@ -91,21 +91,33 @@ def _decide_hit(ledger: Ledger, pf: Prefetch, hit: int, decisions: Decisions) ->
 
 
 def _accept(ledger: Ledger, pf: Prefetch, done: int, decisions: Decisions) -> None:
+    """The first `done` pages are in every rank's slots: each enters, but a
+    page another operation brought meanwhile keeps that copy (its fetched
+    slot is given up), and the pages after it still enter, under it."""
     _close(ledger, pf)
     index = ledger.index
-    kept_pages, kept_slots = [], []
+    brought: list[tuple[bytes, int]] = []
+    given_up: list[int] = []
+    # The pages entering under one parent: the request's, or a page kept.
+    run_parent: bytes | None = pf.request.parent
+    run_pages: list[bytes] = []
+    run_slots: list[int] = []
     for page, slot in zip(pf.request.pages[:done], pf.slots):
-        if page in index:
-            break  # already resident (another operation brought it): keep that copy
-        kept_pages.append(page)
-        kept_slots.append(slot)
-    index.insert(kept_pages, kept_slots, pf.request.parent, ledger.step)
-    for page in kept_pages:
+        if page in index:  # already resident: keep that copy
+            index.insert(run_pages, run_slots, run_parent, ledger.step)
+            run_parent, run_pages, run_slots = page, [], []
+            given_up.append(slot)
+        else:
+            run_pages.append(page)
+            run_slots.append(slot)
+            brought.append((page, slot))
+    index.insert(run_pages, run_slots, run_parent, ledger.step)
+    for page, _ in brought:
         index[page].backed_up = True  # it came from storage
-    ledger.record("accept", pf.serial, len(kept_pages))
-    retire(ledger, pf.slots[len(kept_pages):])  # the unagreed tail, once its reads end
-    decisions.prefetch_done.append((pf.request.op_id, len(kept_pages)))
-    ledger.hit_pages["storage"] += len(kept_pages)
+    ledger.record("accept", pf.serial, len(brought))
+    retire(ledger, given_up + list(pf.slots[done:]))  # once their reads end
+    decisions.prefetch_done.append((pf.request.op_id, done))
+    ledger.hit_pages["storage"] += len(brought)
 
 
 def _close(ledger: Ledger, pf: Prefetch) -> None:

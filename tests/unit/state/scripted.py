@@ -38,6 +38,9 @@ from cpcache.state.machine import CacheState
 from cpcache.state.questions import NOT_YET, BackupOutcome, CopyOutcome
 
 SHARDING = ShardingSpec()  # one rank's share is every page: a Store's keys and slots are all of its pages
+PENDING, FAILED, OK = CopyOutcome.PENDING, CopyOutcome.FAILED, CopyOutcome.OK
+# Backups only of pages loaded back twice: a write's ack starts none, so a step shows the write alone.
+SELECTIVE = CacheConfig(prefetch_threshold_tokens=0, write_policy="write_through_selective")
 
 
 def page(n: int) -> bytes:

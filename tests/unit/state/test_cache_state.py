@@ -23,12 +23,11 @@ from cpcache.errors import InvalidArgument, NotFound
 from cpcache.requests import CacheRequests, LoadRequest, PrefetchRequest, WriteRequest
 from cpcache.state.intents import CopyToDevice, CopyToHost, Decisions, Fetch, Lookup
 from cpcache.state.questions import CopyOutcome
-from tests.unit.state.scripted import SHARDING, ScriptedCache, pages
+from tests.unit.state.scripted import SELECTIVE, SHARDING, ScriptedCache, pages
 
 pytestmark = pytest.mark.timeout(10)
 
 OK, FAILED = CopyOutcome.OK, CopyOutcome.FAILED
-SELECTIVE = CacheConfig(prefetch_threshold_tokens=0, write_policy="write_through_selective")
 
 
 def a_busy_state() -> ScriptedCache:

@@ -18,17 +18,14 @@ from __future__ import annotations
 
 import pytest
 
-from cpcache.config import CacheConfig
 from cpcache.errors import InvalidArgument, NotFound
 from cpcache.requests import CacheRequests, LoadRequest, PrefetchRequest, WriteRequest
 from cpcache.state.intents import CopyToDevice, CopyToHost, Decisions, Lookup, Store
-from cpcache.state.questions import BackupOutcome, CopyOutcome
-from tests.unit.state.scripted import SHARDING, ScriptedCache, page, pages
+from cpcache.state.questions import BackupOutcome
+from tests.unit.state.scripted import FAILED, OK, PENDING, SELECTIVE, SHARDING, ScriptedCache, page, pages
 
 pytestmark = pytest.mark.timeout(10)
 
-PENDING, FAILED, OK = CopyOutcome.PENDING, CopyOutcome.FAILED, CopyOutcome.OK
-SELECTIVE = CacheConfig(prefetch_threshold_tokens=0, write_policy="write_through_selective")
 
 
 def loads(*reqs: LoadRequest) -> CacheRequests:

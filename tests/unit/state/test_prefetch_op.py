@@ -9,9 +9,9 @@ real CacheState of 4 host slots (2 where said) and two scripted ranks:
   pages every rank fetched (MIN) and whether the policy lets it end
   (best_effort: at once; wait_complete: once every rank's fetch ended;
   timeout: complete or late everywhere); "not yet" needs a new poll;
-- it ends accepted: its pages enter backed up, stopping at a page already
-  resident, and the slots it gave up retire until every rank is idle on
-  them; or revoked by the scheduler, its slots retiring alike;
+- it ends accepted: its pages enter backed up, a page already resident
+  keeping its copy (the pages after it still enter), and the slots it gave
+  up retire until every rank is idle on them; or revoked by the scheduler, its slots retiring alike;
 - a poll or revoke of a prefetch that ended lately is taken and ignored
   (the last 4096 are remembered), of an unknown one refused.
 """
@@ -26,12 +26,11 @@ from cpcache.requests import CacheRequests, PrefetchRequest, WriteRequest
 from cpcache.state.intents import Decisions, Fetch, Lookup
 from cpcache.state.ops.prefetch import ENDED_PREFETCHES_KEPT
 from cpcache.state.questions import CopyOutcome
-from tests.unit.state.scripted import SHARDING, ScriptedCache, page, pages
+from tests.unit.state.scripted import SELECTIVE, SHARDING, ScriptedCache, page, pages
 
 pytestmark = pytest.mark.timeout(10)
 
 NOT_YET = -1
-SELECTIVE = CacheConfig(prefetch_threshold_tokens=0, write_policy="write_through_selective")
 
 
 def prefetch(op_id: int, *ns: int, tokens: int = 48, parent: bytes | None = None) -> CacheRequests:
@@ -315,7 +314,7 @@ def test_a_poll_before_the_hit_is_decided_ends_the_prefetch_with_what_is_fetched
     ]
 
 
-def test_an_accepted_prefetch_stops_at_a_page_already_resident():
+def test_an_accepted_prefetch_keeps_a_page_already_resident_and_takes_the_pages_after_it():
     c = ScriptedCache(SELECTIVE)
     c.step(CacheRequests(prefetches=(PrefetchRequest(7, pages(1, 2, 3), 48),),
                          writes=(WriteRequest(8, pages(2), (0,)),)))  # serials 1 (prefetch) and 2 (write: slot 0)
@@ -328,14 +327,17 @@ def test_an_accepted_prefetch_stops_at_a_page_already_resident():
     c.step(poll(7))
     c.answer("fetched_pages", 1, 3)
     s = c.step()
-    # Page 2 is resident already: its copy stays, and page 3, after it, is not taken either.
-    assert s.decided == Decisions(prefetch_done=[(7, 1)], host_entered=[page(1)], host_entered_slots=[1])
-    assert c.slots() == {page(1): 1, page(2): 0}
-    assert c.pool() == ([], [0, 1], [2, 3])
-    assert c.ledger.hit_pages["storage"] == 1
-    assert s.digest == 0xc53734510473123
+    # Page 2 is resident already: its copy stays (its fetched slot 2 is given
+    # up), and page 3 enters after it: all three pages are in the host pool.
+    assert s.decided == Decisions(prefetch_done=[(7, 3)], host_entered=[page(1), page(3)],
+                                  host_entered_slots=[1, 3])
+    assert c.slots() == {page(1): 1, page(2): 0, page(3): 3}
+    assert c.entry(3).parent == page(2) and c.entry(2).children == 1
+    assert c.pool() == ([], [0, 1, 3], [2])
+    assert c.ledger.hit_pages["storage"] == 2
+    assert s.digest == 0x9f00491a29c3dd2
     assert c.digests == [  # the digest after every step
-        0x21edc54a95df7084, 0x38f899496c160adb, 0x31d5e16374fcf57, 0xc53734510473123,
+        0x21edc54a95df7084, 0x38f899496c160adb, 0x31d5e16374fcf57, 0x9f00491a29c3dd2,
     ]
 
 
