@@ -108,11 +108,12 @@ def shared_dir():
     shutil.rmtree(path, ignore_errors=True)
 
 
-async def attach_and_step(socket_path: str) -> float:
-    """A real scheduler's first moments: attach, write a page, step until
-    it is acknowledged. Returns the seconds taken."""
+async def attach_and_step(client: AsyncClient) -> float:
+    """A real scheduler's first moments, on its channel that serves:
+    attach, write a page, step until it is acknowledged. Returns the
+    seconds taken."""
     started = time.monotonic()
-    async with AsyncClient(socket_path) as client:
+    async with client:
         pool = DevicePool.create_sealed(GEOMETRY, 8)
         await client.attach("m", GEOMETRY, 8, pool_fd=pool.fd)
         reply = await client.step(1, requests=CacheRequests(writes=(WriteRequest(1, [bytes(32)], [0]),)))
@@ -150,8 +151,8 @@ async def test_a_flooded_listener_still_serves_within_budget(run_dir, shared_dir
         try:
             report = await hostile.report()
             flooded_at = time.monotonic()
-            await connect(sock, within_s=30)
-            took = await asyncio.wait_for(attach_and_step(sock), 60)
+            client = await connect(sock, within_s=30)
+            took = await asyncio.wait_for(attach_and_step(client), 60)
             scraped = await asyncio.to_thread(scrape_time, metrics_port)
             since_flood = time.monotonic() - flooded_at
             rss_mib = rss_kib(domain.procs[0].pid) / 1024
@@ -176,17 +177,19 @@ async def test_a_flooded_listener_still_serves_within_budget(run_dir, shared_dir
                 assert counted["pool_tickets_held"] <= budget.POOLS_TICKETS_PER_UID
 
 
-async def connect(sock: str, within_s: float) -> None:
+async def connect(sock: str, within_s: float) -> AsyncClient:
     """What a new scheduler does: open a channel and wait until it serves,
     opening another if the daemon closed this one (past the connection
-    limit, a new connection is closed as it arrives)."""
+    limit, a new connection is closed as it arrives). -> the client on the
+    channel that serves, which the scheduler goes on with."""
     deadline = time.monotonic() + within_s
     while True:
+        client = AsyncClient(sock)
         try:
-            async with AsyncClient(sock) as client:
-                await client.wait_serving(max(0.5, deadline - time.monotonic()))
-            return
+            await client.wait_serving(max(0.5, deadline - time.monotonic()))
+            return client
         except errors.Unavailable:
+            await client.close()
             if time.monotonic() > deadline:
                 raise
             await asyncio.sleep(0.1)  # a retry's back-off, as gRPC's own reconnects have
@@ -250,7 +253,7 @@ async def test_a_pool_the_kernel_does_not_guarantee_is_refused_with_a_type(run_d
                                match="hugetlbfs" if kind == "hugetlb" else "sealed against writing"):
                 await client.attach("m", GEOMETRY, pages, pool_fd=fd)
             assert (await client.status()).state == "serving"
-        assert await attach_and_step(domain.sockets[0]) < 10.0
+        assert await attach_and_step(AsyncClient(domain.sockets[0])) < 10.0
         assert domain.procs[0].poll() is None
         assert "bug in" not in domain.logs[0].read_text()
     os.close(fd)
@@ -312,7 +315,7 @@ async def test_socket_group_recipe_serves_the_group(shared_dir):
         for path in (sock, sock + ".pools"):
             info = os.stat(path)
             assert (info.st_uid, info.st_gid, info.st_mode & 0o777) == (NOBODY, gid, 0o660)
-        assert await attach_and_step(sock) < 10.0
+        assert await attach_and_step(AsyncClient(sock)) < 10.0
     finally:
         proc.terminate()
         assert await asyncio.to_thread(proc.wait, 30) == ExitCode.STOPPED
