@@ -224,7 +224,9 @@ def flush_with_writes_in_flight_serves_no_wrong_bytes(stack: Stack) -> None:
         stack.cpcache.flush_cache()
         thread.join(120)
         assert answer and same_outputs(answer[0], stack.reference(ids)), answer
-    flushes = stack.cpcache.log_lines("flushed its cache")[flushes_before:]
+    # Each rank logs its flush as it ends: the last rank's may come after the reply.
+    flushes = server.wait_lines("flushed its cache", flushes_before + stack.ranks * len(docs),
+                                timeout_s=60)[flushes_before:]
     assert len(flushes) == stack.ranks * len(docs), flushes
     assert [line for line in flushes if "0 queued writes cancelled, 0 in flight" not in line], \
         f"no flush found a write queued or in flight: {flushes}"
