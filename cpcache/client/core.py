@@ -2,9 +2,9 @@
 schedulers, `Client` for synchronous scheduler loops.
 
 One core serves both: `calls.py` builds each call and reads its reply
-(`Call`), and `error_from` rebuilds the
-typed error the daemon raised from the `google.rpc.ErrorInfo` in its status,
-so a scheduler handles `PeerLost` or `Divergence` without knowing gRPC. The
+(`Call`), and `error_from` rebuilds the typed error the daemon raised from
+the `google.rpc.ErrorInfo` in its status, so a scheduler handles `PeerLost`
+or `Divergence` without knowing gRPC. The
 two faces differ only in how they send a `Call`: each public call is defined
 once, on `_Face`, as an `_Rpc` over its builder, and is typed for each face
 (`Client.step(...) -> StepResult`, `AsyncClient.step(...) ->
