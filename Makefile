@@ -62,7 +62,7 @@ demo: $(STAMP)
 test: setup
 	$(PY) -m ruff check cpcache tests services/gpu-driver
 	$(PY) -m mypy
-	$(PY) -m pytest
+	$(PY) -m pytest --durations=25  # the slowest, to keep the suite's time in view
 
 # The in-process tests (tests/unit: no daemon process, no SGLang server), for
 # the edit-test loop: about half a minute.
