@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 from cpcache.errors import Unavailable
@@ -38,7 +39,7 @@ class MooncakeMaster:
         self.log_path = log_path
         self.start_timeout_s = start_timeout_s
         self.proc: subprocess.Popen[bytes] | None = None
-        self.rpc_port = self.http_port = 0
+        self.rpc_port = self.http_port = self.metrics_port = 0
 
     @property
     def master(self) -> str:
@@ -55,11 +56,11 @@ class MooncakeMaster:
         raise Unavailable(f"mooncake_master did not start; see {self.log_path}")
 
     def _start(self) -> bool:
-        self.rpc_port, self.http_port, metrics_port = _free_port(), _free_port(), _free_port()
+        self.rpc_port, self.http_port, self.metrics_port = _free_port(), _free_port(), _free_port()
         self.proc = subprocess.Popen(
             [master_binary(), "--rpc_address=127.0.0.1", f"--rpc_port={self.rpc_port}",
              "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
-             f"--http_metadata_server_port={self.http_port}", f"--metrics_port={metrics_port}",
+             f"--http_metadata_server_port={self.http_port}", f"--metrics_port={self.metrics_port}",
              "--enable_metric_reporting=false", "--logtostderr=true"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         )
@@ -69,6 +70,15 @@ class MooncakeMaster:
             return True
         self.stop()
         return False
+
+    def metrics(self) -> dict[str, float]:
+        """The master's own gauges and counters (its Prometheus endpoint):
+        `master_allocated_bytes` is what the store holds now."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+        return {name: float(value) for name, value in
+                (line.split() for line in text.splitlines() if line and not line.startswith("#") and
+                 len(line.split()) == 2)}
 
     def _rpc_accepts(self) -> bool:
         """Until the RPC port takes a connection: the master prints its ready

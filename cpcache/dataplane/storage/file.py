@@ -57,8 +57,10 @@ from cpcache.dataplane.storage.framing import HEADER, Verdict, check_header, che
 from cpcache.geometry import KVGeometry
 
 # Below this page size a read is mostly interpreter time, which threads only
-# contend for; above it the syscalls and checksums (GIL released) overlap.
-PARALLEL_MIN_PAGE_BYTES = 256 << 10
+# contend for; above it the syscalls and checksums (GIL released) overlap. A
+# write is mostly the kernel's (a file created, then renamed) at any size.
+PARALLEL_READ_MIN_PAGE_BYTES = 256 << 10
+PARALLEL_WRITE_MIN_PAGE_BYTES = 0
 RESCAN_FRACTION = 32
 
 log = logging.getLogger(__name__)
@@ -179,10 +181,10 @@ class FileBackend(StorageBackend):
         return len(keys)
 
     def get_into(self, keys: list[str], pages: list[PageBuffer]) -> list[bool]:
-        return self._parallel(self._read, keys, pages)
+        return self._parallel(self._read, keys, pages, PARALLEL_READ_MIN_PAGE_BYTES)
 
     def put_from(self, keys: list[str], pages: list[PageBuffer]) -> list[bool]:
-        done = self._parallel(self._write, keys, pages)
+        done = self._parallel(self._write, keys, pages, PARALLEL_WRITE_MIN_PAGE_BYTES)
         # The renames of this batch survive a crash once their directories are synced.
         synced: dict[str, bool] = {}
         for i, key in enumerate(keys if self._durable else ()):
@@ -202,11 +204,13 @@ class FileBackend(StorageBackend):
         with self._lock:
             return {**self._counters, "storage_file_bytes": self._bytes}
 
-    def _parallel(self, one: Callable[[str, PageBuffer], bool], keys: list[str], pages: list[PageBuffer]) -> list[bool]:
-        """Run `one` over the batch in a few contiguous chunks, one per worker."""
+    def _parallel(self, one: Callable[[str, PageBuffer], bool], keys: list[str], pages: list[PageBuffer],
+                  min_page_bytes: int) -> list[bool]:
+        """Run `one` over the batch in a few contiguous chunks, one per
+        worker, for pages of `min_page_bytes` or more."""
         for key in keys:
             check_key(key)
-        if not pages or pages[0].nbytes < PARALLEL_MIN_PAGE_BYTES:
+        if len(pages) < 2 or pages[0].nbytes < min_page_bytes:
             return [one(key, page) for key, page in zip(keys, pages)]
         chunk = max(1, -(-len(keys) // self._threads))
         spans = [range(i, min(i + chunk, len(keys))) for i in range(0, len(keys), chunk)]

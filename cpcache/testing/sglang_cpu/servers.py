@@ -96,6 +96,23 @@ def hicache_file_storage_flags(root: Path) -> list[str]:
     return ["--hicache-storage-backend", "file", "--hicache-storage-prefetch-policy", "wait_complete",
             "--hicache-storage-backend-extra-config",
             json.dumps({"file_storage_path": str(root), "prefetch_threshold": 0})]
+
+
+def hicache_mooncake_flags(master: str, metadata_server: str, segment_bytes: int) -> list[str]:
+    """HICACHE_FLAGS with SGLang's Mooncake Store backend below, on a master on
+    loopback: `segment_bytes` in all, SGLang dividing it among the TP
+    ranks (each mounts its share; under attention CP each CP rank stores
+    its own copy of a page). Its zero-copy path needs the page_first_direct
+    host layout for an MHA model (cpu_host/hicache_cpu.py binds its copies)."""
+    flags = [*HICACHE_FLAGS, "--hicache-storage-backend", "mooncake",
+             "--hicache-storage-prefetch-policy", "wait_complete", "--hicache-storage-backend-extra-config",
+             json.dumps({"master_server_address": master, "metadata_server": metadata_server,
+                         "global_segment_size": segment_bytes, "protocol": "tcp", "local_hostname": "127.0.0.1",
+                         "check_server": False, "prefetch_threshold": 0})]
+    flags[flags.index("--hicache-mem-layout") + 1] = "page_first_direct"
+    return flags
+
+
 # Prefill context parallelism (the zigzag split of a prefill's tokens over the
 # CP ranks), which torch_native runs only with cpu_host/cp_torch_native.py.
 ZIGZAG_FLAGS = ["--enable-prefill-cp", "--cp-strategy", "zigzag"]

@@ -14,7 +14,11 @@ a time, in the order of CONFIGS (cpcache and SGLang's HiCache alternate):
 - `hicache-file-bounded` / `cpcache-file-bounded`: file storage bounded to
   BOUND_PAGES pages' bytes in all (a disk quota: SGLang's `max_size` per
   rank, each CP rank keeping its own copy of every page; cpcache's
-  `storage_capacity_bytes` for the root its ranks share, one object per page).
+  `storage_capacity_bytes` for the root its ranks share, one object per page);
+- `hicache-mooncake-bounded` / `cpcache-mooncake-bounded`: Mooncake Store
+  beneath, on a `mooncake_master` of its own on loopback, its segments
+  BOUND_PAGES pages' bytes in all (each TP rank mounts half: SGLang's
+  `global_segment_size`, cpcache's `storage_segment_bytes` per daemon).
 
 The model is a random Qwen3 (`sglang_pd.MODEL`) large enough that a
 prefill's compute is most of a miss's TTFT on this CPU, with a word-level
@@ -37,11 +41,15 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cpcache.tools.bench.sglang import cpu_seconds, proc_stats
 
+if TYPE_CHECKING:
+    from cpcache.testing.sglang_cpu.servers import Daemons, Server
+
 CONFIGS = ("radix", "cpcache-host", "hicache-host", "cpcache-file", "hicache-file", "cpcache-file-bounded",
-           "hicache-file-bounded")
+           "hicache-file-bounded", "cpcache-mooncake-bounded", "hicache-mooncake-bounded")
 TP, CP = 2, 2
 PAGE = 16
 DEVICE_TOKENS = 2048
@@ -106,11 +114,25 @@ def page_bytes() -> int:
 
 
 class Config:
-    """One server of the comparison (and its daemons, for cpcache)."""
+    """One server of the comparison (and its daemons, for cpcache; its
+    Mooncake master, for a Mooncake store)."""
 
     def __init__(self, name: str, work: Path, model: Path, policy: str = POLICY) -> None:
         """`policy`: how a storage prefetch ends, on either stack, with the
         same timeout (SGLang's defaults) under `timeout`."""
+        from cpcache.testing.mooncake_master import MooncakeMaster
+
+        self.name = name
+        self.store = work / f"{name}-pages" if "file" in name else None
+        self.daemons: Daemons | None = None
+        self.master = MooncakeMaster(work / f"{name}-master.log").__enter__() if "mooncake" in name else None
+        try:
+            self.server = self._server(work, model, policy)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _server(self, work: Path, model: Path, policy: str) -> Server:
         from cpcache.testing.sglang_cpu.servers import (
             CPCACHE_FLAGS,
             CPCACHE_HOST_FLAGS,
@@ -119,22 +141,26 @@ class Config:
             Daemons,
             Server,
             hicache_file_storage_flags,
+            hicache_mooncake_flags,
         )
 
-        self.name = name
-        self.store = work / f"{name}-pages" if "file" in name else None
-        self.daemons = None
+        name = self.name
         bound = BOUND_PAGES * page_bytes() if name.endswith("bounded") else 0
         env: dict[str, str] = {}
         if name == "radix":
             flags: list[str] = []
         elif name.startswith("hicache"):
-            flags, env = list(HICACHE_FLAGS), dict(HICACHE_ENV)
-            if self.store is not None:
-                flags += hicache_file_storage_flags(self.store)
+            env = dict(HICACHE_ENV)
+            if self.master is not None:  # SGLang divides the segment bytes among its TP ranks
+                flags = hicache_mooncake_flags(self.master.master, self.master.metadata_server, bound)
+            elif self.store is not None:
+                flags = [*HICACHE_FLAGS, *hicache_file_storage_flags(self.store)]
+            else:
+                flags = list(HICACHE_FLAGS)
+            if "--hicache-storage-backend" in flags:
                 flags[flags.index("--hicache-storage-prefetch-policy") + 1] = policy
                 extra = json.loads(flags[-1]) | TIMEOUT_HICACHE
-                if bound:  # per rank: each CP rank keeps its own copy of every page, under its own cap
+                if bound and self.store is not None:  # per rank: each CP rank keeps its own copy of every page
                     extra["max_size"] = str(bound // CP)
                 flags[-1] = json.dumps(extra)
         else:
@@ -142,14 +168,19 @@ class Config:
                                   **TIMEOUT_CPCACHE)
             if self.store is not None:
                 settings |= dict(storage="file", storage_root=str(self.store), storage_capacity_bytes=bound)
+            if self.master is not None:  # each daemon mounts its share, as each of SGLang's TP ranks does
+                settings |= dict(storage="mooncake", storage_master=self.master.master,
+                                 storage_metadata_server=self.master.metadata_server,
+                                 storage_segment_bytes=bound // TP)
             self.daemons = Daemons(work / f"{name}-run", tp=TP, cp=CP, settings=settings)
             backend = work / f"{name}.json"
             backend.write_text(json.dumps({"socket": str(work / f"{name}-run" / "rank-{rank}.sock"),
                                            "model_id": "bench"}))
-            flags = list(CPCACHE_FLAGS if self.store is not None else CPCACHE_HOST_FLAGS)
+            storage = self.store is not None or self.master is not None
+            flags = list(CPCACHE_FLAGS if storage else CPCACHE_HOST_FLAGS)
             env = {"CPCACHE_SGLANG_CONFIG": str(backend)}
-        self.server = Server(name, model, work, flags, tp=TP, cp=CP, page_size=PAGE, device_tokens=DEVICE_TOKENS,
-                             env=env, tokenizer=True)
+        return Server(name, model, work, flags, tp=TP, cp=CP, page_size=PAGE, device_tokens=DEVICE_TOKENS,
+                      env=env, tokenizer=True)
 
     def start(self) -> float:
         began = time.monotonic()
@@ -159,16 +190,23 @@ class Config:
         return time.monotonic() - began
 
     def stop(self) -> None:
-        self.server.stop()
+        if getattr(self, "server", None) is not None:
+            self.server.stop()
         if self.daemons is not None:
             self.daemons.stop()
+        if self.master is not None:
+            self.master.stop()
 
     def cpu_seconds(self) -> float:
+        """The server's, its daemons' and its Mooncake master's."""
         watched = [self.server.process, self.daemons.process if self.daemons is not None else None]
         groups = {os.getpgid(p.proc.pid) for p in watched if p is not None}
-        return cpu_seconds(proc_stats(), groups, set())
+        masters = {self.master.proc.pid} if self.master is not None and self.master.proc is not None else set()
+        return cpu_seconds(proc_stats(), groups, masters)
 
     def stored_bytes(self) -> int:
+        if self.master is not None:
+            return int(self.master.metrics().get("master_allocated_bytes", 0))
         if self.store is None or not self.store.exists():
             return 0
         return sum(p.stat().st_size for p in self.store.rglob("*") if p.is_file())

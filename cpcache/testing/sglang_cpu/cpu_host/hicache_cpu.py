@@ -3,8 +3,9 @@ for a side-by-side comparison with cpcache. Imported by sitecustomize.py only
 when CPCACHE_TEST_HICACHE_CPU=1; for comparisons on such hosts only (the SGLang
 suite, `cpcache bench sglang`).
 
-Supported: `--hicache-io-backend direct --hicache-mem-layout layer_first`
-(servers.HICACHE_FLAGS). Here "device" memory is host memory too, so a
+Supported: `--hicache-io-backend direct` with `--hicache-mem-layout
+layer_first` (servers.HICACHE_FLAGS) or `page_first_direct` (what SGLang's
+Mooncake backend needs for an MHA model: servers.hicache_mooncake_flags). Here "device" memory is host memory too, so a
 transfer is a plain torch copy, done synchronously on the calling thread; the
 torch.cpu Stream and Event stand-ins SGLang already picks on CPU (record and
 wait do nothing, query is True) are then exact.
@@ -64,13 +65,49 @@ def transfer_kv_direct(src_layers: list[torch.Tensor], dst_layers: list[torch.Te
         dst.index_copy_(0, dst_indices.to(dst.device), src.index_select(0, src_indices.to(src.device)).to(dst.device))
 
 
+def _page_rows(indices: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(page, row in the page) of each token index of a page_first_direct host pool."""
+    indices = indices.to(torch.int64)
+    return torch.div(indices, page_size, rounding_mode="floor"), indices % page_size
+
+
+def transfer_kv_all_layer_direct_lf_pf(src_ptrs: list[torch.Tensor], dst_ptrs: list[torch.Tensor],
+                                       src_indices: torch.Tensor, dst_indices: torch.Tensor,
+                                       page_size: int) -> None:
+    """sgl_kernel.kvcacheio's kernel of that name in plain torch: every layer
+    of a layer-first device pool (`src_ptrs`: K layers, then V layers) into a
+    page_first_direct host pool (`dst_ptrs`: K, then V, each [page, layer,
+    row in page, head, dim])."""
+    layers = len(src_ptrs) // len(dst_ptrs)
+    pages, rows = _page_rows(dst_indices, page_size)
+    src_indices = src_indices.to(torch.int64)
+    for part, dst in enumerate(dst_ptrs):
+        for layer in range(layers):
+            src = src_ptrs[part * layers + layer]
+            dst[pages, layer, rows] = src.index_select(0, src_indices.to(src.device)).to(dst.device)
+
+
+def transfer_kv_per_layer_direct_pf_lf(src_ptrs: list[torch.Tensor], dst_ptrs: list[torch.Tensor],
+                                       src_indices: torch.Tensor, dst_indices: torch.Tensor, layer_id: int,
+                                       page_size: int) -> None:
+    """The reverse for one layer: a page_first_direct host pool's rows
+    (`src_ptrs`: K, V) into that layer of a layer-first device pool."""
+    pages, rows = _page_rows(src_indices, page_size)
+    dst_indices = dst_indices.to(torch.int64)
+    for src, dst in zip(src_ptrs, dst_ptrs):
+        dst.index_copy_(0, dst_indices.to(dst.device), src[pages, layer_id, rows].to(dst.device))
+
+
 def _patch_host_pool_mha(module: ModuleType) -> None:
     # pool_host.mha imports its transfer ops from sgl_kernel.kvcacheio only
     # when is_cuda() or is_hip(): on CPU `transfer_kv_direct` is not bound at
     # all, and MHATokenToKVPoolHost.load_to_device_per_layer and
-    # backup_from_device_all_layer (io_backend "direct", layout
-    # "layer_first") would raise NameError. Bind the plain-torch copy.
+    # backup_from_device_all_layer (io_backend "direct", layouts
+    # "layer_first" and "page_first_direct") would raise NameError. Bind the
+    # plain-torch copies.
     setattr(module, "transfer_kv_direct", transfer_kv_direct)  # noqa: B010
+    setattr(module, "transfer_kv_all_layer_direct_lf_pf", transfer_kv_all_layer_direct_lf_pf)  # noqa: B010
+    setattr(module, "transfer_kv_per_layer_direct_pf_lf", transfer_kv_per_layer_direct_pf_lf)  # noqa: B010
 
 
 PATCHES: dict[str, Callable[[ModuleType], None]] = {
