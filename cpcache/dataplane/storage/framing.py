@@ -40,6 +40,12 @@ def pack_header(geometry: int, payload: memoryview | bytes | list[memoryview], d
     return HEADER.pack(MAGIC, VERSION, 0, geometry, _length(payload), checksum(payload) if digest is None else digest)
 
 
+def pack_header_into(buffer: memoryview, offset: int, geometry: int,
+                     payload: memoryview | bytes | list[memoryview]) -> None:
+    """pack_header, written in place (a registered arena's slot)."""
+    HEADER.pack_into(buffer, offset, MAGIC, VERSION, 0, geometry, _length(payload), checksum(payload))
+
+
 def check_header(header: bytes | bytearray | memoryview, geometry: int, nbytes: int) -> tuple[Verdict, int]:
     """The verdict on a header alone, and the checksum it promises."""
     if len(header) != HEADER.size:

@@ -19,7 +19,7 @@ import numpy as np
 
 from cpcache.config import DaemonConfig
 from cpcache.dataplane.storage import PageBuffer, StorageBackend, register
-from cpcache.dataplane.storage.framing import HEADER, Verdict, check_page, pack_header
+from cpcache.dataplane.storage.framing import HEADER, Verdict, check_page, pack_header_into
 from cpcache.errors import InvalidArgument, Unavailable
 from cpcache.geometry import KVGeometry
 from cpcache.values import split_host_port
@@ -33,6 +33,7 @@ class HeaderArena:
 
     def __init__(self) -> None:
         self.buffer = np.zeros(LEASES * HEADERS_PER_LEASE * HEADER.size, dtype=np.uint8)
+        self.view = self.buffer.data  # for struct's pack_into and one copy out per call
         self._free = list(range(LEASES))
         self._ready = threading.Condition()
 
@@ -50,10 +51,9 @@ class HeaderArena:
             self._free.append(lease)
             self._ready.notify()
 
-    def slot(self, lease: int, i: int) -> tuple[int, np.ndarray]:
-        """(address, view) of header `i` of a lease."""
-        start = (lease * HEADERS_PER_LEASE + i) * HEADER.size
-        return self.address + start, self.buffer[start : start + HEADER.size]
+    def offset(self, lease: int) -> int:
+        """Where a lease's first header starts in `buffer` (its headers follow one another)."""
+        return lease * HEADERS_PER_LEASE * HEADER.size
 
 
 def _reachable(address: str, timeout_s: float) -> bool:
@@ -148,11 +148,12 @@ class MooncakeBackend(StorageBackend):
         return done
 
     def _put_part(self, lease: int, keys: list[str], pages: list[PageBuffer]) -> list[bool]:
+        first = self._headers.offset(lease)
+        address = self._headers.address + first
         pointers, sizes = [], []
         for i, page in enumerate(pages):
-            address, view = self._headers.slot(lease, i)
-            view[:] = np.frombuffer(pack_header(self._geometry, page.views), dtype=np.uint8)
-            pointers.append([address, *(a for a, _ in page.parts)])
+            pack_header_into(self._headers.view, first + i * HEADER.size, self._geometry, page.views)
+            pointers.append([address + i * HEADER.size, *(a for a, _ in page.parts)])
             sizes.append([HEADER.size, *(v.nbytes for _, v in page.parts)])
         codes = self._store.batch_put_from_multi_buffers(keys, pointers, sizes)
         # A page someone stored first (another replica's writer, a retry) is
@@ -161,17 +162,19 @@ class MooncakeBackend(StorageBackend):
         return [code in (0, OBJECT_ALREADY_EXISTS) for code in codes]
 
     def _get_part(self, lease: int, keys: list[str], pages: list[PageBuffer]) -> list[bool]:
-        slots = [self._headers.slot(lease, i) for i in range(len(pages))]
-        pointers = [[address, *(a for a, _ in page.parts)] for (address, _), page in zip(slots, pages)]
+        first = self._headers.offset(lease)
+        address = self._headers.address + first
+        pointers = [[address + i * HEADER.size, *(a for a, _ in page.parts)] for i, page in enumerate(pages)]
         sizes = [[HEADER.size, *(v.nbytes for _, v in page.parts)] for page in pages]
         got = self._store.batch_get_into_multi_buffers(keys, pointers, sizes)
+        headers = memoryview(self._headers.view[first : first + len(pages) * HEADER.size].tobytes())
         done = []
-        for key, n, (_, header), page in zip(keys, got, slots, pages):
+        for i, (key, n, page) in enumerate(zip(keys, got, pages)):
             if n < 0:
                 done.append(False)  # missing, or an object of another size
                 continue
             verdict = Verdict.DAMAGED if n != HEADER.size + page.nbytes else check_page(
-                header.tobytes(), page.views, self._geometry)
+                headers[i * HEADER.size : (i + 1) * HEADER.size], page.views, self._geometry)
             if verdict is Verdict.DAMAGED:
                 self._damaged_removed += self._store.remove(key, True) == 0  # force: past the read lease
             done.append(verdict is Verdict.VALID)
