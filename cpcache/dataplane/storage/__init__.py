@@ -13,6 +13,7 @@ settings (`open_configured`, which each backend reads for itself in
 
 from __future__ import annotations
 
+import functools
 import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -38,15 +39,16 @@ class PageBuffer:
     view: np.ndarray  # uint8, contiguous: the first run
     rest: tuple[tuple[int, np.ndarray], ...] = ()  # (address, view) of the runs after it
 
-    @property
+    # Cached: a mover asks for these several times per page, per batch.
+    @functools.cached_property
     def parts(self) -> list[tuple[int, np.ndarray]]:
         return [(self.address, self.view), *self.rest]
 
-    @property
+    @functools.cached_property
     def views(self) -> list[memoryview]:
         return [view.data for _, view in self.parts]
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         return sum(view.nbytes for _, view in self.parts)
 

@@ -181,10 +181,13 @@ class FileBackend(StorageBackend):
         return len(keys)
 
     def get_into(self, keys: list[str], pages: list[PageBuffer]) -> list[bool]:
-        return self._parallel(self._read, keys, pages, PARALLEL_READ_MIN_PAGE_BYTES)
+        return self._parallel(lambda i: self._read(keys[i], pages[i]), keys, pages, PARALLEL_READ_MIN_PAGE_BYTES)
 
     def put_from(self, keys: list[str], pages: list[PageBuffer]) -> list[bool]:
-        done = self._parallel(self._write, keys, pages, PARALLEL_WRITE_MIN_PAGE_BYTES)
+        # Recency in the batch's order, whichever thread writes which page.
+        stamps = [self._now_ns() for _ in keys]
+        done = self._parallel(lambda i: self._write(keys[i], pages[i], stamps[i]), keys, pages,
+                              PARALLEL_WRITE_MIN_PAGE_BYTES)
         # The renames of this batch survive a crash once their directories are synced.
         synced: dict[str, bool] = {}
         for i, key in enumerate(keys if self._durable else ()):
@@ -204,17 +207,17 @@ class FileBackend(StorageBackend):
         with self._lock:
             return {**self._counters, "storage_file_bytes": self._bytes}
 
-    def _parallel(self, one: Callable[[str, PageBuffer], bool], keys: list[str], pages: list[PageBuffer],
+    def _parallel(self, one: Callable[[int], bool], keys: list[str], pages: list[PageBuffer],
                   min_page_bytes: int) -> list[bool]:
-        """Run `one` over the batch in a few contiguous chunks, one per
-        worker, for pages of `min_page_bytes` or more."""
+        """`one(i)` for every page of the batch, in a few contiguous chunks,
+        one per worker, for pages of `min_page_bytes` or more."""
         for key in keys:
             check_key(key)
         if len(pages) < 2 or pages[0].nbytes < min_page_bytes:
-            return [one(key, page) for key, page in zip(keys, pages)]
+            return [one(i) for i in range(len(pages))]
         chunk = max(1, -(-len(keys) // self._threads))
         spans = [range(i, min(i + chunk, len(keys))) for i in range(0, len(keys), chunk)]
-        done = self._workers.map(lambda span: [one(keys[i], pages[i]) for i in span], spans)
+        done = self._workers.map(lambda span: [one(i) for i in span], spans)
         return [ok for part in done for ok in part]
 
     def close(self) -> None:
@@ -224,43 +227,42 @@ class FileBackend(StorageBackend):
     # -- one page -------------------------------------------------------------------
 
     def _read(self, key: str, page: PageBuffer) -> bool:
-        path = self.path(key)
+        path = os.path.join(self.root, key[:2], key)  # the batch's keys are checked
         header = bytearray(HEADER.size)
+        beyond = bytearray(1)  # a byte past the page: a file with trailing bytes is not one
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except FileNotFoundError:
-            return False
         except OSError:
-            return False  # a link or something else planted in the root: not a page
+            return False  # missing, or a link or something else planted in the root: not a page
         try:
-            st = os.fstat(fd)
-            got = os.readv(fd, [header, *page.views])
-        except OSError:
-            os.close(fd)
-            return False
-        try:
-            if got != HEADER.size + page.nbytes or st.st_size != got:
+            try:
+                got = os.readv(fd, [header, *page.views, beyond])
+            except OSError:
+                return False
+            if got != HEADER.size + page.nbytes:
                 verdict = Verdict.DAMAGED  # truncated, or trailing bytes
             else:
                 verdict = check_page(header, page.views, self._geometry)
             if verdict is Verdict.DAMAGED:
-                self._delete_damaged(key, path, st)
+                self._delete_damaged(key, path, fd)
                 return False
             if verdict is Verdict.FOREIGN:
                 return False  # another geometry's page: a miss, and the next backup replaces it
             stamp = self._now_ns()
-            with contextlib.suppress(OSError):
+            try:
                 os.utime(fd, ns=(stamp, stamp))  # recency, visible to every daemon sharing the root
+            except OSError:
+                pass
         finally:
             os.close(fd)
         self._touch(key, got, stamp)
         return True
 
-    def _delete_damaged(self, key: str, path: str, read: os.stat_result) -> None:
-        """Delete the damaged file that was read, not a whole page a writer
-        renamed into its place meanwhile."""
+    def _delete_damaged(self, key: str, path: str, fd: int) -> None:
+        """Delete the damaged file that was read (open as `fd`), not a whole
+        page a writer renamed into its place meanwhile."""
         with contextlib.suppress(FileNotFoundError):
-            now = os.lstat(path)
+            read, now = os.fstat(fd), os.lstat(path)
             if (now.st_dev, now.st_ino) == (read.st_dev, read.st_ino):
                 os.unlink(path)
                 self._forget(key)
@@ -284,14 +286,14 @@ class FileBackend(StorageBackend):
         verdict, stored_digest = check_header(header, self._geometry, nbytes)
         return verdict is Verdict.VALID and stored_digest == digest and size == HEADER.size + nbytes
 
-    def _write(self, key: str, page: PageBuffer) -> bool:
-        path = self.path(key)
+    def _write(self, key: str, page: PageBuffer, stamp: int) -> bool:
+        """Store one page, its mtime `stamp`."""
+        path = os.path.join(self.root, key[:2], key)  # the batch's keys are checked
         digest = checksum(page.views)
         size = HEADER.size + page.nbytes
         if self._already_stored(path, page.nbytes, digest):
             # Keys name their content (a hash chain): a whole page already
             # stored under its key holds these bytes. It is recent now.
-            stamp = self._now_ns()
             try:
                 os.utime(path, ns=(stamp, stamp), follow_symlinks=False)
                 self._touch(key, size, stamp)
@@ -315,7 +317,6 @@ class FileBackend(StorageBackend):
                     raise OSError(f"short write of {key}")
                 if self._durable:
                     os.fdatasync(fd)  # the data is on disk before any name points at it
-                stamp = self._now_ns()
                 os.utime(fd, ns=(stamp, stamp))
             finally:
                 os.close(fd)
