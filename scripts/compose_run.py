@@ -55,6 +55,13 @@ def run(*cmd: str, timeout: float = 120, check: bool = True, env: dict | None = 
     return result
 
 
+def _seconds(duration: str) -> float:
+    """A compose duration ("5s", "1m30s", "250ms") in seconds."""
+    units = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001, "us": 1e-6}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|us|h|m|s)", duration)
+    return sum(float(number) * units[unit] for number, unit in parts)
+
+
 def rank_states(stack: Stack, ranks: int = 4) -> dict[int, tuple[str, int]]:
     """Each daemon's (state, epoch), from `cpcache status` in its container."""
     states = {}
@@ -137,28 +144,41 @@ class Stack:
 
     def healthchecks(self) -> dict[str, str]:
         """Each service's own healthcheck, run by hand (podman runs them on
-        systemd timers, which this machine kind lacks) with podman's own rule:
-        a service is unhealthy only after `retries` checks in a row fail (one
-        check can miss its client's deadline while the replay starts on a
-        loaded host). A service that stays unhealthy is reported with what
-        its check printed, which `podman healthcheck run` does not show."""
+        systemd timers, which this machine kind lacks) with podman's rule:
+        a service is unhealthy only once `retries` checks in a row failed,
+        over at least `retries` x `interval` (one check can miss its
+        client's deadline while the replay starts on a loaded host). A
+        service that stays unhealthy is reported with what its check
+        printed, which `podman healthcheck run` does not show."""
         definitions = yaml.safe_load(COMPOSE_FILE.read_text())["services"]
         out = {}
         for service in self.services:
             check = definitions[service].get("healthcheck")
-            if not check:
-                continue
-            for _ in range(int(check.get("retries", 3))):
-                result = run("podman", "healthcheck", "run", self.container(service), timeout=60, check=False)
-                if result.returncode == 0:
-                    out[service] = "healthy"
-                    break
-            else:
-                test = check["test"]
-                shown = run("podman", "exec", self.container(service), *test[1:], timeout=60, check=False)
-                out[service] = (f"unhealthy: `{' '.join(test[1:])}` exited {shown.returncode}: "
-                                f"{(shown.stdout + shown.stderr).strip()[-1500:]}")
+            if check:
+                out[service] = self._healthcheck(service, check)
         return out
+
+    def _healthcheck(self, service: str, check: dict) -> str:
+        retries = int(check.get("retries", 3))
+        window = retries * _seconds(str(check.get("interval", "30s")))
+        started, failures, last = time.monotonic(), 0, ""
+        while failures < retries or time.monotonic() - started < window:
+            try:
+                result = run("podman", "healthcheck", "run", self.container(service), timeout=60, check=False)
+            except subprocess.TimeoutExpired:
+                failures, last = failures + 1, "`podman healthcheck run` did not return in 60 s"
+                continue
+            if result.returncode == 0:
+                return "healthy"
+            failures, last = failures + 1, (result.stdout + result.stderr).strip()
+        test = check["test"]
+        command = ["sh", "-c", test[1]] if test[0] == "CMD-SHELL" else list(test[1:])
+        try:
+            shown = run("podman", "exec", self.container(service), *command, timeout=60, check=False)
+            printed = f"exited {shown.returncode}: {(shown.stdout + shown.stderr).strip()[-1500:]}"
+        except subprocess.TimeoutExpired:
+            printed = "did not return in 60 s"
+        return f"unhealthy after {failures} checks ({last}); `{' '.join(command)}` run once more {printed}"
 
     def tail(self, service: str, lines: int = 40) -> str:
         result = run("podman", "logs", "--tail", str(lines), self.container(service), check=False)

@@ -5,11 +5,11 @@ renamed into place (and, when durable, fsynced before they count as
 stored), and Mooncake objects are checked like files."""
 
 import os
-import threading
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 import torch
@@ -76,6 +76,34 @@ def test_a_corrupt_page_is_deleted_on_read_and_rewritten(tmp_path):
     assert backend.counters()["storage_damaged_pages_deleted"] == 2
     assert backend.put_from(["a", "b"], tiers.host_buffers([0, 1])) == [True, True]
     assert backend.get_into(["a", "b"], tiers.host_buffers([0, 1])) == [True, True]
+
+
+def test_a_page_with_trailing_bytes_is_no_hit_is_deleted_and_rewritten(tmp_path):
+    tiers = host_with_pages(2)
+    backend = backend_at(tmp_path / "store")
+    assert backend.put_from(["a", "b"], tiers.host_buffers([0, 1])) == [True, True]
+    with open(backend.path("b"), "ab") as fh:  # a whole page, and then some
+        fh.write(b"x")
+    assert backend.get_into(["a", "b"], tiers.host_buffers([0, 1])) == [True, False]
+    assert not os.path.exists(backend.path("b")) and backend.counters()["storage_damaged_pages_deleted"] == 1
+    assert backend.put_from(["b"], tiers.host_buffers([1])) == [True]
+    assert backend.get_into(["b"], tiers.host_buffers([1])) == [True]
+
+
+def test_a_damaged_page_that_cannot_be_deleted_is_a_miss_and_the_batch_goes_on(tmp_path, monkeypatch):
+    """A read-only root: the damaged page stays, uncounted, and the rest of
+    the batch reads (a failure is data, never an exception from an I/O thread)."""
+    tiers = host_with_pages(3)
+    backend = backend_at(tmp_path / "store")
+    assert backend.put_from(["a", "b", "c"], tiers.host_buffers(range(3))) == [True] * 3
+    os.truncate(backend.path("b"), PAGE_FILE - 1)
+
+    def read_only(path, *args, **kwargs):
+        raise PermissionError(f"read-only file system: {path}")
+
+    monkeypatch.setattr(file_storage.os, "unlink", read_only)
+    assert backend.get_into(["a", "b", "c"], tiers.host_buffers(range(3))) == [True, False, True]
+    assert os.path.exists(backend.path("b")) and backend.counters().get("storage_damaged_pages_deleted", 0) == 0
 
 
 def syscalls(monkeypatch, by_thread: dict[str, list[str]] | None = None) -> list[str]:

@@ -13,11 +13,10 @@ settings (`open_configured`, which each backend reads for itself in
 
 from __future__ import annotations
 
-import functools
 import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
@@ -39,18 +38,16 @@ class PageBuffer:
     view: np.ndarray  # uint8, contiguous: the first run
     rest: tuple[tuple[int, np.ndarray], ...] = ()  # (address, view) of the runs after it
 
-    # Cached: a mover asks for these several times per page, per batch.
-    @functools.cached_property
-    def parts(self) -> list[tuple[int, np.ndarray]]:
-        return [(self.address, self.view), *self.rest]
+    # Derived once: a mover asks for these several times per page, per batch.
+    parts: list[tuple[int, np.ndarray]] = field(init=False, repr=False, compare=False)
+    views: list[memoryview] = field(init=False, repr=False, compare=False)
+    nbytes: int = field(init=False, repr=False, compare=False)
 
-    @functools.cached_property
-    def views(self) -> list[memoryview]:
-        return [view.data for _, view in self.parts]
-
-    @functools.cached_property
-    def nbytes(self) -> int:
-        return sum(view.nbytes for _, view in self.parts)
+    def __post_init__(self) -> None:
+        parts = [(self.address, self.view), *self.rest]
+        object.__setattr__(self, "parts", parts)  # frozen: set once, here
+        object.__setattr__(self, "views", [view.data for _, view in parts])
+        object.__setattr__(self, "nbytes", sum(view.nbytes for _, view in parts))
 
 
 class StorageBackend(ABC):

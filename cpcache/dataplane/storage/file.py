@@ -49,6 +49,7 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from typing import NamedTuple, TypeVar
 
 from cpcache.config import DaemonConfig
 from cpcache.dataplane.storage import PageBuffer, StorageBackend, register
@@ -64,6 +65,17 @@ PARALLEL_WRITE_MIN_PAGE_BYTES = 0
 RESCAN_FRACTION = 32
 
 log = logging.getLogger(__name__)
+
+
+T = TypeVar("T")
+
+
+class Stored(NamedTuple):
+    """A page a put left stored: its file's bytes and mtime, and whether this put wrote it."""
+
+    size: int
+    mtime_ns: int
+    written: bool
 
 
 @register("file")
@@ -184,10 +196,17 @@ class FileBackend(StorageBackend):
         return self._parallel(lambda i: self._read(keys[i], pages[i]), keys, pages, PARALLEL_READ_MIN_PAGE_BYTES)
 
     def put_from(self, keys: list[str], pages: list[PageBuffer]) -> list[bool]:
-        # Recency in the batch's order, whichever thread writes which page.
+        # Recency in the batch's order, whichever thread writes which page:
+        # the files' mtimes, and this daemon's index (touched here, in order).
         stamps = [self._now_ns() for _ in keys]
-        done = self._parallel(lambda i: self._write(keys[i], pages[i], stamps[i]), keys, pages,
-                              PARALLEL_WRITE_MIN_PAGE_BYTES)
+        stored = self._parallel(lambda i: self._write(keys[i], pages[i], stamps[i]), keys, pages,
+                                PARALLEL_WRITE_MIN_PAGE_BYTES)
+        for key, page in zip(keys, stored):
+            if page is not None:
+                self._touch(key, page.size, page.mtime_ns)
+        with self._lock:
+            self._written_since_scan += sum(page.size for page in stored if page is not None and page.written)
+        done = [page is not None for page in stored]
         # The renames of this batch survive a crash once their directories are synced.
         synced: dict[str, bool] = {}
         for i, key in enumerate(keys if self._durable else ()):
@@ -207,8 +226,8 @@ class FileBackend(StorageBackend):
         with self._lock:
             return {**self._counters, "storage_file_bytes": self._bytes}
 
-    def _parallel(self, one: Callable[[int], bool], keys: list[str], pages: list[PageBuffer],
-                  min_page_bytes: int) -> list[bool]:
+    def _parallel(self, one: Callable[[int], T], keys: list[str], pages: list[PageBuffer],
+                  min_page_bytes: int) -> list[T]:
         """`one(i)` for every page of the batch, in a few contiguous chunks,
         one per worker, for pages of `min_page_bytes` or more."""
         for key in keys:
@@ -261,13 +280,16 @@ class FileBackend(StorageBackend):
     def _delete_damaged(self, key: str, path: str, fd: int) -> None:
         """Delete the damaged file that was read (open as `fd`), not a whole
         page a writer renamed into its place meanwhile."""
-        with contextlib.suppress(FileNotFoundError):
+        try:
             read, now = os.fstat(fd), os.lstat(path)
-            if (now.st_dev, now.st_ino) == (read.st_dev, read.st_ino):
-                os.unlink(path)
-                self._forget(key)
-                with self._lock:
-                    self._counters["storage_damaged_pages_deleted"] += 1
+            if (now.st_dev, now.st_ino) != (read.st_dev, read.st_ino):
+                return
+            os.unlink(path)
+        except OSError:
+            return  # gone meanwhile, or not ours to delete (a read-only root): the read is a miss all the same
+        self._forget(key)
+        with self._lock:
+            self._counters["storage_damaged_pages_deleted"] += 1
 
     def _already_stored(self, path: str, nbytes: int, digest: int) -> bool:
         """Put-if-absent: a stored page counts only if its header promises
@@ -286,23 +308,23 @@ class FileBackend(StorageBackend):
         verdict, stored_digest = check_header(header, self._geometry, nbytes)
         return verdict is Verdict.VALID and stored_digest == digest and size == HEADER.size + nbytes
 
-    def _write(self, key: str, page: PageBuffer, stamp: int) -> bool:
-        """Store one page, its mtime `stamp`."""
+    def _write(self, key: str, page: PageBuffer, stamp: int) -> Stored | None:
+        """Store one page, its mtime `stamp`; None if it could not be."""
         path = os.path.join(self.root, key[:2], key)  # the batch's keys are checked
         digest = checksum(page.views)
         size = HEADER.size + page.nbytes
         if self._already_stored(path, page.nbytes, digest):
             # Keys name their content (a hash chain): a whole page already
-            # stored under its key holds these bytes. It is recent now.
+            # stored under its key holds these bytes. It is recent now (a
+            # stamp of now: the batch's may be older than a read of it since).
+            now = self._now_ns()
             try:
-                os.utime(path, ns=(stamp, stamp), follow_symlinks=False)
-                self._touch(key, size, stamp)
-                return True
+                os.utime(path, ns=(now, now), follow_symlinks=False)
+                return Stored(size, now, written=False)
             except FileNotFoundError:
                 pass  # evicted since it was checked: write it again
             except OSError:
-                self._touch(key, size, stamp)
-                return True
+                return Stored(size, now, written=False)
         header = pack_header(self._geometry, page.views, digest)
         directory = os.path.dirname(path)
         tmp = os.path.join(directory, f".{key}.{self._tag}-{uuid.uuid4().hex[:8]}.tmp")
@@ -324,11 +346,8 @@ class FileBackend(StorageBackend):
         except OSError:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-            return False  # a full disk or a vanished root: a failed put, reported as data
-        self._touch(key, size, stamp)
-        with self._lock:
-            self._written_since_scan += size
-        return True
+            return None  # a full disk or a vanished root: a failed put, reported as data
+        return Stored(size, stamp, written=True)
 
     # -- recency and capacity -------------------------------------------------------
 

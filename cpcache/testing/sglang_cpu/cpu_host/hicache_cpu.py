@@ -65,10 +65,21 @@ def transfer_kv_direct(src_layers: list[torch.Tensor], dst_layers: list[torch.Te
         dst.index_copy_(0, dst_indices.to(dst.device), src.index_select(0, src_indices.to(src.device)).to(dst.device))
 
 
-def _page_rows(indices: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(page, row in the page) of each token index of a page_first_direct host pool."""
-    indices = indices.to(torch.int64)
-    return torch.div(indices, page_size, rounding_mode="floor"), indices % page_size
+def _page_rows(host: torch.Tensor, device: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(page, row in the page) of each token index of a page_first_direct
+    host pool. The kernels copy whole pages, from each page's first index:
+    anything else is refused here as the kernels refuse it (or would copy
+    other rows than named), so a CPU run cannot pass where a GPU's fails."""
+    assert host.numel() == device.numel(), (host.numel(), device.numel())
+    assert host.numel() % page_size == 0, (host.numel(), page_size)
+    host = host.to(torch.int64)
+    pages = host.view(-1, page_size)
+    steps = torch.arange(page_size, dtype=torch.int64)
+    assert bool(((pages[:, 0] % page_size) == 0).all()), "host indices must start each page at a page boundary"
+    assert bool((pages == pages[:, :1] + steps).all()), "host indices must run through each page"
+    runs = device.to(torch.int64).view(-1, page_size)
+    assert bool((runs == runs[:, :1] + steps).all()), "device indices must run through each page"
+    return torch.div(host, page_size, rounding_mode="floor"), host % page_size
 
 
 def transfer_kv_all_layer_direct_lf_pf(src_ptrs: list[torch.Tensor], dst_ptrs: list[torch.Tensor],
@@ -79,7 +90,7 @@ def transfer_kv_all_layer_direct_lf_pf(src_ptrs: list[torch.Tensor], dst_ptrs: l
     page_first_direct host pool (`dst_ptrs`: K, then V, each [page, layer,
     row in page, head, dim])."""
     layers = len(src_ptrs) // len(dst_ptrs)
-    pages, rows = _page_rows(dst_indices, page_size)
+    pages, rows = _page_rows(dst_indices, src_indices, page_size)
     src_indices = src_indices.to(torch.int64)
     for part, dst in enumerate(dst_ptrs):
         for layer in range(layers):
@@ -92,7 +103,7 @@ def transfer_kv_per_layer_direct_pf_lf(src_ptrs: list[torch.Tensor], dst_ptrs: l
                                        page_size: int) -> None:
     """The reverse for one layer: a page_first_direct host pool's rows
     (`src_ptrs`: K, V) into that layer of a layer-first device pool."""
-    pages, rows = _page_rows(src_indices, page_size)
+    pages, rows = _page_rows(src_indices, dst_indices, page_size)
     dst_indices = dst_indices.to(torch.int64)
     for src, dst in zip(src_ptrs, dst_ptrs):
         dst.index_copy_(0, dst_indices.to(dst.device), src[pages, layer_id, rows].to(dst.device))
