@@ -204,9 +204,13 @@ class Config:
         masters = {self.master.proc.pid} if self.master is not None and self.master.proc is not None else set()
         return cpu_seconds(proc_stats(), groups, masters)
 
-    def stored_bytes(self) -> int:
+    def stored_bytes(self) -> int | None:
+        """What the store holds now (None: its master no longer answers)."""
         if self.master is not None:
-            return int(self.master.metrics().get("master_allocated_bytes", 0))
+            try:
+                return int(self.master.metrics().get("master_allocated_bytes", 0))
+            except OSError:
+                return None
         if self.store is None or not self.store.exists():
             return 0
         return sum(p.stat().st_size for p in self.store.rglob("*") if p.is_file())
@@ -284,11 +288,12 @@ def table(report: dict) -> list[str]:
              "| stored MB | CPU s | checks |", "|---|" + "---:|" * 13]
     for name, r in report["servers"].items():
         c = r.get("cache") or {}
+        stored = "-" if r["stored_bytes"] is None else f"{r['stored_bytes'] / 1e6:.1f}"
         lines.append(f"| {name} | {r['completed']} | {r['mean_ttft_ms']:.0f} | {r['median_ttft_ms']:.0f} | "
                      f"{r['p99_ttft_ms']:.0f} | {r['mean_itl_ms']:.1f} | {r['input_throughput']:.0f} | "
                      f"{c.get('cache_hit_rate_pct', 0):.2f} | {c.get('device_cached_tokens') or 0} | "
                      f"{c.get('host_cached_tokens') or 0} | {c.get('storage_cached_tokens') or 0} | "
-                     f"{r['stored_bytes'] / 1e6:.1f} | {r['cpu_s']} | {r['checks_equal']} |")
+                     f"{stored} | {r['cpu_s']} | {r['checks_equal']} |")
     return lines
 
 
