@@ -1,4 +1,4 @@
-"""SGLang's own HiCache on this CPU host (servers.HICACHE_FLAGS, HICACHE_ENV)
+"""SGLang's own HiCache on this CPU host (hicache.HICACHE_FLAGS, HICACHE_ENV)
 beside a `--disable-radix-cache` server: the same workload to both, every
 reply compared, hits per pass reported. A measurement, not a test:
 
@@ -17,9 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from cpcache.testing.sglang_cpu.hicache import HICACHE_ENV, HICACHE_FLAGS
 from cpcache.testing.sglang_cpu.servers import (
-    HICACHE_ENV,
-    HICACHE_FLAGS,
     PLAIN_FLAGS,
     Reply,
     Server,

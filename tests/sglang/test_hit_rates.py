@@ -23,13 +23,11 @@ from pathlib import Path
 
 import pytest
 
+from cpcache.testing.sglang_cpu.hicache import HICACHE_ENV, HICACHE_FLAGS, hicache_file_storage_flags
 from cpcache.testing.sglang_cpu.servers import (
-    HICACHE_ENV,
-    HICACHE_FLAGS,
     SGLANG_PYTHON,
     Reply,
     Server,
-    hicache_file_storage_flags,
     make_tiny_model,
     same_outputs,
 )

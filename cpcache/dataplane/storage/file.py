@@ -1,5 +1,4 @@
-"""The `file` backend: one file per page under a root directory that every
-daemon sharing the pages shares.
+"""The `file` backend: one file per page under a root every daemon sharing the pages shares.
 
 Each file is a framed page (`framing`: header with magic, geometry
 fingerprint, length and checksum, then the page bytes). Keys are checked so
@@ -13,10 +12,10 @@ path most of its speed) the page's data is synced before the rename and
 its directory once per batch before the batch reports stored, so a backup
 reported stored survives power loss.
 
-Damage: a page that reads truncated, not framed or with a bad checksum is
-deleted (if it is still the file that was read), and put-if-absent only
-skips a write when the stored header promises exactly these bytes and the
-file has their length; so a damaged page is rewritten by the next backup.
+Damage: a page that reads truncated, with trailing bytes, not framed or
+with a bad checksum is a miss, deleted if it is still the file read (and
+if the root lets it be); put-if-absent skips a write only when the stored
+header promises exactly these bytes and the file has their length.
 
 Temp files: named `.<key>.<host>-<pid>-<random>.tmp`. At start, those of a
 dead writer on this host, and any older than `STALE_TMP_S`, are deleted and
@@ -29,10 +28,9 @@ least recently used pages of every daemon sharing the root, not only its
 own. Between rescans a daemon does not see the others' writes, so the root
 may exceed the capacity by up to 1/`RESCAN_FRACTION` of it per writer.
 Eviction (and its rescans, a `stat` of every page in the root) runs on its
-own thread, after the put that asked for it returned: on the put's path it
-made a bounded store's puts 2.5 times as slow, and the reads queued behind
-them (`cpcache bench serving`). A put that finds the root over the capacity
-by more than 1/`RESCAN_FRACTION` waits for it, so the bound above holds. A
+own thread after the put that asked for it (on the put's path it made
+bounded puts 2.5 times as slow); a put that finds the root over the
+capacity by more than 1/`RESCAN_FRACTION` waits for it. A
 rescan keeps what this daemon wrote, read or deleted while it listed the
 root. An eviction that fails is logged and counted (`storage_eviction_errors`),
 and the next put tries again. `wait_evictions` waits for it.

@@ -54,9 +54,9 @@ from pathlib import Path
 from typing import Any
 
 from cpcache.integrations.sglang.server_flags import STORAGE_EXTRA_CONFIG
+from cpcache.testing.sglang_cpu.hicache import HICACHE_ENV
 from cpcache.testing.sglang_cpu.servers import (
     CPCACHE_FLAGS,
-    HICACHE_ENV,
     READY,
     Daemons,
     Reply,

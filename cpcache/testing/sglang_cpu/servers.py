@@ -5,9 +5,8 @@ transformers at test time (TINY_MODELS: Llama, Qwen3, Qwen3-MoE, DeepSeek-V2
 with MLA), at TP and attention CP (prefill CP too: ZIGZAG_FLAGS with
 ZIGZAG_ENV, cpu_host/cp_torch_native.py), and `cpcache launch` daemons beneath.
 
-SGLang's own HiCache (host memory tier, and its `file` storage tier) runs
-here too, for side-by-side comparisons: HICACHE_FLAGS with HICACHE_ENV
-(cpu_host/hicache_cpu.py).
+SGLang's own HiCache runs here too, for side-by-side comparisons: its
+flags are in hicache.py.
 
 Every wait is on an event: a process's own readiness line on its output
 (SGLang prints one when it serves, `cpcache launch` when its ranks serve),
@@ -81,38 +80,6 @@ CPCACHE_HOST_FLAGS = ["--radix-cache-backend", "cpcache", "--enable-hierarchical
 CPCACHE_FLAGS = [*CPCACHE_HOST_FLAGS, "--hicache-storage-backend", "dynamic",
                  "--hicache-storage-backend-extra-config", json.dumps(STORAGE_EXTRA_CONFIG)]
 PLAIN_FLAGS = ["--disable-radix-cache"]
-# SGLang's own HiCache, host tier only: plain-torch copies between the host
-# and device pools, which HICACHE_ENV turns on in every SGLang process.
-HICACHE_FLAGS = ["--enable-hierarchical-cache", "--hicache-io-backend", "direct",
-                 "--hicache-mem-layout", "layer_first", "--hicache-ratio", "2"]
-HICACHE_ENV = {"CPCACHE_TEST_HICACHE_CPU": "1"}
-
-
-def hicache_file_storage_flags(root: Path) -> list[str]:
-    """SGLang's own storage tier below its HiCache: its `file` backend (one
-    file per page and rank under `root`; under attention CP, one per CP rank
-    too: its keys always carry the CP rank), prefetching as the suite's
-    daemons do (from the first page, until every rank has every page)."""
-    return ["--hicache-storage-backend", "file", "--hicache-storage-prefetch-policy", "wait_complete",
-            "--hicache-storage-backend-extra-config",
-            json.dumps({"file_storage_path": str(root), "prefetch_threshold": 0})]
-
-
-def hicache_mooncake_flags(master: str, metadata_server: str, segment_bytes: int) -> list[str]:
-    """HICACHE_FLAGS with SGLang's Mooncake Store backend below, on a master on
-    loopback: `segment_bytes` in all, SGLang dividing it among the TP
-    ranks (each mounts its share; under attention CP each CP rank stores
-    its own copy of a page). Its zero-copy path needs the page_first_direct
-    host layout for an MHA model (cpu_host/hicache_cpu.py binds its copies)."""
-    flags = [*HICACHE_FLAGS, "--hicache-storage-backend", "mooncake",
-             "--hicache-storage-prefetch-policy", "wait_complete", "--hicache-storage-backend-extra-config",
-             json.dumps({"master_server_address": master, "metadata_server": metadata_server,
-                         "global_segment_size": segment_bytes, "protocol": "tcp", "local_hostname": "127.0.0.1",
-                         "check_server": False, "prefetch_threshold": 0})]
-    flags[flags.index("--hicache-mem-layout") + 1] = "page_first_direct"
-    return flags
-
-
 # Prefill context parallelism (the zigzag split of a prefill's tokens over the
 # CP ranks), which torch_native runs only with cpu_host/cp_torch_native.py.
 ZIGZAG_FLAGS = ["--enable-prefill-cp", "--cp-strategy", "zigzag"]

@@ -133,15 +133,17 @@ class Config:
             raise
 
     def _server(self, work: Path, model: Path, policy: str) -> Server:
+        from cpcache.testing.sglang_cpu.hicache import (
+            HICACHE_ENV,
+            HICACHE_FLAGS,
+            hicache_file_storage_flags,
+            hicache_mooncake_flags,
+        )
         from cpcache.testing.sglang_cpu.servers import (
             CPCACHE_FLAGS,
             CPCACHE_HOST_FLAGS,
-            HICACHE_ENV,
-            HICACHE_FLAGS,
             Daemons,
             Server,
-            hicache_file_storage_flags,
-            hicache_mooncake_flags,
         )
 
         name = self.name

@@ -222,10 +222,9 @@ def measure(streams: list[Stream], seconds: float) -> dict:
 
 class Bench:
     def __init__(self, work: Path, workload: PromptWaves) -> None:
+        from cpcache.testing.sglang_cpu.hicache import HICACHE_ENV, HICACHE_FLAGS
         from cpcache.testing.sglang_cpu.servers import (
             CPCACHE_HOST_FLAGS,
-            HICACHE_ENV,
-            HICACHE_FLAGS,
             Daemons,
             Server,
         )

@@ -144,8 +144,8 @@ def make_model(path: Path) -> Path:
 
 
 def deployment(name: str, work: Path, model: Path, decode_offload: bool = True) -> PdDeployment:
+    from cpcache.testing.sglang_cpu.hicache import HICACHE_ENV, HICACHE_FLAGS, hicache_file_storage_flags
     from cpcache.testing.sglang_cpu.pd import PdDeployment, over_cpcache
-    from cpcache.testing.sglang_cpu.servers import HICACHE_ENV, HICACHE_FLAGS, hicache_file_storage_flags
 
     decode_flags = list(DECODE_FLAGS)
     if name == "radix":

@@ -4,11 +4,12 @@ when CPCACHE_TEST_HICACHE_CPU=1; for comparisons on such hosts only (the SGLang
 suite, `cpcache bench sglang`).
 
 Supported: `--hicache-io-backend direct` with `--hicache-mem-layout
-layer_first` (servers.HICACHE_FLAGS) or `page_first_direct` (what SGLang's
-Mooncake backend needs for an MHA model: servers.hicache_mooncake_flags). Here "device" memory is host memory too, so a
-transfer is a plain torch copy, done synchronously on the calling thread; the
-torch.cpu Stream and Event stand-ins SGLang already picks on CPU (record and
-wait do nothing, query is True) are then exact.
+layer_first` (hicache.HICACHE_FLAGS) or `page_first_direct` (what SGLang's
+Mooncake backend needs for an MHA model: hicache.hicache_mooncake_flags).
+Here "device" memory is host memory too, so a transfer is a plain torch
+copy, done synchronously on the calling thread; the torch.cpu Stream and
+Event stand-ins SGLang already picks on CPU (record and wait do nothing,
+query is True) are then exact.
 
 The modules are patched as they are imported (import_patches.py).
 """
