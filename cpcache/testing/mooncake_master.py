@@ -50,6 +50,10 @@ class MooncakeMaster:
         return f"http://127.0.0.1:{self.http_port}/metadata"
 
     def __enter__(self) -> MooncakeMaster:
+        return self.start()
+
+    def start(self) -> MooncakeMaster:
+        """Start the master (stop it with `stop`), or raise Unavailable."""
         for _ in range(3):  # a port picked free may be taken before the master binds it
             if self._start():
                 return self

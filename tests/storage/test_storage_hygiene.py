@@ -19,6 +19,7 @@ from cpcache.dataplane.pools import HostPool
 from cpcache.dataplane.storage import file as file_storage
 from cpcache.dataplane.storage import open_backend
 from cpcache.dataplane.storage.framing import HEADER, pack_header
+from cpcache.dataplane.storage.mooncake import HEADERS_PER_LEASE
 from cpcache.geometry import KVGeometry
 
 pytestmark = pytest.mark.timeout(90)
@@ -292,3 +293,24 @@ def test_mooncake_reads_check_header_geometry_and_checksum(mooncake_master):
     finally:
         store.close()
         foreign.close()
+
+
+@pytest.mark.timeout(120)
+def test_mooncake_batches_past_one_header_lease_check_each_page_against_its_own_header(mooncake_master):
+    """A batch larger than HEADERS_PER_LEASE goes in parts through one lease
+    of the header arena: read back in another order, every page must meet
+    its own header (a header shifted by one part fails its checksum)."""
+    n = HEADERS_PER_LEASE + 7
+    tiers = host_with_pages(n)
+    host = tiers.host
+    store = open_backend("mooncake", master=mooncake_master.master, metadata_server=mooncake_master.metadata_server,
+                         buffers=[(host.tensor.data_ptr(), host.nbytes)], geometry_fingerprint=GEOMETRY.fingerprint())
+    try:
+        keys = [f"lease-{i}" for i in range(n)]
+        assert store.put_from(keys, tiers.host_buffers(range(n))) == [True] * n
+        expected = host.tensor.clone()
+        host.tensor.zero_()
+        assert store.get_into(keys[::-1], tiers.host_buffers(range(n))[::-1]) == [True] * n
+        assert torch.equal(host.tensor, expected)
+    finally:
+        store.close()

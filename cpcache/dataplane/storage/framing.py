@@ -36,14 +36,20 @@ def _length(payload: memoryview | bytes | list[memoryview]) -> int:
     return sum(len(p) for p in payload) if isinstance(payload, list) else len(payload)
 
 
+def _fields(geometry: int, payload: memoryview | bytes | list[memoryview],
+            digest: int | None) -> tuple[bytes, int, int, int, int, int]:
+    """The header's fields, in HEADER's order."""
+    return MAGIC, VERSION, 0, geometry, _length(payload), checksum(payload) if digest is None else digest
+
+
 def pack_header(geometry: int, payload: memoryview | bytes | list[memoryview], digest: int | None = None) -> bytes:
-    return HEADER.pack(MAGIC, VERSION, 0, geometry, _length(payload), checksum(payload) if digest is None else digest)
+    return HEADER.pack(*_fields(geometry, payload, digest))
 
 
 def pack_header_into(buffer: memoryview, offset: int, geometry: int,
                      payload: memoryview | bytes | list[memoryview]) -> None:
     """pack_header, written in place (a registered arena's slot)."""
-    HEADER.pack_into(buffer, offset, MAGIC, VERSION, 0, geometry, _length(payload), checksum(payload))
+    HEADER.pack_into(buffer, offset, *_fields(geometry, payload, None))
 
 
 def check_header(header: bytes | bytearray | memoryview, geometry: int, nbytes: int) -> tuple[Verdict, int]:

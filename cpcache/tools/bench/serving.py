@@ -125,11 +125,12 @@ class Config:
         self.name = name
         self.store = work / f"{name}-pages" if "file" in name else None
         self.daemons: Daemons | None = None
-        self.master = MooncakeMaster(work / f"{name}-master.log").__enter__() if "mooncake" in name else None
+        self.master = MooncakeMaster(work / f"{name}-master.log").start() if "mooncake" in name else None
         try:
-            self.server = self._server(work, model, policy)
+            self.server = self._server(work, model, policy)  # built, not started
         except BaseException:
-            self.stop()
+            if self.master is not None:
+                self.master.stop()
             raise
 
     def _server(self, work: Path, model: Path, policy: str) -> Server:
@@ -192,8 +193,7 @@ class Config:
         return time.monotonic() - began
 
     def stop(self) -> None:
-        if getattr(self, "server", None) is not None:
-            self.server.stop()
+        self.server.stop()
         if self.daemons is not None:
             self.daemons.stop()
         if self.master is not None:
