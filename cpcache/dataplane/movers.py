@@ -83,11 +83,7 @@ class Tiers:
     storage: StorageBackend | None = None
 
     def host_buffers(self, slots: Iterable[int]) -> list[PageBuffer]:
-        buffers = []
-        for slot in slots:
-            (address, view), *rest = self.host.page_parts(slot)
-            buffers.append(PageBuffer(address, view, tuple(rest)))
-        return buffers
+        return [PageBuffer.of_runs(self.host.page_parts(slot)) for slot in slots]
 
 
 T = TypeVar("T")

@@ -23,7 +23,6 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from cpcache import host_layout
@@ -338,18 +337,26 @@ class HostPool:
         return [host_layout.stored_page(part.tensor, part.geometry, self.layout, slot).view(torch.uint8)
                 for part in self.parts]
 
-    def page_parts(self, slot: int) -> list[tuple[int, np.ndarray]]:
+    def page_parts(self, slot: int) -> list[tuple[int, memoryview]]:
         """(address, bytes) of each run of one page, in stored order, in place
         (page_first_direct only): each component of the KV, then each part's."""
         if not self.contiguous_pages:
             raise InvalidArgument(f"host pool: pages are not contiguous in the {self.layout} layout")
-        runs = []
+        return [(address + slot * run, column[slot * run : (slot + 1) * run])
+                for address, column, run in self._run_columns]
+
+    @functools.cached_property
+    def _run_columns(self) -> list[tuple[int, memoryview, int]]:
+        """(address, bytes, run) of each component of each part, over every
+        slot: a page's runs are slices of these (a mover asks for a batch's
+        pages on every storage call, so they are cut from views made once)."""
+        columns = []
         for part in self.parts:
             run = part._page_bytes // part.geometry.components
             for component in range(part.geometry.components):
-                start = (component * self.pages + slot) * run
-                runs.append((part._base + start, part._bytes[start : start + run]))
-        return runs
+                start = component * self.pages * run
+                columns.append((part._base + start, memoryview(part._bytes)[start : start + self.pages * run], run))
+        return columns
 
 
 F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)  # Linux 5.1

@@ -279,7 +279,7 @@ def test_mooncake_reads_check_header_geometry_and_checksum(mooncake_master):
         assert store.put_from(["mc-good"], pages[:1]) == [True]
         # An unframed object of exactly a page's size (what the old read path took as valid KV).
         raw = store._store
-        assert raw.batch_put_from(["mc-raw"], [pages[2].address], [pages[2].nbytes]) == [0]
+        assert raw.batch_put_from(["mc-raw"], [pages[2].addresses[0]], [pages[2].nbytes]) == [0]
         # A framed object whose payload does not match its checksum.
         corrupt = bytearray(pack_header(GEOMETRY.fingerprint(), bytes(pages[3].nbytes)))
         corrupt += bytes([1]) + bytes(pages[3].nbytes - 1)

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
@@ -28,26 +27,37 @@ if TYPE_CHECKING:
     from cpcache.geometry import KVGeometry
 
 
-@dataclass(frozen=True)
 class PageBuffer:
     """Where one page's bytes live in host memory: one run, or several runs
     whose concatenation is the page (in SGLang's MHA host layouts a page is
-    its K half, then its V half, a pool's half apart)."""
+    its K half, then its V half, a pool's half apart).
 
-    address: int
-    view: np.ndarray  # uint8, contiguous: the first run
-    rest: tuple[tuple[int, np.ndarray], ...] = ()  # (address, view) of the runs after it
+    A mover builds one per page of every batch, so it is a slotted object
+    that derives what the backends ask for (each run's address, its bytes,
+    the page's size) once, here."""
 
-    # Derived once: a mover asks for these several times per page, per batch.
-    parts: list[tuple[int, np.ndarray]] = field(init=False, repr=False, compare=False)
-    views: list[memoryview] = field(init=False, repr=False, compare=False)
-    nbytes: int = field(init=False, repr=False, compare=False)
+    __slots__ = ("parts", "views", "addresses", "nbytes")
 
-    def __post_init__(self) -> None:
-        parts = [(self.address, self.view), *self.rest]
-        object.__setattr__(self, "parts", parts)  # frozen: set once, here
-        object.__setattr__(self, "views", [view.data for _, view in parts])
-        object.__setattr__(self, "nbytes", sum(view.nbytes for _, view in parts))
+    def __init__(self, address: int, view: np.ndarray | memoryview,
+                 rest: Sequence[tuple[int, np.ndarray | memoryview]] = ()) -> None:
+        """`view`: the first run's bytes (contiguous); `rest`: (address, bytes) of the runs after it."""
+        self._derive([(address, memoryview(view)), *((a, memoryview(v)) for a, v in rest)])
+
+    @classmethod
+    def of_runs(cls, parts: list[tuple[int, memoryview]]) -> PageBuffer:
+        """From (address, bytes) of each run, taken as they are (a pool's own byte views)."""
+        page = cls.__new__(cls)
+        page._derive(parts)
+        return page
+
+    def _derive(self, parts: list[tuple[int, memoryview]]) -> None:
+        self.parts = parts
+        self.views = [view for _, view in parts]
+        self.addresses = [address for address, _ in parts]
+        self.nbytes = sum(view.nbytes for view in self.views)
+
+    def __repr__(self) -> str:
+        return f"PageBuffer({[(hex(a), v.nbytes) for a, v in self.parts]})"
 
 
 class StorageBackend(ABC):

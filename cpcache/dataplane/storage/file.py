@@ -51,7 +51,7 @@ from typing import NamedTuple, TypeVar
 
 from cpcache.config import DaemonConfig
 from cpcache.dataplane.storage import PageBuffer, StorageBackend, register
-from cpcache.dataplane.storage.file_names import KEY_PATTERN, Clock, check_key, host_tag, stale_tmp
+from cpcache.dataplane.storage.file_names import KEY_PATTERN, Clock, check_key, fsync_dir, host_tag, stale_tmp
 from cpcache.dataplane.storage.framing import HEADER, Verdict, check_header, check_page, checksum, pack_header
 from cpcache.geometry import KVGeometry
 
@@ -119,7 +119,11 @@ class FileBackend(StorageBackend):
 
     def path(self, key: str) -> str:
         check_key(key)
-        return os.path.join(self.root, key[:2], key)
+        return self._path(key)
+
+    def _path(self, key: str) -> str:
+        """A checked key's file: under the fan-out directory of its first two characters."""
+        return f"{self.root}/{key[:2]}/{key}"
 
     # -- the root as a whole ------------------------------------------------------
 
@@ -191,17 +195,20 @@ class FileBackend(StorageBackend):
         return len(keys)
 
     def get_into(self, keys: list[str], pages: list[PageBuffer]) -> list[bool]:
-        return self._parallel(lambda i: self._read(keys[i], pages[i]), keys, pages, PARALLEL_READ_MIN_PAGE_BYTES)
+        # Recency in the batch's order, as for a put.
+        stamps = self._now_ns.stamps(len(keys))
+        read = self._parallel(lambda i: self._read(keys[i], pages[i], stamps[i]), keys, pages,
+                              PARALLEL_READ_MIN_PAGE_BYTES)
+        self._touch_all([(key, size, stamp) for key, size, stamp in zip(keys, read, stamps) if size])
+        return [bool(size) for size in read]
 
     def put_from(self, keys: list[str], pages: list[PageBuffer]) -> list[bool]:
         # Recency in the batch's order, whichever thread writes which page:
         # the files' mtimes, and this daemon's index (touched here, in order).
-        stamps = [self._now_ns() for _ in keys]
+        stamps = self._now_ns.stamps(len(keys))
         stored = self._parallel(lambda i: self._write(keys[i], pages[i], stamps[i]), keys, pages,
                                 PARALLEL_WRITE_MIN_PAGE_BYTES)
-        for key, page in zip(keys, stored):
-            if page is not None:
-                self._touch(key, page.size, page.mtime_ns)
+        self._touch_all([(key, page.size, page.mtime_ns) for key, page in zip(keys, stored) if page is not None])
         with self._lock:
             self._written_since_scan += sum(page.size for page in stored if page is not None and page.written)
         done = [page is not None for page in stored]
@@ -211,7 +218,7 @@ class FileBackend(StorageBackend):
             if done[i]:
                 directory = os.path.dirname(self.path(key))
                 if directory not in synced:
-                    synced[directory] = _fsync_dir(directory)
+                    synced[directory] = fsync_dir(directory)
                 done[i] = synced[directory]
         self._evict_soon()
         return done
@@ -243,37 +250,36 @@ class FileBackend(StorageBackend):
 
     # -- one page -------------------------------------------------------------------
 
-    def _read(self, key: str, page: PageBuffer) -> bool:
-        path = os.path.join(self.root, key[:2], key)  # the batch's keys are checked
+    def _read(self, key: str, page: PageBuffer, stamp: int) -> int:
+        """Read one page and stamp it recent: the file's bytes, 0 for a miss."""
+        path = self._path(key)  # the batch's keys are checked
         header = bytearray(HEADER.size)
         beyond = bytearray(1)  # a byte past the page: a file with trailing bytes is not one
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError:
-            return False  # missing, or a link or something else planted in the root: not a page
+            return 0  # missing, or a link or something else planted in the root: not a page
         try:
             try:
                 got = os.readv(fd, [header, *page.views, beyond])
             except OSError:
-                return False
+                return 0
             if got != HEADER.size + page.nbytes:
                 verdict = Verdict.DAMAGED  # truncated, or trailing bytes
             else:
-                verdict = check_page(header, page.views, self._geometry)
+                verdict = check_page(header, page.views, self._geometry, page.nbytes)
             if verdict is Verdict.DAMAGED:
                 self._delete_damaged(key, path, fd)
-                return False
+                return 0
             if verdict is Verdict.FOREIGN:
-                return False  # another geometry's page: a miss, and the next backup replaces it
-            stamp = self._now_ns()
+                return 0  # another geometry's page: a miss, and the next backup replaces it
             try:
                 os.utime(fd, ns=(stamp, stamp))  # recency, visible to every daemon sharing the root
             except OSError:
                 pass
         finally:
             os.close(fd)
-        self._touch(key, got, stamp)
-        return True
+        return got
 
     def _delete_damaged(self, key: str, path: str, fd: int) -> None:
         """Delete the damaged file that was read (open as `fd`), not a whole
@@ -308,7 +314,7 @@ class FileBackend(StorageBackend):
 
     def _write(self, key: str, page: PageBuffer, stamp: int) -> Stored | None:
         """Store one page, its mtime `stamp`; None if it could not be."""
-        path = os.path.join(self.root, key[:2], key)  # the batch's keys are checked
+        path = self._path(key)  # the batch's keys are checked
         digest = checksum(page.views)
         size = HEADER.size + page.nbytes
         if self._already_stored(path, page.nbytes, digest):
@@ -350,12 +356,17 @@ class FileBackend(StorageBackend):
     # -- recency and capacity -------------------------------------------------------
 
     def _touch(self, key: str, size: int, mtime_ns: int) -> None:
+        self._touch_all([(key, size, mtime_ns)])
+
+    def _touch_all(self, touched: list[tuple[str, int, int]]) -> None:
+        """Move pages (key, file bytes, mtime ns) to the recent end of the index, in order."""
         with self._lock:
-            if self._during_scan is not None:
-                self._during_scan[key] = (size, mtime_ns)
-            old = self._index.pop(key, None)
-            self._bytes += size - (old[0] if old else 0)
-            self._index[key] = (size, mtime_ns)
+            for key, size, mtime_ns in touched:
+                if self._during_scan is not None:
+                    self._during_scan[key] = (size, mtime_ns)
+                old = self._index.pop(key, None)
+                self._bytes += size - (old[0] if old else 0)
+                self._index[key] = (size, mtime_ns)
 
     def _forget(self, key: str) -> None:
         with self._lock:
@@ -434,16 +445,3 @@ class FileBackend(StorageBackend):
     def used_bytes(self) -> int:
         return self._bytes
 
-
-def _fsync_dir(directory: str) -> bool:
-    try:
-        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return False
-    try:
-        os.fsync(fd)
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)

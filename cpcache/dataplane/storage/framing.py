@@ -8,12 +8,18 @@ from __future__ import annotations
 
 import enum
 import struct
+from collections.abc import Sequence
 
+import numpy as np
 import xxhash
 
 MAGIC = b"CPCPAGE1"
 HEADER = struct.Struct("<8sIIQQQ")  # magic, version, reserved, geometry, length, checksum
 VERSION = 1
+# HEADER's layout as a record, to check a batch's headers at once
+HEADER_RECORD = np.dtype([("magic", "S8"), ("version", "<u4"), ("reserved", "<u4"), ("geometry", "<u8"),
+                          ("length", "<u8"), ("checksum", "<u8")])
+assert HEADER_RECORD.itemsize == HEADER.size
 
 
 class Verdict(enum.Enum):
@@ -67,9 +73,32 @@ def check_header(header: bytes | bytearray | memoryview, geometry: int, nbytes: 
 
 
 def check_page(header: bytes | bytearray | memoryview, payload: memoryview | list[memoryview],
-               geometry: int) -> Verdict:
-    """The verdict on a header and the payload read after it."""
-    verdict, digest = check_header(header, geometry, _length(payload))
+               geometry: int, nbytes: int | None = None) -> Verdict:
+    """The verdict on a header and the payload read after it (`nbytes`: its length, where known)."""
+    verdict, digest = check_header(header, geometry, _length(payload) if nbytes is None else nbytes)
     if verdict is Verdict.VALID and checksum(payload) != digest:
         return Verdict.DAMAGED
     return verdict
+
+
+def check_pages(headers: bytes, payloads: Sequence[list[memoryview]], lengths: Sequence[int],
+                read_whole: Sequence[bool], geometry: int) -> list[Verdict]:
+    """check_page over a batch: `headers` back to back, one per payload
+    (`lengths`: each payload's bytes; `read_whole`: whether its object read
+    in full, header and payload: one that did not is damaged, unchecked).
+    The header fields of the whole batch are compared at once; each page
+    then costs its checksum alone."""
+    records = np.frombuffer(headers, dtype=HEADER_RECORD, count=len(payloads))
+    ours = (records["magic"] == MAGIC) & (records["version"] == VERSION) & np.asarray(read_whole, dtype=bool)
+    foreign = ours & (records["geometry"] != geometry)
+    whole = ours & ~foreign & (records["length"] == np.asarray(lengths, dtype=np.uint64))
+    digests = records["checksum"].tolist()
+    verdicts = []
+    for i, (is_foreign, is_whole) in enumerate(zip(foreign.tolist(), whole.tolist())):
+        if is_foreign:
+            verdicts.append(Verdict.FOREIGN)
+        elif is_whole and checksum(payloads[i]) == digests[i]:
+            verdicts.append(Verdict.VALID)
+        else:
+            verdicts.append(Verdict.DAMAGED)
+    return verdicts

@@ -19,7 +19,7 @@ import numpy as np
 
 from cpcache.config import DaemonConfig
 from cpcache.dataplane.storage import PageBuffer, StorageBackend, register
-from cpcache.dataplane.storage.framing import HEADER, Verdict, check_page, pack_header_into
+from cpcache.dataplane.storage.framing import HEADER, Verdict, check_pages, pack_header_into
 from cpcache.errors import InvalidArgument, Unavailable
 from cpcache.geometry import KVGeometry
 from cpcache.values import split_host_port
@@ -153,8 +153,8 @@ class MooncakeBackend(StorageBackend):
         pointers, sizes = [], []
         for i, page in enumerate(pages):
             pack_header_into(self._headers.view, first + i * HEADER.size, self._geometry, page.views)
-            pointers.append([address + i * HEADER.size, *(a for a, _ in page.parts)])
-            sizes.append([HEADER.size, *(v.nbytes for _, v in page.parts)])
+            pointers.append([address + i * HEADER.size, *page.addresses])
+            sizes.append([HEADER.size, *(v.nbytes for v in page.views)])
         codes = self._store.batch_put_from_multi_buffers(keys, pointers, sizes)
         # A page someone stored first (another replica's writer, a retry) is
         # stored: keys name their bytes, and a damaged object is deleted by
@@ -164,17 +164,18 @@ class MooncakeBackend(StorageBackend):
     def _get_part(self, lease: int, keys: list[str], pages: list[PageBuffer]) -> list[bool]:
         first = self._headers.offset(lease)
         address = self._headers.address + first
-        pointers = [[address + i * HEADER.size, *(a for a, _ in page.parts)] for i, page in enumerate(pages)]
-        sizes = [[HEADER.size, *(v.nbytes for _, v in page.parts)] for page in pages]
+        pointers = [[address + i * HEADER.size, *page.addresses] for i, page in enumerate(pages)]
+        sizes = [[HEADER.size, *(v.nbytes for v in page.views)] for page in pages]
         got = self._store.batch_get_into_multi_buffers(keys, pointers, sizes)
-        headers = memoryview(self._headers.view[first : first + len(pages) * HEADER.size].tobytes())
+        headers = self._headers.view[first : first + len(pages) * HEADER.size].tobytes()
+        lengths = [page.nbytes for page in pages]
+        verdicts = check_pages(headers, [page.views for page in pages], lengths,
+                               [n == HEADER.size + length for n, length in zip(got, lengths)], self._geometry)
         done = []
-        for i, (key, n, page) in enumerate(zip(keys, got, pages)):
+        for key, n, verdict in zip(keys, got, verdicts):
             if n < 0:
                 done.append(False)  # missing, or an object of another size
                 continue
-            verdict = Verdict.DAMAGED if n != HEADER.size + page.nbytes else check_page(
-                headers[i * HEADER.size : (i + 1) * HEADER.size], page.views, self._geometry)
             if verdict is Verdict.DAMAGED:
                 self._damaged_removed += self._store.remove(key, True) == 0  # force: past the read lease
             done.append(verdict is Verdict.VALID)

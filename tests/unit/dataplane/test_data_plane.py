@@ -16,7 +16,7 @@ from cpcache.dataplane.movers import DEVICE, HOST, STORAGE, Tiers, Transfers
 from cpcache.dataplane.pools import DevicePool, HostPool
 from cpcache.dataplane.storage import StorageBackend, open_backend
 from cpcache.dataplane.storage.faults import FaultyBackend, StorageFaults
-from cpcache.dataplane.storage.framing import HEADER
+from cpcache.dataplane.storage.framing import HEADER, Verdict, check_page, check_pages, pack_header
 from cpcache.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from cpcache.geometry import KVGeometry, PagePart
 from cpcache.host_layout import LAYOUTS
@@ -150,6 +150,41 @@ def test_capacity_evicts_least_recently_used(tmp_path):
     backend.wait_evictions()  # eviction runs on its own thread, after the put
     assert [backend.exists_prefix([k]) for k in keys] == [1, 0, 1, 1]
     assert backend.used_bytes == 3 * page_file
+
+
+def test_a_read_batch_stamps_recency_in_its_order(tmp_path):
+    """Read in another order than written, the pages become recent in the
+    read's order: the files' mtimes (which every daemon on the root evicts
+    by) and this daemon's index alike, so the capacity evicts the page read
+    first before the one read last."""
+    keys = [f"r{i}" for i in range(4)]
+    backend, tiers, _ = bounded_to_three_pages(tmp_path)
+    backend.put_from(keys[:3], tiers.host_buffers([0, 1, 2]))
+    backend.wait_evictions()
+    order = ["r2", "r0", "r1"]
+    assert backend.get_into(order, tiers.host_buffers([0, 1, 2])) == [True] * 3
+    mtimes = [os.stat(backend.path(k)).st_mtime_ns for k in order]
+    assert mtimes == sorted(mtimes) and len(set(mtimes)) == 3
+    backend.put_from(["r3"], tiers.host_buffers([3]))
+    backend.wait_evictions()
+    assert [backend.exists_prefix([k]) for k in keys] == [1, 1, 0, 1]  # r2, read first, went first
+
+
+def test_a_batch_of_headers_is_checked_page_by_page():
+    """check_pages over one batch: each page meets its own header, whatever
+    its neighbours are (valid, another geometry's, torn, corrupt, short)."""
+    geometry = 7
+    payloads = [[memoryview(bytes([i]) * 24), memoryview(bytes([i + 1]) * 8)] for i in range(6)]
+    headers = [pack_header(geometry, p) for p in payloads]
+    headers[1] = pack_header(geometry + 1, payloads[1])  # another geometry's page: foreign, kept
+    headers[2] = b"NOTAPAGE" + headers[2][8:]  # not a page
+    headers[3] = pack_header(geometry, payloads[3], digest=1)  # bytes that do not match their checksum
+    headers[4] = pack_header(geometry, [memoryview(bytes(16))])  # a header that promises other bytes
+    read_whole = [True] * 5 + [False]  # the last object was shorter than a page
+    verdicts = check_pages(b"".join(headers), payloads, [32] * 6, read_whole, geometry)
+    assert verdicts == [Verdict.VALID, Verdict.FOREIGN, Verdict.DAMAGED, Verdict.DAMAGED, Verdict.DAMAGED,
+                        Verdict.DAMAGED]
+    assert verdicts[0] == check_page(headers[0], payloads[0], geometry)
 
 
 def test_unreachable_mooncake_master_is_a_clear_error():
