@@ -314,3 +314,36 @@ def test_mooncake_batches_past_one_header_lease_check_each_page_against_its_own_
         assert torch.equal(host.tensor, expected)
     finally:
         store.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_full_mooncake_store_evicts_and_takes_the_refused_pages_on_a_later_try(tmp_path):
+    """A store with room for 256 pages is put 8 x 48: its master refuses pages
+    for space and evicts a few percent per pass, and the backend puts the
+    refused pages again after a wait, until they are taken: each batch is
+    stored whole (the master's own eviction may drop any of them later),
+    the retries are counted and the store stays within its bytes."""
+    from cpcache.testing.mooncake_master import MooncakeMaster
+
+    geometry = KVGeometry(layers=4, kv_kind="mha", heads=8, head_dim=128, dtype="bfloat16", page_size=4)  # 64 KiB
+    host = HostPool(geometry, pages=48, layout="page_first_direct")
+    tiers = Tiers(host)
+    master = MooncakeMaster(tmp_path / "master.log").start()
+    try:
+        store = open_backend("mooncake", master=master.master, metadata_server=master.metadata_server,
+                             buffers=[(host.address, host.nbytes)], geometry_fingerprint=geometry.fingerprint(),
+                             global_segment_size=256 * geometry.page_bytes,  # Mooncake's least: 16 MiB
+                             local_buffer_size=16 << 20,
+                             space_retry_waits_s=[0.05] * 40)
+        try:
+            for batch in range(8):
+                keys = [f"full-{batch}-{i}" for i in range(48)]
+                assert store.put_from(keys, tiers.host_buffers(range(48))) == [True] * 48
+            counters = store.counters()
+            assert counters["storage_put_space_retries"] > 0  # the store was full, and took them later
+            assert counters["storage_puts_refused_for_space"] == 0
+            assert master.metrics()["master_allocated_bytes"] <= 256 * geometry.page_bytes
+        finally:
+            store.close()
+    finally:
+        master.stop()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -65,6 +65,11 @@ def _reachable(address: str, timeout_s: float) -> bool:
 
 
 OBJECT_ALREADY_EXISTS = -705  # Mooncake's ErrorCode for a put of a key the store holds
+NO_AVAILABLE_HANDLE = -200  # its ErrorCode for a put the segments have no room for (yet)
+# A full store evicts a few percent of its objects per pass of the master's
+# eviction thread, on the puts it refused: the refused pages are put again
+# after these waits (seconds), then given up (a miss, as any failed put).
+SPACE_RETRY_WAITS_S = (0.01, 0.02, 0.05, 0.1, 0.2)
 
 @register("mooncake")
 class MooncakeBackend(StorageBackend):
@@ -88,9 +93,13 @@ class MooncakeBackend(StorageBackend):
         local_buffer_size: int = 64 << 20,
         connect_timeout_s: float = 5.0,
         geometry_fingerprint: int = 0,
+        space_retry_waits_s: Sequence[float] = SPACE_RETRY_WAITS_S,
     ) -> None:
-        """`buffers`: (address, nbytes) of host memory to register (the host pool)."""
+        """`buffers`: (address, nbytes) of host memory to register (the host
+        pool); `space_retry_waits_s`: the waits before each new put of the
+        pages a full store refused."""
         self._geometry = geometry_fingerprint
+        self._space_retry_waits_s = tuple(space_retry_waits_s)
         self._closed = True
         from mooncake.store import MooncakeDistributedStore
 
@@ -114,7 +123,10 @@ class MooncakeBackend(StorageBackend):
             self._store.close()  # a client that failed to set up holds its ports and threads until closed
             raise
         self._closed = False
+        self._closing = threading.Event()  # cuts a put's wait for room short
         self._damaged_removed = 0
+        self._space_retries = 0
+        self._refused_for_space = 0
 
     def exists_prefix(self, keys: list[str]) -> int:
         if not keys:
@@ -131,7 +143,9 @@ class MooncakeBackend(StorageBackend):
         return self._in_parts(self._put_part, keys, pages)
 
     def counters(self) -> dict[str, int]:
-        return {"storage_damaged_pages_deleted": self._damaged_removed}
+        return {"storage_damaged_pages_deleted": self._damaged_removed,
+                "storage_put_space_retries": self._space_retries,
+                "storage_puts_refused_for_space": self._refused_for_space}
 
     def _in_parts(self, part: Callable[[int, list[str], list[PageBuffer]], list[bool]], keys: list[str],
                   pages: list[PageBuffer]) -> list[bool]:
@@ -156,6 +170,16 @@ class MooncakeBackend(StorageBackend):
             pointers.append([address + i * HEADER.size, *page.addresses])
             sizes.append([HEADER.size, *(v.nbytes for v in page.views)])
         codes = self._store.batch_put_from_multi_buffers(keys, pointers, sizes)
+        for wait in self._space_retry_waits_s:
+            refused = [i for i, code in enumerate(codes) if code == NO_AVAILABLE_HANDLE]
+            if not refused or self._closing.wait(wait):
+                break
+            self._space_retries += 1
+            again = self._store.batch_put_from_multi_buffers([keys[i] for i in refused], [pointers[i] for i in refused],
+                                                             [sizes[i] for i in refused])
+            for i, code in zip(refused, again):
+                codes[i] = code
+        self._refused_for_space += sum(code == NO_AVAILABLE_HANDLE for code in codes)
         # A page someone stored first (another replica's writer, a retry) is
         # stored: keys name their bytes, and a damaged object is deleted by
         # the read that finds it, so the next put rewrites it.
@@ -184,4 +208,5 @@ class MooncakeBackend(StorageBackend):
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            self._closing.set()
             self._store.close()
