@@ -199,12 +199,14 @@ class Config:
         if self.master is not None:
             self.master.stop()
 
-    def cpu_seconds(self) -> float:
-        """The server's, its daemons' and its Mooncake master's."""
+    def cpu_seconds(self) -> tuple[float, float]:
+        """The server's, its daemons' and its Mooncake master's, and of those the daemons' alone."""
         watched = [self.server.process, self.daemons.process if self.daemons is not None else None]
         groups = {os.getpgid(p.proc.pid) for p in watched if p is not None}
         masters = {self.master.proc.pid} if self.master is not None and self.master.proc is not None else set()
-        return cpu_seconds(proc_stats(), groups, masters)
+        stats = proc_stats()
+        daemons = {os.getpgid(self.daemons.process.proc.pid)} if self.daemons is not None else set()
+        return cpu_seconds(stats, groups, masters), cpu_seconds(stats, daemons, set())
 
     def stored_bytes(self) -> int | None:
         """What the store holds now (None: its master no longer answers)."""
@@ -269,14 +271,15 @@ def run(work: Path, configs: tuple[str, ...] = CONFIGS, requests: int = REQUESTS
         config = Config(name, work, model, policy)
         try:
             healthy_s = config.start()
-            cpu_before = config.cpu_seconds()
+            cpu_before, daemons_before = config.cpu_seconds()
             result = bench_client(config.server.port, model, trace, work / f"{name}-bench.jsonl", requests, slowdown)
-            cpu = config.cpu_seconds() - cpu_before
+            cpu_after, daemons_after = config.cpu_seconds()
+            cpu, daemons_cpu = cpu_after - cpu_before, daemons_after - daemons_before
             answers = [config.server.generate(ids) for ids in checks]
             wrong = [i for i, (a, b) in enumerate(zip(answers, expected)) if not same_outputs(a, b)]
             row = {f: result.get(f) for f in FIGURES}
             row |= {"failed": requests - (result.get("completed") or 0), "cache": result.get("cache_report"),
-                    "cpu_s": round(cpu, 1), "stored_bytes": config.stored_bytes(), "healthy_s": round(healthy_s, 1),
+                    "cpu_s": round(cpu, 1), "daemons_cpu_s": round(daemons_cpu, 1), "stored_bytes": config.stored_bytes(), "healthy_s": round(healthy_s, 1),
                     "checks_equal": f"{len(checks) - len(wrong)}/{len(checks)}"}
             report["servers"][name] = row
             print(f"{name}: {json.dumps(row)}", file=sys.stderr, flush=True)
@@ -286,16 +289,17 @@ def run(work: Path, configs: tuple[str, ...] = CONFIGS, requests: int = REQUESTS
 
 
 def table(report: dict) -> list[str]:
-    lines = ["| server | done | TTFT mean | median | p99 | ITL mean | in tok/s | hit % | device | host | storage "
-             "| stored MB | CPU s | checks |", "|---|" + "---:|" * 13]
+    lines = ["| server | done | TTFT mean | median | p99 | ITL mean | TPOT mean | in tok/s | hit % | device | host "
+             "| storage | stored MB | CPU s (daemons) | checks |", "|---|" + "---:|" * 14]
     for name, r in report["servers"].items():
         c = r.get("cache") or {}
         stored = "-" if r["stored_bytes"] is None else f"{r['stored_bytes'] / 1e6:.1f}"
         lines.append(f"| {name} | {r['completed']} | {r['mean_ttft_ms']:.0f} | {r['median_ttft_ms']:.0f} | "
-                     f"{r['p99_ttft_ms']:.0f} | {r['mean_itl_ms']:.1f} | {r['input_throughput']:.0f} | "
+                     f"{r['p99_ttft_ms']:.0f} | {r['mean_itl_ms']:.1f} | {r.get('mean_tpot_ms') or 0:.1f} | "
+                     f"{r['input_throughput']:.0f} | "
                      f"{c.get('cache_hit_rate_pct', 0):.2f} | {c.get('device_cached_tokens') or 0} | "
                      f"{c.get('host_cached_tokens') or 0} | {c.get('storage_cached_tokens') or 0} | "
-                     f"{stored} | {r['cpu_s']} | {r['checks_equal']} |")
+                     f"{stored} | {r['cpu_s']} ({r.get('daemons_cpu_s', '-')}) | {r['checks_equal']} |")
     return lines
 
 
