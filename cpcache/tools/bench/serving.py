@@ -279,7 +279,8 @@ def run(work: Path, configs: tuple[str, ...] = CONFIGS, requests: int = REQUESTS
             wrong = [i for i, (a, b) in enumerate(zip(answers, expected)) if not same_outputs(a, b)]
             row = {f: result.get(f) for f in FIGURES}
             row |= {"failed": requests - (result.get("completed") or 0), "cache": result.get("cache_report"),
-                    "cpu_s": round(cpu, 1), "daemons_cpu_s": round(daemons_cpu, 1), "stored_bytes": config.stored_bytes(), "healthy_s": round(healthy_s, 1),
+                    "cpu_s": round(cpu, 1), "daemons_cpu_s": round(daemons_cpu, 1),
+                    "stored_bytes": config.stored_bytes(), "healthy_s": round(healthy_s, 1),
                     "checks_equal": f"{len(checks) - len(wrong)}/{len(checks)}"}
             report["servers"][name] = row
             print(f"{name}: {json.dumps(row)}", file=sys.stderr, flush=True)
