@@ -19,7 +19,7 @@ from cpcache.dataplane.pools import HostPool
 from cpcache.dataplane.storage import file as file_storage
 from cpcache.dataplane.storage import open_backend
 from cpcache.dataplane.storage.framing import HEADER, pack_header
-from cpcache.dataplane.storage.mooncake import HEADERS_PER_LEASE
+from cpcache.dataplane.storage.mooncake import HEADERS_PER_LEASE, NO_AVAILABLE_HANDLE
 from cpcache.geometry import KVGeometry
 
 pytestmark = pytest.mark.timeout(90)
@@ -347,3 +347,67 @@ def test_a_full_mooncake_store_evicts_and_takes_the_refused_pages_on_a_later_try
             store.close()
     finally:
         master.stop()
+
+
+class RefusingStore:
+    """A real Mooncake store whose next `refusals` put calls are refused for
+    space (every page), as a full store refuses them; `called` is set at each."""
+
+    def __init__(self, real, refusals):
+        self.real, self.refusals, self.calls = real, refusals, 0
+        self.called = threading.Event()
+
+    def batch_put_from_multi_buffers(self, keys, pointers, sizes):
+        self.calls += 1
+        self.called.set()
+        if self.refusals:
+            self.refusals -= 1
+            return [NO_AVAILABLE_HANDLE] * len(keys)
+        return self.real.batch_put_from_multi_buffers(keys, pointers, sizes)
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+def refusing_backend(mooncake_master, tiers, refusals, waits):
+    store = open_backend("mooncake", master=mooncake_master.master, metadata_server=mooncake_master.metadata_server,
+                         buffers=[(tiers.host.tensor.data_ptr(), tiers.host.nbytes)],
+                         geometry_fingerprint=GEOMETRY.fingerprint(), space_retry_waits_s=waits)
+    store._store = RefusingStore(store._store, refusals)
+    return store
+
+
+@pytest.mark.timeout(120)
+def test_refused_puts_are_tried_again_then_given_up_and_a_store_still_full_is_not_waited_on(mooncake_master):
+    tiers = host_with_pages(2)
+    store = refusing_backend(mooncake_master, tiers, refusals=2, waits=[0.001, 0.001])
+    try:
+        # Refused twice, taken the third time: stored.
+        assert store.put_from(["room-0", "room-1"], tiers.host_buffers([0, 1])) == [True, True]
+        assert store._store.calls == 3 and store.counters()["storage_put_space_retries"] == 2
+        # Refused every time: given up after the waits, a failed put, counted.
+        store._store.refusals = 10
+        assert store.put_from(["room-2", "room-3"], tiers.host_buffers([0, 1])) == [False, False]
+        counters = store.counters()
+        assert counters["storage_put_space_retries"] == 4 and counters["storage_puts_refused_for_space"] == 2
+        # The store stayed full through them: the next put is not waited on.
+        calls = store._store.calls
+        assert store.put_from(["room-4"], tiers.host_buffers([0])) == [False]
+        assert store._store.calls == calls + 1 and store.counters()["storage_put_space_retries"] == 4
+        assert store.exists_prefix(["room-0", "room-1"]) == 2
+    finally:
+        store.close()
+
+
+@pytest.mark.timeout(120)
+def test_closing_the_backend_cuts_a_wait_for_room_short(mooncake_master):
+    tiers = host_with_pages(1)
+    store = refusing_backend(mooncake_master, tiers, refusals=100, waits=[600.0])
+    outcome = []
+    putter = threading.Thread(target=lambda: outcome.append(store.put_from(["cut"], tiers.host_buffers([0]))))
+    putter.start()
+    assert store._store.called.wait(30)  # refused once: now waiting for room
+    store.close()
+    putter.join(30)
+    assert not putter.is_alive() and outcome == [[False]]
+    assert store._store.calls == 1  # no put after the close

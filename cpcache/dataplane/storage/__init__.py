@@ -27,6 +27,11 @@ if TYPE_CHECKING:
     from cpcache.geometry import KVGeometry
 
 
+def _as_bytes(memory: np.ndarray | memoryview) -> memoryview:
+    """One flat run of bytes: a checksum, a length and a readv all count bytes."""
+    return memoryview(memory).cast("B")
+
+
 class PageBuffer:
     """Where one page's bytes live in host memory: one run, or several runs
     whose concatenation is the page (in SGLang's MHA host layouts a page is
@@ -40,8 +45,9 @@ class PageBuffer:
 
     def __init__(self, address: int, view: np.ndarray | memoryview,
                  rest: Sequence[tuple[int, np.ndarray | memoryview]] = ()) -> None:
-        """`view`: the first run's bytes (contiguous); `rest`: (address, bytes) of the runs after it."""
-        self._derive([(address, memoryview(view)), *((a, memoryview(v)) for a, v in rest)])
+        """`view`: the first run's memory (contiguous, any dtype: taken as
+        its bytes); `rest`: (address, memory) of the runs after it."""
+        self._derive([(address, _as_bytes(view)), *((a, _as_bytes(v)) for a, v in rest)])
 
     @classmethod
     def of_runs(cls, parts: list[tuple[int, memoryview]]) -> PageBuffer:

@@ -11,9 +11,11 @@ KV; a damaged one is removed so the next backup rewrites it.
 
 from __future__ import annotations
 
+import collections
 import socket
 import threading
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -68,8 +70,13 @@ OBJECT_ALREADY_EXISTS = -705  # Mooncake's ErrorCode for a put of a key the stor
 NO_AVAILABLE_HANDLE = -200  # its ErrorCode for a put the segments have no room for (yet)
 # A full store evicts a few percent of its objects per pass of the master's
 # eviction thread, on the puts it refused: the refused pages are put again
-# after these waits (seconds), then given up (a miss, as any failed put).
+# after these waits (seconds, for one put_from in all, whatever its parts),
+# then given up (a failed put, as any). A store still full after them gets
+# no waits for FULL_BACKOFF_S: the storage threads that serve lookups and
+# reads too do not all sleep on it.
 SPACE_RETRY_WAITS_S = (0.01, 0.02, 0.05, 0.1, 0.2)
+FULL_BACKOFF_S = 1.0
+COUNTERS = ("storage_damaged_pages_deleted", "storage_put_space_retries", "storage_puts_refused_for_space")
 
 @register("mooncake")
 class MooncakeBackend(StorageBackend):
@@ -124,9 +131,9 @@ class MooncakeBackend(StorageBackend):
             raise
         self._closed = False
         self._closing = threading.Event()  # cuts a put's wait for room short
-        self._damaged_removed = 0
-        self._space_retries = 0
-        self._refused_for_space = 0
+        self._full_until = 0.0  # monotonic time until which a refused put is not tried again
+        self._counts = collections.Counter[str]()  # the storage threads count, the metrics thread reads
+        self._counts_lock = threading.Lock()
 
     def exists_prefix(self, keys: list[str]) -> int:
         if not keys:
@@ -140,12 +147,17 @@ class MooncakeBackend(StorageBackend):
         return self._in_parts(self._get_part, keys, pages)
 
     def put_from(self, keys: list[str], pages: list[PageBuffer]) -> list[bool]:
-        return self._in_parts(self._put_part, keys, pages)
+        waits = iter(self._space_retry_waits_s if time.monotonic() >= self._full_until else ())
+        return self._in_parts(lambda lease, k, p: self._put_part(lease, k, p, waits), keys, pages)
 
     def counters(self) -> dict[str, int]:
-        return {"storage_damaged_pages_deleted": self._damaged_removed,
-                "storage_put_space_retries": self._space_retries,
-                "storage_puts_refused_for_space": self._refused_for_space}
+        with self._counts_lock:
+            return {name: self._counts[name] for name in COUNTERS}
+
+    def _count(self, name: str, n: int) -> None:
+        if n:
+            with self._counts_lock:
+                self._counts[name] += n
 
     def _in_parts(self, part: Callable[[int, list[str], list[PageBuffer]], list[bool]], keys: list[str],
                   pages: list[PageBuffer]) -> list[bool]:
@@ -161,7 +173,8 @@ class MooncakeBackend(StorageBackend):
             self._headers.give_back(lease)
         return done
 
-    def _put_part(self, lease: int, keys: list[str], pages: list[PageBuffer]) -> list[bool]:
+    def _put_part(self, lease: int, keys: list[str], pages: list[PageBuffer], waits: Iterator[float]) -> list[bool]:
+        """Put one part of a batch; `waits`: what is left of the batch's waits for room."""
         first = self._headers.offset(lease)
         address = self._headers.address + first
         pointers, sizes = [], []
@@ -170,16 +183,20 @@ class MooncakeBackend(StorageBackend):
             pointers.append([address + i * HEADER.size, *page.addresses])
             sizes.append([HEADER.size, *(v.nbytes for v in page.views)])
         codes = self._store.batch_put_from_multi_buffers(keys, pointers, sizes)
-        for wait in self._space_retry_waits_s:
-            refused = [i for i, code in enumerate(codes) if code == NO_AVAILABLE_HANDLE]
-            if not refused or self._closing.wait(wait):
+        refused = [i for i, code in enumerate(codes) if code == NO_AVAILABLE_HANDLE]
+        while refused:
+            wait = next(waits, None)
+            if wait is None or self._closing.wait(wait):
                 break
-            self._space_retries += 1
+            self._count("storage_put_space_retries", 1)
             again = self._store.batch_put_from_multi_buffers([keys[i] for i in refused], [pointers[i] for i in refused],
                                                              [sizes[i] for i in refused])
             for i, code in zip(refused, again):
                 codes[i] = code
-        self._refused_for_space += sum(code == NO_AVAILABLE_HANDLE for code in codes)
+            refused = [i for i in refused if codes[i] == NO_AVAILABLE_HANDLE]
+        if refused:
+            self._full_until = time.monotonic() + FULL_BACKOFF_S
+            self._count("storage_puts_refused_for_space", len(refused))
         # A page someone stored first (another replica's writer, a retry) is
         # stored: keys name their bytes, and a damaged object is deleted by
         # the read that finds it, so the next put rewrites it.
@@ -191,6 +208,8 @@ class MooncakeBackend(StorageBackend):
         pointers = [[address + i * HEADER.size, *page.addresses] for i, page in enumerate(pages)]
         sizes = [[HEADER.size, *(v.nbytes for v in page.views)] for page in pages]
         got = self._store.batch_get_into_multi_buffers(keys, pointers, sizes)
+        if len(got) != len(keys):
+            return [False] * len(keys)  # not an answer per key: nothing of it is read
         headers = self._headers.view[first : first + len(pages) * HEADER.size].tobytes()
         lengths = [page.nbytes for page in pages]
         verdicts = check_pages(headers, [page.views for page in pages], lengths,
@@ -201,7 +220,8 @@ class MooncakeBackend(StorageBackend):
                 done.append(False)  # missing, or an object of another size
                 continue
             if verdict is Verdict.DAMAGED:
-                self._damaged_removed += self._store.remove(key, True) == 0  # force: past the read lease
+                removed = self._store.remove(key, True) == 0  # force: past the read lease
+                self._count("storage_damaged_pages_deleted", int(removed))
             done.append(verdict is Verdict.VALID)
         return done
 
