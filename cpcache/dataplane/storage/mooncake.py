@@ -16,16 +16,19 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from cpcache.config import DaemonConfig
 from cpcache.dataplane.storage import PageBuffer, StorageBackend, register
-from cpcache.dataplane.storage.framing import HEADER, Verdict, check_pages, pack_header_into
+from cpcache.dataplane.storage.framing import HEADER, Verdict, check_pages, checksum, pack_header_into
 from cpcache.errors import InvalidArgument, Unavailable
 from cpcache.geometry import KVGeometry
 from cpcache.values import split_host_port
 
+CHECK_THREADS = 4  # a batch's pages are checksummed on this many threads at once ...
+PARALLEL_CHECK_MIN_PAGE_BYTES = 256 << 10  # ... from this page size (below, the per-page Python costs more)
 HEADERS_PER_LEASE = 1024  # headers one call frames at once (each call has its cost); larger batches go in parts
 LEASES = 16  # calls that may frame at once
 
@@ -134,6 +137,7 @@ class MooncakeBackend(StorageBackend):
         self._full_until = 0.0  # monotonic time until which a refused put is not tried again
         self._counts = collections.Counter[str]()  # the storage threads count, the metrics thread reads
         self._counts_lock = threading.Lock()
+        self._checkers = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="cpcache-check")
 
     def exists_prefix(self, keys: list[str]) -> int:
         if not keys:
@@ -178,8 +182,8 @@ class MooncakeBackend(StorageBackend):
         first = self._headers.offset(lease)
         address = self._headers.address + first
         pointers, sizes = [], []
-        for i, page in enumerate(pages):
-            pack_header_into(self._headers.view, first + i * HEADER.size, self._geometry, page.views)
+        for i, (page, digest) in enumerate(zip(pages, self._checksums(pages))):
+            pack_header_into(self._headers.view, first + i * HEADER.size, self._geometry, page.views, digest)
             pointers.append([address + i * HEADER.size, *page.addresses])
             sizes.append([HEADER.size, *(v.nbytes for v in page.views)])
         codes = self._store.batch_put_from_multi_buffers(keys, pointers, sizes)
@@ -202,6 +206,15 @@ class MooncakeBackend(StorageBackend):
         # the read that finds it, so the next put rewrites it.
         return [code in (0, OBJECT_ALREADY_EXISTS) for code in codes]
 
+    def _checksums(self, pages: list[PageBuffer]) -> list[int]:
+        """Each page's XXH3, large pages hashed on the checking threads at once."""
+        if len(pages) < 2 or pages[0].nbytes < PARALLEL_CHECK_MIN_PAGE_BYTES:
+            return [checksum(page.views) for page in pages]
+        step = -(-len(pages) // CHECK_THREADS)
+        parts = self._checkers.map(lambda span: [checksum(page.views) for page in span],
+                                   [pages[i : i + step] for i in range(0, len(pages), step)])
+        return [digest for part in parts for digest in part]
+
     def _get_part(self, lease: int, keys: list[str], pages: list[PageBuffer]) -> list[bool]:
         first = self._headers.offset(lease)
         address = self._headers.address + first
@@ -212,8 +225,10 @@ class MooncakeBackend(StorageBackend):
             return [False] * len(keys)  # not an answer per key: nothing of it is read
         headers = self._headers.view[first : first + len(pages) * HEADER.size].tobytes()
         lengths = [page.nbytes for page in pages]
+        parallel = bool(pages) and pages[0].nbytes >= PARALLEL_CHECK_MIN_PAGE_BYTES
         verdicts = check_pages(headers, [page.views for page in pages], lengths,
-                               [n == HEADER.size + length for n, length in zip(got, lengths)], self._geometry)
+                               [n == HEADER.size + length for n, length in zip(got, lengths)], self._geometry,
+                               self._checkers if parallel else None, CHECK_THREADS)
         done = []
         for key, n, verdict in zip(keys, got, verdicts):
             if n < 0:
@@ -230,3 +245,4 @@ class MooncakeBackend(StorageBackend):
             self._closed = True
             self._closing.set()
             self._store.close()
+            self._checkers.shutdown(wait=False)

@@ -7,6 +7,7 @@ tests/storage/test_mooncake_round_trip.py)."""
 import math
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -190,6 +191,8 @@ def test_a_batch_of_headers_is_checked_page_by_page():
     assert verdicts == [Verdict.VALID, Verdict.FOREIGN, Verdict.DAMAGED, Verdict.DAMAGED, Verdict.DAMAGED,
                         Verdict.DAMAGED]
     assert verdicts[0] == check_page(headers[0], payloads[0], geometry)
+    with ThreadPoolExecutor(2) as workers:  # hashed in runs of pages at once: the same verdicts
+        assert check_pages(b"".join(headers), payloads, [32] * 6, read_whole, geometry, workers, 3) == verdicts
 
 
 def test_unreachable_mooncake_master_is_a_clear_error():
