@@ -355,7 +355,7 @@ class HostPool:
             run = part._page_bytes // part.geometry.components
             for component in range(part.geometry.components):
                 start = component * self.pages * run
-                columns.append((part._base + start, memoryview(part._bytes)[start : start + self.pages * run], run))
+                columns.append((part._base + start, part._bytes.data[start : start + self.pages * run], run))
         return columns
 
 

@@ -29,7 +29,8 @@ if TYPE_CHECKING:
 
 def _as_bytes(memory: np.ndarray | memoryview) -> memoryview:
     """One flat run of bytes: a checksum, a length and a readv all count bytes."""
-    return memoryview(memory).cast("B")
+    view = memory.data if isinstance(memory, np.ndarray) else memory
+    return view.cast("B")
 
 
 class PageBuffer:

@@ -205,7 +205,7 @@ class Config:
         groups = {os.getpgid(p.proc.pid) for p in watched if p is not None}
         masters = {self.master.proc.pid} if self.master is not None and self.master.proc is not None else set()
         stats = proc_stats()
-        daemons = {os.getpgid(self.daemons.process.proc.pid)} if self.daemons is not None else set()
+        daemons = {os.getpgid(p.proc.pid) for p in watched[1:] if p is not None}
         return cpu_seconds(stats, groups, masters), cpu_seconds(stats, daemons, set())
 
     def stored_bytes(self) -> int | None:
