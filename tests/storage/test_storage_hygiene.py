@@ -17,6 +17,7 @@ import torch
 from cpcache.dataplane.movers import Tiers
 from cpcache.dataplane.pools import HostPool
 from cpcache.dataplane.storage import file as file_storage
+from cpcache.dataplane.storage import mooncake as mooncake_storage
 from cpcache.dataplane.storage import open_backend
 from cpcache.dataplane.storage.framing import HEADER, pack_header
 from cpcache.dataplane.storage.mooncake import HEADERS_PER_LEASE, NO_AVAILABLE_HANDLE
@@ -266,7 +267,10 @@ def test_a_restarted_rank_evicts_the_oldest_pages_not_the_other_ranks_recent_one
 
 
 @pytest.mark.timeout(120)
-def test_mooncake_reads_check_header_geometry_and_checksum(mooncake_master):
+@pytest.mark.parametrize("parallel", [False, True], ids=["hashed in turn", "hashed on the checking threads"])
+def test_mooncake_reads_check_header_geometry_and_checksum(mooncake_master, monkeypatch, parallel):
+    if parallel:  # every page size takes the large pages' path
+        monkeypatch.setattr(mooncake_storage, "PARALLEL_CHECK_MIN_PAGE_BYTES", 0)
     tiers = host_with_pages(4)
     host = tiers.host
     store = open_backend("mooncake", master=mooncake_master.master, metadata_server=mooncake_master.metadata_server,
@@ -276,20 +280,20 @@ def test_mooncake_reads_check_header_geometry_and_checksum(mooncake_master):
                            buffers=[(host.tensor.data_ptr(), host.nbytes)], geometry_fingerprint=other.fingerprint())
     try:
         pages = tiers.host_buffers(range(4))
-        assert store.put_from(["mc-good"], pages[:1]) == [True]
+        good, second, unframed, flipped = (f"mc-{name}-{parallel}" for name in ("good", "second", "raw", "flipped"))
+        assert store.put_from([good, second], pages[:2]) == [True, True]
         # An unframed object of exactly a page's size (what the old read path took as valid KV).
         raw = store._store
-        assert raw.batch_put_from(["mc-raw"], [pages[2].addresses[0]], [pages[2].nbytes]) == [0]
+        assert raw.batch_put_from([unframed], [pages[2].addresses[0]], [pages[2].nbytes]) == [0]
         # A framed object whose payload does not match its checksum.
         corrupt = bytearray(pack_header(GEOMETRY.fingerprint(), bytes(pages[3].nbytes)))
         corrupt += bytes([1]) + bytes(pages[3].nbytes - 1)
-        assert raw.put("mc-flipped", bytes(corrupt)) == 0
-        assert store.get_into(["mc-good"], pages[1:2]) == [True]
-        assert store.get_into(["mc-raw"], pages[2:3]) == [False]
-        assert store.get_into(["mc-flipped"], pages[3:4]) == [False]
+        assert raw.put(flipped, bytes(corrupt)) == 0
+        # One batch: each page meets its own verdict.
+        assert store.get_into([second, unframed, good, flipped], pages) == [True, False, True, False]
         assert store.counters()["storage_damaged_pages_deleted"] == 1
-        assert store.exists_prefix(["mc-flipped"]) == 0  # removed: the next backup rewrites it
-        assert foreign.get_into(["mc-good"], pages[:1]) == [False]  # another geometry's reader
+        assert store.exists_prefix([flipped]) == 0  # removed: the next backup rewrites it
+        assert foreign.get_into([good], pages[:1]) == [False]  # another geometry's reader
     finally:
         store.close()
         foreign.close()

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import enum
 import struct
-from collections.abc import Sequence
-from concurrent.futures import Executor
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, Future
+from typing import TypeVar
 
 import numpy as np
 import xxhash
@@ -17,6 +18,8 @@ import xxhash
 MAGIC = b"CPCPAGE1"
 HEADER = struct.Struct("<8sIIQQQ")  # magic, version, reserved, geometry, length, checksum
 VERSION = 1
+T = TypeVar("T")
+R = TypeVar("R")
 # HEADER's layout as a record, to check a batch's headers at once
 HEADER_RECORD = np.dtype([("magic", "S8"), ("version", "<u4"), ("reserved", "<u4"), ("geometry", "<u8"),
                           ("length", "<u8"), ("checksum", "<u8")])
@@ -82,6 +85,30 @@ def check_page(header: bytes | bytearray | memoryview, payload: memoryview | lis
     return verdict
 
 
+def in_spans(work: Callable[[list[T]], list[R]], items: list[T], workers: Executor | None,
+             spans: int) -> list[R]:
+    """`work` over `items` cut into `spans` runs, in order: the caller takes
+    the first run, `workers` the others at once (XXH3 releases the GIL).
+    Workers that take no more work (shut down: the backend closed, or the
+    interpreter exiting) leave their runs to the caller: never an exception."""
+    if workers is None or spans < 2 or len(items) < 2:
+        return work(items)
+    step = -(-len(items) // spans)
+    runs = [items[i : i + step] for i in range(0, len(items), step)]
+    futures: list[Future[list[R]]] = []
+    for run in runs[1:]:
+        try:
+            futures.append(workers.submit(work, run))
+        except RuntimeError:
+            break
+    done = work(runs[0])
+    for future in futures:
+        done += future.result()
+    for run in runs[1 + len(futures) :]:
+        done += work(run)
+    return done
+
+
 def check_pages(headers: bytes, payloads: Sequence[list[memoryview]], lengths: Sequence[int],
                 read_whole: Sequence[bool], geometry: int, workers: Executor | None = None,
                 spans: int = 1) -> list[Verdict]:
@@ -89,23 +116,16 @@ def check_pages(headers: bytes, payloads: Sequence[list[memoryview]], lengths: S
     (`lengths`: each payload's bytes; `read_whole`: whether its object read
     in full, header and payload: one that did not is damaged, unchecked).
     The header fields of the whole batch are compared at once; each page
-    then costs its checksum alone, hashed in `spans` runs of pages on
-    `workers` where given (XXH3 releases the GIL: they hash at once)."""
+    then costs its checksum alone, hashed in `spans` runs (`in_spans`)."""
     records = np.frombuffer(headers, dtype=HEADER_RECORD, count=len(payloads))
     ours = (records["magic"] == MAGIC) & (records["version"] == VERSION) & np.asarray(read_whole, dtype=bool)
     foreign = ours & (records["geometry"] != geometry)
     whole = ours & ~foreign & (records["length"] == np.asarray(lengths, dtype=np.uint64))
     digests = records["checksum"].tolist()
-    candidates = np.flatnonzero(whole).tolist()
 
-    def matching(span: list[int]) -> list[int]:
-        return [i for i in span if checksum(payloads[i]) == digests[i]]
+    def matching(run: list[int]) -> list[int]:
+        return [i for i in run if checksum(payloads[i]) == digests[i]]
 
-    if workers is None or spans < 2 or len(candidates) < 2:
-        valid = set(matching(candidates))
-    else:
-        step = -(-len(candidates) // spans)
-        parts = [candidates[i : i + step] for i in range(0, len(candidates), step)]
-        valid = {i for part in workers.map(matching, parts) for i in part}
+    valid = set(in_spans(matching, np.flatnonzero(whole).tolist(), workers, spans))
     return [Verdict.FOREIGN if is_foreign else Verdict.VALID if i in valid else Verdict.DAMAGED
             for i, is_foreign in enumerate(foreign.tolist())]

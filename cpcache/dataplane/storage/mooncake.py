@@ -12,6 +12,7 @@ KV; a damaged one is removed so the next backup rewrites it.
 from __future__ import annotations
 
 import collections
+import os
 import socket
 import threading
 import time
@@ -22,12 +23,12 @@ import numpy as np
 
 from cpcache.config import DaemonConfig
 from cpcache.dataplane.storage import PageBuffer, StorageBackend, register
-from cpcache.dataplane.storage.framing import HEADER, Verdict, check_pages, checksum, pack_header_into
+from cpcache.dataplane.storage.framing import HEADER, Verdict, check_pages, checksum, in_spans, pack_header_into
 from cpcache.errors import InvalidArgument, Unavailable
 from cpcache.geometry import KVGeometry
 from cpcache.values import split_host_port
 
-CHECK_THREADS = 4  # a batch's pages are checksummed on this many threads at once ...
+CHECK_THREADS = min(4, os.cpu_count() or 1)  # a batch's pages are checksummed on this many threads at once ...
 PARALLEL_CHECK_MIN_PAGE_BYTES = 256 << 10  # ... from this page size (below, the per-page Python costs more)
 HEADERS_PER_LEASE = 1024  # headers one call frames at once (each call has its cost); larger batches go in parts
 LEASES = 16  # calls that may frame at once
@@ -208,12 +209,9 @@ class MooncakeBackend(StorageBackend):
 
     def _checksums(self, pages: list[PageBuffer]) -> list[int]:
         """Each page's XXH3, large pages hashed on the checking threads at once."""
-        if len(pages) < 2 or pages[0].nbytes < PARALLEL_CHECK_MIN_PAGE_BYTES:
-            return [checksum(page.views) for page in pages]
-        step = -(-len(pages) // CHECK_THREADS)
-        parts = self._checkers.map(lambda span: [checksum(page.views) for page in span],
-                                   [pages[i : i + step] for i in range(0, len(pages), step)])
-        return [digest for part in parts for digest in part]
+        parallel = bool(pages) and pages[0].nbytes >= PARALLEL_CHECK_MIN_PAGE_BYTES
+        return in_spans(lambda run: [checksum(page.views) for page in run], pages,
+                        self._checkers if parallel else None, CHECK_THREADS)
 
     def _get_part(self, lease: int, keys: list[str], pages: list[PageBuffer]) -> list[bool]:
         first = self._headers.offset(lease)
@@ -244,5 +242,5 @@ class MooncakeBackend(StorageBackend):
         if not self._closed:
             self._closed = True
             self._closing.set()
+            self._checkers.shutdown(wait=False)  # a call still running hashes its own runs (in_spans)
             self._store.close()
-            self._checkers.shutdown(wait=False)

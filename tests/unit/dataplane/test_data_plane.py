@@ -17,7 +17,7 @@ from cpcache.dataplane.movers import DEVICE, HOST, STORAGE, Tiers, Transfers
 from cpcache.dataplane.pools import DevicePool, HostPool
 from cpcache.dataplane.storage import StorageBackend, open_backend
 from cpcache.dataplane.storage.faults import FaultyBackend, StorageFaults
-from cpcache.dataplane.storage.framing import HEADER, Verdict, check_page, check_pages, pack_header
+from cpcache.dataplane.storage.framing import HEADER, Verdict, check_page, check_pages, in_spans, pack_header
 from cpcache.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from cpcache.geometry import KVGeometry, PagePart
 from cpcache.host_layout import LAYOUTS
@@ -192,7 +192,17 @@ def test_a_batch_of_headers_is_checked_page_by_page():
                         Verdict.DAMAGED]
     assert verdicts[0] == check_page(headers[0], payloads[0], geometry)
     with ThreadPoolExecutor(2) as workers:  # hashed in runs of pages at once: the same verdicts
-        assert check_pages(b"".join(headers), payloads, [32] * 6, read_whole, geometry, workers, 3) == verdicts
+        for spans in (2, 3, 4):
+            assert check_pages(b"".join(headers), payloads, [32] * 6, read_whole, geometry, workers, spans) == verdicts
+
+
+def test_runs_of_work_keep_their_order_and_a_shut_down_pool_leaves_them_to_the_caller():
+    items = list(range(11))
+    with ThreadPoolExecutor(3) as workers:
+        for spans in (1, 2, 4, 5, 11, 20):
+            assert in_spans(lambda run: [i * i for i in run], items, workers, spans) == [i * i for i in items]
+    # Closed (the backend closed while a call ran, or the interpreter exiting): the caller does it all.
+    assert in_spans(lambda run: [i + 1 for i in run], items, workers, 4) == [i + 1 for i in items]
 
 
 def test_unreachable_mooncake_master_is_a_clear_error():
