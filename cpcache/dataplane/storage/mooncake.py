@@ -209,9 +209,12 @@ class MooncakeBackend(StorageBackend):
 
     def _checksums(self, pages: list[PageBuffer]) -> list[int]:
         """Each page's XXH3, large pages hashed on the checking threads at once."""
-        parallel = bool(pages) and pages[0].nbytes >= PARALLEL_CHECK_MIN_PAGE_BYTES
-        return in_spans(lambda run: [checksum(page.views) for page in run], pages,
-                        self._checkers if parallel else None, CHECK_THREADS)
+        return in_spans(lambda run: [checksum(page.views) for page in run], pages, self._checkers_for(pages),
+                        CHECK_THREADS)
+
+    def _checkers_for(self, pages: list[PageBuffer]) -> ThreadPoolExecutor | None:
+        """The checking threads for a batch of large pages; None: hash in turn."""
+        return self._checkers if pages and pages[0].nbytes >= PARALLEL_CHECK_MIN_PAGE_BYTES else None
 
     def _get_part(self, lease: int, keys: list[str], pages: list[PageBuffer]) -> list[bool]:
         first = self._headers.offset(lease)
@@ -223,10 +226,9 @@ class MooncakeBackend(StorageBackend):
             return [False] * len(keys)  # not an answer per key: nothing of it is read
         headers = self._headers.view[first : first + len(pages) * HEADER.size].tobytes()
         lengths = [page.nbytes for page in pages]
-        parallel = bool(pages) and pages[0].nbytes >= PARALLEL_CHECK_MIN_PAGE_BYTES
         verdicts = check_pages(headers, [page.views for page in pages], lengths,
                                [n == HEADER.size + length for n, length in zip(got, lengths)], self._geometry,
-                               self._checkers if parallel else None, CHECK_THREADS)
+                               self._checkers_for(pages), CHECK_THREADS)
         done = []
         for key, n, verdict in zip(keys, got, verdicts):
             if n < 0:
