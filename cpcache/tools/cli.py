@@ -244,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--prefetch-policy", choices=["best_effort", "wait_complete", "timeout"],
                        help="serving: how a storage prefetch ends, on both stacks (default wait_complete; timeout: "
                        "SGLang's default budget, given to both)")
+    bench.add_argument("--spin-when-idle", action="store_true",
+                       help="serving: leave SGLang's idle schedulers spinning (its default) instead of "
+                       "--sleep-on-idle on every server; their CPU seconds then count the spin")
     bench.add_argument("--slowdown", type=float,
                        help="serving: the trace's arrival intervals times this (default 1.5; higher: less queueing)")
     bench.add_argument("--work-dir", help="sglang, sglang-pd, sglang-soak, sglang-chaos, load-back: where the model, "

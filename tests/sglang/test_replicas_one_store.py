@@ -117,7 +117,7 @@ class Store:
 def reference(work: Path, model: Path, name: str, flags: list[str] | None = None) -> tuple[Server, float]:
     """A tp 1 server without cache, started (not yet waited for), and when."""
     return Server(name, model, work, [*PLAIN_FLAGS, *(flags or [])], tp=1, page_size=PAGE,
-                  device_tokens=DEVICE_TOKENS).start(), time.monotonic()
+                  device_tokens=DEVICE_TOKENS, sleep_on_idle=True).start(), time.monotonic()
 
 
 def answers(started: tuple[Server, float], prompts: list[list[int]]) -> list[Reply]:

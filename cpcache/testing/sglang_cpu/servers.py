@@ -310,6 +310,10 @@ class Server:
     device_tokens: int = 1024
     env: dict = field(default_factory=dict)
     tokenizer: bool = False  # serve text with the tokenizer saved beside the model (SGLang's bench client sends text)
+    # SGLang's --sleep-on-idle: an idle scheduler otherwise spins a core. For
+    # servers beside the one under test (references), which would take that
+    # core from it; a server under test keeps SGLang's default loop.
+    sleep_on_idle: bool = False
     port: int = 0
     process: Watched | None = None
 
@@ -319,7 +323,8 @@ class Server:
                 *cpu_flags, "--tp", str(self.tp), "--page-size", str(self.page_size),
                 "--max-total-tokens", str(self.device_tokens), "--host", "127.0.0.1", "--port", str(self.port),
                 *(["--attn-cp-size", str(self.cp)] if self.cp > 1 else []),
-                *(["--enable-dp-attention", "--dp", str(self.dp)] if self.dp > 1 else []), *self.flags]
+                *(["--enable-dp-attention", "--dp", str(self.dp)] if self.dp > 1 else []),
+                *(["--sleep-on-idle"] if self.sleep_on_idle else []), *self.flags]
 
     def start(self) -> Server:
         self.port = self.port or free_port()

@@ -111,7 +111,8 @@ class Stack:
         self.cpcache = Server("cpcache", model, work, flags, tp=shape.tp, cp=shape.cp, dp=shape.dp, page_size=PAGE,
                               device_tokens=DEVICE_TOKENS, env=env)
         self.plain = Server("reference", model, work, PLAIN_FLAGS, tp=shape.reference_tp, page_size=PAGE,
-                            device_tokens=DEVICE_TOKENS, env=family_env(shape.family)) if with_reference else None
+                            device_tokens=DEVICE_TOKENS, env=family_env(shape.family),
+                            sleep_on_idle=True) if with_reference else None
         self.expected: dict[tuple[int, ...], Reply] = {}
 
     def start(self) -> Stack:

@@ -29,6 +29,12 @@ cache report (hit rate, device / host / storage tokens); beside them the
 CPU seconds the server's processes (and cpcache's daemons) spent, the bytes
 each store holds at the end, and a fixed check set of prompts answered
 equal to a tp 1 server without cache (tokens, and logprobs within 1e-4).
+
+Every server runs with SGLang's `--sleep-on-idle` unless `--spin-when-idle`:
+an idle SGLang scheduler otherwise polls in a loop, a core per server at
+this load whatever its cache, and the CPU seconds measure that loop, not
+the cache. Waking costs a request nothing: the scheduler sleeps in a poll
+on the sockets a request arrives by.
 """
 
 from __future__ import annotations
@@ -117,12 +123,13 @@ class Config:
     """One server of the comparison (and its daemons, for cpcache; its
     Mooncake master, for a Mooncake store)."""
 
-    def __init__(self, name: str, work: Path, model: Path, policy: str = POLICY) -> None:
+    def __init__(self, name: str, work: Path, model: Path, policy: str = POLICY, sleep_on_idle: bool = True) -> None:
         """`policy`: how a storage prefetch ends, on either stack, with the
         same timeout (SGLang's defaults) under `timeout`."""
         from cpcache.testing.mooncake_master import MooncakeMaster
 
         self.name = name
+        self.sleep_on_idle = sleep_on_idle
         self.store = work / f"{name}-pages" if "file" in name else None
         self.daemons: Daemons | None = None
         self.master = MooncakeMaster(work / f"{name}-master.log").start() if "mooncake" in name else None
@@ -183,7 +190,7 @@ class Config:
             flags = list(CPCACHE_FLAGS if storage else CPCACHE_HOST_FLAGS)
             env = {"CPCACHE_SGLANG_CONFIG": str(backend)}
         return Server(name, model, work, flags, tp=TP, cp=CP, page_size=PAGE, device_tokens=DEVICE_TOKENS,
-                      env=env, tokenizer=True)
+                      env=env, tokenizer=True, sleep_on_idle=self.sleep_on_idle)
 
     def start(self) -> float:
         began = time.monotonic()
@@ -248,7 +255,7 @@ def check_prompts(trace: Path) -> list[list[int]]:
 
 
 def run(work: Path, configs: tuple[str, ...] = CONFIGS, requests: int = REQUESTS, slowdown: float = SLOWDOWN,
-        policy: str = POLICY) -> dict:
+        policy: str = POLICY, sleep_on_idle: bool = True) -> dict:
     from cpcache.testing.sglang_cpu.servers import PLAIN_FLAGS, Server, same_outputs
     from cpcache.tools.bench.sglang_pd import MODEL, make_model
 
@@ -256,7 +263,7 @@ def run(work: Path, configs: tuple[str, ...] = CONFIGS, requests: int = REQUESTS
     trace = scaled_trace(TRACE, work / "trace.jsonl", requests=requests)
     checks = check_prompts(trace)
     reference = Server("reference", model, work, PLAIN_FLAGS, tp=1, page_size=PAGE, device_tokens=DEVICE_TOKENS,
-                       tokenizer=True).start().wait_ready()
+                       tokenizer=True, sleep_on_idle=True).start().wait_ready()
     try:
         expected = [reference.generate(ids) for ids in checks]
     finally:
@@ -266,9 +273,10 @@ def run(work: Path, configs: tuple[str, ...] = CONFIGS, requests: int = REQUESTS
                  f"tokens out, arrivals x{slowdown}", "topology": f"--tp {TP} --attn-cp-size {CP}",
         "model": f"random Qwen3 {MODEL}, float32, SGLang's CPU path", "page_size": PAGE,
         "device_pages": DEVICE_TOKENS // PAGE, "host_pages": HOST_PAGES, "prefetch_policy": policy,
+        "idle_schedulers": "sleep (--sleep-on-idle)" if sleep_on_idle else "spin (SGLang's default)",
         "bounded_store_bytes": BOUND_PAGES * page_bytes()}}
     for name in configs:
-        config = Config(name, work, model, policy)
+        config = Config(name, work, model, policy, sleep_on_idle)
         try:
             healthy_s = config.start()
             cpu_before, daemons_before = config.cpu_seconds()
@@ -310,11 +318,12 @@ def main(args: argparse.Namespace) -> int:
     requests = getattr(args, "trace_requests", None) or REQUESTS
     slowdown = getattr(args, "slowdown", None) or SLOWDOWN
     policy = getattr(args, "prefetch_policy", None) or POLICY
+    sleep_on_idle = not getattr(args, "spin_when_idle", False)
     if keep:
         Path(keep).mkdir(parents=True, exist_ok=True)
-        report = run(Path(keep), configs, requests, slowdown, policy)
+        report = run(Path(keep), configs, requests, slowdown, policy, sleep_on_idle)
     else:
         with tempfile.TemporaryDirectory(prefix="cpc-serving-") as tmp:
-            report = run(Path(tmp), configs, requests, slowdown, policy)
+            report = run(Path(tmp), configs, requests, slowdown, policy, sleep_on_idle)
     print(json.dumps(report) if args.json else "\n".join(table(report)))
     return 0
