@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
                        "SGLang's default budget, given to both)")
     bench.add_argument("--spin-when-idle", action="store_true",
                        help="serving: leave SGLang's idle schedulers spinning (its default) instead of "
-                       "--sleep-on-idle on every server; their CPU seconds then count the spin")
+                       "--sleep-on-idle on every measured server; their CPU seconds then count the spin")
     bench.add_argument("--slowdown", type=float,
                        help="serving: the trace's arrival intervals times this (default 1.5; higher: less queueing)")
     bench.add_argument("--work-dir", help="sglang, sglang-pd, sglang-soak, sglang-chaos, load-back: where the model, "

@@ -310,9 +310,10 @@ class Server:
     device_tokens: int = 1024
     env: dict = field(default_factory=dict)
     tokenizer: bool = False  # serve text with the tokenizer saved beside the model (SGLang's bench client sends text)
-    # SGLang's --sleep-on-idle: an idle scheduler otherwise spins a core. For
-    # servers beside the one under test (references), which would take that
-    # core from it; a server under test keeps SGLang's default loop.
+    # SGLang's --sleep-on-idle: an idle scheduler otherwise spins a core. Set
+    # on reference servers, whose spin would take that core from the server
+    # under test, and where a test or bench serves with the flag on purpose;
+    # servers under test otherwise keep SGLang's default loop.
     sleep_on_idle: bool = False
     port: int = 0
     process: Watched | None = None

@@ -77,10 +77,13 @@ class Stack:
     def __init__(self, work: Path, model: Path, shape: Shape, storage_settings: dict | None = None,
                  copy_delay_ms: float = 400.0, storage_delay_ms: float = 200.0,
                  per_rank: dict[int, dict] | None = None, backend: dict | None = None,
-                 daemon_settings: dict | None = None, with_reference: bool = True) -> None:
+                 daemon_settings: dict | None = None, with_reference: bool = True,
+                 sleep_on_idle: bool = False) -> None:
         """`backend`: the SGLang backend's settings over the defaults here;
         `daemon_settings`: more daemon settings for every rank;
-        `with_reference`: start the `--disable-radix-cache` server too."""
+        `with_reference`: start the `--disable-radix-cache` server too;
+        `sleep_on_idle`: the cpcache server with SGLang's `--sleep-on-idle`
+        (the reference server always has it)."""
         self.work = work
         self.shape = shape
         self.storage = work / "pages"
@@ -109,7 +112,7 @@ class Stack:
         env = {"CPCACHE_SGLANG_CONFIG": str(config), **(ZIGZAG_ENV if shape.zigzag else {}),
                **family_env(shape.family)}
         self.cpcache = Server("cpcache", model, work, flags, tp=shape.tp, cp=shape.cp, dp=shape.dp, page_size=PAGE,
-                              device_tokens=DEVICE_TOKENS, env=env)
+                              device_tokens=DEVICE_TOKENS, env=env, sleep_on_idle=sleep_on_idle)
         self.plain = Server("reference", model, work, PLAIN_FLAGS, tp=shape.reference_tp, page_size=PAGE,
                             device_tokens=DEVICE_TOKENS, env=family_env(shape.family),
                             sleep_on_idle=True) if with_reference else None

@@ -32,9 +32,13 @@ equal to a tp 1 server without cache (tokens, and logprobs within 1e-4).
 
 Every server runs with SGLang's `--sleep-on-idle` unless `--spin-when-idle`:
 an idle SGLang scheduler otherwise polls in a loop, a core per server at
-this load whatever its cache, and the CPU seconds measure that loop, not
-the cache. Waking costs a request nothing: the scheduler sleeps in a poll
-on the sockets a request arrives by.
+this load whatever its cache, and the CPU seconds measure mostly that loop.
+Waking costs a request nothing (without DP attention, as here): rank 0
+sleeps in a poll of the sockets a request arrives by. What is left is not
+quite symmetric: SGLang counts HiCache's own I/O in flight as work, so a
+HiCache server loops (yielding) until it drains, while a cpcache server,
+whose operations SGLang does not see, sleeps with a step in flight and
+takes its reply at the next loop.
 """
 
 from __future__ import annotations
