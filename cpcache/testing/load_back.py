@@ -45,8 +45,10 @@ def servers(work: Path, model: Path, layer_delay_ms: float = LAYER_DELAY_MS) -> 
     one holds the reference server."""
     for mode in MODES:
         (work / mode).mkdir(parents=True, exist_ok=True)
+    # Both sleep when idle (--sleep-on-idle): the one not being measured
+    # would otherwise spin a core beside the one that is.
     slowed = dict(daemon_settings=dict(fault_copy_layer_delay_ms=layer_delay_ms), copy_delay_ms=0.0,
-                  storage_delay_ms=0.0, per_rank={})
+                  storage_delay_ms=0.0, per_rank={}, sleep_on_idle=True)
     with started(work / "overlapped", model, SHAPE, **slowed) as overlapped, \
             started(work / "blocking", model, SHAPE, backend={"load_back": "blocking"}, with_reference=False,
                     **slowed) as blocking:

@@ -88,6 +88,10 @@ ZIGZAG_ENV = {"CPCACHE_TEST_CP_TORCH_NATIVE": "1"}
 # torch_native needs cpu_host/dp_attention_cpu.py for.
 DP_ATTENTION_ENV = {"CPCACHE_TEST_DP_ATTENTION_CPU": "1"}
 READY = "The server is fired up and ready to roll"
+# A server stopped (SIGTERM to its process group) sees its schedulers die and
+# takes it for a crash: SGLang then sleeps 5 s before looking for py-spy and
+# CUDA core dumps, at every stop. There is nothing to diagnose here.
+NO_CRASH_DIAGNOSTICS = {"SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0"}
 # A port taken before the server bound it: its HTTP port (uvicorn), or the
 # port its ranks meet on (torch's TCPStore), which SGLang picks by itself.
 BIND_FAILED = ("error while attempting to bind on address", "EADDRINUSE")
@@ -332,8 +336,8 @@ class Server:
         # The caller's own PYTHONPATH follows cpu_host/: a source tree put there
         # (a worktree under test) is the cpcache that SGLang's processes import.
         path = os.pathsep.join(p for p in (str(CPU_HOST), os.environ.get("PYTHONPATH", "")) if p)
-        env = {"PYTHONPATH": path, "SGLANG_USE_CPU_ENGINE": "1", **(DP_ATTENTION_ENV if self.dp > 1 else {}),
-               **self.env}
+        env = {"PYTHONPATH": path, "SGLANG_USE_CPU_ENGINE": "1", **NO_CRASH_DIAGNOSTICS,
+               **(DP_ATTENTION_ENV if self.dp > 1 else {}), **self.env}
         if self.tp > 1:
             env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1))
                                                                   for i in range(self.tp)))
