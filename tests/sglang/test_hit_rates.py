@@ -8,10 +8,10 @@ checked against a tp 1 server without cache.
 The workload is a multi-turn one with a shared system prompt: documents that
 overflow the device pool and the host pool come back in later turns. Each
 request goes to every server in turn, the others paused (SIGSTOP), so each
-is measured alone. Reported per server: hit
-rate per tier, SGLang's own e2e latency per request (4 tokens out: mostly
-the prefill), prompt tokens per second, and the storage each tier wrote;
-written to `hit-rates.json` in the run's directory and printed.
+is measured alone. Reported per server: hit rate per tier, SGLang's own e2e
+latency per request (4 tokens out: mostly the prefill), prompt tokens per
+second, and the storage each tier wrote; written to `hit-rates.json` in the
+run's directory and printed.
 
 Every server runs with SGLang's `--sleep-on-idle`, which operators set to
 keep idle schedulers off the CPU: cpcache's hits and answers must be the
