@@ -133,18 +133,17 @@ class Config:
         from cpcache.testing.mooncake_master import MooncakeMaster
 
         self.name = name
-        self.sleep_on_idle = sleep_on_idle
         self.store = work / f"{name}-pages" if "file" in name else None
         self.daemons: Daemons | None = None
         self.master = MooncakeMaster(work / f"{name}-master.log").start() if "mooncake" in name else None
         try:
-            self.server = self._server(work, model, policy)  # built, not started
+            self.server = self._server(work, model, policy, sleep_on_idle)  # built, not started
         except BaseException:
             if self.master is not None:
                 self.master.stop()
             raise
 
-    def _server(self, work: Path, model: Path, policy: str) -> Server:
+    def _server(self, work: Path, model: Path, policy: str, sleep_on_idle: bool) -> Server:
         from cpcache.testing.sglang_cpu.hicache import (
             HICACHE_ENV,
             HICACHE_FLAGS,
@@ -194,7 +193,7 @@ class Config:
             flags = list(CPCACHE_FLAGS if storage else CPCACHE_HOST_FLAGS)
             env = {"CPCACHE_SGLANG_CONFIG": str(backend)}
         return Server(name, model, work, flags, tp=TP, cp=CP, page_size=PAGE, device_tokens=DEVICE_TOKENS,
-                      env=env, tokenizer=True, sleep_on_idle=self.sleep_on_idle)
+                      env=env, tokenizer=True, sleep_on_idle=sleep_on_idle)
 
     def start(self) -> float:
         began = time.monotonic()
