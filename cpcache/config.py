@@ -37,6 +37,7 @@ class CacheConfig:
     prefetch_timeout_base_s: float = 2.0
     prefetch_timeout_per_ki_token_s: float = 0.1
     prefetch_timeout_max_s: float = 30.0
+    prefetch_hold_share: float = 0.5
     write_policy: str = "write_through"
     backup_window: int = 64  # backups asked about per round, from the head of the queue
 
@@ -47,6 +48,9 @@ class CacheConfig:
             raise InvalidArgument(f"setting write_policy: must be one of {', '.join(WRITE_POLICIES)}")
         if self.prefetch_threshold_tokens < 0 or self.backup_window < 1:
             raise InvalidArgument("setting prefetch_threshold_tokens must be >= 0 and backup_window >= 1")
+        if not 0.0 <= self.prefetch_hold_share <= 1.0:
+            raise InvalidArgument(
+                f"setting prefetch_hold_share: must be between 0 and 1 (got {self.prefetch_hold_share!r})")
 
     def prefetch_timeout_s(self, tokens: int) -> float:
         return min(
@@ -160,6 +164,9 @@ class DaemonConfig:
     prefetch_timeout_per_ki_token_s: float = setting(_CACHE.prefetch_timeout_per_ki_token_s,
                                                      "timeout policy: seconds per 1024 tokens.")
     prefetch_timeout_max_s: float = setting(_CACHE.prefetch_timeout_max_s, "timeout policy: upper bound in seconds.")
+    prefetch_hold_share: float = setting(
+        _CACHE.prefetch_hold_share, "Share of the host pool that ended prefetches may keep from eviction until "
+        "their request loads them (for a scheduler that asks to hold them); 0: none.")
     write_policy: str = setting(_CACHE.write_policy,
                                 "Backups to storage: write_through, write_through_selective, write_back.",
                                 choices=WRITE_POLICIES)

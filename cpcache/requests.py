@@ -41,6 +41,7 @@ class PrefetchRequest:
     pages: tuple[bytes, ...]  # page hashes, in chain order
     tokens: int
     parent: bytes | None = None  # the page before pages[0], if any
+    hold: bool = False  # once done, its pages stay until a revoke releases them
 
 
 @dataclass(frozen=True)
@@ -66,13 +67,15 @@ class CacheRequests:
     revokes: tuple[int, ...] = ()
     writes: tuple[WriteRequest, ...] = ()
     loads: tuple[LoadRequest, ...] = ()
+    hold_releases: tuple[int, ...] = ()  # ended prefetches whose held pages may go
 
     def empty(self) -> bool:
-        return not (self.prefetches or self.prefetch_polls or self.revokes or self.writes or self.loads)
+        return not (self.prefetches or self.prefetch_polls or self.revokes or self.writes or self.loads
+                    or self.hold_releases)
 
     def count(self) -> int:
         return (len(self.prefetches) + len(self.prefetch_polls) + len(self.revokes) + len(self.writes)
-                + len(self.loads))
+                + len(self.loads) + len(self.hold_releases))
 
     def opened(self) -> tuple[PrefetchRequest | WriteRequest | LoadRequest, ...]:
         return (*self.prefetches, *self.writes, *self.loads)
@@ -82,9 +85,9 @@ class CacheRequests:
         the same step (a round's header compares it): page hashes enter as
         their bytes, which costs far less than formatting them."""
         parts = [array("q", (len(self.prefetches), len(self.writes), len(self.loads), *self.prefetch_polls,
-                             -1, *self.revokes)).tobytes()]
+                             -1, *self.revokes, -1, *self.hold_releases)).tobytes()]
         for req in self.prefetches:
-            parts += [array("q", (req.op_id, req.tokens, len(req.pages))).tobytes(), req.parent or b"-"]
+            parts += [array("q", (req.op_id, req.tokens, len(req.pages), req.hold)).tobytes(), req.parent or b"-"]
             parts.append(b"".join(req.pages))
         for wreq in self.writes:
             parts += [array("q", (wreq.op_id, len(wreq.pages), *wreq.device_pages)).tobytes(), wreq.parent or b"-"]
@@ -141,3 +144,7 @@ def check_shape(requests: CacheRequests, device_pages: int, signal_slots: int = 
         if op_id in named:
             raise InvalidArgument(f"prefetch {op_id} is polled or revoked twice in one step")
         named.add(op_id)
+    for op_id in requests.hold_releases:
+        check_id(op_id, "prefetch id")
+    if len(set(requests.hold_releases)) != len(requests.hold_releases):
+        raise InvalidArgument("a prefetch's hold is released twice in one step")

@@ -47,9 +47,10 @@ def step_request(step: int, votes: Iterable[tuple[int, Reduce, int]] = (),
     request = pb.StepRequest(step=step, epoch=epoch)
     if requests is not None:
         for p in requests.prefetches:
-            request.prefetches.add(op_id=p.op_id, pages=p.pages, tokens=p.tokens, parent=p.parent or b"")
+            request.prefetches.add(op_id=p.op_id, pages=p.pages, tokens=p.tokens, parent=p.parent or b"", hold=p.hold)
         request.prefetch_polls.extend(requests.prefetch_polls)
         request.revokes.extend(requests.revokes)
+        request.hold_releases.extend(requests.hold_releases)
         for w in requests.writes:
             request.writes.add(op_id=w.op_id, pages=w.pages, device_pages=w.device_pages, parent=w.parent or b"")
         for x in requests.loads:

@@ -54,19 +54,22 @@ class _Unsent:
     revokes: list[int] = field(default_factory=list)
     writes: list[WriteRequest] = field(default_factory=list)
     loads: list[LoadRequest] = field(default_factory=list)
+    hold_releases: list[int] = field(default_factory=list)
 
     def requests(self) -> CacheRequests:
         return CacheRequests(tuple(self.prefetches), tuple(self.prefetch_polls), tuple(self.revokes),
-                             tuple(self.writes), tuple(self.loads))
+                             tuple(self.writes), tuple(self.loads), tuple(self.hold_releases))
 
     def any(self) -> bool:
-        return bool(self.prefetches or self.prefetch_polls or self.revokes or self.writes or self.loads)
+        return bool(self.prefetches or self.prefetch_polls or self.revokes or self.writes or self.loads
+                    or self.hold_releases)
 
 
 @dataclass
 class _Prefetch:
     rid: str | None
     done: Brought | None
+    hold: bool = False
 
 
 class SchedulerSession:
@@ -94,6 +97,7 @@ class SchedulerSession:
         self._prefetches: dict[int, _Prefetch] = {}  # open prefetch op -> its request and end
         self._prefetch_of: dict[str, int] = {}  # request id -> its open prefetch op
         self._brought: dict[str, int] = {}  # request id -> pages its ended prefetch brought (0: revoked)
+        self._held: dict[str, int] = {}  # request id -> its ended prefetch whose pages the daemon holds
         self._writes: dict[int, tuple[int, Stored | None]] = {}  # open write op -> (pages, its end)
         self._loads: dict[int, tuple[int, Landed | None]] = {}  # open load op -> (pages, its end)
         self._signal_slots: dict[int, tuple[LoadSignals, int]] = {}  # open load op -> where its layers are published
@@ -190,15 +194,18 @@ class SchedulerSession:
     # -- storage -> host ----------------------------------------------------------------
 
     def prefetch(self, pages: list[bytes], tokens: int, parent: bytes | None = None, *, rid: str | None = None,
-                 done: Brought | None = None) -> int:
+                 done: Brought | None = None, hold: bool = False) -> int:
         """Bring storage pages into the host pool: -> the op id. `done(pages)`
         once ended (0: revoked). A new prefetch for request `rid` replaces its
-        earlier one (released if open)."""
+        earlier one (released if open). With `hold` (and a `rid`), the pages
+        it brought stay in the host pool until `release_hold(rid)` (or
+        `release(rid)`): the request's loads are sent, or it will send none."""
         if rid is not None:
             self.release(rid)
+        hold = hold and rid is not None
         op = next(self._ids)
-        self._unsent.prefetches.append(PrefetchRequest(op, tuple(pages), tokens, parent or None))
-        self._prefetches[op] = _Prefetch(rid, done)
+        self._unsent.prefetches.append(PrefetchRequest(op, tuple(pages), tokens, parent or None, hold))
+        self._prefetches[op] = _Prefetch(rid, done, hold)
         if rid is not None:
             self._prefetch_of[rid] = op
         return op
@@ -239,20 +246,35 @@ class SchedulerSession:
         """Pages the ended prefetch of `rid` brought, forgetting it."""
         return self._brought.pop(rid, 0)
 
+    def release_hold(self, rid: str) -> None:
+        """The next step releases the pages request `rid`'s ended prefetch
+        holds (no-op if it holds none): its loads are sent, or it needs none."""
+        if (op := self._held.pop(rid, None)) is not None:
+            self._release_hold(op)
+
+    def release_holds(self) -> None:
+        """The next step releases every held prefetch's pages (a flush)."""
+        for rid in list(self._held):
+            self.release_hold(rid)
+
     def release(self, rid: str) -> None:
         """The request is gone: forget its prefetch now; one a step carried
-        is revoked by the next step, one never sent is dropped."""
+        is revoked by the next step, one never sent is dropped, an ended
+        one's pages are no longer held."""
+        self.release_hold(rid)
         op = self._prefetch_of.pop(rid, None)
         self._brought.pop(rid, None)
         if op is None:
             return
-        del self._prefetches[op]
+        held = self._prefetches.pop(op).hold
         unsent = [p for p in self._unsent.prefetches if p.op_id == op]
         if unsent:  # never sent: nothing to revoke
             self._unsent.prefetches.remove(unsent[0])
         else:
             self._unsent.prefetch_polls = [p for p in self._unsent.prefetch_polls if p != op]
             self._unsent.revokes.append(op)
+            if held:  # it may have ended before the revoke opens: then its hold goes
+                self._release_hold(op)
 
     # -- the step: taken, sent by the caller, followed ----------------------------------
 
@@ -282,6 +304,14 @@ class SchedulerSession:
                 done(False)
         for prefetch in requests.prefetches:
             self._end_prefetch(prefetch.op_id, 0)
+        # A release is safe to send again (one of a hold gone is ignored),
+        # and a hold never released is kept for thousands of steps.
+        for op in requests.hold_releases:
+            self._release_hold(op)
+
+    def _release_hold(self, op: int) -> None:
+        if op not in self._unsent.hold_releases:  # a step names each once
+            self._unsent.hold_releases.append(op)
 
     def follow(self, reply: StepResult) -> StepResult:
         """Take an agreed reply: close what it decided, in the order the
@@ -314,6 +344,8 @@ class SchedulerSession:
         if prefetch.rid is not None:
             del self._prefetch_of[prefetch.rid]
             self._brought[prefetch.rid] = pages
+            if prefetch.hold and pages:
+                self._held[prefetch.rid] = op
         if prefetch.done is not None:
             prefetch.done(pages)
 

@@ -278,7 +278,18 @@ def _rank_families(stats: RankStats, names: list[str], values: list[str]) -> Ite
     occupancy = GaugeMetricFamily("cpcache_host_pages", "Host pool pages by state", labels=names + ["state"])
     for name in ("used", "free", "retiring"):
         occupancy.add_metric(values + [name], cache.state[f"host_pages_{name}"])
-    yield from (hits, pages, moved, errors, refused, occupancy)
+    held = GaugeMetricFamily("cpcache_prefetch_held_pages",
+                             "Used host pages that ended prefetches keep for their request's load", labels=names)
+    held.add_metric(values, cache.state["prefetch_held_pages"])
+    expired = CounterMetricFamily("cpcache_prefetch_holds_expired",
+                                  "Prefetch holds that ran out of steps before the scheduler released them",
+                                  labels=names)
+    expired.add_metric(values, cache.state["prefetch_holds_expired"])
+    unloaded = CounterMetricFamily("cpcache_prefetched_pages_evicted_unloaded",
+                                   "Prefetched pages evicted before any load read them (storage reads wasted)",
+                                   labels=names)
+    unloaded.add_metric(values, cache.state["prefetched_pages_evicted_unloaded"])
+    yield from (hits, pages, moved, errors, refused, occupancy, held, expired, unloaded)
 
 
 def _handover_families(stats: dict[str, int], names: list[str], values: list[str]) -> Iterator[Metric]:

@@ -34,7 +34,7 @@ def _parent(raw: bytes) -> bytes | None:
 
 
 def prefetches_from_wire(prefetches: Iterable[pb.PrefetchOp]) -> tuple[PrefetchRequest, ...]:
-    return tuple(PrefetchRequest(p.op_id, tuple(p.pages), p.tokens, _parent(p.parent)) for p in prefetches)
+    return tuple(PrefetchRequest(p.op_id, tuple(p.pages), p.tokens, _parent(p.parent), p.hold) for p in prefetches)
 
 
 def requests_from_wire(request: pb.StepRequest) -> CacheRequests:
@@ -45,6 +45,7 @@ def requests_from_wire(request: pb.StepRequest) -> CacheRequests:
         writes=tuple(WriteRequest(w.op_id, tuple(w.pages), tuple(w.device_pages), _parent(w.parent))
                      for w in request.writes),
         loads=tuple(LoadRequest(x.op_id, tuple(x.pages), tuple(x.device_pages), x.signal_slot) for x in request.loads),
+        hold_releases=tuple(request.hold_releases),
     )
 
 

@@ -24,6 +24,8 @@ class Entry:
     hits: int = 0  # times matched by a load (write_through_selective)
     backed_up: bool = False
     io_suspect: bool = False  # a write from it timed out somewhere and may still be running
+    held: int = 0  # ended prefetches keeping it for their request's load (`ops.prefetch_holds`)
+    prefetched: bool = False  # brought by a prefetch and not loaded since
 
 
 class HostIndex:

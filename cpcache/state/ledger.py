@@ -11,6 +11,7 @@ ever reach the operation it was asked about, whatever the lag.
 from __future__ import annotations
 
 import collections
+from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from cpcache.agreement.kinds import QuestionKind
@@ -24,6 +25,14 @@ from cpcache.state.policies import prefetch_policy, write_policy
 from cpcache.state.questions import BackupOutcome, CopyOutcome
 
 Asked = list[tuple[QuestionKind, int]]
+
+
+@dataclass(frozen=True)
+class Hold:
+    """An ended prefetch's pages, kept from eviction since `step`."""
+
+    step: int
+    pages: tuple[bytes, ...]
 
 
 class LocalProgress(Protocol):
@@ -88,6 +97,13 @@ class Ledger:
         self.round = 0  # the round applied last
         self.hit_pages = {"host": 0, "storage": 0}  # pages loaded back / prefetched (agreed)
         self.writes_refused = 0  # write-throughs refused for want of evictable host pages
+        # Ended prefetches keeping their pages for their request, in the
+        # order they ended (`ops.prefetch_holds`), and what that holds.
+        self.holds: collections.OrderedDict[int, Hold] = collections.OrderedDict()
+        self.hold_cap = int(config.prefetch_hold_share * allocator.pages)
+        self.held_pages = 0
+        self.holds_expired = 0
+        self.prefetched_evicted = 0  # prefetched pages evicted before any load read them
         self._next_serial = 1
 
     def record(self, *fields: object) -> None:

@@ -28,7 +28,7 @@ from cpcache.requests import CacheRequests, LoadRequest, WriteRequest, check_sha
 from cpcache.state.allocator import PageAllocator
 from cpcache.state.intents import Decisions, Intent
 from cpcache.state.ledger import Ledger, LocalProgress, Operation
-from cpcache.state.ops import backup, prefetch
+from cpcache.state.ops import backup, prefetch, prefetch_holds
 from cpcache.state.ops.backup import Backup
 from cpcache.state.ops.load import Load, open_load
 from cpcache.state.ops.prefetch import Prefetch
@@ -38,8 +38,9 @@ from cpcache.state.ops.write import Write, open_write
 # The version of the rules by which agreed rounds change the shared state:
 # raised whenever the same rounds could leave it different (2: a chain's
 # pages entering out of order count as their parent's children, and an
-# accepted prefetch takes the pages after one already resident).
-STATE_RULES = 2
+# accepted prefetch takes the pages after one already resident; 3: an ended
+# prefetch may hold its pages).
+STATE_RULES = 3
 
 
 class CacheState:
@@ -94,6 +95,7 @@ class CacheState:
         self.check(requests)
         ledger = self.ledger
         ledger.step = step
+        prefetch_holds.expire(ledger)
         keep = self._keep(requests) if keep is None else keep
         intents: list[Intent] = []
         decided = Decisions()
@@ -102,6 +104,8 @@ class CacheState:
         for op_id in requests.revokes:
             if (pf := prefetch.find(ledger, op_id)) is not None:
                 prefetch.revoke(ledger, pf, "revoked by the scheduler", decided)
+        for op_id in requests.hold_releases:
+            prefetch_holds.release(ledger, op_id)
         for req in requests.prefetches:
             intents += prefetch.open_prefetch(ledger, req)
         for op_id in requests.prefetch_polls:
@@ -122,7 +126,8 @@ class CacheState:
                    + [CacheRequests(revokes=(i,)) for i in requests.revokes]
                    + [CacheRequests(prefetches=(r,)) for r in requests.prefetches]
                    + [CacheRequests(prefetch_polls=(i,)) for i in requests.prefetch_polls]
-                   + [CacheRequests(writes=(r,)) for r in requests.writes])
+                   + [CacheRequests(writes=(r,)) for r in requests.writes]
+                   + [CacheRequests(hold_releases=(i,)) for i in requests.hold_releases])
         for single in singles:
             try:
                 opened, decisions = self.open(step, single, keep)
@@ -211,4 +216,7 @@ class CacheState:
             "host_hit_pages": ledger.hit_pages["host"],
             "storage_hit_pages": ledger.hit_pages["storage"],
             "writes_refused_host_full": ledger.writes_refused,
+            "prefetch_held_pages": ledger.held_pages,
+            "prefetch_holds_expired": ledger.holds_expired,
+            "prefetched_pages_evicted_unloaded": ledger.prefetched_evicted,
         }

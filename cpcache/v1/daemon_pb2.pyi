@@ -147,16 +147,18 @@ class AttachReply(_message.Message):
     def __init__(self, page_bytes: _Optional[int] = ..., host_pages: _Optional[int] = ..., host_layout: _Optional[str] = ..., storage: _Optional[str] = ..., key_seed: _Optional[str] = ..., resumed_pages: _Optional[int] = ..., epoch: _Optional[int] = ..., host_pool_ticket: _Optional[str] = ...) -> None: ...
 
 class PrefetchOp(_message.Message):
-    __slots__ = ("op_id", "pages", "tokens", "parent")
+    __slots__ = ("op_id", "pages", "tokens", "parent", "hold")
     OP_ID_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     PARENT_FIELD_NUMBER: _ClassVar[int]
+    HOLD_FIELD_NUMBER: _ClassVar[int]
     op_id: int
     pages: _containers.RepeatedScalarFieldContainer[bytes]
     tokens: int
     parent: bytes
-    def __init__(self, op_id: _Optional[int] = ..., pages: _Optional[_Iterable[bytes]] = ..., tokens: _Optional[int] = ..., parent: _Optional[bytes] = ...) -> None: ...
+    hold: bool
+    def __init__(self, op_id: _Optional[int] = ..., pages: _Optional[_Iterable[bytes]] = ..., tokens: _Optional[int] = ..., parent: _Optional[bytes] = ..., hold: _Optional[bool] = ...) -> None: ...
 
 class WriteOp(_message.Message):
     __slots__ = ("op_id", "pages", "device_pages", "parent")
@@ -246,7 +248,7 @@ class Decisions(_message.Message):
     def __init__(self, op_ids: _Optional[_Iterable[int]] = ..., values: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step", "votes", "prefetches", "prefetch_polls", "revokes", "writes", "loads", "epoch")
+    __slots__ = ("step", "votes", "prefetches", "prefetch_polls", "revokes", "writes", "loads", "epoch", "hold_releases")
     STEP_FIELD_NUMBER: _ClassVar[int]
     VOTES_FIELD_NUMBER: _ClassVar[int]
     PREFETCHES_FIELD_NUMBER: _ClassVar[int]
@@ -255,6 +257,7 @@ class StepRequest(_message.Message):
     WRITES_FIELD_NUMBER: _ClassVar[int]
     LOADS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    HOLD_RELEASES_FIELD_NUMBER: _ClassVar[int]
     step: int
     votes: Votes
     prefetches: _containers.RepeatedCompositeFieldContainer[PrefetchOp]
@@ -263,7 +266,8 @@ class StepRequest(_message.Message):
     writes: _containers.RepeatedCompositeFieldContainer[WriteOp]
     loads: _containers.RepeatedCompositeFieldContainer[LoadOp]
     epoch: int
-    def __init__(self, step: _Optional[int] = ..., votes: _Optional[_Union[Votes, _Mapping]] = ..., prefetches: _Optional[_Iterable[_Union[PrefetchOp, _Mapping]]] = ..., prefetch_polls: _Optional[_Iterable[int]] = ..., revokes: _Optional[_Iterable[int]] = ..., writes: _Optional[_Iterable[_Union[WriteOp, _Mapping]]] = ..., loads: _Optional[_Iterable[_Union[LoadOp, _Mapping]]] = ..., epoch: _Optional[int] = ...) -> None: ...
+    hold_releases: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step: _Optional[int] = ..., votes: _Optional[_Union[Votes, _Mapping]] = ..., prefetches: _Optional[_Iterable[_Union[PrefetchOp, _Mapping]]] = ..., prefetch_polls: _Optional[_Iterable[int]] = ..., revokes: _Optional[_Iterable[int]] = ..., writes: _Optional[_Iterable[_Union[WriteOp, _Mapping]]] = ..., loads: _Optional[_Iterable[_Union[LoadOp, _Mapping]]] = ..., epoch: _Optional[int] = ..., hold_releases: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class OutcomeRequest(_message.Message):
     __slots__ = ("epoch", "step")

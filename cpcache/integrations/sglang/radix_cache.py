@@ -246,7 +246,11 @@ class CpcacheRadixCache(UnifiedRadixCache):
 
     def init_load_back(self, params: InitLoadBackParams) -> tuple[int, NodeId]:
         with self.clock.call():
-            return self._load_back(params)
+            try:
+                return self._load_back(params)
+            finally:  # its load is sent (or it loads none): its prefetched pages need no hold
+                if params.req is not None and self.daemon_session is not None:
+                    self.daemon_session.release_hold(params.req.rid)
 
     def _load_back(self, params: InitLoadBackParams) -> tuple[int, NodeId]:
         """Host -> device: the host hit of the request's match, loaded before its batch runs."""
@@ -337,8 +341,10 @@ class CpcacheRadixCache(UnifiedRadixCache):
         first += session.match(hashes[first:])  # pages already in the host need no prefetch
         if first >= len(hashes):
             return
+        # Held once ended: SGLang ends it when the request comes up for
+        # admission, and the request may wait on while others are admitted.
         session.prefetch(hashes[first:], (len(hashes) - first) * self.page_size, hashes[first - 1] if first else None,
-                         rid=request.rid)
+                         rid=request.rid, hold=True)
 
     def is_backuped(self, node_id: NodeId) -> bool:
         # SGLang asks for a storage prefetch only past a node whose pages are
@@ -356,6 +362,11 @@ class CpcacheRadixCache(UnifiedRadixCache):
             if ended:
                 self.prefetch_loaded_tokens_by_reqid[handle] = session.take_prefetched(handle.rid) * self.page_size
             return ended
+
+    def finish_storage_prefetch_admission(self, handle: Any, fulfilled_tokens: int, reason: str | None) -> None:
+        super().finish_storage_prefetch_admission(handle, fulfilled_tokens, reason)
+        if self.daemon_session is not None:  # admitted, its loads sent: its pages need no hold
+            self.daemon_session.release_hold(handle.rid)
 
     def release_aborted_request(self, handle: Any) -> None:
         self.prefetch_loaded_tokens_by_reqid.pop(handle, None)
@@ -445,6 +456,7 @@ class CpcacheRadixCache(UnifiedRadixCache):
         session = self.daemon_session
         if session is not None:
             self._host_hits.clear()
+            session.release_holds()  # no request matches the pages of older generations
             cancelled = session.cancel_unsent_writes()
             in_flight = session.writes_in_flight()
             try:

@@ -39,6 +39,8 @@ def open_load(ledger: Ledger, req: LoadRequest) -> list[Intent]:
     load = Load(ledger.serial(), req, [e.slot for e in entries])
     ledger.index.ref(pages, +1)
     ledger.index.touch(pages, ledger.step, hit=True)
+    for entry in entries:
+        entry.prefetched = False
     ledger.add(load, req.op_id)
     ledger.hit_pages["host"] += len(pages)
     ledger.record("load", load.serial, req.op_id, req.pages)

@@ -3,7 +3,9 @@ are in storage; the agreed hit (MIN) is fetched into slots of its own, or
 the prefetch is revoked (below the threshold, host pool full). Each poll of
 the scheduler asks whether it may end (the policy's vote) and with how many
 pages (MIN); it ends accepted with those pages, or is revoked by the
-scheduler. Slots it gave up go back once no rank reads into them."""
+scheduler. Slots it gave up go back once no rank reads into them. A
+prefetch that asks to hold its pages keeps them from eviction once it
+ended, until the scheduler revokes it (`prefetch_holds`)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from dataclasses import dataclass, field
 from cpcache.requests import PrefetchRequest
 from cpcache.state.intents import Decisions, Fetch, Intent, Lookup
 from cpcache.state.ledger import Asked, Ledger, LocalProgress, Operation
+from cpcache.state.ops import prefetch_holds
 from cpcache.state.ops.retirement import make_room, retire
 from cpcache.state.questions import NOT_YET, PREFETCH_DONE, PREFETCH_HIT, PREFETCH_MAY_END
 
@@ -113,8 +116,12 @@ def _accept(ledger: Ledger, pf: Prefetch, done: int, decisions: Decisions) -> No
             brought.append((page, slot))
     index.insert(run_pages, run_slots, run_parent, ledger.step)
     for page, _ in brought:
-        index[page].backed_up = True  # it came from storage
+        entry = index[page]
+        entry.backed_up = True  # it came from storage
+        entry.prefetched = True
     ledger.record("accept", pf.serial, len(brought))
+    if pf.request.hold:
+        prefetch_holds.hold(ledger, pf.request.op_id, list(pf.request.pages[:done]))
     retire(ledger, given_up + list(pf.slots[done:]))  # once their reads end
     decisions.prefetch_done.append((pf.request.op_id, done))
     ledger.hit_pages["storage"] += len(brought)

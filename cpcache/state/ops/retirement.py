@@ -54,6 +54,7 @@ def make_room(ledger: Ledger, count: int, keep: set[bytes] | frozenset[bytes] = 
     # The exception is a backup that timed out somewhere: its write may
     # still be reading, so those slots wait for an agreed reclaim.
     ledger.record("evict", tuple(p for p, _ in evicted))
+    ledger.prefetched_evicted += sum(e.prefetched for _, e in evicted)
     ledger.allocator.free([e.slot for _, e in evicted if not e.io_suspect])
     retire(ledger, [e.slot for _, e in evicted if e.io_suspect])
     return True
@@ -62,10 +63,12 @@ def make_room(ledger: Ledger, count: int, keep: set[bytes] | frozenset[bytes] = 
 def _eviction_skip(ledger: Ledger, keep: frozenset[bytes] | set[bytes]) -> Callable[[bytes, Entry], bool]:
     # Pages used in this step stay: the scheduler was told of them (a
     # Match, an accepted prefetch) and may load them in its next step.
+    # Pages an ended prefetch holds for its request stay too.
     backed_only = ledger.write_policy.backup_before_evict
 
     def skip(page: bytes, entry: Entry) -> bool:
-        return entry.last_used >= ledger.step or page in keep or (backed_only and not entry.backed_up)
+        return (entry.last_used >= ledger.step or entry.held > 0 or page in keep
+                or (backed_only and not entry.backed_up))
 
     return skip
 

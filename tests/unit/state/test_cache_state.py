@@ -129,7 +129,7 @@ def test_open_each_fails_what_cannot_open_on_its_own():
     assert intents == [CopyToDevice(2, 10, (0,), (3,), 0), Lookup(3, pages(3), SHARDING), CopyToHost(4, (5,), (1,))]
     assert decided == Decisions(load_failures=[9])
     assert c.ledger.by_op_id == {10: 2, 7: 3, 8: 4}
-    assert c.digest == 0x26b79efb48e03fec  # the refusal is recorded, with the operation refused
+    assert c.digest == 0x1813fc2453989d6c  # the refusal is recorded, with the operation refused
     assert c.digests == [  # the digest after every step
         0xcf293f8c57cfba3, 0x258f2b48061b677a,
     ]
@@ -171,6 +171,9 @@ def test_one_round_asks_every_open_operation_its_own_questions():
         "host_hit_pages": 1,
         "storage_hit_pages": 0,
         "writes_refused_host_full": 0,
+        "prefetch_held_pages": 0,
+        "prefetch_holds_expired": 0,
+        "prefetched_pages_evicted_unloaded": 0,
     }
     assert (c.state.match(list(pages(1, 2))), c.state.match(list(pages(2, 1))), c.state.match([])) == (1, 0, 0)
     assert s.digest == 0x168430cdc3531cfe

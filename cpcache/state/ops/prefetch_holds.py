@@ -1,0 +1,63 @@
+"""Holds: an ended prefetch's pages kept from eviction until its request
+loads them.
+
+A scheduler asks whether a waiting request's prefetch may end when the
+request comes up for admission, and the request may wait on after that (a
+full batch, a spent token budget). Meanwhile the write-throughs of the
+requests admitted ahead of it make room in the host pool, and eviction
+takes its prefetched pages first, tail first, as the least recently used:
+the storage read is lost and the request computes those pages. A hold
+keeps them, like an operation's reference but with no I/O behind it, until
+the scheduler revokes the ended prefetch (its request loaded them, was
+admitted without them, or is gone), or until `HOLD_STEPS` steps have
+passed, so that a scheduler that forgets one costs a bounded time.
+
+Holds never take more than `prefetch_hold_share` of the pool, so that
+write-throughs always find room: a prefetch that ends at that cap holds
+what fits, from its first page (eviction takes a chain's tail first, so
+the held head stays a prefix hit)."""
+
+from __future__ import annotations
+
+from cpcache.state.ledger import Hold, Ledger
+
+HOLD_STEPS = 20_000  # a request waits far fewer steps for its admission
+
+
+def hold(ledger: Ledger, op_id: int, pages: list[bytes]) -> None:
+    """Keep resident `pages` (a chain, from its first page) for prefetch `op_id`."""
+    held = pages[: max(0, ledger.hold_cap - ledger.held_pages)]
+    if not held:
+        return
+    for page in held:
+        ledger.index[page].held += 1
+    ledger.holds[op_id] = Hold(ledger.step, tuple(held))
+    ledger.held_pages += len(held)
+    ledger.record("hold", op_id, len(held))
+
+
+def release(ledger: Ledger, op_id: int) -> None:
+    """Prefetch `op_id`'s request no longer needs its pages kept (no-op if none are)."""
+    if (held := ledger.holds.pop(op_id, None)) is not None:
+        _drop(ledger, held)
+        ledger.record("release hold", op_id)
+
+
+def expire(ledger: Ledger) -> None:
+    """Release the holds older than `HOLD_STEPS` steps (they end in step order)."""
+    holds = ledger.holds
+    while holds:
+        op_id, held = next(iter(holds.items()))
+        if ledger.step - held.step < HOLD_STEPS:
+            return
+        del holds[op_id]
+        _drop(ledger, held)
+        ledger.holds_expired += 1
+        ledger.record("hold expired", op_id)
+
+
+def _drop(ledger: Ledger, held: Hold) -> None:
+    # A held page cannot be evicted: every one is still resident.
+    for page in held.pages:
+        ledger.index[page].held -= 1
+    ledger.held_pages -= len(held.pages)
