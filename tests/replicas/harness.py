@@ -241,6 +241,14 @@ class Domain:
                 raise InvariantViolation(f"replica {rep.rank}: allocator sets overlap")
             if len(free) + len(allocated) + len(retiring) != alloc.pages:
                 raise InvariantViolation(f"replica {rep.rank}: allocator lost slots")
+            ledger = st.ledger
+            held = [p for hold in ledger.holds.values() for p in hold.pages]
+            counted = sum(e.held for _, e in ledger.index.items())
+            if not len(held) == counted == ledger.held_pages <= ledger.hold_cap:
+                raise InvariantViolation(f"replica {rep.rank}: holds of {len(held)} pages, {counted} counted on "
+                                         f"pages, {ledger.held_pages} in the ledger, at most {ledger.hold_cap}")
+            if any(p not in ledger.index for p in held):
+                raise InvariantViolation(f"replica {rep.rank}: a held page is not resident")
 
     def open_prefetch_ids(self) -> list[int]:
         return sorted(op.request.op_id for op in self.lead.ledger.open_ops.values() if isinstance(op, Prefetch))

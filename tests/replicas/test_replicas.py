@@ -38,6 +38,7 @@ configs = st.builds(
     write_policy=st.sampled_from(["write_through", "write_through_selective", "write_back"]),
     prefetch_timeout_base_s=st.just(3.0),
     backup_window=st.sampled_from([1, 64]),
+    prefetch_hold_share=st.sampled_from([0.0, 0.5, 1.0]),
 )
 
 
@@ -63,15 +64,21 @@ class Program:
         return tuple(self.draw(st.lists(st.integers(0, DEVICE_PAGES - 1), min_size=n, max_size=n)))
 
     def step_requests(self) -> CacheRequests:
-        prefetches, polls, revokes, writes, loads = [], [], [], [], []
+        prefetches, polls, revokes, writes, loads, releases = [], [], [], [], [], []
         open_pf = self.domain.open_prefetch_ids()
+        held = sorted(self.domain.lead.ledger.holds)
         resident = [p for p in UNIVERSE if self.domain.lead.match([p]) == 1]
         kinds = self.draw(st.lists(st.sampled_from(
-            ["prefetch", "poll", "revoke", "write", "load", "invalid"]), max_size=4))
+            ["prefetch", "poll", "revoke", "write", "load", "release", "invalid"]), max_size=4))
         for kind in kinds:
             if kind == "prefetch":
                 pages = self.pages()
-                prefetches.append(PrefetchRequest(self.new_id(), pages, len(pages) * PAGE_SIZE))
+                prefetches.append(PrefetchRequest(self.new_id(), pages, len(pages) * PAGE_SIZE, None,
+                                                  self.draw(st.booleans())))
+            elif kind == "release":  # a held prefetch's, or one holding nothing (ignored)
+                op = self.draw(st.sampled_from(held)) if held and self.draw(st.booleans()) else self.new_id()
+                if op not in releases:
+                    releases.append(op)
             elif kind == "poll" and open_pf:
                 op = self.draw(st.sampled_from(open_pf))
                 if op not in polls and op not in revokes:
@@ -109,7 +116,8 @@ class Program:
                     prefetches.append(PrefetchRequest(i, pages, 16))
                 elif bad == "empty":
                     writes.append(WriteRequest(self.new_id(), (), ()))
-        return CacheRequests(tuple(prefetches), tuple(polls), tuple(revokes), tuple(writes), tuple(loads))
+        return CacheRequests(tuple(prefetches), tuple(polls), tuple(revokes), tuple(writes), tuple(loads),
+                             tuple(releases))
 
 
 def run_program(data, replicas: int, lag: int, steps: int = STEPS) -> Domain:
