@@ -218,6 +218,16 @@ class Config:
         daemons = {os.getpgid(p.proc.pid) for p in watched[1:] if p is not None}
         return cpu_seconds(stats, groups, masters), cpu_seconds(stats, daemons, set())
 
+    def daemon_counters(self) -> dict[str, int] | None:
+        """Rank 0's daemon counters of where its host pool's pages went (None: no daemons)."""
+        from cpcache.client import Client
+
+        if self.daemons is None:
+            return None
+        with Client(self.daemons.socket(0), timeout_s=10) as daemon:
+            stats = daemon.stats()
+        return {k: stats.get(k, 0) for k in DAEMON_COUNTERS}
+
     def stored_bytes(self) -> int | None:
         """What the store holds now (None: its master no longer answers)."""
         if self.master is not None:
@@ -247,6 +257,9 @@ def bench_client(port: int, model: Path, trace: Path, out: Path, requests: int, 
     return json.loads(out.read_text().strip().splitlines()[-1])
 
 
+# What became of the pages a daemon was asked to hold: hits, and the two ways of losing them.
+DAEMON_COUNTERS = ("storage_hit_pages", "host_hit_pages", "prefetched_pages_evicted_unloaded",
+                   "writes_refused_host_full", "prefetch_holds_expired")
 FIGURES = ("completed", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_itl_ms", "median_itl_ms",
            "mean_tpot_ms", "request_throughput", "input_throughput", "output_throughput")
 
@@ -292,6 +305,7 @@ def run(work: Path, configs: tuple[str, ...] = CONFIGS, requests: int = REQUESTS
             row |= {"failed": requests - (result.get("completed") or 0), "cache": result.get("cache_report"),
                     "cpu_s": round(cpu, 1), "daemons_cpu_s": round(daemons_cpu, 1),
                     "stored_bytes": config.stored_bytes(), "healthy_s": round(healthy_s, 1),
+                    "daemon": config.daemon_counters(),
                     "checks_equal": f"{len(checks) - len(wrong)}/{len(checks)}"}
             report["servers"][name] = row
             print(f"{name}: {json.dumps(row)}", file=sys.stderr, flush=True)
