@@ -48,9 +48,9 @@ class CacheConfig:
             raise InvalidArgument(f"setting write_policy: must be one of {', '.join(WRITE_POLICIES)}")
         if self.prefetch_threshold_tokens < 0 or self.backup_window < 1:
             raise InvalidArgument("setting prefetch_threshold_tokens must be >= 0 and backup_window >= 1")
-        if not 0.0 <= self.prefetch_hold_share <= 1.0:
+        if not 0.0 <= self.prefetch_hold_share < 1.0:  # all of it held, write-throughs would find no room
             raise InvalidArgument(
-                f"setting prefetch_hold_share: must be between 0 and 1 (got {self.prefetch_hold_share!r})")
+                f"setting prefetch_hold_share: must be >= 0 and < 1 (got {self.prefetch_hold_share!r})")
 
     def prefetch_timeout_s(self, tokens: int) -> float:
         return min(

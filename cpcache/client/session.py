@@ -266,15 +266,13 @@ class SchedulerSession:
         self._brought.pop(rid, None)
         if op is None:
             return
-        held = self._prefetches.pop(op).hold
+        del self._prefetches[op]
         unsent = [p for p in self._unsent.prefetches if p.op_id == op]
         if unsent:  # never sent: nothing to revoke
             self._unsent.prefetches.remove(unsent[0])
         else:
             self._unsent.prefetch_polls = [p for p in self._unsent.prefetch_polls if p != op]
-            self._unsent.revokes.append(op)
-            if held:  # it may have ended before the revoke opens: then its hold goes
-                self._release_hold(op)
+            self._unsent.revokes.append(op)  # if it ended first, the revoke releases its hold
 
     # -- the step: taken, sent by the caller, followed ----------------------------------
 

@@ -279,7 +279,7 @@ def _rank_families(stats: RankStats, names: list[str], values: list[str]) -> Ite
     for name in ("used", "free", "retiring"):
         occupancy.add_metric(values + [name], cache.state[f"host_pages_{name}"])
     held = GaugeMetricFamily("cpcache_prefetch_held_pages",
-                             "Used host pages that ended prefetches keep for their request's load", labels=names)
+                             "Host pages that ended prefetches keep for their request's load", labels=names)
     held.add_metric(values, cache.state["prefetch_held_pages"])
     expired = CounterMetricFamily("cpcache_prefetch_holds_expired",
                                   "Prefetch holds that ran out of steps before the scheduler released them",

@@ -132,4 +132,4 @@ def describe(requests: CacheRequests) -> tuple[str, ...]:
     """What a step opens, by op id, for naming differences in a divergence."""
     return (*(f"prefetch {r.op_id}" for r in requests.prefetches), *(f"poll {i}" for i in requests.prefetch_polls),
             *(f"revoke {i}" for i in requests.revokes), *(f"write {r.op_id}" for r in requests.writes),
-            *(f"load {r.op_id}" for r in requests.loads))
+            *(f"load {r.op_id}" for r in requests.loads), *(f"release {i}" for i in requests.hold_releases))

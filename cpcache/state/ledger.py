@@ -101,7 +101,8 @@ class Ledger:
         # order they ended (`ops.prefetch_holds`), and what that holds.
         self.holds: collections.OrderedDict[int, Hold] = collections.OrderedDict()
         self.hold_cap = int(config.prefetch_hold_share * allocator.pages)
-        self.held_pages = 0
+        self.held_pages = 0  # pages some hold keeps (each counted once)
+        self.holds_taken = 0
         self.holds_expired = 0
         self.prefetched_evicted = 0  # prefetched pages evicted before any load read them
         self._next_serial = 1

@@ -104,6 +104,8 @@ class CacheState:
         for op_id in requests.revokes:
             if (pf := prefetch.find(ledger, op_id)) is not None:
                 prefetch.revoke(ledger, pf, "revoked by the scheduler", decided)
+            else:  # it ended before the revoke arrived: its request is gone, its hold too
+                prefetch_holds.release(ledger, op_id)
         for op_id in requests.hold_releases:
             prefetch_holds.release(ledger, op_id)
         for req in requests.prefetches:
@@ -124,10 +126,10 @@ class CacheState:
         keep = self._keep(requests)
         singles = ([CacheRequests(loads=(r,)) for r in requests.loads]
                    + [CacheRequests(revokes=(i,)) for i in requests.revokes]
+                   + [CacheRequests(hold_releases=(i,)) for i in requests.hold_releases]
                    + [CacheRequests(prefetches=(r,)) for r in requests.prefetches]
                    + [CacheRequests(prefetch_polls=(i,)) for i in requests.prefetch_polls]
-                   + [CacheRequests(writes=(r,)) for r in requests.writes]
-                   + [CacheRequests(hold_releases=(i,)) for i in requests.hold_releases])
+                   + [CacheRequests(writes=(r,)) for r in requests.writes])
         for single in singles:
             try:
                 opened, decisions = self.open(step, single, keep)
@@ -217,6 +219,7 @@ class CacheState:
             "storage_hit_pages": ledger.hit_pages["storage"],
             "writes_refused_host_full": ledger.writes_refused,
             "prefetch_held_pages": ledger.held_pages,
+            "prefetch_holds_taken": ledger.holds_taken,
             "prefetch_holds_expired": ledger.holds_expired,
             "prefetched_pages_evicted_unloaded": ledger.prefetched_evicted,
         }

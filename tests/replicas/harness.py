@@ -244,9 +244,11 @@ class Domain:
             ledger = st.ledger
             held = [p for hold in ledger.holds.values() for p in hold.pages]
             counted = sum(e.held for _, e in ledger.index.items())
-            if not len(held) == counted == ledger.held_pages <= ledger.hold_cap:
-                raise InvariantViolation(f"replica {rep.rank}: holds of {len(held)} pages, {counted} counted on "
-                                         f"pages, {ledger.held_pages} in the ledger, at most {ledger.hold_cap}")
+            distinct = sum(1 for _, e in ledger.index.items() if e.held)
+            if not (len(held) == counted and len(set(held)) == distinct == ledger.held_pages <= ledger.hold_cap):
+                raise InvariantViolation(f"replica {rep.rank}: holds of {len(held)} pages ({len(set(held))} distinct), "
+                                         f"{counted} counted on pages ({distinct} held), {ledger.held_pages} in the "
+                                         f"ledger, at most {ledger.hold_cap}")
             if any(p not in ledger.index for p in held):
                 raise InvariantViolation(f"replica {rep.rank}: a held page is not resident")
 

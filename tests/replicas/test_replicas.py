@@ -38,7 +38,7 @@ configs = st.builds(
     write_policy=st.sampled_from(["write_through", "write_through_selective", "write_back"]),
     prefetch_timeout_base_s=st.just(3.0),
     backup_window=st.sampled_from([1, 64]),
-    prefetch_hold_share=st.sampled_from([0.0, 0.5, 1.0]),
+    prefetch_hold_share=st.sampled_from([0.0, 0.5, 0.9]),
 )
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from cpcache.client import Client
 from cpcache.testing.sglang_cpu.hicache import HICACHE_ENV, HICACHE_FLAGS, hicache_file_storage_flags
 from cpcache.testing.sglang_cpu.servers import (
     SGLANG_PYTHON,
@@ -60,6 +61,13 @@ def summary(replies: list[Reply], prompts: list[list[int]], seconds: float) -> d
             "host": sum(r.host for r in replies) / tokens, "storage": sum(r.storage for r in replies) / tokens,
             "e2e_latency_median_s": statistics.median(r.latency_s for r in replies),
             "prompt_tokens_per_s": tokens / seconds}
+
+
+def daemon_stats(stack: Stack, rank: int) -> dict[str, int]:
+    """The rank's prefetch-hold counters, as its daemon's `Stats` gives them."""
+    with Client(stack.daemons.socket(rank), timeout_s=10) as daemon:
+        stats = daemon.stats()
+    return {k: stats[k] for k in ("prefetch_holds_taken", "prefetch_held_pages", "prefetch_holds_expired")}
 
 
 def stored_bytes(root: Path) -> int:
@@ -100,6 +108,7 @@ def test_cpcache_hits_at_least_what_sglangs_hicache_with_file_storage_hits_under
                 replies[name].append(server.generate(ids))
                 seconds[name] += time.monotonic() - began
                 server.process.pause()
+        holds = [daemon_stats(stack, rank) for rank in range(SHAPE.tp)]
     finally:
         for server in servers.values():
             server.stop()
@@ -122,3 +131,7 @@ def test_cpcache_hits_at_least_what_sglangs_hicache_with_file_storage_hits_under
     assert report["cpcache"]["hit"] > report["radix"]["hit"]
     assert report["cpcache"]["storage"] > 0
     assert report["cpcache"]["hit"] >= report["hicache"]["hit"]
+    # Every prefetch that brought pages held them until its request was
+    # admitted, and SGLang's admission released each: none is left, none expired.
+    assert all(h == holds[0] for h in holds) and holds[0]["prefetch_holds_taken"] > 0, holds
+    assert holds[0]["prefetch_held_pages"] == holds[0]["prefetch_holds_expired"] == 0, holds

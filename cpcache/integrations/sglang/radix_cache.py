@@ -246,11 +246,10 @@ class CpcacheRadixCache(UnifiedRadixCache):
 
     def init_load_back(self, params: InitLoadBackParams) -> tuple[int, NodeId]:
         with self.clock.call():
-            try:
-                return self._load_back(params)
-            finally:  # its load is sent (or it loads none): its prefetched pages need no hold
-                if params.req is not None and self.daemon_session is not None:
-                    self.daemon_session.release_hold(params.req.rid)
+            loaded = self._load_back(params)
+            if loaded[0] and params.req is not None and self.daemon_session is not None:
+                self.daemon_session.release_hold(params.req.rid)  # its load is sent: its pages are referenced
+            return loaded
 
     def _load_back(self, params: InitLoadBackParams) -> tuple[int, NodeId]:
         """Host -> device: the host hit of the request's match, loaded before its batch runs."""

@@ -120,8 +120,8 @@ def _accept(ledger: Ledger, pf: Prefetch, done: int, decisions: Decisions) -> No
         entry.backed_up = True  # it came from storage
         entry.prefetched = True
     ledger.record("accept", pf.serial, len(brought))
-    if pf.request.hold:
-        prefetch_holds.hold(ledger, pf.request.op_id, list(pf.request.pages[:done]))
+    if pf.request.hold:  # every page that entered or was kept is resident
+        prefetch_holds.hold(ledger, pf.request.op_id, list(pf.request.pages[: min(done, len(pf.slots))]))
     retire(ledger, given_up + list(pf.slots[done:]))  # once their reads end
     decisions.prefetch_done.append((pf.request.op_id, done))
     ledger.hit_pages["storage"] += len(brought)

@@ -8,14 +8,17 @@ requests admitted ahead of it make room in the host pool, and eviction
 takes its prefetched pages first, tail first, as the least recently used:
 the storage read is lost and the request computes those pages. A hold
 keeps them, like an operation's reference but with no I/O behind it, until
-the scheduler revokes the ended prefetch (its request loaded them, was
-admitted without them, or is gone), or until `HOLD_STEPS` steps have
-passed, so that a scheduler that forgets one costs a bounded time.
+the scheduler releases it (its request loaded them, was admitted without
+them, or is gone: a step's `hold_releases`, or a revoke that finds the
+prefetch ended), or until `HOLD_STEPS` steps have passed, so that a
+scheduler that forgets one costs a bounded number of steps.
 
-Holds never take more than `prefetch_hold_share` of the pool, so that
-write-throughs always find room: a prefetch that ends at that cap holds
-what fits, from its first page (eviction takes a chain's tail first, so
-the held head stays a prefix hit)."""
+Holds keep at most `prefetch_hold_share` of the pool's pages (a page held
+by two prefetches counts once), so that write-throughs keep the rest: a
+prefetch that ends at that cap holds what fits, from its first page
+(eviction takes a chain's tail first, so the held head stays a prefix
+hit). A held page also keeps its chain's pages before it, which eviction
+takes only after it: those are not counted."""
 
 from __future__ import annotations
 
@@ -25,15 +28,24 @@ HOLD_STEPS = 20_000  # a request waits far fewer steps for its admission
 
 
 def hold(ledger: Ledger, op_id: int, pages: list[bytes]) -> None:
-    """Keep resident `pages` (a chain, from its first page) for prefetch `op_id`."""
-    held = pages[: max(0, ledger.hold_cap - ledger.held_pages)]
-    if not held:
-        return
-    for page in held:
-        ledger.index[page].held += 1
-    ledger.holds[op_id] = Hold(ledger.step, tuple(held))
-    ledger.held_pages += len(held)
-    ledger.record("hold", op_id, len(held))
+    """Keep resident `pages` (a chain, from its first page) for prefetch
+    `op_id`: as many as the cap lets, a page held already costing nothing."""
+    release(ledger, op_id)  # a scheduler may use an ended prefetch's id again
+    room = ledger.hold_cap - ledger.held_pages
+    held: list[bytes] = []
+    for page in pages:
+        entry = ledger.index[page]
+        if not entry.held:
+            if room <= 0:
+                break
+            room -= 1
+            ledger.held_pages += 1
+        entry.held += 1
+        held.append(page)
+    if held:
+        ledger.holds_taken += 1
+        ledger.holds[op_id] = Hold(ledger.step, tuple(held))
+        ledger.record("hold", op_id, len(held))
 
 
 def release(ledger: Ledger, op_id: int) -> None:
@@ -59,5 +71,6 @@ def expire(ledger: Ledger) -> None:
 def _drop(ledger: Ledger, held: Hold) -> None:
     # A held page cannot be evicted: every one is still resident.
     for page in held.pages:
-        ledger.index[page].held -= 1
-    ledger.held_pages -= len(held.pages)
+        entry = ledger.index[page]
+        entry.held -= 1
+        ledger.held_pages -= not entry.held

@@ -172,6 +172,7 @@ def test_one_round_asks_every_open_operation_its_own_questions():
         "storage_hit_pages": 0,
         "writes_refused_host_full": 0,
         "prefetch_held_pages": 0,
+        "prefetch_holds_taken": 0,
         "prefetch_holds_expired": 0,
         "prefetched_pages_evicted_unloaded": 0,
     }

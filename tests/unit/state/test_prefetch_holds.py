@@ -8,9 +8,12 @@ step by step on a real CacheState and two scripted ranks:
 - without a hold, those writes evict the prefetched pages before any load
   read them, and `prefetched_pages_evicted_unloaded` counts them; a page a
   load read is not counted when it goes;
-- holds take at most `prefetch_hold_share` of the pool: a prefetch ending at
-  the cap holds what fits, from its first page;
+- holds take at most `prefetch_hold_share` of the pool's pages, a page two
+  prefetches hold counted once: a prefetch ending at the cap holds what
+  fits, from its first page;
 - a hold the scheduler never releases ends after HOLD_STEPS steps, counted;
+- a revoke that finds the prefetch ended releases its hold (the request
+  is gone); an ended prefetch's id used again replaces its hold;
 - a release of a prefetch that holds nothing (revoked, already released,
   unknown) is taken and ignored; one named twice in a step is refused.
 """
@@ -139,3 +142,32 @@ def test_a_release_of_a_prefetch_holding_nothing_is_ignored_and_one_named_twice_
     c.step(release(7))
     s = c.step(release(7))  # again: nothing left to release
     assert s.refused is None and stats(c) == (0, 0, 0)
+
+
+def test_a_page_two_prefetches_hold_counts_once_against_the_cap():
+    c = ScriptedCache(CacheConfig(prefetch_threshold_tokens=0, write_policy="write_through_selective",
+                                  prefetch_hold_share=0.5), host_pages=8)
+    ended_prefetch(c, 7, 1, 2, 3)
+    ended_prefetch(c, 8, 1, 2, 3)  # the same prefix, another request: costs nothing more
+    ended_prefetch(c, 9, 11)
+    assert stats(c)[0] == 4 and [c.entry(n).held for n in (1, 2, 3, 11)] == [2, 2, 2, 1]
+    c.step(release(7))
+    assert stats(c)[0] == 4 and c.entry(1).held == 1
+    c.step(release(8))
+    assert stats(c)[0] == 1 and c.entry(1).held == 0
+
+
+def test_a_revoke_finding_the_prefetch_ended_releases_its_hold():
+    c = ScriptedCache(CONFIG, host_pages=4)
+    ended_prefetch(c, 7, 1, 2)
+    s = c.step(CacheRequests(revokes=(7,)))
+    assert s.decided == Decisions() and stats(c) == (0, 0, 0)
+
+
+def test_an_ended_prefetchs_id_used_again_replaces_its_hold():
+    c = ScriptedCache(CONFIG, host_pages=4)
+    ended_prefetch(c, 7, 1, 2)
+    ended_prefetch(c, 7, 3)
+    assert stats(c)[0] == 1 and [c.entry(n).held for n in (1, 2, 3)] == [0, 0, 1]
+    c.step(release(7))
+    assert stats(c)[0] == 0 and c.entry(3).held == 0
