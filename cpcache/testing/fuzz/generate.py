@@ -107,6 +107,7 @@ class Gen:
         op.pages.extend(self.pages())
         op.tokens = self.r.choice([0, 1, 16, 64, 256, 10_000, 2**32, 2**64 - 1, self.r.getrandbits(64)])
         op.parent = self.parent()
+        op.hold = self.r.random() < 0.5
 
     def write_op(self, op: pb.WriteOp) -> None:
         op.op_id = self.u64()
@@ -171,6 +172,8 @@ class Gen:
             request.prefetch_polls.extend(self.ids())
         if r.random() < 0.2:
             request.revokes.extend(self.ids())
+        if r.random() < 0.2:
+            request.hold_releases.extend(self.ids())
         for _ in range(r.choice([0, 0, 1, 1, 2])):
             self.write_op(request.writes.add())
         for _ in range(r.choice([0, 0, 1, 2])):
