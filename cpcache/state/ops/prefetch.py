@@ -5,7 +5,7 @@ the scheduler asks whether it may end (the policy's vote) and with how many
 pages (MIN); it ends accepted with those pages, or is revoked by the
 scheduler. Slots it gave up go back once no rank reads into them. A
 prefetch that asks to hold its pages keeps them from eviction once it
-ended, until the scheduler revokes it (`prefetch_holds`)."""
+ended, until the scheduler releases them (`prefetch_holds`)."""
 
 from __future__ import annotations
 
