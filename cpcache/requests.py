@@ -41,7 +41,7 @@ class PrefetchRequest:
     pages: tuple[bytes, ...]  # page hashes, in chain order
     tokens: int
     parent: bytes | None = None  # the page before pages[0], if any
-    hold: bool = False  # once done, its pages stay until a revoke releases them
+    hold: bool = False  # once done, its pages stay until released (`hold_releases`, or a revoke of it ended)
 
 
 @dataclass(frozen=True)
