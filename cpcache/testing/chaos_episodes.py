@@ -81,14 +81,16 @@ class LineTimes:
 
         while not self._done.is_set():
             with p.new_line:
-                p.new_line.wait_for(more)
+                p.new_line.wait_for(more, timeout=1.0)
                 now, new = time.time(), p.lines[count:]
             for offset, line in enumerate(new):
                 if MARKER in line:
                     self.seen[count + offset] = now
             count += len(new)
+            # The process itself, not its pipe: children it left behind may hold the pipe open.
+            if self.exited_at is None and p.proc.poll() is not None:
+                self.exited_at = now
             if not new and p.exited.is_set():
-                self.exited_at = time.time()
                 return
 
     def timed(self) -> list[tuple[float, str]]:

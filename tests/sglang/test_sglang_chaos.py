@@ -81,6 +81,17 @@ def test_a_rank_still_fallen_back_at_the_end_leaves_its_episode_unfinished():
     assert still_fallen([f"[x TP1] {t}" for t in texts]) == {1}
 
 
+def exit_evidence(report: dict) -> str:
+    """The server's exit as lines a reader can follow (a dict's repr is cut short)."""
+    evidence = report.get("server_exit_evidence") or {}
+    parts = [f"the server exited with code {report.get('server_exit_code')} at "
+             f"{evidence.get('exited_s')} s; faults in the minute before: {evidence.get('faults_before')}",
+             "-- its last cpcache lines:", *evidence.get("cpcache_lines", ()),
+             "-- its log's tail:", *evidence.get("log_tail", ()),
+             "-- the daemons' launcher:", *evidence.get("launcher_tail", ())]
+    return "\n".join(str(part) for part in parts)
+
+
 @pytest.mark.sglang
 @pytest.mark.timeout(1200)
 @pytest.mark.skipif(not SGLANG_PYTHON.exists(), reason=f"SGLang's environment is not built ({SGLANG_PYTHON}); "
@@ -91,7 +102,7 @@ def test_a_few_minutes_of_faults_on_a_cp_server_never_stop_it_nor_split_its_rank
     assert run.stdout.strip(), f"no report (exit {run.returncode}):\n{run.stderr[-3000:]}"
     report = json.loads(run.stdout.strip().splitlines()[-1])
     print("sglang-chaos:", json.dumps(report))
-    assert report["server_exits"] == 0, report.get("server_exit_evidence")
+    assert report["server_exits"] == 0, exit_evidence(report)
     assert report["requests"] > 0 and report["wrong"] == 0, report["first_wrong"]
     assert report["hangs"] == 0 and report["errors"] == 0
     assert report["faults_fallback_differs"] == 0 and report["faults_reattach_differs"] == 0, \
