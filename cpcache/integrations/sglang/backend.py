@@ -108,7 +108,7 @@ def log_in_place(rank: int, before: list[tuple[int, ...]], after: list[tuple[int
 
 
 def build_cache(context: Any, settings: Settings | None = None) -> Any:
-    from cpcache.integrations.sglang.radix_cache import CpcacheRadixCache, NotServingYet
+    from cpcache.integrations.sglang.radix_cache import AttachedThenLost, CpcacheRadixCache, NotServingYet
 
     server_flags.check(context)
     settings = settings or Settings.load()
@@ -182,12 +182,15 @@ def build_cache(context: Any, settings: Settings | None = None) -> Any:
         # are what a flush needs to make sure the old daemon writes no more.
         board = LoadSignals.create(layer_loads.signals.slots) if layer_loads is not None else None
         again = _attach(client, model, pool, (topology, rank), layer_loads, board)
-        old, daemon[0] = daemon[0], orphan_loads(socket, again, pool)
-        if layer_loads is not None and board is not None:
-            layer_loads.rebind(board, daemon[0])  # closes the old one
-        elif old is not None:
-            old.close()
-        return connect(int(client.status().last_step) + 1, again.epoch)
+        try:
+            old, daemon[0] = daemon[0], orphan_loads(socket, again, pool)
+            if layer_loads is not None and board is not None:
+                layer_loads.rebind(board, daemon[0])  # closes the old one
+            elif old is not None:
+                old.close()
+            return connect(int(client.status().last_step) + 1, again.epoch)
+        except Exception as exc:
+            raise AttachedThenLost(f"attached, then lost the daemon at {socket}: {exc}") from exc
 
     def daemon_quiet(epoch: int | None) -> bool:
         """Whether the daemon of the session of `epoch` writes nothing more
