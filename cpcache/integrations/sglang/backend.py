@@ -183,12 +183,20 @@ def build_cache(context: Any, settings: Settings | None = None) -> Any:
         board = LoadSignals.create(layer_loads.signals.slots) if layer_loads is not None else None
         again = _attach(client, model, pool, (topology, rank), layer_loads, board)
         try:
-            old, daemon[0] = daemon[0], orphan_loads(socket, again, pool)
+            orphans = orphan_loads(socket, again, pool)
+            if orphans is None and again.host_pool_ticket:
+                # Offered but not had (the daemon died or stopped as it was
+                # taken): a load that daemon died in the middle of could not
+                # be finished here, and would stop the forward.
+                raise AttachedThenLost(f"attached, then could not take the host pool of the daemon at {socket}")
+            old, daemon[0] = daemon[0], orphans
             if layer_loads is not None and board is not None:
                 layer_loads.rebind(board, daemon[0])  # closes the old one
             elif old is not None:
                 old.close()
             return connect(int(client.status().last_step) + 1, again.epoch)
+        except AttachedThenLost:
+            raise
         except Exception as exc:
             raise AttachedThenLost(f"attached, then lost the daemon at {socket}: {exc}") from exc
 
