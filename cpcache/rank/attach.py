@@ -43,6 +43,7 @@ class Attached:
     resumed_pages: int = 0  # host pages carried over from the previous session or epoch
     epoch: int = 0  # the epoch the session opened in: its steps name it
     host_pool_ticket: str = ""  # where the scheduler takes the host pool, read-only (the daemon's handover)
+    last_step: int = 0  # the last step taken as the session began: its first step is any after it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,7 +189,8 @@ class Attacher:
                  kind, resumed)
         storage = runtime.io.storage
         attached = Attached(geometry.page_bytes, config.host_pool_pages, config.host_layout,
-                            storage.name if storage else "none", key_seed, resumed, formation.epoch)
+                            storage.name if storage else "none", key_seed, resumed, formation.epoch,
+                            last_step=stepper.last_step)
         self._last = _LastAttach(stepper, descriptor, device.identity, stepper.last_step, attached)
         return attached
 

@@ -127,7 +127,7 @@ class SchedulerTopology(_message.Message):
     def __init__(self, tp: _Optional[int] = ..., cp: _Optional[int] = ..., dp: _Optional[int] = ..., pp: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class AttachReply(_message.Message):
-    __slots__ = ("page_bytes", "host_pages", "host_layout", "storage", "key_seed", "resumed_pages", "epoch", "host_pool_ticket")
+    __slots__ = ("page_bytes", "host_pages", "host_layout", "storage", "key_seed", "resumed_pages", "epoch", "host_pool_ticket", "last_step")
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     HOST_PAGES_FIELD_NUMBER: _ClassVar[int]
     HOST_LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,7 @@ class AttachReply(_message.Message):
     RESUMED_PAGES_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     HOST_POOL_TICKET_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_FIELD_NUMBER: _ClassVar[int]
     page_bytes: int
     host_pages: int
     host_layout: str
@@ -144,7 +145,8 @@ class AttachReply(_message.Message):
     resumed_pages: int
     epoch: int
     host_pool_ticket: str
-    def __init__(self, page_bytes: _Optional[int] = ..., host_pages: _Optional[int] = ..., host_layout: _Optional[str] = ..., storage: _Optional[str] = ..., key_seed: _Optional[str] = ..., resumed_pages: _Optional[int] = ..., epoch: _Optional[int] = ..., host_pool_ticket: _Optional[str] = ...) -> None: ...
+    last_step: int
+    def __init__(self, page_bytes: _Optional[int] = ..., host_pages: _Optional[int] = ..., host_layout: _Optional[str] = ..., storage: _Optional[str] = ..., key_seed: _Optional[str] = ..., resumed_pages: _Optional[int] = ..., epoch: _Optional[int] = ..., host_pool_ticket: _Optional[str] = ..., last_step: _Optional[int] = ...) -> None: ...
 
 class PrefetchOp(_message.Message):
     __slots__ = ("op_id", "pages", "tokens", "parent", "hold")

@@ -198,6 +198,28 @@ async def test_an_attach_again_with_a_new_board_is_not_taken_for_a_retry(run_dir
             assert session.tally.load_acks == 1
 
 
+async def test_an_attach_names_the_step_its_session_comes_after(run_dir):
+    """A scheduler attaching again takes its first step from the Attach's
+    reply: nothing between an agreed Attach and its session's first step
+    is a call to the daemon that could fail on one rank alone."""
+    async with LocalDomain(DomainSpec(Topology(tp=1), run_dir, extra=dict(host_pool_pages=8))) as domain:
+        pool = DevicePool.create_sealed(GEOMETRY, DEVICE_PAGES)
+        with Client(domain.sockets[0], timeout_s=20) as client:
+            first = client.attach("m", GEOMETRY, DEVICE_PAGES, pool_fd=pool.fd, load_signals=LoadSignals.create(2))
+            assert first.last_step == client.status().last_step
+            session = SchedulerSession(client, first_step=first.last_step + 1)
+            pages = [bytes.fromhex(h) for h in chain(list(range(4)), 4, first.key_seed)]
+            _written(session, pages, [0])
+            _settled(session)
+            taken = client.status().last_step
+            assert taken > first.last_step
+            again = client.attach("m", GEOMETRY, DEVICE_PAGES, pool_fd=pool.fd, load_signals=LoadSignals.create(2))
+            assert again.last_step == client.status().last_step
+            session = SchedulerSession(client, first_step=again.last_step + 1)
+            _written(session, [bytes.fromhex(h) for h in chain(list(range(8)), 4, again.key_seed)][1:], [1])
+            assert client.status().last_step > again.last_step  # the new session's steps were taken
+
+
 async def test_boards_of_different_sizes_on_two_ranks_are_refused_alike(run_dir):
     """Whether loads are overlapped, and how many at once, shapes every
     rank's steps: part of what an Attach agrees on."""

@@ -108,7 +108,7 @@ def log_in_place(rank: int, before: list[tuple[int, ...]], after: list[tuple[int
 
 
 def build_cache(context: Any, settings: Settings | None = None) -> Any:
-    from cpcache.integrations.sglang.radix_cache import AttachedThenLost, CpcacheRadixCache, NotServingYet
+    from cpcache.integrations.sglang.radix_cache import CpcacheRadixCache, NotServingYet
 
     server_flags.check(context)
     settings = settings or Settings.load()
@@ -142,7 +142,7 @@ def build_cache(context: Any, settings: Settings | None = None) -> Any:
                 f"cpcache: the daemon at {socket} runs with agreement_lag {lag}; the SGLang backend needs 0 (its "
                 "host matches follow the host pool step by step); start the daemons with --lag 0")
         attached = _attach(client, model, pool, (topology, rank), layer_loads)
-        first_step = client.status().last_step + 1
+        first_step = attached.last_step + 1
         first_epoch = attached.epoch
     except BaseException:
         client.close()
@@ -182,23 +182,17 @@ def build_cache(context: Any, settings: Settings | None = None) -> Any:
         # are what a flush needs to make sure the old daemon writes no more.
         board = LoadSignals.create(layer_loads.signals.slots) if layer_loads is not None else None
         again = _attach(client, model, pool, (topology, rank), layer_loads, board)
-        try:
-            orphans = orphan_loads(socket, again, pool)
-            if orphans is None and again.host_pool_ticket:
-                # Offered but not had (the daemon died or stopped as it was
-                # taken): a load that daemon died in the middle of could not
-                # be finished here, and would stop the forward.
-                raise AttachedThenLost(f"attached, then could not take the host pool of the daemon at {socket}")
-            old, daemon[0] = daemon[0], orphans
-            if layer_loads is not None and board is not None:
-                layer_loads.rebind(board, daemon[0])  # closes the old one
-            elif old is not None:
-                old.close()
-            return connect(int(client.status().last_step) + 1, again.epoch)
-        except AttachedThenLost:
-            raise
-        except Exception as exc:
-            raise AttachedThenLost(f"attached, then lost the daemon at {socket}: {exc}") from exc
+        # Agreed: every rank's daemon began the new session. Nothing from
+        # here may fail on this rank alone (no call to the daemon): a rank
+        # left unattached beside attached peers admits other requests than
+        # they do. A daemon lost from here fails the session's first step,
+        # on every rank alike.
+        old, daemon[0] = daemon[0], orphan_loads(socket, again, pool)
+        if layer_loads is not None and board is not None:
+            layer_loads.rebind(board, daemon[0])  # closes the old one
+        elif old is not None:
+            old.close()
+        return connect(int(again.last_step) + 1, again.epoch)
 
     def daemon_quiet(epoch: int | None) -> bool:
         """Whether the daemon of the session of `epoch` writes nothing more
@@ -253,11 +247,11 @@ def orphan_loads(socket: str, attached: Any, pool: SharedPool) -> OrphanLoads | 
         return None
     try:
         fd, pid = take_host_pool(socket, attached.host_pool_ticket)
-    except CacheError as exc:
+        return OrphanLoads(fd, pid, pool.geometry, attached.host_pages, attached.host_layout, pool.buffers)
+    except (CacheError, OSError, ValueError) as exc:  # ValueError: mmap of a pool that is not the size it says
         log.warning("cpcache: the daemon's host pool could not be taken (%s): a load its daemon dies in the "
                     "middle of will stop the forward", exc)
         return None
-    return OrphanLoads(fd, pid, pool.geometry, attached.host_pages, attached.host_layout, pool.buffers)
 
 
 def _attach(client: Client, model: tuple[str, str], pool: SharedPool, placement: tuple[Topology, int],

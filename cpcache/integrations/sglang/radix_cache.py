@@ -55,13 +55,6 @@ class NotServingYet(Unavailable):
     succeed on any rank (it needs every one), so it is skipped."""
 
 
-class AttachedThenLost(Unavailable):
-    """The Attach was agreed (every rank's daemon began the new session,
-    the old one ended with its copies), then this rank lost its daemon
-    before the session was set up here: not attached, but what the old
-    session held is free again, as on the ranks that attached."""
-
-
 class CpcacheRadixCache(UnifiedRadixCache):
     def __init__(self, params: Any, *, daemon_session: SchedulerSession, pool: SharedPool,
                  attach_again: Callable[[], SchedulerSession] | None = None, reattach_after: int = 64,
@@ -149,14 +142,10 @@ class CpcacheRadixCache(UnifiedRadixCache):
                 log.info("cpcache: rank %d skipped attaching again at iteration %d (%s; %d skips); next try at "
                          "iteration %d", self.rank, self._iteration, exc, self._skips, self._next_attach)
             return
-        except Exception as exc:  # noqa: BLE001 - a try that fails leaves the tiers off, never the server down
-            # A CacheError is the daemon's answer; anything else is local (a
-            # descriptor or mapping lost as the daemon died mid-handover), and
-            # is logged whole: either way the rank stays on its device tree.
-            if isinstance(exc, AttachedThenLost):
-                # The peers that attached gave these slots back: so does this
-                # rank, or the ranks' allocators (and so their batches) differ.
-                self._log_given_back(self._quarantined.release(self.token_to_kv_pool_allocator.free))
+        except (CacheError, OSError) as exc:
+            # A CacheError is the daemon's answer; an OSError is this side's
+            # (a descriptor or a memfd not had, before the Attach): either
+            # way no rank attached, and this one stays on its device tree.
             self._attach_wait = min(self._attach_wait * 2, 64 * self._reattach_after)
             self._next_attach = self._attach_boundary()
             log.warning("cpcache: rank %d could not attach again at iteration %d (%s); next try in %d iterations",
