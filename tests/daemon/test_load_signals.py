@@ -211,8 +211,7 @@ async def test_an_attach_names_the_step_its_session_comes_after(run_dir):
             pages = [bytes.fromhex(h) for h in chain(list(range(4)), 4, first.key_seed)]
             _written(session, pages, [0])
             _settled(session)
-            taken = client.status().last_step
-            assert taken > first.last_step
+            assert client.status().last_step > first.last_step
             again = client.attach("m", GEOMETRY, DEVICE_PAGES, pool_fd=pool.fd, load_signals=LoadSignals.create(2))
             assert again.last_step == client.status().last_step
             session = SchedulerSession(client, first_step=again.last_step + 1)

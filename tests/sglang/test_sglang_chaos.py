@@ -84,10 +84,11 @@ def test_a_rank_still_fallen_back_at_the_end_leaves_its_episode_unfinished():
 def exit_evidence(report: dict) -> str:
     """The server's exit as lines a reader can follow (a dict's repr is cut short)."""
     evidence = report.get("server_exit_evidence") or {}
-    parts = [f"the server exited with code {report.get('server_exit_code')} at "
-             f"{evidence.get('exited_s')} s; faults in the minute before: {evidence.get('faults_before')}",
+    # The log's end first (a traceback is there): a failure's report may be shown cut after its first lines.
+    parts = [f"the server exited with code {report.get('server_exit_code')} at {evidence.get('exited_s')} s",
+             "-- its log's last lines:", *evidence.get("log_tail", ())[-30:],
+             f"-- the faults of the minute before: {evidence.get('faults_before')}",
              "-- its last cpcache lines:", *evidence.get("cpcache_lines", ()),
-             "-- its log's tail:", *evidence.get("log_tail", ()),
              "-- the daemons' launcher:", *evidence.get("launcher_tail", ())]
     return "\n".join(str(part) for part in parts)
 
