@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -192,6 +193,9 @@ class Attacher:
                             storage.name if storage else "none", key_seed, resumed, formation.epoch,
                             last_step=stepper.last_step)
         self._last = _LastAttach(stepper, descriptor, device.identity, stepper.last_step, attached)
+        if self._sessions == config.faults.exit_after_attach:
+            log.error("fault injection: exiting after Attach %d was agreed, before answering it", self._sessions)
+            os._exit(137)
         return attached
 
     def _open_runtime(self, model_id: str, model_dtype: str, geometry: KVGeometry, device: DevicePool,

@@ -182,17 +182,25 @@ def build_cache(context: Any, settings: Settings | None = None) -> Any:
         # are what a flush needs to make sure the old daemon writes no more.
         board = LoadSignals.create(layer_loads.signals.slots) if layer_loads is not None else None
         again = _attach(client, model, pool, (topology, rank), layer_loads, board)
-        # Agreed: every rank's daemon began the new session. Nothing from
-        # here may fail on this rank alone (no call to the daemon): a rank
-        # left unattached beside attached peers admits other requests than
-        # they do. A daemon lost from here fails the session's first step,
-        # on every rank alike.
+        # Agreed: every rank's daemon began the new session. But a daemon
+        # that died before answering leaves its rank counting the try failed
+        # while its peers were told it succeeded, and a rank left unattached
+        # beside attached peers admits other requests than they do. So the
+        # session's first step, an empty one, is taken now: its round
+        # completes only with every rank's daemon and scheduler in it, and
+        # a reply lost after the round is asked of the peers (docs/design.md
+        # rule 12). Its outcome, the try's, is every rank's.
+        session = connect(int(again.last_step) + 1, again.epoch)
+        session.flush()
+        # Nothing from here may fail on this rank alone (no call to the
+        # daemon). A daemon lost from here fails the session's next step, on
+        # every rank alike.
         old, daemon[0] = daemon[0], orphan_loads(socket, again, pool)
         if layer_loads is not None and board is not None:
             layer_loads.rebind(board, daemon[0])  # closes the old one
         elif old is not None:
             old.close()
-        return connect(int(again.last_step) + 1, again.epoch)
+        return session
 
     def daemon_quiet(epoch: int | None) -> bool:
         """Whether the daemon of the session of `epoch` writes nothing more
