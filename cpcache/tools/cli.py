@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
 
     bench = sub.add_parser("bench", help="run a benchmark and print its figures")
     bench.add_argument("name", choices=["agreement", "load-back", "movers", "ranks", "serving", "sglang",
-                                        "sglang-chaos", "sglang-pd", "sglang-soak", "soak", "state"])
+                                        "sglang-chaos", "sglang-pd", "sglang-soak", "soak", "state", "store-policies"])
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.add_argument("--steps", type=int, default=40,
                        help="agreement, ranks, state: measured steps per case and block")
@@ -240,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--sglang", action="store_true",
                        help="load-back: through two SGLang servers (TTFT of host hits) instead of a stand-in forward")
     bench.add_argument("--configs", help="serving: which servers, comma-separated (default: all, in their order)")
-    bench.add_argument("--trace-requests", type=int, help="serving: requests of the scaled trace (default 400)")
+    bench.add_argument("--trace-requests", type=int,
+                       help="serving, store-policies: requests of the scaled trace (default 400)")
     bench.add_argument("--prefetch-policy", choices=["best_effort", "wait_complete", "timeout"],
                        help="serving: how a storage prefetch ends, on both stacks (default wait_complete; timeout: "
                        "SGLang's default budget, given to both)")
@@ -320,6 +321,10 @@ def main(argv: list[str] | None = None) -> int:
             from cpcache.tools.bench import serving
 
             return serving.main(args)
+        if args.command == "bench" and args.name == "store-policies":
+            from cpcache.tools.bench import store_policies
+
+            return store_policies.main(args)
         if args.command == "bench" and args.name == "movers":
             from cpcache.tools.bench import movers
 
