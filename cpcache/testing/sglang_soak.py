@@ -33,7 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from cpcache.client import Client
-from cpcache.testing.sglang_cpu.servers import make_tiny_model, same_outputs
+from cpcache.testing.sglang_cpu.servers import Reply, make_tiny_model, same_outputs
 from cpcache.testing.sglang_cpu.stacks import DOCS, SLOW_RANK, Shape, Stack, prompt, started, workload
 
 TURNS = 4  # distinct turns per document: the reference answers each prompt once
@@ -45,9 +45,24 @@ class HttpTraffic:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
+        self.began = time.monotonic()
         self.requests = self.wrong = self.hangs = self.errors = self.reference_errors = 0
         self.tokens = {"prompt": 0, "device": 0, "host": 0, "storage": 0}
         self.first_wrong: list[str] = []
+
+    def count_wrong(self, what: str, got: Reply, want: Reply) -> None:
+        """A reply unlike the reference's, described for the report: when
+        (from the traffic's start), whether its tokens or only its logprobs
+        differ, by how much, and where its prefix came from. Called under
+        `lock`."""
+        self.wrong += 1
+        if len(self.first_wrong) < 3:
+            drift = max((abs(a - b) for a, b in zip(got.logprobs, want.logprobs)), default=0.0)
+            tokens = "equal" if got.output_ids == want.output_ids else "differ"
+            self.first_wrong.append(
+                f"{time.monotonic() - self.began:.1f} s, {what}: tokens {tokens}, "
+                f"logprobs off by up to {drift:.1e}, hits device {got.device} host {got.host} storage "
+                f"{got.storage}: {got} != {want}")
 
     def as_dict(self) -> dict:
         with self.lock:
@@ -91,8 +106,7 @@ def client_loop(stack: Stack, traffic: HttpTraffic, seed: int, deadline: float, 
             traffic.tokens["host"] += got.host
             traffic.tokens["storage"] += got.storage
             if not same_outputs(got, want):
-                traffic.wrong += 1
-                traffic.first_wrong.append(f"doc {d} turn {turn}: {got} != {want}")
+                traffic.count_wrong(f"doc {d} turn {turn}", got, want)
 
 
 def daemon_counters(stack: Stack) -> list[dict[str, int | str]]:
