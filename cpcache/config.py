@@ -89,8 +89,9 @@ class FaultInjection:
                                    "copied (-1: never).")
     exit_after_round: int = setting(0, "Fault injection: the daemon dies (exits at once, as if killed) once the "
                                     "round of this step is applied, before the step is answered (0: never).")
-    exit_after_attach: int = setting(0, "Fault injection: the daemon dies (exits at once, as if killed) once the "
-                                     "Attach it takes this many-th is agreed, before it is answered (0: never).")
+    exit_after_attach: int = setting(0, "Fault injection: the daemon dies (exits at once, as if killed) when the "
+                                     "Attach of this number in its process is agreed, before answering it (a "
+                                     "restarted daemon counts from 1 again; 0: never).")
     seed: int = setting(0, "Seed of the fault injection.")
 
     def __post_init__(self) -> None:

@@ -5,11 +5,10 @@ Through a real `sglang.launch_server` at `--tp 2 --attn-cp-size 2` over
 daemon 0 dies at the next agreed Attach (`fault_exit_after_attach`), as the
 ranks try to attach again. The try's first step, taken before it counts,
 fails on the rank whose daemon answered too (its round needs the dead
-one): every rank counts the try failed at one iteration, none gives its
-held slots back alone, and every rank attaches at one later iteration,
-once the launcher has restarted the daemon. Replies stay equal to a tp 1
-server's without cache throughout, and the ranks' decisions since the
-attach are the same.
+one): every rank counts the try failed, and every rank attaches at one
+later iteration, once the launcher has restarted the daemon. Replies stay
+equal to a tp 1 server's without cache throughout, and the ranks'
+decisions since the attach are the same.
 
 Runs alone with `pytest -m sglang tests/sglang/test_attach_faults.py`.
 """
@@ -64,7 +63,7 @@ def test_a_daemon_dying_between_an_agreed_attach_and_its_answer_leaves_no_rank_a
         answered = 1 - DIES_AT_ATTACH
         failed = [line for line in server.lines_with("could not attach again at iteration")
                   if f"rank {answered} could" in line]
-        assert [line for line in failed if "round" in line], failed
+        assert [line for line in failed if re.search(r"round \d+ failed", line)], failed
         assert all(int(iteration_of(line)) < int(iteration_of(back[0])) for line in failed), (failed, back)
         replies = [stack.check(prompt(system, doc, 2, d)) for d, doc in enumerate(docs)]
         assert sum(r.host + r.storage for r in replies) > 0, f"no host or storage hit after attaching again: {replies}"

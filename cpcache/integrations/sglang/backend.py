@@ -155,8 +155,8 @@ def build_cache(context: Any, settings: Settings | None = None) -> Any:
 
     decisions = DecisionLog() if settings.record_decisions else None  # one log across attaches
 
-    def connect(step: int, epoch: int) -> SchedulerSession:
-        if decisions is not None:
+    def connect(step: int, epoch: int, begin: bool = True) -> SchedulerSession:
+        if decisions is not None and begin:
             decisions.begin_session()
         return SchedulerSession(client, first_step=step, decision_timeout_s=settings.timeout_s, decisions=decisions,
                                 epoch=epoch)
@@ -190,11 +190,13 @@ def build_cache(context: Any, settings: Settings | None = None) -> Any:
         # completes only with every rank's daemon and scheduler in it, and
         # a reply lost after the round is asked of the peers (docs/design.md
         # rule 12). Its outcome, the try's, is every rank's.
-        session = connect(int(again.last_step) + 1, again.epoch)
+        session = connect(int(again.last_step) + 1, again.epoch, begin=False)
         session.flush()
-        # Nothing from here may fail on this rank alone (no call to the
-        # daemon). A daemon lost from here fails the session's next step, on
-        # every rank alike.
+        if decisions is not None:
+            decisions.begin_session()  # on every rank alike: after the step that decided the try
+        # Nothing from here may fail on this rank alone (the host pool's
+        # handover, the one call left to the daemon, only warns). A daemon
+        # lost from here fails the session's next step, on every rank alike.
         old, daemon[0] = daemon[0], orphan_loads(socket, again, pool)
         if layer_loads is not None and board is not None:
             layer_loads.rebind(board, daemon[0])  # closes the old one
