@@ -155,9 +155,7 @@ def build_cache(context: Any, settings: Settings | None = None) -> Any:
 
     decisions = DecisionLog() if settings.record_decisions else None  # one log across attaches
 
-    def connect(step: int, epoch: int, begin: bool = True) -> SchedulerSession:
-        if decisions is not None and begin:
-            decisions.begin_session()
+    def connect(step: int, epoch: int) -> SchedulerSession:
         return SchedulerSession(client, first_step=step, decision_timeout_s=settings.timeout_s, decisions=decisions,
                                 epoch=epoch)
 
@@ -190,10 +188,10 @@ def build_cache(context: Any, settings: Settings | None = None) -> Any:
         # completes only with every rank's daemon and scheduler in it, and
         # a reply lost after the round is asked of the peers (docs/design.md
         # rule 12). Its outcome, the try's, is every rank's.
-        session = connect(int(again.last_step) + 1, again.epoch, begin=False)
+        session = connect(int(again.last_step) + 1, again.epoch)
         session.flush()
         if decisions is not None:
-            decisions.begin_session()  # on every rank alike: after the step that decided the try
+            decisions.begin_session()  # after the step that decided the try: on every rank alike
         # Nothing from here may fail on this rank alone (the host pool's
         # handover, the one call left to the daemon, only warns). A daemon
         # lost from here fails the session's next step, on every rank alike.
