@@ -272,12 +272,16 @@ class StepRequest(_message.Message):
     def __init__(self, step: _Optional[int] = ..., votes: _Optional[_Union[Votes, _Mapping]] = ..., prefetches: _Optional[_Iterable[_Union[PrefetchOp, _Mapping]]] = ..., prefetch_polls: _Optional[_Iterable[int]] = ..., revokes: _Optional[_Iterable[int]] = ..., writes: _Optional[_Iterable[_Union[WriteOp, _Mapping]]] = ..., loads: _Optional[_Iterable[_Union[LoadOp, _Mapping]]] = ..., epoch: _Optional[int] = ..., hold_releases: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class OutcomeRequest(_message.Message):
-    __slots__ = ("epoch", "step")
+    __slots__ = ("epoch", "step", "fence", "asking_rank")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    FENCE_FIELD_NUMBER: _ClassVar[int]
+    ASKING_RANK_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     step: int
-    def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+    fence: bool
+    asking_rank: int
+    def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., fence: _Optional[bool] = ..., asking_rank: _Optional[int] = ...) -> None: ...
 
 class OutcomeReply(_message.Message):
     __slots__ = ("reply", "error")
@@ -381,7 +385,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("rank", "world_size", "domain_ranks", "mode", "agreement_lag", "last_step", "rounds_completed", "open_questions", "state", "failure", "metrics_port", "attached", "epoch", "agreement_timeout_s")
+    __slots__ = ("rank", "world_size", "domain_ranks", "mode", "agreement_lag", "last_step", "rounds_completed", "open_questions", "state", "failure", "metrics_port", "attached", "epoch", "agreement_timeout_s", "version")
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     DOMAIN_RANKS_FIELD_NUMBER: _ClassVar[int]
@@ -396,6 +400,7 @@ class StatusReply(_message.Message):
     ATTACHED_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     AGREEMENT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     rank: int
     world_size: int
     domain_ranks: _containers.RepeatedScalarFieldContainer[int]
@@ -410,4 +415,5 @@ class StatusReply(_message.Message):
     attached: bool
     epoch: int
     agreement_timeout_s: float
-    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., domain_ranks: _Optional[_Iterable[int]] = ..., mode: _Optional[str] = ..., agreement_lag: _Optional[int] = ..., last_step: _Optional[int] = ..., rounds_completed: _Optional[int] = ..., open_questions: _Optional[int] = ..., state: _Optional[str] = ..., failure: _Optional[str] = ..., metrics_port: _Optional[int] = ..., attached: _Optional[bool] = ..., epoch: _Optional[int] = ..., agreement_timeout_s: _Optional[float] = ...) -> None: ...
+    version: str
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., domain_ranks: _Optional[_Iterable[int]] = ..., mode: _Optional[str] = ..., agreement_lag: _Optional[int] = ..., last_step: _Optional[int] = ..., rounds_completed: _Optional[int] = ..., open_questions: _Optional[int] = ..., state: _Optional[str] = ..., failure: _Optional[str] = ..., metrics_port: _Optional[int] = ..., attached: _Optional[bool] = ..., epoch: _Optional[int] = ..., agreement_timeout_s: _Optional[float] = ..., version: _Optional[str] = ...) -> None: ...
