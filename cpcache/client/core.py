@@ -54,7 +54,9 @@ DEFAULT_TIMEOUT_S = 30.0
 # A client's deadline must exceed the daemons' agreement timeout by this much:
 # the time a living daemon may take past its round's timeout to answer.
 DEADLINE_MARGIN_S = 5.0
-RECOVERY_ROUNDS = 3  # deadlines a stalled daemon is waited for while no peer can tell how its step ended
+# The longest a step whose daemon gave no answer waits for a daemon that may
+# still tell how it ended (a stopped peer): within SGLang's watchdog (300 s).
+OUTCOME_WAIT_S = 120.0
 
 # Reconnect quickly: the daemon is local and may be restarting.
 CHANNEL_OPTIONS = [
@@ -309,10 +311,15 @@ class Client(_Face):
     _grpc = grpc
 
     def __init__(self, address: str, token: str | None = None, credentials: grpc.ChannelCredentials | None = None,
-                 timeout_s: float | None = DEFAULT_TIMEOUT_S, peers: Sequence[str] = ()) -> None:
-        """`peers`: the addresses of the other daemons of this rank's domain."""
+                 timeout_s: float | None = DEFAULT_TIMEOUT_S, peers: Sequence[str] = (), rank: int | None = None,
+                 outcome_wait_s: float = OUTCOME_WAIT_S) -> None:
+        """`peers`: the addresses of the other daemons of this rank's domain;
+        `rank`: this scheduler's, named when a peer fences a step for it;
+        `outcome_wait_s`: how long a step whose daemon gave no answer waits
+        for a peer's daemon that may still tell how it ended (`recovery.py`)."""
         super().__init__(address, token, credentials, timeout_s)
         self._peer_addresses = tuple(peers)
+        self._rank, self._outcome_wait_s = rank, outcome_wait_s
         self._peer_clients: list[Client] | None = None
         self._token, self._credentials = token, credentials
 
@@ -368,7 +375,8 @@ class Client(_Face):
     def _recover(self, request: pb.StepRequest, failure: grpc.RpcError) -> pb.StepReply:
         timeout_s = self._timeout_s or DEFAULT_TIMEOUT_S
         asks = [peer._ask_outcome for peer in self._peers()]
-        return StepRecovery(self._resend, asks, timeout_s, RECOVERY_ROUNDS * timeout_s).outcome(request, failure)
+        recovery = StepRecovery(self._resend, asks, timeout_s, max(self._outcome_wait_s, timeout_s), self._rank)
+        return recovery.outcome(request, failure)
 
     def _resend(self, request: pb.StepRequest, timeout_s: float) -> pb.StepReply:
         return self._stub.Step(request, timeout=timeout_s, metadata=self._metadata)

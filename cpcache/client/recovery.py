@@ -11,13 +11,20 @@ round completes or fails by then. A reply can still fail to come:
 - the daemon is gone (nothing listens on its socket, or a new instance that
   serves a later epoch answers `EpochEnded`): the daemons of its peers are
   asked how the step ended (`Outcome`). Every rank answers a step alike, so
-  their answer is this rank's. A peer that has not taken the step answers
-  that it failed: its round cannot complete without that peer.
+  their answer is this rank's. A peer that has not taken the step is asked
+  to fence it (`OutcomeRequest.fence`): it fails the step for good, on its
+  own rank too, so no round of it completes later, and that failure is the
+  answer everywhere.
 
-A peer that cannot tell (it restarted too, or is unreachable) is skipped.
-Only when no daemon can tell does the step fail with its own error, on this
-rank alone; the SGLang backend's attach tries fall on absolute iterations,
-so ranks that fell back apart still come back together.
+A peer that may still tell (it did not answer in time: stopped, swapped,
+flooded) is asked again, with a growing pause, for up to `wait_s`: guessing
+would split the ranks, and a rank waiting here holds its server no longer
+than a split would (the model's next collective) before the server's own
+watchdog. A peer that can never tell (it restarted, or nothing listens) is
+not waited for. Only when no daemon that may tell answers within `wait_s`,
+or none can ever tell, does the step fail with its own error on this rank
+alone; the SGLang backend's attach tries fall on absolute iterations, so
+ranks that fell back apart still come back together.
 """
 
 from __future__ import annotations
@@ -56,6 +63,21 @@ def daemon_gone(exc: grpc.RpcError) -> bool:
     return exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 
 
+# Codes of a peer's `Outcome` call that may answer if asked again.
+_MAY_TELL_LATER = {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
+FIRST_PAUSE_S = 0.05
+LONGEST_PAUSE_S = 1.0
+
+
+@dataclass
+class _Heard:
+    """What the peers said of a step: the answer that decides it, if any, and
+    whether a peer that has not decided it may still tell."""
+
+    decided: pb.OutcomeReply | None = None
+    may_tell: bool = False
+
+
 @dataclass
 class StepRecovery:
     """Finds the outcome of one step whose call failed unanswered."""
@@ -63,26 +85,34 @@ class StepRecovery:
     resend: Resend
     peers: Sequence[Ask]
     timeout_s: float  # each call's deadline
-    give_up_s: float  # the longest a stalled daemon is waited for, peers undecided
+    wait_s: float  # the longest a daemon that may still tell is waited for, none having told
+    rank: int | None = None  # this scheduler's rank, named in a fence
+    pause: Callable[[float], None] = time.sleep
 
     def outcome(self, request: pb.StepRequest, failure: grpc.RpcError) -> pb.StepReply:
         """The reply every rank gets for `request`, or the typed error every
         rank gets for it (raised)."""
-        give_up = time.monotonic() + self.give_up_s
+        give_up = time.monotonic() + self.wait_s
         gone = daemon_gone(failure)
+        pause_s = FIRST_PAUSE_S
         while True:
             # The peers first: they answer as soon as the round is decided,
             # where this rank's stalled daemon may not.
-            if request.HasField("epoch"):
-                decided = self._ask_peers(request, final_if_not_taken=gone)
-                if decided is not None:
-                    if decided.HasField("reply"):
-                        return decided.reply
-                    raise step_error_from(decided.error)
-            if gone or time.monotonic() > give_up:
+            heard = self._ask_peers(request, fence=gone) if request.HasField("epoch") else _Heard()
+            if heard.decided is not None:
+                if heard.decided.HasField("reply"):
+                    return heard.decided.reply
+                raise step_error_from(heard.decided.error)
+            out_of_time = time.monotonic() > give_up
+            if out_of_time or (gone and not heard.may_tell):
                 cause = error_from(failure)
-                raise type(cause)(f"{cause}; no daemon of the domain could tell how step {request.step} "
-                                  "ended") from None
+                why = (f"no daemon of the domain told within {self.wait_s:.0f}s" if out_of_time
+                       else "no daemon of the domain can tell")
+                raise type(cause)(f"{cause}; {why} how step {request.step} ended") from None
+            if gone:
+                self.pause(pause_s)
+                pause_s = min(2 * pause_s, LONGEST_PAUSE_S)
+                continue
             try:
                 return self.resend(request, self.timeout_s)
             except grpc.RpcError as exc:
@@ -90,18 +120,24 @@ class StepRecovery:
                     raise error_from(exc) from None
                 failure, gone = exc, daemon_gone(exc)
 
-    def _ask_peers(self, request: pb.StepRequest, final_if_not_taken: bool) -> pb.OutcomeReply | None:
-        """The first peer's answer that decides the step; a peer that has not
-        taken it decides it only once this rank's daemon is gone (a living one
-        may still take part in its round with that peer)."""
-        ask = pb.OutcomeRequest(epoch=request.epoch, step=request.step)
+    def _ask_peers(self, request: pb.StepRequest, fence: bool) -> _Heard:
+        """The first peer's answer that decides the step. A peer that has
+        not taken it decides it once this rank's daemon is gone, by fencing
+        it (a living daemon may still take part in its round with that peer)."""
+        ask = pb.OutcomeRequest(epoch=request.epoch, step=request.step, fence=fence)
+        if fence and self.rank is not None:
+            ask.asking_rank = self.rank
+        heard = _Heard()
         for peer in self.peers:
             try:
                 answer = peer(ask, self.timeout_s)
-            except grpc.RpcError:
-                continue  # this peer cannot tell
-            if answer.HasField("error") and answer.error.metadata.get(NOT_TAKEN) and not final_if_not_taken:
+            except grpc.RpcError as exc:
+                heard.may_tell |= exc.code() in _MAY_TELL_LATER  # stopped or flooded: ask again
+                continue
+            if answer.HasField("error") and answer.error.metadata.get(NOT_TAKEN):
+                heard.may_tell = True  # it may take the step with this rank's daemon yet
                 continue
             if answer.HasField("reply") or answer.HasField("error"):
-                return answer
-        return None
+                heard.decided = answer
+                return heard
+        return heard

@@ -123,16 +123,23 @@ class CacheDaemonServicer(pb_grpc.CacheDaemonServicer):
         """How a step of this rank's domain ended, for a peer's scheduler
         that never heard (its daemon died): the reply, or the error, that
         this rank's scheduler is (or will be) given for it."""
+        fence_for: int | None = None
+        if request.fence:  # the asker's daemon is gone: a step not taken here fails for good
+            fence_for = request.asking_rank if request.HasField("asking_rank") else -1
         try:
-            kept = self._daemon.rank.outcome(request.epoch, request.step)
+            kept = self._daemon.rank.outcome(request.epoch, request.step, fence_for)
         except NotFound as exc:
             if self._daemon.rank.config.agreement_lag:
                 # At lag >= 1 the step answers an earlier round, which may
                 # have completed without this rank's step: no telling yet.
                 raise Unavailable(f"{exc}; at agreement_lag >= 1 this rank cannot tell how it ends") from None
-            # Not taken here at lag 0: its round cannot complete anywhere.
+            # Not taken here at lag 0: its round cannot complete without this
+            # rank. Asked to fence, the step can no longer be taken here (the
+            # epoch was left): final. Otherwise the asker's living daemon may
+            # still take part in it with this rank.
             error = step_error(Unavailable(str(exc)))
-            error.metadata[NOT_TAKEN] = "1"
+            if fence_for is None:
+                error.metadata[NOT_TAKEN] = "1"
             return pb.OutcomeReply(error=error)
         try:
             answer = await asyncio.shield(kept)

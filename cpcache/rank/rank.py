@@ -16,7 +16,15 @@ from collections.abc import Sequence
 from cpcache.agreement.bounded import StoreTimeout, bounded_async
 from cpcache.agreement.rounds import Questions
 from cpcache.config import DaemonConfig
-from cpcache.errors import CacheError, EpochEnded, FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from cpcache.errors import (
+    CacheError,
+    EpochEnded,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PeerLost,
+    Unavailable,
+)
 from cpcache.rank.assembly import CacheRuntime
 from cpcache.rank.attach import Attacher
 from cpcache.rank.epochs import Formation, RankHost, Standing
@@ -90,13 +98,24 @@ class Rank:
         answer = await stepper.step(step, votes, requests, invalid=invalid, request_digest=request_digest)
         return answer, stepper.phases
 
-    def outcome(self, epoch: int, step: int) -> asyncio.Future[StepAnswer]:
+    def outcome(self, epoch: int, step: int, fence_for: int | None = None) -> asyncio.Future[StepAnswer]:
         """What step `step` of epoch `epoch` answers here (`Stepper.kept`);
-        `Unavailable` when this rank cannot tell (it keeps no such epoch)."""
+        `Unavailable` when this rank cannot tell (it keeps no such epoch).
+        `fence_for`: the asking scheduler's rank (-1: unknown), whose daemon is gone. A step
+        this rank has not taken then fails here for good (`Stepper.fence`), so
+        that no round of it completes later, and this rank leaves the epoch
+        (its peer's daemon is gone): the answer is that failure."""
         stepper = self.formation.recent.get(epoch)
         if stepper is None:
             raise Unavailable(f"rank {self.config.rank} keeps no epoch {epoch} (it serves epoch {self.epoch}, and "
                               f"keeps {sorted(self.formation.recent)}): it cannot tell how step {step} ended")
+        if fence_for is not None and not self.config.agreement_lag:
+            asker = f"rank {fence_for}" if fence_for >= 0 else "a peer"
+            failure = PeerLost(f"step {step} of epoch {epoch} failed: the daemon of {asker} is gone and its scheduler "
+                               f"asked how the step ended before rank {self.config.rank} took it",
+                               (fence_for,) if fence_for >= 0 else ())
+            if stepper.fence(step, failure) and stepper is self.formation.stepper:
+                self.formation.reform_soon(f"the daemon of {asker} is gone (step {step} fenced)")
         return stepper.kept(step)
 
     def check_scheduler(self, scheduler: Topology, scheduler_rank: int) -> None:

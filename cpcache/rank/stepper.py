@@ -66,6 +66,7 @@ log = logging.getLogger(__name__)
 
 MAX_VOTES_PER_STEP = 1 << 16
 REPLIES_KEPT = 64
+FENCED = -1  # the request digest of a step failed before this rank took it: any retry gets the failure
 
 
 @dataclass(frozen=True)
@@ -158,6 +159,25 @@ class Stepper:
         # Shielded: the outcome belongs to the daemon, not to this call.
         return await asyncio.shield(answer)
 
+    def fence(self, step: int, failure: CacheError) -> bool:
+        """Fail step `step` here before this rank takes it, for good: a peer's
+        scheduler whose daemon is gone asked how it ended (docs/design.md rule
+        12). Its round can then complete nowhere (it needs this rank), so the
+        peer's "not taken" is final; this rank's own scheduler, sending the
+        step later, gets `failure` too. -> False when the step was taken (its
+        kept answer decides) or the epoch was left (no later step is taken)."""
+        if self._left is not None or step <= self.last_step:
+            return False
+        failed: asyncio.Future[StepAnswer] = asyncio.get_running_loop().create_future()
+        failed.set_exception(failure)
+        failed.add_done_callback(_observe)
+        for fenced in range(max(self.last_step + 1, step - REPLIES_KEPT + 1), step + 1):
+            self._replies[fenced] = (FENCED, failed)
+        self.last_step = step
+        while len(self._replies) > REPLIES_KEPT:
+            self._replies.popitem(last=False)
+        return True
+
     def kept(self, step: int) -> asyncio.Future[StepAnswer]:
         """What step `step` answers on this rank (done once its round is
         applied), for a peer's scheduler whose own daemon never answered it:
@@ -181,7 +201,7 @@ class Stepper:
                 f"{REPLIES_KEPT} steps this daemon remembers: send step {self.last_step + 1} or later",
                 self.last_step)
         digest, task = kept
-        if digest != request_digest:
+        if digest not in (request_digest, FENCED):
             raise FailedPrecondition(f"step {step} was already taken with different content; a retry must "
                                      f"repeat the request byte for byte")
         return await asyncio.shield(task)

@@ -17,6 +17,7 @@ import pytest
 from cpcache import errors
 from cpcache.client import CacheRequests, Client, WriteRequest
 from cpcache.daemon.launcher import LocalDomain
+from cpcache.v1 import daemon_pb2 as pb
 from cpcache.values import Reduce
 
 from .attacks.common import PAGE_HASHES, PAGES, attach_all, close_all, make, spec
@@ -105,7 +106,7 @@ async def test_a_restarted_daemon_never_takes_a_step_of_the_session_before_it(ru
 async def test_a_step_whose_deadline_passes_before_its_round_ends_is_retried_not_given_up(run_dir):
     async with attached_domain(run_dir) as (domain, _, epoch):
         # Rank 0's deadline is far shorter than the round, which waits for rank 1.
-        hasty = Client(domain.sockets[0], timeout_s=0.5, peers=[domain.sockets[1]])
+        hasty = Client(domain.sockets[0], timeout_s=0.5, peers=[domain.sockets[1]], rank=0)
         patient = Client(domain.sockets[1], timeout_s=CLIENT_TIMEOUT_S, peers=[domain.sockets[0]])
         # Rank 1 steps only once rank 0's deadline has passed (its client recovers the step).
         late = threading.Event()
@@ -122,6 +123,75 @@ async def test_a_step_whose_deadline_passes_before_its_round_ends_is_retried_not
         assert (await first).wire == second.wire
         hasty.close()
         patient.close()
+
+
+async def wait_taken(client, step):
+    """Until the daemon behind `client` has taken step `step` (its status says so)."""
+    while (await asyncio.to_thread(client.status)).last_step < step:
+        await asyncio.sleep(0)  # yield only: each status call is the wait
+
+
+async def test_a_step_fenced_for_a_gone_daemon_fails_on_every_rank_and_no_round_of_it_completes(run_dir):
+    """Rank 0's daemon took step 2 and waits in its round; rank 0's scheduler
+    counts that daemon gone (a stop that cancels its call, say) and asks rank
+    1 how step 2 ended before rank 1 took it. Rank 1's "not taken" must be
+    final: the step fails there too, and rank 0's round never completes with
+    rank 1's late step (which would apply what rank 0's scheduler failed)."""
+    async with attached_domain(run_dir) as (domain, blocking, epoch):
+        assert same_outcome(await step_both(blocking, 1, epoch))
+        taken = asyncio.ensure_future(asyncio.to_thread(blocking[0].step, 2, [(1, Reduce.MIN, 1)], write_step(2),
+                                                        epoch))
+        await wait_taken(blocking[0], 2)
+        asker = blocking[0]._peers()[0]  # rank 0's scheduler asking rank 1's daemon, as its recovery does
+        told = await asyncio.to_thread(asker._ask_outcome, pb.OutcomeRequest(epoch=epoch, step=2, fence=True,
+                                                                             asking_rank=0), CLIENT_TIMEOUT_S)
+        assert told.HasField("error") and told.error.reason == "PEER_LOST", told
+        assert "daemon of rank 0 is gone" in told.error.message
+        late = await asyncio.gather(asyncio.to_thread(blocking[1].step, 2, [(1, Reduce.MIN, 1)], write_step(2), epoch),
+                                    return_exceptions=True)
+        assert isinstance(late[0], errors.PeerLost) and late[0].missing_ranks == (0,), late
+        assert isinstance((await asyncio.gather(taken, return_exceptions=True))[0], errors.Unavailable)
+
+
+async def test_a_peer_stopped_past_the_deadline_is_asked_again_until_it_tells(run_dir):
+    """Rank 0's daemon dies between its round and its reply; rank 1's daemon
+    answers rank 1 and is then stopped (SIGSTOP) for longer than rank 0's
+    client deadline. Rank 0 asks rank 1's daemon again until it answers, and
+    is told what rank 1 applied."""
+    async with attached_domain(run_dir, {0: {"fault_exit_after_round": 2}}) as (domain, blocking, epoch):
+        assert same_outcome(await step_both(blocking, 1, epoch))
+        hasty = Client(domain.sockets[0], timeout_s=3.0, peers=[domain.sockets[1]], rank=0)
+        stopped, asked_in_vain = threading.Event(), threading.Event()
+        recover = hasty._recover
+
+        def after_the_stop(request, failure):
+            stopped.wait(60)
+            return recover(request, failure)
+
+        hasty._recover = after_the_stop
+        peer = hasty._peers()[0]
+        ask = peer._ask_outcome
+
+        def asking(request, timeout_s):
+            try:
+                return ask(request, timeout_s)
+            except Exception:
+                asked_in_vain.set()
+                raise
+
+        peer._ask_outcome = asking
+        try:
+            first = asyncio.ensure_future(asyncio.to_thread(hasty.step, 2, [(1, Reduce.MIN, 1)], write_step(2), epoch))
+            applied = await asyncio.to_thread(blocking[1].step, 2, [(1, Reduce.MIN, 1)], write_step(2), epoch)
+            domain.signal(1, signal.SIGSTOP)
+            try:
+                stopped.set()
+                assert await asyncio.to_thread(asked_in_vain.wait, 60)
+            finally:
+                domain.signal(1, signal.SIGCONT)
+            assert (await first).wire == applied.wire
+        finally:
+            hasty.close()
 
 
 def test_a_client_whose_deadline_the_agreement_timeout_does_not_fit_is_refused():

@@ -2,7 +2,9 @@
 every case of the daemon's and the peers' answers: the daemon that took the
 step answers a retry with what it kept; once it is gone, the peers' daemons
 tell; a peer that has not taken the step decides it only once this rank's
-daemon is gone. (The same on real daemons: tests/multirank/test_daemon_loss_agreed.py.)"""
+daemon is gone, by fencing it; a peer that may still tell is asked again,
+one that never can is not waited for. (The same on real daemons:
+tests/multirank/test_daemon_loss_agreed.py.)"""
 
 import grpc
 import pytest
@@ -50,16 +52,37 @@ def daemon(*answers):
     return resend
 
 
-def peer(answer):
+def peer(*answers):
+    """A peer's daemon: each ask takes the next answer (raised if an error)."""
     asked = []
 
     def ask(request, timeout_s):
         asked.append((request.epoch, request.step))
+        answer = answers[min(len(asked) - 1, len(answers) - 1)]
         if isinstance(answer, BaseException):
             raise answer
         return answer
     ask.asked = asked
     return ask
+
+
+def fencing_peer():
+    """A peer's daemon that has not taken the step: "not taken" while the
+    asker's daemon may still take part, the fenced failure once it is gone."""
+    fences = []
+
+    def ask(request, timeout_s):
+        fences.append((request.fence, request.asking_rank if request.HasField("asking_rank") else None))
+        if not request.fence:
+            return failed_outcome(not_taken=True)
+        return pb.OutcomeReply(error=pb.StepError(status="UNAVAILABLE", reason="PEER_LOST",
+                                                  message="step 7 failed: fenced"))
+    ask.fences = fences
+    return ask
+
+
+def no_pause(seconds):
+    pass
 
 
 def failed_outcome(not_taken=False):
@@ -98,9 +121,11 @@ def test_a_peer_that_cannot_tell_is_skipped_for_one_that_can():
     assert StepRecovery(daemon(GONE), [skipped, decided], 1.0, 3.0).outcome(REQUEST, GONE) == REPLY
 
 
-def test_a_step_no_peer_took_fails_once_this_daemon_is_gone():
-    with pytest.raises(errors.Unavailable):
-        StepRecovery(daemon(GONE), [peer(failed_outcome(not_taken=True))], 1.0, 3.0).outcome(REQUEST, GONE)
+def test_a_step_no_peer_took_is_fenced_once_this_daemon_is_gone():
+    other = fencing_peer()
+    with pytest.raises(errors.PeerLost, match="fenced"):
+        StepRecovery(daemon(GONE), [other], 1.0, 3.0, rank=2).outcome(REQUEST, GONE)
+    assert other.fences == [(True, 2)]
 
 
 def test_a_step_no_peer_took_yet_waits_for_a_living_daemon():
@@ -119,15 +144,46 @@ def test_a_peer_that_decided_answers_before_a_stalled_daemon_is_waited_for_again
     assert own.sent == []
 
 
-def test_a_daemon_that_dies_while_retried_makes_a_peer_s_not_taken_final():
-    own = daemon(DEADLINE, GONE)
-    with pytest.raises(errors.Unavailable, match="not taken"):
-        StepRecovery(own, [peer(failed_outcome(not_taken=True))], 0.01, 30.0).outcome(REQUEST, DEADLINE)
-    assert len(own.sent) == 2
+def test_a_daemon_that_dies_while_retried_has_its_step_fenced():
+    own, other = daemon(DEADLINE, GONE), fencing_peer()
+    with pytest.raises(errors.PeerLost, match="fenced"):
+        StepRecovery(own, [other], 0.01, 30.0).outcome(REQUEST, DEADLINE)
+    assert len(own.sent) == 2 and other.fences == [(False, None), (False, None), (True, None)]
+
+
+def test_a_stopped_peer_is_asked_again_until_it_tells():
+    """This rank's daemon died between its round and its reply; the peer that
+    applied the step is stopped for longer than a call's deadline."""
+    pauses = []
+    other = peer(DEADLINE, DEADLINE, pb.OutcomeReply(reply=REPLY))
+    recovery = StepRecovery(daemon(GONE), [other], 0.01, 30.0, pause=pauses.append)
+    assert recovery.outcome(REQUEST, GONE) == REPLY
+    assert len(other.asked) == 3 and pauses == [0.05, 0.1]
+
+
+def test_a_flooded_peer_is_asked_again():
+    other = peer(Failed(grpc.StatusCode.RESOURCE_EXHAUSTED), pb.OutcomeReply(reply=REPLY))
+    assert StepRecovery(daemon(GONE), [other], 0.01, 30.0, pause=no_pause).outcome(REQUEST, GONE) == REPLY
+
+
+def test_a_peer_that_may_tell_is_waited_for_no_longer_than_the_wait():
+    other = peer(DEADLINE)
+    with pytest.raises(errors.Unavailable, match=r"no daemon of the domain told within 0s"):
+        StepRecovery(daemon(GONE), [other], 0.01, 0.05, pause=no_pause).outcome(REQUEST, GONE)
+    assert len(other.asked) >= 2
+
+
+def test_peers_that_can_never_tell_are_not_waited_for():
+    """Nothing listens on their sockets, or they restarted: no later ask can tell."""
+    pauses = []
+    dead, restarted = peer(GONE), peer(Failed(grpc.StatusCode.UNAVAILABLE))
+    with pytest.raises(errors.Unavailable, match="can tell"):
+        StepRecovery(daemon(GONE), [dead, restarted], 0.01, 30.0, pause=pauses.append).outcome(REQUEST, GONE)
+    assert pauses == []
 
 
 def test_nobody_can_tell_fails_with_the_step_s_own_error():
-    with pytest.raises(errors.Unavailable, match="no daemon of the domain could tell"):
+    with pytest.raises(errors.Unavailable, match="no daemon of the domain can tell"):
         StepRecovery(daemon(GONE), [], 1.0, 3.0).outcome(REQUEST, GONE)
 
 
