@@ -39,6 +39,7 @@ from cpcache.client.calls import (
     step_call,
     wait_loads_call,
 )
+from cpcache.client.daemon_process import HeldDaemon
 from cpcache.client.messages import StepResult
 from cpcache.client.recovery import StepRecovery, unanswered
 from cpcache.client.wire_errors import error_from
@@ -320,6 +321,7 @@ class Client(_Face):
         super().__init__(address, token, credentials, timeout_s)
         self._peer_addresses = tuple(peers)
         self._rank, self._outcome_wait_s = rank, outcome_wait_s
+        self._held: HeldDaemon | None = None  # the daemon as last attached: its outcome ring
         self._peer_clients: list[Client] | None = None
         self._token, self._credentials = token, credentials
 
@@ -337,7 +339,28 @@ class Client(_Face):
             if call.rpc == "Step" and unanswered(exc):
                 return call.read(self._recover(call.request, exc))
             raise error_from(exc) from None
+        if call.rpc == "Attach":
+            self.hold_daemon()  # the instance that attached: its steps are recorded in its ring
         return call.read(reply)
+
+    def hold_daemon(self) -> bool:
+        """Take the daemon's identity now (its pidfd and step-outcome ring),
+        replacing any held: a step whose reply it never gives is then read
+        from its ring. Done after every Attach. -> whether it could be had
+        (not over TCP, nor from a daemon that is down)."""
+        try:
+            held: HeldDaemon | None = HeldDaemon.take(self._address, self._timeout_s or DEFAULT_TIMEOUT_S)
+        except errors.CacheError:
+            held = None
+        old, self._held = self._held, held
+        if old is not None:
+            old.close()
+        return held is not None
+
+    def identify(self) -> HeldDaemon:
+        """The daemon's process and outcome ring, taken now, for the caller
+        to keep (and close): `CacheError` when it cannot be had."""
+        return HeldDaemon.take(self._address, self._timeout_s or DEFAULT_TIMEOUT_S)
 
     def wait_serving(self, timeout_s: float) -> None:
         """Wait until the daemon reports SERVING (its socket may not exist
@@ -375,8 +398,12 @@ class Client(_Face):
     def _recover(self, request: pb.StepRequest, failure: grpc.RpcError) -> pb.StepReply:
         timeout_s = self._timeout_s or DEFAULT_TIMEOUT_S
         asks = [peer._ask_outcome for peer in self._peers()]
-        recovery = StepRecovery(self._resend, asks, timeout_s, max(self._outcome_wait_s, timeout_s), self._rank)
+        recovery = StepRecovery(self._resend, asks, timeout_s, max(self._outcome_wait_s, timeout_s), self._rank,
+                                recorded=self._recorded)
         return recovery.outcome(request, failure)
+
+    def _recorded(self, epoch: int, step: int) -> bytes | None:
+        return self._held.recorded(epoch, step) if self._held is not None else None
 
     def _resend(self, request: pb.StepRequest, timeout_s: float) -> pb.StepReply:
         return self._stub.Step(request, timeout=timeout_s, metadata=self._metadata)
@@ -400,3 +427,6 @@ class Client(_Face):
         self._channel.close()
         for peer in self._peer_clients or ():
             peer.close()
+        if self._held is not None:
+            self._held.close()
+            self._held = None

@@ -1,6 +1,8 @@
 """Handing a device pool to the daemon by descriptor (the daemon opens no
 file by path): the pool's descriptor goes over `<socket>.pools`, and the
-ticket that comes back goes into the Attach."""
+ticket that comes back goes into the Attach. The same socket hands the
+scheduler its daemon's host pool (read-only) and its identity: a pidfd of
+its process and the ring its step outcomes are recorded in."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from cpcache import errors
 
 SUFFIX = ".pools"
 HOST_ASK = b"host "  # + the ticket: take the daemon's host pool, read-only
+IDENTITY_ASK = b"identity"  # take the daemon's pidfd and its step-outcome ring
 
 
 def handover_path(address: str) -> str | None:
@@ -71,6 +74,30 @@ def take_host_pool(address: str, ticket: str, timeout_s: float = 10.0) -> tuple[
             os.close(fd)
         raise refusal(answer.decode(errors="replace") or "ERR UNAVAILABLE the daemon closed the exchange")
     return fds[0], pid
+
+
+def take_identity(address: str, timeout_s: float = 10.0) -> tuple[int, int]:
+    """The daemon's identity, by descriptor: -> (a pidfd of its process, its
+    step-outcome ring read-only, or -1). A pidfd names the process itself:
+    no pid is looked up, so none can have been reused, and it works across
+    pid namespaces (the daemon in another container)."""
+    path = handover_path(address)
+    if path is None:
+        raise errors.InvalidArgument(f"a daemon's identity is handed over on its unix socket; {address} is not one")
+    deadline = time.monotonic() + timeout_s
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout_s)
+        try:
+            _connect(sock, path, deadline)
+            sock.sendall(IDENTITY_ASK)
+            answer, fds, _, _ = socket.recv_fds(sock, 4096, 2)
+        except OSError as exc:
+            raise errors.Unavailable(f"cannot take the daemon's identity on {path}: {exc}") from None
+    if answer != b"OK" or not fds:
+        for fd in fds:
+            os.close(fd)
+        raise refusal(answer.decode(errors="replace") or "ERR UNAVAILABLE the daemon closed the exchange")
+    return fds[0], fds[1] if len(fds) > 1 else -1
 
 
 _REFUSALS: dict[str, type[errors.CacheError]] = {

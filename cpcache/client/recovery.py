@@ -9,7 +9,9 @@ round completes or fails by then. A reply can still fail to come:
   longer than the deadline): the same request is sent again, byte for byte,
   and the daemon answers it with the outcome it kept for that step;
 - the daemon is gone (nothing listens on its socket, or a new instance that
-  serves a later epoch answers `EpochEnded`): the daemons of its peers are
+  serves a later epoch answers `EpochEnded`): what it recorded of the step
+  in its outcome ring (`step_outcomes`, written before it answers) is read
+  first; failing that, the daemons of its peers are
   asked how the step ended (`Outcome`). Every rank answers a step alike, so
   their answer is this rank's. A peer that has not taken the step is asked
   to fence it (`OutcomeRequest.fence`): it fails the step for good, on its
@@ -34,12 +36,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from cpcache import errors
 from cpcache.client.wire_errors import error_from, error_info, step_error_from
 from cpcache.v1 import daemon_pb2 as pb
 from cpcache.values import NOT_TAKEN
 
+Recorded = Callable[[int, int], bytes | None]  # the rank's own daemon's outcome ring: (epoch, step) -> OutcomeReply
 Resend = Callable[[pb.StepRequest, float], pb.StepReply]  # the rank's own daemon; raises grpc.RpcError
 Ask = Callable[[pb.OutcomeRequest, float], pb.OutcomeReply]  # a peer's daemon; raises grpc.RpcError
 
@@ -88,6 +92,7 @@ class StepRecovery:
     wait_s: float  # the longest a daemon that may still tell is waited for, none having told
     rank: int | None = None  # this scheduler's rank, named in a fence
     pause: Callable[[float], None] = time.sleep
+    recorded: Recorded | None = None
 
     def outcome(self, request: pb.StepRequest, failure: grpc.RpcError) -> pb.StepReply:
         """The reply every rank gets for `request`, or the typed error every
@@ -96,9 +101,13 @@ class StepRecovery:
         gone = daemon_gone(failure)
         pause_s = FIRST_PAUSE_S
         while True:
-            # The peers first: they answer as soon as the round is decided,
-            # where this rank's stalled daemon may not.
-            heard = self._ask_peers(request, fence=gone) if request.HasField("epoch") else _Heard()
+            # What this rank's own daemon recorded first (it decided the step
+            # with its peers, whatever became of it since); then the peers:
+            # they answer as soon as the round is decided, where this rank's
+            # stalled daemon may not.
+            heard = self._read_record(request) if request.HasField("epoch") else _Heard()
+            if heard.decided is None and request.HasField("epoch"):
+                heard = self._ask_peers(request, fence=gone)
             if heard.decided is not None:
                 if heard.decided.HasField("reply"):
                     return heard.decided.reply
@@ -119,6 +128,17 @@ class StepRecovery:
                 if not unanswered(exc):
                     raise error_from(exc) from None
                 failure, gone = exc, daemon_gone(exc)
+
+    def _read_record(self, request: pb.StepRequest) -> _Heard:
+        payload = self.recorded(request.epoch, request.step) if self.recorded is not None else None
+        if payload is None:
+            return _Heard()
+        told = pb.OutcomeReply()
+        try:
+            told.ParseFromString(payload)
+        except DecodeError:  # a record that does not read: as if none
+            return _Heard()
+        return _Heard(decided=told) if told.HasField("reply") or told.HasField("error") else _Heard()
 
     def _ask_peers(self, request: pb.StepRequest, fence: bool) -> _Heard:
         """The first peer's answer that decides the step. A peer that has

@@ -52,6 +52,10 @@ log = logging.getLogger("cpcached")
 
 SUFFIX = ".pools"
 HOST_ASK = b"host "  # + a ticket: a scheduler takes the host pool offered under it
+# A scheduler takes its daemon's identity: a pidfd of the daemon's process
+# (valid across pid namespaces, never a reused pid) and, read-only, the ring
+# its step outcomes are recorded in (`step_outcomes`).
+IDENTITY_ASK = b"identity"
 HOST_TICKET_CHARS = 32
 TICKET_TTL_S = budget.POOLS_TICKET_TTL_S
 _UCRED = struct.Struct("3i")  # pid, uid, gid
@@ -82,8 +86,10 @@ class _Sometimes:
 
 
 class PoolHandover:
-    def __init__(self, path: str, socket_group: str = "") -> None:
+    def __init__(self, path: str, socket_group: str = "", outcomes_fd: int = -1) -> None:
+        """`outcomes_fd`: the memfd of the daemon's step-outcome ring (-1: none)."""
         self.path = path
+        self._outcomes_fd = outcomes_fd
         self._group = socket_group
         self._tickets = Tickets()
         self._serving: collections.Counter[int] = collections.Counter()  # uid -> connections served now
@@ -200,8 +206,8 @@ class PoolHandover:
             conn.settimeout(budget.POOLS_DEADLINE_S)
             answer = self._exchange(conn, uid, pid, received)
             conn.settimeout(max(0.01, deadline - time.monotonic()))
-            if isinstance(answer, tuple):  # a host pool, read-only
-                socket.send_fds(conn, [answer[0]], [answer[1]])
+            if isinstance(answer, tuple):  # descriptors: a host pool read-only, or the daemon's identity
+                socket.send_fds(conn, [answer[0]], answer[1])
             else:
                 conn.sendall(answer)
         except Exception as exc:  # a bad peer must not end anything but its own exchange
@@ -233,12 +239,21 @@ class PoolHandover:
         slow = [fd for fd in fds if not close_now(fd)]
         self._closer.close(uid, *slow)
 
-    def _exchange(self, conn: socket.socket, uid: int, pid: int, received: list[int]) -> bytes | tuple[bytes, int]:
+    def _exchange(self, conn: socket.socket, uid: int, pid: int, received: list[int]
+                  ) -> bytes | tuple[bytes, list[int]]:
         """The answer to one connection. Descriptors read land in `received`
         (closed by the caller); a kept one is taken out of it. `host TICKET`
-        asks for a host pool offered under TICKET: (b"OK", its descriptor)."""
+        asks for a host pool offered under TICKET: (b"OK", [its descriptor]);
+        `identity` for the daemon's: (b"OK", [pidfd, outcome ring or none])."""
         message, fds = receive(conn, 0)
         received.extend(fds)
+        if message == IDENTITY_ASK and not fds:
+            own = [os.pidfd_open(os.getpid())]
+            ring = _reopen_read_only(self._outcomes_fd)
+            if ring >= 0:
+                own.append(ring)
+            received.extend(own)  # closed once sent
+            return b"OK", own
         if message.startswith(HOST_ASK):
             while len(message) < len(HOST_ASK) + HOST_TICKET_CHARS and not fds:
                 more = conn.recv(len(HOST_ASK) + HOST_TICKET_CHARS - len(message))
@@ -252,7 +267,7 @@ class PoolHandover:
             if read_only < 0:
                 return _refusal("PERMISSION_DENIED", "unknown host pool ticket (the AttachReply names it)")
             received.append(read_only)  # closed once sent
-            return b"OK", read_only
+            return b"OK", [read_only]
         if len(fds) != 1:
             return _refusal("INVALID_ARGUMENT", "send exactly one descriptor, the pool's")
         if not named_memfd(fds[0]):

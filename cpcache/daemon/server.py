@@ -36,11 +36,14 @@ from cpcache.daemon.pool_handover import SUFFIX as POOLS_SUFFIX
 from cpcache.daemon.pool_handover import PoolHandover
 from cpcache.daemon.servicer import CacheDaemonServicer
 from cpcache.daemon.systemd import Notifier, extend_timeout_while
-from cpcache.daemon.wire import AttachAsk, DaemonStatus
+from cpcache.daemon.wire import AttachAsk, DaemonStatus, step_error, step_reply
 from cpcache.errors import CacheError, Unavailable
 from cpcache.rank.attach import Attached
 from cpcache.rank.epochs import Standing
 from cpcache.rank.rank import Rank
+from cpcache.rank.stepper import StepAnswer
+from cpcache.step_outcomes import OutcomeWriter
+from cpcache.v1 import daemon_pb2 as pb
 
 log = logging.getLogger("cpcached")
 
@@ -72,6 +75,9 @@ class Daemon:
         self.lifecycle = Lifecycle.STARTING
         self.stop_requested = asyncio.Event()
         self.rank = Rank(config, self)
+        # Every step's outcome, where this rank's scheduler reads it after this daemon's death.
+        self.outcomes = OutcomeWriter()
+        self.rank.formation.record_outcome = self._record_outcome
         self.metrics = DaemonCollector(self)
         self.metrics_port = 0
         self._health = health_async.HealthServicer()
@@ -115,6 +121,11 @@ class Daemon:
         if host.fd >= 0 and self._pools is not None:
             attached = dataclasses.replace(attached, host_pool_ticket=self._pools.offer_host_pool(host))
         return attached
+
+    def _record_outcome(self, epoch: int, step: int, outcome: StepAnswer | CacheError) -> None:
+        told = (pb.OutcomeReply(error=step_error(outcome)) if isinstance(outcome, CacheError)
+                else pb.OutcomeReply(reply=step_reply(outcome)))
+        self.outcomes.record(epoch, step, told.SerializeToString())
 
     def _take(self, ticket: str) -> tuple[int, int, int]:
         """A descriptor handed over on the `.pools` socket: -> (fd, uid, pid)."""
@@ -244,7 +255,8 @@ class Daemon:
         self._servers = await start_listeners(
             self.config, functools.partial(new_server, self.config, servicer, self._health, self.metrics.rpc))
         # Pools come by descriptor, beside the socket, with its mode and group.
-        self._pools = PoolHandover(self.config.socket_path + POOLS_SUFFIX, self.config.socket_group)
+        self._pools = PoolHandover(self.config.socket_path + POOLS_SUFFIX, self.config.socket_group,
+                                   self.outcomes.fd)
         self._pools.start()
 
     def spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:

@@ -27,7 +27,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
@@ -41,7 +41,7 @@ from cpcache.agreement.liveness import Heartbeat, diagnose
 from cpcache.config import DaemonConfig
 from cpcache.errors import CacheError, PeerLost, Unavailable
 from cpcache.rank.assembly import CacheRuntime, carry_over
-from cpcache.rank.stepper import Stepper
+from cpcache.rank.stepper import StepAnswer, Stepper
 from cpcache.state import carryover
 from cpcache.values import split_host_port
 
@@ -147,6 +147,9 @@ class Formation:
         self._reform_reason = ""
         self._heartbeat: Heartbeat | None = None
         self._store_server: TCPStore | None = None  # when this daemon hosts the rendezvous store
+        # Each stepper's `recorded`: the daemon records step outcomes where
+        # its scheduler reads them after the daemon's death (step_outcomes.py).
+        self.record_outcome: Callable[[int, int, StepAnswer | CacheError], None] | None = None
 
     @property
     def epoch(self) -> int:
@@ -253,6 +256,7 @@ class Formation:
         self.engine = engine
         self.stepper = Stepper(engine, config.rank, config.agreement_lag, self.epoch)
         self.recent[self.epoch] = self.stepper
+        self.stepper.recorded = self.record_outcome
         if config.faults.exit_after_round:
             self.stepper.after_round = functools.partial(_exit_after_round, config.faults.exit_after_round)
         while len(self.recent) > EPOCHS_KEPT:

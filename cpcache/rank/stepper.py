@@ -110,6 +110,17 @@ class Stepper:
         # Called with each step's number once its round is applied, before
         # it is answered (fault injection: a daemon dying in between).
         self.after_round: Callable[[int], None] | None = None
+        # Told each step's outcome (epoch, step, outcome) before it is
+        # answered: the daemon records it where its scheduler can read it.
+        self.recorded: Callable[[int, int, StepAnswer | CacheError], None] | None = None
+
+    def _record(self, step: int, outcome: StepAnswer | CacheError) -> None:
+        if self.recorded is None:
+            return
+        try:
+            self.recorded(self.epoch, step, outcome)
+        except Exception:  # a record lost costs only the shortcut it offers
+            log.exception("recording the outcome of step %d failed", step)
 
     def leave(self, why: str) -> None:
         """This stepper's epoch is over: nothing more is applied here."""
@@ -173,6 +184,7 @@ class Stepper:
         failed.add_done_callback(_observe)
         for fenced in range(max(self.last_step + 1, step - REPLIES_KEPT + 1), step + 1):
             self._replies[fenced] = (FENCED, failed)
+            self._record(fenced, failure)
         self.last_step = step
         while len(self._replies) > REPLIES_KEPT:
             self._replies.popitem(last=False)
@@ -221,9 +233,12 @@ class Stepper:
             later: list[Intent] = []
             if self._pipeline and len(self._pipeline) >= self._lag:
                 carried, later = await self._apply_guarded(self._pipeline.popleft())
+            outcome = _outcome(step, carried, self.digest, self.epoch)
+            self._record(step, outcome)  # before the answer leaves: readable after this daemon's death
             if self.after_round is not None:
                 self.after_round(step)
-            _answer(answer, step, carried, self.digest, self.epoch)
+            if not answer.done():  # done: its caller's loop is going away
+                _settle(answer, outcome)
             # The answer leaves before the I/O it need not wait for starts and,
             # at lag >= 1, before this step's round is packed and the agreement
             # thread wakes up.
@@ -343,20 +358,23 @@ class Stepper:
         return StepAnswer(0, result.number, op_ids, values, result.digest, decided), applied.later
 
 
-def _answer(answer: asyncio.Future[StepAnswer], step: int, carried: StepAnswer | CacheError | None,
-            digest: int, epoch: int) -> None:
+def _outcome(step: int, carried: StepAnswer | CacheError | None, digest: int, epoch: int
+             ) -> StepAnswer | CacheError:
     """What step `step` answers, from the round it carries (None while the
     pipeline fills)."""
-    if answer.done():  # its caller's loop is going away
-        return
     if carried is None:
         empty = np.empty(0, dtype=np.int64)
-        answer.set_result(StepAnswer(step, 0, empty, empty, digest, epoch=epoch))
-    elif isinstance(carried, CacheError):
-        answer.set_exception(carried)
+        return StepAnswer(step, 0, empty, empty, digest, epoch=epoch)
+    if isinstance(carried, CacheError):
+        return carried
+    return StepAnswer(step, carried.round, carried.op_ids, carried.values, carried.digest, carried.decided, epoch)
+
+
+def _settle(answer: asyncio.Future[StepAnswer], outcome: StepAnswer | CacheError) -> None:
+    if isinstance(outcome, CacheError):
+        answer.set_exception(outcome)
     else:
-        answer.set_result(StepAnswer(step, carried.round, carried.op_ids, carried.values, carried.digest,
-                                     carried.decided, epoch))
+        answer.set_result(outcome)
 
 
 def _never(exc: BaseException) -> None:

@@ -39,9 +39,11 @@ async def _loaded_by_scheduler(run_dir, fault, timeout_s=30.0, split=False, **se
                                      load_signals=loads.signals)
             loads.signals.close_fd()
             assert attached.host_pool_ticket, "a daemon without CUDA offers its host pool"
-            fd, pid = take_host_pool(domain.sockets[0], attached.host_pool_ticket)
+            fd, _ = take_host_pool(domain.sockets[0], attached.host_pool_ticket)
+            daemon = client.identify()  # its process by the pidfd it hands over
             buffers = [tuple(layer[c] for c in range(GEOMETRY.components)) for layer in layers]
-            loads.orphans = OrphanLoads(fd, pid, GEOMETRY, attached.host_pages, attached.host_layout, buffers)
+            loads.orphans = OrphanLoads(fd, daemon.process, GEOMETRY, attached.host_pages, attached.host_layout,
+                                        buffers)
             session = SchedulerSession(client, first_step=client.status().last_step + 1, epoch=attached.epoch)
             stored: list[bool] = []
             session.write_through(KEYS, SOURCE, done=stored.append)
@@ -65,6 +67,7 @@ async def _loaded_by_scheduler(run_dir, fault, timeout_s=30.0, split=False, **se
             for layer in range(GEOMETRY.layers):
                 loads.wait_until(layer)
             exit_code = await domain.wait_exit(0, 30)
+            daemon.close()
             return exit_code, [torch.equal(_rows(layer, TARGET), want) for layer, want in zip(layers, expected)]
 
 

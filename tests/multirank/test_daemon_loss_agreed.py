@@ -194,6 +194,33 @@ async def test_a_peer_stopped_past_the_deadline_is_asked_again_until_it_tells(ru
             hasty.close()
 
 
+async def test_both_daemons_dying_around_one_step_leave_it_told_from_the_ring(run_dir):
+    """Rank 0's daemon dies between its round and its reply, and rank 1's
+    daemon, which answered rank 1, is killed before rank 0 can ask it: no
+    daemon can tell any more. Rank 0 reads the outcome its own daemon
+    recorded before answering (its step-outcome ring) and applies what rank 1
+    applied."""
+    async with attached_domain(run_dir, {0: {"fault_exit_after_round": 2}}) as (domain, blocking, epoch):
+        assert same_outcome(await step_both(blocking, 1, epoch))
+        assert blocking[0].hold_daemon()
+        killed = threading.Event()
+        recover = blocking[0]._recover
+
+        def after_the_kill(request, failure):
+            killed.wait(60)
+            return recover(request, failure)
+
+        blocking[0]._recover = after_the_kill
+        first = asyncio.ensure_future(asyncio.to_thread(blocking[0].step, 2, [(1, Reduce.MIN, 1)], write_step(2),
+                                                        epoch))
+        applied = await asyncio.to_thread(blocking[1].step, 2, [(1, Reduce.MIN, 1)], write_step(2), epoch)
+        domain.signal(1, signal.SIGKILL)
+        await domain.wait_exit(1, 30)
+        killed.set()
+        assert (await first).wire == applied.wire
+        assert await domain.wait_exit(0, 30) != 0
+
+
 def test_a_client_whose_deadline_the_agreement_timeout_does_not_fit_is_refused():
     client = Client("/nonexistent.sock", timeout_s=12.0)
     with pytest.raises(errors.InvalidArgument, match=r"timeout_s \(12\).*agreement_timeout_s \(10\)"):

@@ -9,6 +9,7 @@ import logging
 from typing import Any
 
 from cpcache.client import Client, DecisionLog, SchedulerSession
+from cpcache.client.daemon_process import HeldDaemon
 from cpcache.client.pools import take_host_pool
 from cpcache.errors import CacheError
 from cpcache.integrations.sglang import server_flags
@@ -159,7 +160,8 @@ def build_cache(context: Any, settings: Settings | None = None) -> Any:
         return SchedulerSession(client, first_step=step, decision_timeout_s=settings.timeout_s, decisions=decisions,
                                 epoch=epoch)
 
-    daemon = [orphan_loads(socket, attached, pool)]  # this rank's daemon process and host pool, as last attached
+    held = [hold_daemon(client)]  # this rank's daemon process (its pidfd), as last attached
+    daemon = [orphan_loads(socket, attached, pool, held[0])]  # and its host pool
     if layer_loads is not None:
         layer_loads.orphans = daemon[0]
 
@@ -195,11 +197,14 @@ def build_cache(context: Any, settings: Settings | None = None) -> Any:
         # Nothing from here may fail on this rank alone (the host pool's
         # handover, the one call left to the daemon, only warns). A daemon
         # lost from here fails the session's next step, on every rank alike.
-        old, daemon[0] = daemon[0], orphan_loads(socket, again, pool)
+        old_held, held[0] = held[0], hold_daemon(client)
+        old, daemon[0] = daemon[0], orphan_loads(socket, again, pool, held[0])
         if layer_loads is not None and board is not None:
             layer_loads.rebind(board, daemon[0])  # closes the old one
         elif old is not None:
             old.close()
+        if old_held is not None:
+            old_held.close()
         return session
 
     def daemon_quiet(epoch: int | None) -> bool:
@@ -214,8 +219,13 @@ def build_cache(context: Any, settings: Settings | None = None) -> Any:
                 return True  # it left that epoch, which it does only once its copies ended
         except CacheError:
             pass
-        process = daemon[0]
-        return process is not None and process.stop_daemon(STOP_WAIT_S)
+        process = held[0]
+        if process is None:
+            return False
+        if not process.process.gone():
+            log.error("cpcache: killing this rank's daemon: it did not answer while its writes into the device "
+                      "pool had to be known ended (its service manager restarts it)")
+        return process.process.stop(STOP_WAIT_S)
 
     return CpcacheRadixCache(params, daemon_session=connect(first_step, first_epoch), pool=pool,
                              attach_again=attach_again,
@@ -248,14 +258,25 @@ def first_not_serving(sockets: list[str], token: str | None, timeout_s: float = 
     return ""
 
 
-def orphan_loads(socket: str, attached: Any, pool: SharedPool) -> OrphanLoads | None:
+def hold_daemon(client: Client) -> HeldDaemon | None:
+    """The daemon's process by the pidfd it hands over (None: it cannot be
+    had, and a daemon that stops answering cannot be made sure of)."""
+    try:
+        return client.identify()
+    except CacheError as exc:
+        log.warning("cpcache: the daemon's identity could not be taken (%s): a flush with a daemon that does not "
+                    "answer keeps its slots, and a load it dies in the middle of stops the forward", exc)
+        return None
+
+
+def orphan_loads(socket: str, attached: Any, pool: SharedPool, held: HeldDaemon | None) -> OrphanLoads | None:
     """The daemon's host pool, read-only, to finish loads it dies in the
     middle of (None: it offers none, as on CUDA hosts, or it cannot be had)."""
-    if not attached.host_pool_ticket:
+    if not attached.host_pool_ticket or held is None:
         return None
     try:
-        fd, pid = take_host_pool(socket, attached.host_pool_ticket)
-        return OrphanLoads(fd, pid, pool.geometry, attached.host_pages, attached.host_layout, pool.buffers)
+        fd, _ = take_host_pool(socket, attached.host_pool_ticket)
+        return OrphanLoads(fd, held.process, pool.geometry, attached.host_pages, attached.host_layout, pool.buffers)
     except (CacheError, OSError, ValueError) as exc:  # ValueError: mmap of a pool that is not the size it says
         log.warning("cpcache: the daemon's host pool could not be taken (%s): a load its daemon dies in the "
                     "middle of will stop the forward", exc)

@@ -6,15 +6,17 @@ A load's pages are in the daemon's host pool before the load opens (the
 agreed state says so), and they stay there while it is open. The daemon
 offers that pool read-only (a memfd, `AttachReply.host_pool_ticket`); the
 scheduler maps it at attach, follows where each resident page lies (the
-slots every reply names), and knows its daemon's process by a pidfd. When
+slots every reply names), and knows its daemon's process by the pidfd the
+daemon handed over itself (`DaemonProcess`: no pid looked up, so none
+reused, and across pid namespaces). When
 a forward waits on a load that its daemon can no longer finish (the
 process is gone, or stuck past the load's deadline and then killed here),
 the scheduler copies the layers the board does not show as landed itself,
 from the host pool into the device pages, and the forward goes on.
 
 The copy starts only once the daemon's process has exited (the pidfd says
-so): no copy of a living daemon can land after it. A daemon this scheduler
-may not signal, or whose pid it cannot see (another pid namespace), is not
+so): no copy of a living daemon can land after it. A stuck daemon this
+scheduler may not signal (another user without the right to) is not
 finished for: the forward stops as before.
 
 On a CUDA host the host pool is pinned by the daemon and is not shared
@@ -26,18 +28,16 @@ runs on its stream.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import mmap
 import os
-import select
-import signal
 import warnings
 from collections.abc import Sequence
 
 import torch
 
 from cpcache import host_layout
+from cpcache.client.daemon_process import DaemonProcess
 from cpcache.geometry import KVGeometry
 
 log = logging.getLogger(__name__)
@@ -46,10 +46,11 @@ log = logging.getLogger(__name__)
 class OrphanLoads:
     """The host pool of this rank's daemon, read-only, and its process."""
 
-    def __init__(self, fd: int, daemon_pid: int, geometry: KVGeometry, host_pages: int, layout: str,
+    def __init__(self, fd: int, daemon: DaemonProcess, geometry: KVGeometry, host_pages: int, layout: str,
                  device_buffers: Sequence[tuple[torch.Tensor, ...]]) -> None:
-        """Takes `fd`. `device_buffers`: per region (`KVGeometry.planes`),
-        the forward's buffers in component order, [rows, heads, head_dim] each."""
+        """Takes `fd`; `daemon` stays its caller's. `device_buffers`: per region
+        (`KVGeometry.planes`), the forward's buffers in component order,
+        [rows, heads, head_dim] each."""
         self.geometry = geometry
         self._pages = host_pages
         self._layout = layout
@@ -63,33 +64,20 @@ class OrphanLoads:
             warnings.simplefilter("ignore", UserWarning)
             flat = torch.frombuffer(self._mapping, dtype=torch.uint8)
         self._host = host_layout.part_tensors(flat, geometry, host_pages, layout)  # a pool per part
-        self._pidfd = -1
-        with contextlib.suppress(OSError):  # no such process here (another pid namespace): never finished for
-            if daemon_pid > 0:
-                self._pidfd = os.pidfd_open(daemon_pid)
+        self._daemon = daemon
 
     def daemon_gone(self) -> bool:
         """Whether the daemon's process has exited (it can land nothing more)."""
-        if self._pidfd < 0:
-            return False
-        return bool(select.select([self._pidfd], [], [], 0)[0])
+        return self._daemon.gone()
 
     def stop_daemon(self, timeout_s: float) -> bool:
         """Make sure the daemon lands nothing more: kill it if it still runs
         (stuck past a load's deadline), and wait for its exit. -> whether it
         has exited (False: it may not be signalled, or did not exit)."""
-        if self._pidfd < 0:
-            return False
-        if not self.daemon_gone():
-            try:
-                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
-            except PermissionError:
-                return False
-            except ProcessLookupError:
-                return True
-            log.error("cpcache: killed this rank's daemon: it was stuck past a load's deadline while a forward "
+        if not self._daemon.gone():
+            log.error("cpcache: killing this rank's daemon: it was stuck past a load's deadline while a forward "
                       "waited on it (its service manager restarts it)")
-        return bool(select.select([self._pidfd], [], [], timeout_s)[0])
+        return self._daemon.stop(timeout_s)
 
     def copy(self, host_slots: Sequence[int], device_pages: Sequence[int], first_layer: int) -> None:
         """Copy pages at `host_slots` of the host pool into `device_pages` of
@@ -107,6 +95,4 @@ class OrphanLoads:
                     paged[pages.to(buffer.device)] = host[:, component].to(buffer.device)
 
     def close(self) -> None:
-        if self._pidfd >= 0:
-            os.close(self._pidfd)
-            self._pidfd = -1
+        """Nothing of its own to let go: the mapping goes with the object, the daemon's process is its caller's."""

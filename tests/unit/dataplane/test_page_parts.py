@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 
+from cpcache.client.daemon_process import DaemonProcess
 from cpcache.dataplane import regions
 from cpcache.dataplane.movers import DEVICE, HOST, STORAGE, Tiers, Transfers
 from cpcache.dataplane.pools import DevicePool, HostPool
@@ -177,7 +178,7 @@ def test_a_scheduler_finishing_an_orphaned_load_copies_every_part_of_the_layers_
     fill_random(host, seed=3)
     device = DevicePool.create_sealed(DSA, PAGES)
     buffers = [(layer[0],) for part in device.parts for layer in part.layers]  # per region, [rows, heads, dim]
-    orphans = OrphanLoads(os.dup(host.fd), -1, DSA, host.pages, layout, buffers)
+    orphans = OrphanLoads(os.dup(host.fd), DaemonProcess(-1), DSA, host.pages, layout, buffers)
     try:
         orphans.copy([2, 0], [5, 9], first_layer=1)
     finally:
