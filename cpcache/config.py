@@ -92,6 +92,8 @@ class FaultInjection:
     exit_after_attach: int = setting(0, "Fault injection: the daemon dies (exits at once, as if killed) when the "
                                      "Attach of this number in its process is agreed, before answering it (a "
                                      "restarted daemon counts from 1 again; 0: never).")
+    stall_after_attach_ms: float = setting(0.0, "Fault injection: the daemon's event loop stalls this long once "
+                                           "each Attach is agreed, before answering it (a frozen daemon).")
     seed: int = setting(0, "Seed of the fault injection.")
 
     def __post_init__(self) -> None:

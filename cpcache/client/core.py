@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, Generic, ParamSpec, TypeVar, overload
 
@@ -338,10 +339,30 @@ class Client(_Face):
         except grpc.RpcError as exc:
             if call.rpc == "Step" and unanswered(exc):
                 return call.read(self._recover(call.request, exc))
-            raise error_from(exc) from None
+            if call.rpc != "Attach" or exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise error_from(exc) from None
+            reply = self._attach_again(call, exc)
         if call.rpc == "Attach":
             self.hold_daemon()  # the instance that attached: its steps are recorded in its ring
         return call.read(reply)
+
+    def _attach_again(self, call: Call[Any], failure: grpc.RpcError) -> Any:
+        """An Attach whose answer did not come in time (its daemon stalled)
+        is sent again, its pools handed over anew, for up to `outcome_wait_s`:
+        the daemon answers the retry of the attach that began its session
+        with that attach's answer, so a deadline never decides it."""
+        give_up = time.monotonic() + self._outcome_wait_s
+        while time.monotonic() < give_up:
+            if call.prepare is not None:
+                call = dataclasses.replace(call, request=call.prepare(self._address))
+            method, kwargs = self._method_for(call)
+            try:
+                return method(call.request, **kwargs)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise error_from(exc) from None
+                failure = exc
+        raise error_from(failure) from None
 
     def hold_daemon(self) -> bool:
         """Take the daemon's identity now (its pidfd and step-outcome ring),

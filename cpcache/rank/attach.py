@@ -14,6 +14,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -196,6 +197,10 @@ class Attacher:
         if self._sessions == config.faults.exit_after_attach:
             log.error("fault injection: exiting after Attach %d was agreed, before answering it", self._sessions)
             os._exit(137)
+        if config.faults.stall_after_attach_ms:
+            log.error("fault injection: stalling %.0f ms after Attach %d was agreed, before answering it",
+                      config.faults.stall_after_attach_ms, self._sessions)
+            time.sleep(config.faults.stall_after_attach_ms / 1000)  # the loop itself, frozen
         return attached
 
     def _open_runtime(self, model_id: str, model_dtype: str, geometry: KVGeometry, device: DevicePool,

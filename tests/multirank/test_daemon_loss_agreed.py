@@ -17,10 +17,11 @@ import pytest
 from cpcache import errors
 from cpcache.client import CacheRequests, Client, WriteRequest
 from cpcache.daemon.launcher import LocalDomain
+from cpcache.dataplane.pools import DevicePool
 from cpcache.v1 import daemon_pb2 as pb
 from cpcache.values import Reduce
 
-from .attacks.common import PAGE_HASHES, PAGES, attach_all, close_all, make, spec
+from .attacks.common import GEOMETRY, PAGE_HASHES, PAGES, TIMEOUT_S, attach_all, close_all, make, spec
 
 pytestmark = [pytest.mark.multirank, pytest.mark.timeout(180)]
 
@@ -219,6 +220,29 @@ async def test_both_daemons_dying_around_one_step_leave_it_told_from_the_ring(ru
         killed.set()
         assert (await first).wire == applied.wire
         assert await domain.wait_exit(0, 30) != 0
+
+
+async def test_an_attach_whose_answer_comes_after_the_deadline_is_retried_not_failed(run_dir):
+    """Rank 0's daemon freezes once the domain agreed the Attach, for longer
+    than rank 0's client deadline: the client sends the Attach again and is
+    told the attach that every rank made, instead of counting it failed
+    beside a peer told it succeeded."""
+    deadline_s = TIMEOUT_S + 5.5  # the least a client may wait on these daemons (DEADLINE_MARGIN_S)
+    stall = {0: {"fault_stall_after_attach_ms": 1000 * (deadline_s + 2)}}
+    async with LocalDomain(spec(run_dir, per_rank=stall)) as domain:
+        pools = [DevicePool.create_sealed(GEOMETRY, 16) for _ in range(2)]
+        attaching = [Client(s, timeout_s=deadline_s, peers=[p for p in domain.sockets if p != s], rank=r)
+                     for r, s in enumerate(domain.sockets)]
+        try:
+            replies = await asyncio.gather(*(asyncio.to_thread(c.attach, "m", GEOMETRY, 16, pool_fd=pool.fd)
+                                             for c, pool in zip(attaching, pools)), return_exceptions=True)
+            assert not any(isinstance(r, BaseException) for r in replies), replies
+            assert replies[0].epoch == replies[1].epoch
+            assert "stalling" in domain.log_tail(0, 200)
+            assert same_outcome(await step_both(attaching, replies[0].last_step + 1, replies[0].epoch))
+        finally:
+            for c in attaching:
+                c.close()
 
 
 def test_a_client_whose_deadline_the_agreement_timeout_does_not_fit_is_refused():
