@@ -25,6 +25,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import _async as health_async
 
+import cpcache
 from cpcache.agreement.bounded import bounded_async
 from cpcache.config import DaemonConfig
 from cpcache.daemon import metrics
@@ -159,6 +160,7 @@ class Daemon:
             attached=rank.attached,
             epoch=rank.epoch,
             agreement_timeout_s=self.config.agreement_timeout_s,
+            version=cpcache.__version__,
         )
 
     # -- lifecycle ----------------------------------------------------------

@@ -196,6 +196,7 @@ class DaemonStatus:
     attached: bool
     epoch: int = 0
     agreement_timeout_s: float = 0.0
+    version: str = ""  # the cpcache release the daemon runs
 
 
 def status_reply(status: DaemonStatus) -> pb.StatusReply:

@@ -354,22 +354,23 @@ def _kinds(text: str) -> list[str]:
 
 
 def add_flags(bench: argparse.ArgumentParser) -> None:
-    """sglang-chaos's own flags; it shares the soak's (--minutes, --clients,
+    """sglang-chaos's own flags, on its `cpcache bench sglang-chaos` parser;
+    it takes the soak's too (sglang_soak.add_flags: --minutes, --clients,
     --hang-s, --family, --copy-delay-ms, --storage-delay-ms,
-    --storage-fail-rate), --seed, --layer-delay-ms and --work-dir."""
-    chaos = bench.add_argument_group("sglang-chaos")
+    --storage-fail-rate), and --seed, --layer-delay-ms and --work-dir."""
+    chaos = bench.add_argument_group("the faults dealt")
     chaos.add_argument("--shape", choices=["tp2", "cp2"], default="cp2",
-                       help="sglang-chaos: the server's shape: --tp 2, or --tp 2 --attn-cp-size 2")
+                       help="the server's shape: --tp 2, or --tp 2 --attn-cp-size 2")
     chaos.add_argument("--fault-every-s", type=float, default=6.5,
-                       help="sglang-chaos: a fault every uniform(0.75, 1.25) x this many seconds after the last ended")
+                       help="a fault every uniform(0.75, 1.25) x this many seconds after the last ended")
     chaos.add_argument("--fault-kinds", type=_kinds, default=list(KINDS), metavar="KIND,...",
-                       help=f"sglang-chaos: the faults dealt (default: all of {', '.join(KINDS)})")
+                       help=f"the faults dealt (default: all of {', '.join(KINDS)})")
     chaos.add_argument("--agreement-timeout-s", type=float, default=5.0,
-                       help="sglang-chaos: the daemons' agreement_timeout_s")
+                       help="the daemons' agreement_timeout_s")
     chaos.add_argument("--backend-timeout-s", type=float, default=12.0,
-                       help="sglang-chaos: the SGLang backend's timeout_s (above the agreement timeout + 5 s)")
+                       help="the SGLang backend's timeout_s (above the agreement timeout + 5 s)")
     chaos.add_argument("--settle-s", type=float, default=180.0,
-                       help="sglang-chaos: after the faults, longest wait for every rank to attach again")
+                       help="after the faults, longest wait for every rank to attach again")
 
 
 def main(args: argparse.Namespace) -> int:

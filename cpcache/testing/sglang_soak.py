@@ -174,21 +174,21 @@ def run(args: argparse.Namespace, work: Path) -> dict:
 
 
 def add_flags(bench: argparse.ArgumentParser) -> None:
-    """The soak's flags; sglang-chaos (sglang_chaos.py) shares them."""
-    soak = bench.add_argument_group("sglang-soak, sglang-chaos")
-    both = "sglang-soak, sglang-chaos:"
-    soak.add_argument("--minutes", type=float, default=30.0, help=f"{both} how long traffic runs")
-    soak.add_argument("--clients", type=int, default=2, help=f"{both} concurrent clients")
-    soak.add_argument("--hang-s", type=float, default=120.0, help=f"{both} a request unanswered this long hangs")
-    soak.add_argument("--family", choices=["qwen3", "qwen3_moe"], default="qwen3", help=f"{both} the model")
-    soak.add_argument("--zigzag", action="store_true", help=f"{both} prefill CP (zigzag) on")
-    soak.add_argument("--storage", choices=["file", "mooncake"], default="file", help=f"{both} storage")
+    """The soak's flags, on its `cpcache bench sglang-soak` parser; sglang-chaos
+    (sglang_chaos.py) takes them too."""
+    soak = bench.add_argument_group("traffic and I/O faults")
+    soak.add_argument("--minutes", type=float, default=30.0, help="how long traffic runs")
+    soak.add_argument("--clients", type=int, default=2, help="concurrent clients")
+    soak.add_argument("--hang-s", type=float, default=120.0, help="a request unanswered this long hangs")
+    soak.add_argument("--family", choices=["qwen3", "qwen3_moe"], default="qwen3", help="the model")
+    soak.add_argument("--zigzag", action="store_true", help="prefill CP (zigzag) on")
+    soak.add_argument("--storage", choices=["file", "mooncake"], default="file", help="storage")
     soak.add_argument("--copy-delay-ms", type=float, default=100.0,
-                      help=f"{both} every device<->host copy waits uniform(0, this) ms (twice on the slow rank)")
+                      help="every device<->host copy waits uniform(0, this) ms (twice on the slow rank)")
     soak.add_argument("--storage-delay-ms", type=float, default=100.0,
-                      help=f"{both} every storage call waits uniform(0, this) ms (twice on the slow rank)")
+                      help="every storage call waits uniform(0, this) ms (twice on the slow rank)")
     soak.add_argument("--storage-fail-rate", type=float, default=0.02,
-                      help=f"{both} share of the slow rank's storage pages that fail (agreed misses)")
+                      help="share of the slow rank's storage pages that fail (agreed misses)")
 
 
 def main(args: argparse.Namespace) -> int:

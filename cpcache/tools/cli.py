@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import cpcache
-from cpcache.config import WRITE_POLICIES
 from cpcache.topology import MODES, Topology
 
 if TYPE_CHECKING:
@@ -177,7 +176,8 @@ async def _status(args: argparse.Namespace) -> int:
     return 0 if health == "SERVING" else 3
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The whole command line, every subcommand's flags included."""
     parser = argparse.ArgumentParser(prog="cpcache", description=__doc__)
     parser.add_argument("--version", action="version", version=f"%(prog)s {cpcache.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -203,56 +203,9 @@ def main(argv: list[str] | None = None) -> int:
         query.add_argument("socket", help="the daemon's socket path or host:port")
         query.add_argument("--timeout", type=float, default=5.0)
 
-    bench = sub.add_parser("bench", help="run a benchmark and print its figures")
-    bench.add_argument("name", choices=["agreement", "load-back", "movers", "ranks", "serving", "sglang",
-                                        "sglang-chaos", "sglang-pd", "sglang-soak", "soak", "state", "store-policies"])
-    bench.add_argument("--json", action="store_true", help="print one JSON object")
-    bench.add_argument("--steps", type=int, default=40,
-                       help="agreement, ranks, state: measured steps per case and block")
-    bench.add_argument("--repeat", type=int, default=None,
-                       help="agreement, load-back, movers, ranks, sglang, sglang-pd: blocks, each measuring "
-                            "candidate and baseline one after the other; ratios are the median over the blocks "
-                            "(default 5; sglang-pd: 2)")
-    from cpcache.tools.bench.sizes import DEFAULT_RANKS, parse_ranks
+    from cpcache.tools.bench import commands as bench_commands
 
-    bench.add_argument("--ranks", type=parse_ranks, default=DEFAULT_RANKS, metavar="N,N,...",
-                       help="ranks: domain sizes to measure, one after the other (default: 2,4,8,16)")
-    bench.add_argument("--plot", metavar="FILE", help="ranks: write a plot of round cost and bytes against ranks "
-                       "(PNG or SVG, by the file's extension)")
-    bench.add_argument("--no-mooncake", action="store_true", help="movers: skip Mooncake Store")
-    bench.add_argument("--against", choices=["sglang"],
-                       help="movers: also SGLang's own HiCacheFile on the same pages (in SGLang's environment)")
-    bench.add_argument("--device-only", action="store_true",
-                       help="movers: device <-> host alone, for every host layout (no storage)")
-    bench.add_argument("--decisions", type=int, default=1_000_000, help="soak: agreed decisions to reach")
-    bench.add_argument("--seed", type=int, default=1, help="soak, sglang-chaos: seed of the injected faults")
-    bench.add_argument("--write-policy", choices=WRITE_POLICIES, default="write_through",
-                       help="state: the write policy the state machine runs")
-    bench.add_argument("--requests", type=int, default=4, help="sglang: concurrent requests per wave")
-    bench.add_argument("--waves", type=int, default=2, help="sglang: waves of requests per server and block")
-    bench.add_argument("--new-tokens", type=int, default=32, help="sglang: tokens each request generates")
-    bench.add_argument("--conversations", type=int, default=4,
-                       help="sglang-pd: conversations run at once, a thread each")
-    bench.add_argument("--turns", type=int, default=4, help="sglang-pd: turns of each conversation")
-    bench.add_argument("--layer-delay-ms", type=float, default=20.0,
-                       help="load-back, sglang-chaos: each layer of every load-back's copy takes this long "
-                            "(injected); load-back's stand-in forward computes as long per layer")
-    bench.add_argument("--sglang", action="store_true",
-                       help="load-back: through two SGLang servers (TTFT of host hits) instead of a stand-in forward")
-    bench.add_argument("--configs", help="serving: which servers, comma-separated (default: all, in their order)")
-    bench.add_argument("--trace-requests", type=int,
-                       help="serving, store-policies: requests of the scaled trace (default 400)")
-    bench.add_argument("--prefetch-policy", choices=["best_effort", "wait_complete", "timeout"],
-                       help="serving: how a storage prefetch ends, on both stacks (default wait_complete; timeout: "
-                       "SGLang's default budget, given to both)")
-    bench.add_argument("--spin-when-idle", action="store_true",
-                       help="serving: leave SGLang's idle schedulers spinning (its default) instead of "
-                       "--sleep-on-idle on every measured server; their CPU seconds then count the spin")
-    bench.add_argument("--slowdown", type=float,
-                       help="serving: the trace's arrival intervals times this (default 1.5; higher: less queueing)")
-    bench.add_argument("--work-dir", help="sglang, sglang-pd, sglang-soak, sglang-chaos, load-back: where the model, "
-                       "logs and daemons go (kept; default: a temp dir, removed after a run that succeeded)")
-    _add_sglang_cpu_flags(bench)
+    bench_commands.add_parser(sub)
 
     fuzz = sub.add_parser("fuzz", help="send hostile requests to live daemons and check they stay sound")
     fuzz.add_argument("--per-rpc", type=int, default=10_000, help="hostile requests per RPC")
@@ -264,11 +217,13 @@ def main(argv: list[str] | None = None) -> int:
     from cpcache.tools.demo import add_flags as add_demo_flags
 
     add_demo_flags(demo)
+    return parser
 
-    args = parser.parse_args(argv)
-    if args.command == "bench" and args.repeat is None:
-        args.repeat = 2 if args.name == "sglang-pd" else 5
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     from cpcache.errors import CacheError
+    from cpcache.tools.bench import commands as bench_commands
 
     try:
         if args.command == "launch":
@@ -281,90 +236,23 @@ def main(argv: list[str] | None = None) -> int:
             from cpcache.tools import demo as demo_module
 
             return asyncio.run(demo_module.main(args))
-        if args.command == "bench" and args.name == "agreement":
-            from cpcache.tools.bench import agreement
-
-            return asyncio.run(agreement.main(args))
-        if args.command == "bench" and args.name == "ranks":
-            from cpcache.tools.bench import ranks
-
-            return asyncio.run(ranks.main(args))
-        if args.command == "bench" and args.name == "soak":
-            from cpcache.testing import soak
-
-            return asyncio.run(soak.main(args))
+        if args.command == "bench":
+            return bench_commands.run(args)
         if args.command == "fuzz":
             from cpcache.testing import fuzz as fuzz_module
 
             return asyncio.run(fuzz_module.main(args))
-        if args.command == "bench" and args.name == "sglang":
-            from cpcache.tools.bench import sglang
-
-            return sglang.main(args)
-        if args.command == "bench" and args.name == "sglang-pd":
-            from cpcache.tools.bench import sglang_pd
-
-            return sglang_pd.main(args)
-        if args.command == "bench" and args.name == "sglang-soak":
-            from cpcache.testing import sglang_soak
-
-            return sglang_soak.main(args)
-        if args.command == "bench" and args.name == "sglang-chaos":
-            from cpcache.testing import sglang_chaos
-
-            return sglang_chaos.main(args)
-        if args.command == "bench" and args.name == "load-back":
-            from cpcache.testing import load_back
-
-            return load_back.main(args)
-        if args.command == "bench" and args.name == "serving":
-            from cpcache.tools.bench import serving
-
-            return serving.main(args)
-        if args.command == "bench" and args.name == "store-policies":
-            from cpcache.tools.bench import store_policies
-
-            return store_policies.main(args)
-        if args.command == "bench" and args.name == "movers":
-            from cpcache.tools.bench import movers
-
-            return movers.main(args)
-        if args.command == "bench" and args.name == "state":
-            from cpcache.tools.bench import state
-
-            return state.main(args)
     except CacheError as exc:
         print(f"cpcache: {exc}", file=sys.stderr)
         return 1
     except ModuleNotFoundError as exc:
-        if not _is_sglang_cpu(exc):
+        if not bench_commands.is_sglang_cpu(exc):
             raise
         print(f"cpcache: {args.command} {getattr(args, 'name', '')} runs SGLang on CPU with the test kits of a "
               "source checkout (cpcache/testing/sglang_cpu, set up by `make setup`); a wheel leaves them out",
               file=sys.stderr)
         return 2
     return 2
-
-
-SGLANG_CPU = "cpcache.testing.sglang_cpu"
-
-
-def _is_sglang_cpu(exc: ModuleNotFoundError) -> bool:
-    return (exc.name or "").startswith(SGLANG_CPU)
-
-
-def _add_sglang_cpu_flags(bench: argparse.ArgumentParser) -> None:
-    """The SGLang soak's and chaos run's own flags, where their kits exist
-    (a source checkout): a wheel leaves SGLang's CPU patches out."""
-    try:
-        from cpcache.testing.sglang_chaos import add_flags as add_chaos_flags
-        from cpcache.testing.sglang_soak import add_flags as add_soak_flags
-    except ModuleNotFoundError as exc:
-        if not _is_sglang_cpu(exc):
-            raise
-        return
-    add_soak_flags(bench)
-    add_chaos_flags(bench)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,20 @@ async def single(run_dir):
         yield domain
 
 
+async def test_status_says_the_release_and_cpcache_status_shows_it(single, capsys):
+    import argparse
+    import json
+
+    import cpcache
+    from cpcache.tools import cli
+
+    async with AsyncClient(single.sockets[0]) as client:
+        assert (await client.status()).version == cpcache.__version__
+    args = argparse.Namespace(command="status", socket=str(single.sockets[0]), timeout=5.0)
+    assert await cli._status(args) == 0
+    assert json.loads(capsys.readouterr().out)["version"] == cpcache.__version__
+
+
 async def test_socket_is_private_to_its_owner(single):
     mode = stat.S_IMODE(os.stat(single.sockets[0]).st_mode)
     assert mode == 0o600

@@ -94,7 +94,7 @@ def test_one_sglang_call_table():
 def test_every_link_between_the_pages_resolves():
     import re
 
-    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    pages = [REPO / "README.md", REPO / "CHANGELOG.md", *sorted((REPO / "docs").glob("*.md"))]
     missing = []
     for page in pages:
         for link in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", page.read_text()):

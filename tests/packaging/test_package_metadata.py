@@ -60,3 +60,17 @@ def test_protobuf_and_grpcio_floors_are_the_generated_codes():
     assert floor("grpcio") == Version(gencode["grpcio"])
     (tools,) = [r for r in requirements("dev") if r.name == "grpcio-tools"]
     assert tools.specifier.contains(gencode["grpcio"])  # regenerating keeps the floors
+
+
+def test_the_release_is_written_once():
+    """The metadata's version is cpcache.__version__ (read at build time), and
+    CHANGELOG.md's newest release is that version."""
+    import re
+
+    import cpcache
+
+    assert "version" not in PROJECT and "version" in PROJECT["dynamic"]
+    dynamic = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["dynamic"]
+    assert dynamic["version"] == {"attr": "cpcache.__version__"}
+    releases = re.findall(r"^## \[(\d+\.\d+\.\d+)\]", (REPO / "CHANGELOG.md").read_text(), re.MULTILINE)
+    assert releases and releases[0] == cpcache.__version__, "CHANGELOG.md has no section for this release"

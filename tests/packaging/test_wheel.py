@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+import cpcache
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -23,6 +25,7 @@ def test_a_wheel_leaves_the_sglang_cpu_patches_out(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
                     str(tmp_path / "dist"), str(source)], check=True, timeout=280)
     (wheel,) = (tmp_path / "dist").glob("cpcache-*.whl")
+    assert wheel.name.startswith(f"cpcache-{cpcache.__version__}-")
     names = zipfile.ZipFile(wheel).namelist()
     assert "cpcache/daemon/main.py" in names and "cpcache/testing/sim/replay.py" in names
     assert "cpcache/integrations/sglang/__init__.py" in names

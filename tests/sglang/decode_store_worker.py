@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 from types import SimpleNamespace
 
 import torch
 from sglang.srt import runtime_context
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName
+from sglang.srt.mem_cache.storage import StorageBackendFactory
 
 from cpcache.integrations.sglang import storage
 from cpcache.integrations.sglang.server_flags import STORAGE_EXTRA_CONFIG
@@ -41,6 +43,22 @@ def host_pool() -> SimpleNamespace:
                            kv_buffer=buffer.view(2, layers, pages * page, heads, dim))
 
 
+def by_old_name(keys: list[str]) -> dict[str, object]:
+    """The class's name before 0.2.0 in the extra config, built as SGLang's
+    cache controller builds a dynamic backend: its factory, then the host
+    pool registered."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        old = StorageBackendFactory.create_backend(
+            "dynamic", config({**STORAGE_EXTRA_CONFIG, "class_name": "DaemonStorage"}), host_pool())
+        old.register_mem_pool_host(host_pool())
+    found = old.batch_exists(keys)
+    old.close()
+    return {"class": type(old).__name__, "found": found,
+            "warnings": [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)
+                         and "DaemonStorage" in str(w.message)]}
+
+
 def main() -> None:
     out: dict[str, object] = {
         "aggregated": refused("null"),
@@ -61,6 +79,7 @@ def main() -> None:
     written = store.batch_set_v1(keys, torch.arange(0, 8))
     out["store"] = {"written": written, "found": store.batch_exists(keys), "open": store.pages is not None}
     store.close()
+    out["old_name"] = by_old_name(keys)
     print(json.dumps(out))
 
 

@@ -2,7 +2,9 @@
 factory builds it (in SGLang's environment, with SGLang's storage config):
 refused on a server that is not a decode server, without interface_v1, and
 under attention CP, and a second part of each page (DSA's indexer keys)
-refused; over a file store it writes pages the store then holds;
+refused; over a file store it writes pages the store then holds, and
+SGLang's own loader given the class's old name (`DaemonStorage`) builds
+it, with a DeprecationWarning;
 over a store that cannot be reached it opens nothing and every call is a
 miss, the server unharmed. The pages' bytes and keys are checked in
 tests/unit/integrations/test_store_pages.py; through a real decode server
@@ -40,6 +42,11 @@ def test_the_decode_stores_refusals_its_writes_and_an_unreachable_store(tmp_path
     assert "--attn-cp-size" in out["attention_cp"]
     assert "indexer beside each page's KV" in out["indexer_part"]
     assert out["store"] == {"written": [True, True], "found": 2, "open": True}
+    # The class's old name in the extra config, through SGLang's own loader: the same store, with a warning.
+    assert out["old_name"]["class"] == "CpcacheStore" and out["old_name"]["found"] == 2
+    (warning,) = out["old_name"]["warnings"]
+    assert "storage.DaemonStorage is deprecated; it is now cpcache.integrations.sglang.storage.CpcacheStore" in warning
+    assert '"class_name": "CpcacheStore"' in warning
     # daemon_config is read relative to the backend's JSON file: the pages are under tmp_path.
     assert len([p for p in (tmp_path / "pages").rglob("*") if p.is_file()]) == 2
 

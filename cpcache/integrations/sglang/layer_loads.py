@@ -30,10 +30,13 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cpcache.integrations.sglang.orphan_loads import OrphanLoads
 from cpcache.load_signals import SLOTS, LoadSignals
+
+if TYPE_CHECKING:
+    from cpcache.client.session import SchedulerSession
 
 log = logging.getLogger(__name__)
 LOOK_UP_S = 0.2  # how often a wait looks whether the daemon died
@@ -96,6 +99,28 @@ class LayerLoads:
 
     def has_room(self) -> bool:
         return self.signals.in_use() < self.signals.slots
+
+    def open(self, session: SchedulerSession, pages: list[bytes], device_pages: list[int], rank: int) -> bool:
+        """Load `pages` into `device_pages` for the batch being built, once
+        the load's round opened it (each layer of the forward then waits for
+        its own copy): -> whether the forward may read them (False: the load
+        ended in its opening round, and no copy of it runs)."""
+        def decided(landed: bool) -> None:
+            if not landed:
+                # Agreed alike on every rank: some rank's copy of a load that a
+                # forward reads (or is about to) failed. Stop here, in the reply
+                # that says so, before anything else is built or sent on it.
+                raise LoadBackFailed(f"cpcache: rank {rank}: an overlapped load-back failed on some rank after "
+                                     "its batch was built; stopping the rank rather than serve from that KV")
+
+        opened = session.load_opened(pages, device_pages, self.signals, done=decided)
+        if opened is None:
+            return False
+        op, slot = opened
+        host_slots = session.host.slots(pages)
+        finishable = all(s >= 0 for s in host_slots)  # every reply named its pages' slots
+        self.opened(OpenLoad(op, slot, tuple(host_slots) if finishable else (), tuple(device_pages)))
+        return True
 
     def opened(self, load: OpenLoad) -> None:
         """A load of the batch being built, opened on every rank."""

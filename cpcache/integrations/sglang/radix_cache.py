@@ -14,10 +14,10 @@ mirror of the host pool that the scheduler-side session keeps (agreed state,
 its domain lost a peer) is found at a step, and a step fails alike on every
 rank (a lost peer is agreed within `agreement_timeout_s`): every rank falls
 back to SGLang's device-only tree at the same iteration, releasing the locks
-of writes in flight. Every rank then
-tries to attach again at the same later iterations (counted, never timed);
-Attach is agreed, so every rank comes back at the same iteration, warm with
-the host pages the re-formed domain carried over and with storage.
+of writes in flight. Every rank then tries to attach again at the same later
+iterations (`reattach.py`); Attach is agreed, so every rank comes back at the
+same iteration, warm with the host pages the re-formed domain carried over
+and with storage.
 """
 
 from __future__ import annotations
@@ -39,20 +39,17 @@ from sglang.srt.mem_cache.unified_radix_cache import NodeId, UnifiedRadixCache
 
 from cpcache.client.outcomes import DecisionLog, Tally
 from cpcache.client.session import SchedulerSession
-from cpcache.errors import CacheError, Unavailable
+from cpcache.errors import CacheError
 from cpcache.integrations.sglang.host_hits import HostHit, HostPoolView
-from cpcache.integrations.sglang.layer_loads import LayerLoads, LoadBackFailed, OpenLoad
+from cpcache.integrations.sglang.layer_loads import LayerLoads
 from cpcache.integrations.sglang.pool import SharedPool
 from cpcache.integrations.sglang.quarantine import Quarantine
+from cpcache.integrations.sglang.reattach import AttachAgain, NotServingYet
 from cpcache.integrations.sglang.timing import SchedulerTime
 from cpcache.keys import chain, generation_seed, request_namespace_seed
 
 log = logging.getLogger(__name__)
-
-
-class NotServingYet(Unavailable):
-    """A daemon of the domain is not serving: an attach try now cannot
-    succeed on any rank (it needs every one), so it is skipped."""
+__all__ = ["CpcacheRadixCache", "NotServingYet"]
 
 
 class CpcacheRadixCache(UnifiedRadixCache):
@@ -80,12 +77,7 @@ class CpcacheRadixCache(UnifiedRadixCache):
         self.fallback_reason = ""
         self.fallbacks = 0  # times the daemon was left
         self.reattaches = 0  # times it was attached again
-        self._attach_again = attach_again
-        self._reattach_after = max(1, reattach_after)
-        self._iteration = 0  # scheduler iterations (check_hicache_events calls): alike on every rank
-        self._next_attach: int | None = None  # iteration of the next attach try while fallen back
-        self._attach_wait = self._reattach_after
-        self._skips = 0  # attach tries skipped since the last attach (a daemon not serving)
+        self._again = AttachAgain(rank, attach_again, reattach_after)  # counts the iterations too
         self.host_pages = host_pages
         self.decisions = decisions
         # The overlapped load-back (None: blocking): layer_loads.py.
@@ -105,10 +97,9 @@ class CpcacheRadixCache(UnifiedRadixCache):
 
     def _fall_back(self, exc: CacheError) -> None:
         """Go on device-only: the daemon cannot decide any more."""
-        self._attach_wait = self._reattach_after
-        self._next_attach = self._attach_boundary() if self._attach_again else None
+        self._again.fell_back()
         log.error("cpcache: rank %d fell back to the device tree at iteration %d: the daemon cannot answer (%s); "
-                  "attaching again from iteration %s", self.rank, self._iteration, exc, self._next_attach)
+                  "attaching again from iteration %s", self.rank, self._again.iteration, exc, self._again.next_try)
         self.fallback_reason = str(exc)
         self.fallbacks += 1
         if self.daemon_session is not None:
@@ -118,47 +109,19 @@ class CpcacheRadixCache(UnifiedRadixCache):
         self._host_hits.clear()
         self._release_write_locks()
 
-    def _attach_boundary(self) -> int:
-        """The next iteration that is a multiple of the current wait: the
-        tries fall on absolute iterations, not on ones counted from this
-        rank's own fallback, so ranks that fell back apart (a daemon lost
-        where no peer could tell how its step ended) try at the same ones,
-        and since each failed try doubles the wait, meet again."""
-        return (self._iteration // self._attach_wait + 1) * self._attach_wait
-
     def _try_attach_again(self) -> None:
         """Every rank runs this at the same iteration; Attach is agreed, so
         every rank is attached again, or none is."""
-        assert self._attach_again is not None
-        try:
-            self.daemon_session = self._attach_again()
-        except NotServingYet as exc:
-            # Skipped, not tried: the wait stays. Ranks whose waits differ
-            # still meet: every try of a rank whose wait doubled falls on a
-            # try of this one (the waits are powers of two of one base).
-            self._next_attach = self._attach_boundary()
-            self._skips += 1
-            if self._skips & (self._skips - 1) == 0:  # the 1st, 2nd, 4th, ...: a log that grows slowly
-                log.info("cpcache: rank %d skipped attaching again at iteration %d (%s; %d skips); next try at "
-                         "iteration %d", self.rank, self._iteration, exc, self._skips, self._next_attach)
+        session = self._again.attempt()
+        if session is None:
             return
-        except (CacheError, OSError) as exc:
-            # A CacheError is the daemon's answer; an OSError is this side's
-            # (a descriptor or a memfd not had, before the Attach): either
-            # way no rank attached, and this one stays on its device tree.
-            self._attach_wait = min(self._attach_wait * 2, 64 * self._reattach_after)
-            self._next_attach = self._attach_boundary()
-            log.warning("cpcache: rank %d could not attach again at iteration %d (%s); next try in %d iterations",
-                        self.rank, self._iteration, exc, self._attach_wait, exc_info=not isinstance(exc, CacheError))
-            return
-        self._next_attach = None
-        self._skips = 0
+        self.daemon_session = session
         self.reattaches += 1
         # The old session ended on the daemon (its copies too) before the new one began.
         self._log_given_back(self._quarantined.release(self.token_to_kv_pool_allocator.free))
         self.fallback_reason = ""
         log.warning("cpcache: rank %d attached again at iteration %d; host and storage tiers in use again",
-                    self.rank, self._iteration)
+                    self.rank, self._again.iteration)
 
     # -- keys -------------------------------------------------------------------------
 
@@ -295,26 +258,11 @@ class CpcacheRadixCache(UnifiedRadixCache):
 
     def _load(self, session: SchedulerSession, pages: list[bytes], device_pages: list[int]) -> bool:
         """Load `pages` into `device_pages`: -> whether the forward may read them.
-        Overlapped, once the load's round opened it (each layer of the
-        forward then waits for its own copy); blocking, once decided."""
+        Overlapped (layer_loads.py), once the load's round opened it;
+        blocking, once decided."""
         if self.layer_loads is None or not self.layer_loads.has_room():
             return session.load_now(pages, device_pages)
-        opened = session.load_opened(pages, device_pages, self.layer_loads.signals, done=self._overlapped_decided)
-        if opened is None:
-            return False  # ended in its opening round: no copy of it runs
-        op, slot = opened
-        host_slots = session.host.slots(pages)
-        finishable = all(s >= 0 for s in host_slots)  # every reply named its pages' slots
-        self.layer_loads.opened(OpenLoad(op, slot, tuple(host_slots) if finishable else (), tuple(device_pages)))
-        return True
-
-    def _overlapped_decided(self, landed: bool) -> None:
-        if not landed:
-            # Agreed alike on every rank: some rank's copy of a load that a
-            # forward reads (or is about to) failed. Stop here, in the reply
-            # that says so, before anything else is built or sent on it.
-            raise LoadBackFailed(f"cpcache: rank {self.rank}: an overlapped load-back failed on some rank after "
-                                 "its batch was built; stopping the rank rather than serve from that KV")
+        return self.layer_loads.open(session, pages, device_pages, self.rank)
 
     def ready_to_load_host_cache(self) -> int:
         """The index the batch just built waits on, layer by layer (-1: it
@@ -395,9 +343,9 @@ class CpcacheRadixCache(UnifiedRadixCache):
 
     def _iterate(self) -> bool:
         """-> whether the daemon was called (a reply taken, a step sent, an attach tried)."""
-        self._iteration += 1
+        self._again.iteration += 1
         if self.daemon_session is None:
-            if self._next_attach is not None and self._iteration >= self._next_attach:
+            if self._again.due():
                 self._try_attach_again()
                 return True
             return False
@@ -467,7 +415,7 @@ class CpcacheRadixCache(UnifiedRadixCache):
                 self._fall_back(exc)
             log.info("cpcache: rank %d flushed its cache: %d queued writes cancelled, %d in flight decided first",
                      self.rank, cancelled, in_flight)
-        elif self._quarantined.tokens() and self._attach_again is not None:
+        elif self._quarantined.tokens() and self._again.possible:
             # SGLang frees every device slot right after this, the quarantined
             # ones too, while the daemon of the ended session may still copy
             # into them: attaching now ends that session first (every rank

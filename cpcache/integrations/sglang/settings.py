@@ -25,8 +25,13 @@ import json
 import os
 from dataclasses import dataclass, fields
 
+from cpcache.deprecations import retired_keys
+
 ENV = "CPCACHE_SGLANG_CONFIG"
 LOAD_BACKS = ("overlapped", "blocking")
+# Settings that no longer mean anything, accepted with a warning (a file
+# written for an older release still starts its server): key -> why.
+RETIRED = {"shm_dir": "the pools are handed over by descriptor (sealed memfds), never opened by path"}
 
 
 @dataclass(frozen=True)
@@ -68,7 +73,7 @@ class Settings:
         if not path:
             return Settings()
         with open(path) as fh:
-            raw = json.load(fh)
+            raw = retired_keys(path, json.load(fh), RETIRED)
         known = {f.name for f in fields(Settings)}
         unknown = sorted(set(raw) - known)
         if unknown:

@@ -24,7 +24,8 @@ the next ones at debug level). Once open, a store that goes away fails the
 writes (SGLang logs them) until it is back.
 
 SGLang imports this module only in its own processes: it subclasses
-SGLang's `HiCacheStorage`.
+SGLang's `HiCacheStorage`. Its name before 0.2.0, `DaemonStorage`, still
+loads it, with a `DeprecationWarning` (CHANGELOG.md, "Deprecated").
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
 from cpcache.config import FaultInjection
+from cpcache.deprecations import renamed_attributes
 from cpcache.domain_file import domain_config
 from cpcache.errors import CacheError, Unavailable
 from cpcache.integrations.sglang.pool import pool_name
@@ -187,3 +189,10 @@ def _served_model() -> tuple[str, str]:
     server_args = get_server_args()
     context = SimpleNamespace(model_config=model_config_of(server_args), server_args=server_args)
     return default_model_id(server_args), model_dtype_of(context)
+
+
+# The class's name before 0.2.0, which an operator's
+# --hicache-storage-backend-extra-config may still give as its "class_name"
+# (SGLang's loader takes the class by getattr): it resolves, with a warning.
+__getattr__ = renamed_attributes(__name__, globals(), {"DaemonStorage": "CpcacheStore"},
+                                 hint=' (give "class_name": "{new}" in --hicache-storage-backend-extra-config)')

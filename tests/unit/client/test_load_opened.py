@@ -80,3 +80,21 @@ def test_slots_are_claimed_again_oldest_first():
     signals.release(first)
     assert signals.claim(3) not in (first, second)  # the never-used slot, before the one just given back
     assert signals.claim(4) == first
+
+
+def test_the_backend_opens_a_load_for_the_batch_and_stops_on_its_agreed_failure():
+    """`LayerLoads.open`, the backend's overlapped load: opened by its
+    round, it joins the batch being built with the host slots it is copied
+    from; one ended in that round is not read; one decided failed later
+    stops the rank in the reply that says so, naming the rank."""
+    loads = LayerLoads(num_layers=LAYERS, timeout_s=0.5, slots=4)
+    daemon = ScriptedDaemon()
+    session = SchedulerSession(daemon)
+    session.flush()  # step 1: the pages are resident
+    daemon.failures[2] = (1,)  # op 1 fails in its opening round (step 2), everywhere
+    assert not loads.open(session, PAGES[:1], [10], rank=3)
+    assert loads.open(session, PAGES[1:2], [11], rank=3)  # step 3 opens op 2
+    assert loads.start_batch() >= 0 and session.load_pending(2)
+    daemon.failures[4] = (2,)
+    with pytest.raises(LoadBackFailed, match="rank 3: an overlapped load-back failed on some rank"):
+        session.flush()
