@@ -165,11 +165,16 @@ class LocalDomain:
         await asyncio.gather(*(self.wait_serving(rank) for rank in range(self.size)))
 
     def _spawn(self, rank: int) -> subprocess.Popen[bytes]:
+        """Start `rank`'s daemon in a process group of its own: a terminal's
+        Ctrl-C (SIGINT to the launcher's whole group) reaches the launcher
+        alone, which stops each daemon with one SIGTERM (`stop`). Were the
+        daemons in its group, each would see two signals, and a second
+        signal means "exit now, without draining"."""
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         with open_log(self.spec.run_dir / f"rank-{rank}.log") as log:
             return subprocess.Popen(
                 [sys.executable, "-m", "cpcache.daemon", *as_flags(self.config(rank))],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, process_group=0,
             )
 
     async def restart(self, rank: int, timeout_s: float | None = None) -> None:
@@ -239,6 +244,14 @@ class LocalDomain:
 
     async def wait_exit(self, rank: int, timeout_s: float) -> int:
         return await asyncio.wait_for(asyncio.shield(self.exited(rank)), timeout_s)
+
+    def force(self) -> None:
+        """A second SIGTERM to every rank still running: "exit now" (a
+        daemon that is draining exits 130 without finishing)."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGTERM)
 
     async def stop(self, timeout_s: float | None = None) -> list[int | None]:
         """SIGTERM every rank still running (resuming stopped ones first) and

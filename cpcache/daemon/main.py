@@ -54,6 +54,12 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("cpcached").warning(
             "descriptors: the limit is %d but the resource budget needs %d; raise LimitNOFILE= (docs/security.md, "
             "\"Resource budget\")", files, need)
+    if config.storage == "mooncake":
+        # Mooncake takes some settings from the environment only: set here,
+        # at the edge, from the daemon's settings, before any engine starts.
+        from cpcache.dataplane.storage.mooncake import engine_environment
+
+        os.environ.update(engine_environment(config.storage_local_hostname))
     # systemd's side of the environment, read here at the edge with the rest.
     notify_socket = os.environ.get("NOTIFY_SOCKET")
     watchdog_usec = int(os.environ.get("WATCHDOG_USEC", "0") or 0)

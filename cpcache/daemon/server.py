@@ -230,8 +230,12 @@ class Daemon:
         # have run since the signal (docs/design.md rule 12: a forward may be reading
         # a load, so its copies end before the exit, bounded).
         deadline = time.monotonic() + self.config.drain_s
+        # The steps taken are answered before the server stops (their
+        # rounds end within agreement_timeout_s, which drain_s outlasts),
+        # then the calls in flight, retries of those steps among them.
+        await self.rank.formation.settle_steps(self.config.drain_s)
         try:
-            await asyncio.wait_for(self._idle.wait(), self.config.drain_s)
+            await asyncio.wait_for(self._idle.wait(), max(0.0, deadline - time.monotonic()))
         except TimeoutError:
             log.warning("%d calls still in flight after %.1fs; stopping anyway", self._in_flight, self.config.drain_s)
         for server in self._servers:

@@ -420,6 +420,28 @@ class Formation:
 
     # -- closing --------------------------------------------------------------
 
+    async def settle_steps(self, timeout_s: float) -> None:
+        """The daemon stops, and still answers: no round begins any more (a
+        step taken whose round has not begun fails here, and on its peers,
+        which wait in that round for this rank: UNAVAILABLE everywhere), and
+        the steps already taken end (for up to `timeout_s`): the round in its
+        collective completes or fails within agreement_timeout_s, and is
+        answered as on every peer, while the daemon's server still runs. A
+        server stopped sooner could leave a scheduler told "not taken" by a
+        peer that then completes the round with this rank (docs/design.md
+        rule 12). Called before the server stops; `close` follows."""
+        stepper, engine = self.stepper, self.engine
+        if engine is not None:
+            await asyncio.to_thread(engine.close, 0.0)  # joins nothing: the round in progress runs on
+        if stepper is None or not stepper.deciding:
+            return
+        log.info("waiting for the steps taken (up to step %d) to be decided and answered before the server "
+                 "stops, for up to %.1fs", stepper.last_step, max(0.0, timeout_s))
+        try:
+            await asyncio.wait_for(asyncio.shield(stepper.finish_in_flight()), max(0.0, timeout_s))
+        except TimeoutError:
+            log.warning("the steps taken were still being decided after %.1fs; stopping anyway", timeout_s)
+
     async def close(self, copies_s: float = 0.0) -> None:
         """Close the epoch's groups, let the copies every cache has issued
         end (for up to `copies_s`: a forward may be reading a load,

@@ -135,6 +135,11 @@ class Stepper:
             await asyncio.wait({self._tail})
 
     @property
+    def deciding(self) -> bool:
+        """Whether a step taken has not ended yet (its round, its answer)."""
+        return self._tail is not None and not self._tail.done()
+
+    @property
     def left(self) -> bool:
         return self._left is not None
 

@@ -1,6 +1,13 @@
 """Run a `mooncake_master` (shipped in the Mooncake wheel) on loopback, for
 the local launcher, the demo and the tests. Readiness is read from the
-master's own log, not guessed with sleeps."""
+master's own log, not guessed with sleeps.
+
+Every listener binds loopback: the master's RPC (`--rpc_address`), its
+admin and metrics server (`--metrics_host`; every interface by default),
+and the HTTP metadata server, which runs as a process of its own
+(`mooncake.http_metadata_server --host`): the master's embedded one binds
+every interface whatever `--http_metadata_server_host` says (Mooncake
+0.3.13 builds its server without the host)."""
 
 from __future__ import annotations
 
@@ -16,6 +23,7 @@ from pathlib import Path
 from cpcache.errors import Unavailable
 
 READY_LINE = "Master admin server started"
+HOST = "127.0.0.1"
 
 
 def _free_port() -> int:
@@ -39,15 +47,16 @@ class MooncakeMaster:
         self.log_path = log_path
         self.start_timeout_s = start_timeout_s
         self.proc: subprocess.Popen[bytes] | None = None
+        self.metadata_proc: subprocess.Popen[bytes] | None = None
         self.rpc_port = self.http_port = self.metrics_port = 0
 
     @property
     def master(self) -> str:
-        return f"127.0.0.1:{self.rpc_port}"
+        return f"{HOST}:{self.rpc_port}"
 
     @property
     def metadata_server(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}/metadata"
+        return f"http://{HOST}:{self.http_port}/metadata"
 
     def __enter__(self) -> MooncakeMaster:
         return self.start()
@@ -61,42 +70,53 @@ class MooncakeMaster:
 
     def _start(self) -> bool:
         self.rpc_port, self.http_port, self.metrics_port = _free_port(), _free_port(), _free_port()
+        self.metadata_proc = subprocess.Popen(
+            [sys.executable, "-m", "mooncake.http_metadata_server", f"--host={HOST}", f"--port={self.http_port}",
+             "--log-level=WARNING"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )
+        threading.Thread(target=self._drain, args=(self.metadata_proc, threading.Event()), daemon=True).start()
+        if not self._accepts(self.metadata_proc, self.http_port):
+            self.stop()
+            return False
         self.proc = subprocess.Popen(
-            [master_binary(), "--rpc_address=127.0.0.1", f"--rpc_port={self.rpc_port}",
-             "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
-             f"--http_metadata_server_port={self.http_port}", f"--metrics_port={self.metrics_port}",
+            [master_binary(), f"--rpc_address={HOST}", f"--rpc_port={self.rpc_port}",
+             "--enable_http_metadata_server=false", f"--metrics_host={HOST}", f"--metrics_port={self.metrics_port}",
              "--enable_metric_reporting=false", "--logtostderr=true"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         )
         ready = threading.Event()
         threading.Thread(target=self._drain, args=(self.proc, ready), daemon=True).start()
-        if ready.wait(self.start_timeout_s) and self._rpc_accepts():
+        if ready.wait(self.start_timeout_s) and self._accepts(self.proc, self.rpc_port):
             return True
         self.stop()
         return False
 
+    def pids(self) -> list[int]:
+        """The processes serving the store: the master and its metadata server."""
+        return [p.pid for p in (self.proc, self.metadata_proc) if p is not None]
+
     def metrics(self) -> dict[str, float]:
         """The master's own gauges and counters (its Prometheus endpoint):
         `master_allocated_bytes` is what the store holds now."""
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as reply:
+        with urllib.request.urlopen(f"http://{HOST}:{self.metrics_port}/metrics", timeout=10) as reply:
             text = reply.read().decode()
         return {name: float(value) for name, value in
                 (line.split() for line in text.splitlines() if line and not line.startswith("#") and
                  len(line.split()) == 2)}
 
-    def _rpc_accepts(self) -> bool:
-        """Until the RPC port takes a connection: the master prints its ready
-        line before its RPC server listens, and a client's first connection
-        in between is refused. False if the master exits or the time is up."""
-        assert self.proc is not None
+    def _accepts(self, proc: subprocess.Popen[bytes], port: int) -> bool:
+        """Until `port` takes a connection: the master prints its ready line
+        before its RPC server listens, and a client's first connection in
+        between is refused. False if `proc` exits or the time is up."""
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             try:
-                socket.create_connection(("127.0.0.1", self.rpc_port), 1.0).close()
+                socket.create_connection((HOST, port), 1.0).close()
                 return True
             except OSError:
-                try:  # the master's exit, or 50 ms: then try again
-                    self.proc.wait(0.05)
+                try:  # the process's exit, or 50 ms: then try again
+                    proc.wait(0.05)
                     return False
                 except subprocess.TimeoutExpired:
                     pass
@@ -115,13 +135,14 @@ class MooncakeMaster:
         ready.set()  # the master exited: stop waiting
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        for proc in (self.proc, self.metadata_proc):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()

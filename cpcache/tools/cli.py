@@ -58,11 +58,32 @@ async def _launch(args: argparse.Namespace) -> int:
         agreement_timeout_s=args.agreement_timeout, fault_delay_ms=args.fault_delay_ms,
         extra=every_rank, per_rank=per_rank,
     )
+    # Ctrl-C signals the terminal's whole foreground group; the daemons run
+    # in groups of their own (`LocalDomain`), so only this process sees it
+    # and each daemon is told once, with a SIGTERM: one drain each. A second
+    # signal here means "exit now": each daemon is told again, and a second
+    # signal cuts its drain short (exit 130). SIGHUP (the terminal closed)
+    # stops them too, since it no longer reaches them.
     stop = asyncio.Event()
+    signals = 0
+    domains: list[LocalDomain] = []
+
+    def on_signal() -> None:
+        nonlocal signals
+        signals += 1
+        if signals == 1:
+            stop.set()
+            return
+        print("cpcache: second signal: the daemons exit now, without draining", file=sys.stderr, flush=True)
+        for started in domains:
+            started.force()
+
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    async with LocalDomain(spec) as domain:
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        loop.add_signal_handler(sig, on_signal)
+    domain = LocalDomain(spec)
+    domains.append(domain)
+    async with domain:
         print(f"cpcache: {domain.size} ranks serving ({spec.topology.describe()}, {args.mode} mode, lag {args.lag})")
         for rank, socket in enumerate(domain.sockets):
             print(f"rank {rank}: unix:{socket} (pid {domain.procs[rank].pid})")
@@ -80,6 +101,8 @@ async def _launch(args: argparse.Namespace) -> int:
         await asyncio.gather(stopped, *supervisors, return_exceptions=True)
         codes = await domain.stop()
     print(f"cpcache: stopped; exit codes {codes}", flush=True)
+    if signals > 1:
+        return 130  # told to exit now: the daemons did not drain
     return 0 if all(c == 0 for c in codes) else 1
 
 

@@ -213,3 +213,14 @@ async def test_a_long_prompt_fits_a_step_and_an_oversized_request_is_invalid_arg
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "split it over several steps" in info.value.details()
             assert (await client.status()).state == "serving"
+
+
+def test_a_drain_shorter_than_a_step_round_is_refused_at_start(run_dir):
+    """A drain that cannot outlast a step's round in flight would stop
+    answering while a late peer may still complete it (two ranks, two
+    outcomes): refused, naming both settings and the least it may be."""
+    result = run_cpcached("--rank", "0", "--socket", str(run_dir / "s.sock"), "--agreement-timeout-s", "10",
+                          "--drain-timeout-s", "2")
+    assert result.returncode == ExitCode.CONFIG, result.stderr
+    assert "setting drain_timeout_s" in result.stderr and "agreement_timeout_s (10) + 1 = 11 s" in result.stderr
+    assert "Traceback" not in result.stderr

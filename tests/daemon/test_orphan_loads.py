@@ -24,13 +24,13 @@ pytestmark = [pytest.mark.timeout(120)]
 LAYER_DELAY_MS = 400.0  # each layer of a load-back: a copy of 8 layers takes over 3 s
 
 
-async def _loaded_by_scheduler(run_dir, fault, timeout_s=30.0, split=False, **settings):
+async def _loaded_by_scheduler(run_dir, fault, timeout_s=30.0, split=False, agreement_timeout_s=10.0, **settings):
     """Write pages through, open a load of them (`split`: two loads, the
     second queued behind the first), hit the daemon with `fault` once the
     first layer landed, then run a forward over the loads: -> the daemon's
     exit code, and per layer whether the forward read the pages written."""
     layers, attach = _pool("cpu")
-    spec = DomainSpec(Topology(tp=1), run_dir,
+    spec = DomainSpec(Topology(tp=1), run_dir, agreement_timeout_s=agreement_timeout_s,
                       extra=dict(host_pool_pages=16, fault_copy_layer_delay_ms=LAYER_DELAY_MS, **settings))
     async with LocalDomain(spec) as domain:
         loads = LayerLoads(GEOMETRY.layers, timeout_s=timeout_s, slots=4)
@@ -97,7 +97,9 @@ async def test_a_load_whose_daemon_is_stuck_past_its_deadline_is_finished_once_t
 
 async def test_loads_a_graceful_stop_gives_up_on_are_finished_by_the_scheduler(run_dir):
     """One copy thread, two loads (the second queued), a drain window far
-    shorter than the copies: the stop gives the queued load up, and the
-    scheduler finishes both once the daemon has exited."""
-    exit_code, landed = await _loaded_by_scheduler(run_dir, _term, split=True, io_threads=1, drain_timeout_s=0.5)
+    shorter than the copies (the least a 1 s agreement timeout allows):
+    the stop gives the queued load up, and the scheduler finishes both once
+    the daemon has exited."""
+    exit_code, landed = await _loaded_by_scheduler(run_dir, _term, split=True, io_threads=1,
+                                                   agreement_timeout_s=1.0, drain_timeout_s=2.0)
     assert exit_code == 0 and landed == [True] * GEOMETRY.layers

@@ -9,6 +9,7 @@ point (`fault_exit_after_round`) or by SIGKILL."""
 
 import asyncio
 import contextlib
+import dataclasses
 import signal
 import threading
 
@@ -243,6 +244,55 @@ async def test_an_attach_whose_answer_comes_after_the_deadline_is_retried_not_fa
         finally:
             for c in attaching:
                 c.close()
+
+
+async def _first_of(future, log, line):
+    """Until `future` is done or `log` holds `line`: waiting on the future,
+    reading the log between waits."""
+    while not future.done() and line not in log.read_text(errors="replace"):
+        await asyncio.wait({future}, timeout=0.05)
+
+
+async def test_a_daemon_stopped_while_its_step_waits_for_a_late_peer_answers_it_as_the_peer_does(run_dir):
+    """SIGTERM reaches rank 0's daemon while its step's round waits for rank
+    1, whose step comes late; rank 0's client, whose deadline is short,
+    keeps sending the step again. The daemon answers that step before its
+    server stops, so both ranks are told the same. (It used to stop its
+    server once no call was in flight, between two tries: rank 0's client,
+    finding it gone, took rank 1's "not taken" as final, and rank 1 then
+    completed the round with rank 0's engine and applied it.)"""
+    late_spec = dataclasses.replace(spec(run_dir), agreement_timeout_s=6.0)  # rank 1 comes well within it
+    async with LocalDomain(late_spec) as domain:
+        schedulers = make(domain, run_dir, 1)
+        epoch = (await attach_all(schedulers))[0].epoch
+        # Three tries of 1 s each: more than it takes rank 1 to come once asked.
+        hasty = Client(domain.sockets[0], timeout_s=1.0, peers=[domain.sockets[1]])
+        patient = Client(domain.sockets[1], timeout_s=20.0, peers=[domain.sockets[0]])
+        try:
+            tried = threading.Event()
+            recover = hasty._recover
+
+            def recovering(request, failure):
+                tried.set()
+                return recover(request, failure)
+
+            hasty._recover = recovering
+            first = asyncio.ensure_future(
+                asyncio.to_thread(hasty.step, 1, [(1, Reduce.MIN, 1)], write_step(1), epoch))
+            assert await asyncio.to_thread(tried.wait, 30)  # rank 0's round waits for rank 1
+            domain.signal(0, signal.SIGTERM)
+            # Rank 1 steps once rank 0's daemon says it answers the steps it
+            # took before stopping (or, as it used to, once rank 0's client
+            # has its outcome).
+            await _first_of(first, domain.logs[0], "waiting for the steps taken")
+            second = await asyncio.to_thread(patient.step, 1, [(1, Reduce.MIN, 1)], write_step(1), epoch)
+            outcomes = await asyncio.gather(first, return_exceptions=True) + [second]
+            assert same_outcome(outcomes), outcomes
+            assert await domain.wait_exit(0, 30) in (0, 4)
+        finally:
+            hasty.close()
+            patient.close()
+            await close_all(schedulers)
 
 
 def test_a_client_whose_deadline_the_agreement_timeout_does_not_fit_is_refused():

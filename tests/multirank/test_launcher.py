@@ -164,3 +164,100 @@ def test_launch_config_sets_single_ranks_in_rank_tables_and_refuses_unknown_ones
     config.write_text('[rank.one]\nfault_seed = 1\n')
     with pytest.raises(SystemExit, match="need a rank number"):
         _daemon_settings(str(config))
+
+
+def test_ctrl_c_of_the_launchers_group_drains_every_daemon_once(run_dir):
+    """A terminal's Ctrl-C signals the launcher's whole process group: each
+    daemon is still told once (one drain, exit 0, its sockets removed),
+    never twice (a second signal: exit 130 without draining)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cpcache.tools.cli", "launch", "--tp", "2", "--run-dir", str(run_dir)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    sockets = []
+    for line in proc.stdout:
+        if line.startswith("rank "):
+            sockets.append(line.split("unix:", 1)[1].split()[0])
+        if "press Ctrl-C" in line:
+            break
+    assert len(sockets) == 2
+    for socket in sockets:
+        asyncio.run(wait_serving(socket))
+    os.killpg(proc.pid, signal.SIGINT)  # what the terminal does
+    rest, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, rest
+    assert "exit codes [0, 0]" in rest, rest
+    for rank in range(2):
+        log = (run_dir / f"rank-{rank}.log").read_text()
+        assert log.count("in-flight calls (was serving)") == 1, log
+        assert "second signal" not in log and "exit code 0 (STOPPED)" in log, log
+    assert not list(run_dir.glob("*.sock*"))
+
+
+def wait_for_line(log, line, proc):
+    """Until `log` holds `line`, reading it between waits on `proc` (whose
+    exit ends the wait)."""
+    while line not in log.read_text(errors="replace"):
+        try:
+            proc.wait(0.05)
+        except subprocess.TimeoutExpired:
+            continue
+        raise AssertionError(f"the launcher exited before {log} said {line!r}")
+
+
+def test_a_second_ctrl_c_makes_the_daemons_exit_now(run_dir, tmp_path):
+    """A daemon draining a slow load-back (each layer 3 s late) at the first
+    Ctrl-C; the second makes the launcher tell it again: it exits 130 without
+    finishing, and so does the launcher."""
+    import torch
+
+    from cpcache.dataplane.pools import DevicePool
+    from cpcache.geometry import KVGeometry
+    from cpcache.keys import chain
+    from cpcache.load_signals import LoadSignals
+
+    config = tmp_path / "daemons.toml"
+    config.write_text("host_pool_pages = 16\nio_threads = 1\nfault_copy_layer_delay_ms = 3000.0\n")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cpcache.tools.cli", "launch", "--tp", "1", "--run-dir", str(run_dir),
+         "--config", str(config)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    try:
+        socket = None
+        for line in proc.stdout:
+            if line.startswith("rank "):
+                socket = line.split("unix:", 1)[1].split()[0]
+            if "press Ctrl-C" in line:
+                break
+        assert socket is not None
+        geometry = KVGeometry(layers=4, kv_kind="mha", heads=2, head_dim=16, dtype="float16", page_size=4)
+        pool = DevicePool.create_sealed(geometry, 16)
+        pool.tensor.view(torch.int16).random_()
+        board = LoadSignals.create(4)
+        from cpcache.client import SchedulerSession
+
+        with Client(socket, timeout_s=30) as client:
+            seed = client.attach("m", geometry, 16, pool_fd=pool.fd, load_signals=board).key_seed
+            pages = [bytes.fromhex(h) for h in chain(list(range(8)), 4, seed)]
+            session = SchedulerSession(client)
+            written: list[bool] = []
+            session.write_through(pages, [0, 1], done=written.append)
+            while not written:
+                session.flush()
+            assert written == [True]
+            assert session.load_opened(pages, [8, 9], board) is not None  # its copy issued: 12 s of layers
+        os.killpg(proc.pid, signal.SIGINT)
+        # Draining: finishing the load's layers (its server stops at once:
+        # no step is in flight).
+        wait_for_line(run_dir / "rank-0.log", "in-flight calls (was serving)", proc)
+        os.killpg(proc.pid, signal.SIGINT)
+        rest, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, rest
+    assert "exit codes [130]" in rest and "second signal" in rest, rest
+    log = (run_dir / "rank-0.log").read_text()
+    assert log.count("in-flight calls (was serving)") == 1 and "second signal: exiting without draining" in log, log

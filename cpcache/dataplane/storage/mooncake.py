@@ -82,6 +82,16 @@ SPACE_RETRY_WAITS_S = (0.01, 0.02, 0.05, 0.1, 0.2)
 FULL_BACKOFF_S = 1.0
 COUNTERS = ("storage_damaged_pages_deleted", "storage_put_space_retries", "storage_puts_refused_for_space")
 
+def engine_environment(local_hostname: str) -> dict[str, str]:
+    """What Mooncake's transfer engine reads from the environment, from the
+    settings: for the daemon's entry point to set before the engine starts
+    (the library itself never touches the environment). Without
+    MC_TCP_BIND_ADDRESS the engine advertises its RPC at the first non-loopback
+    interface's address ("Found active interface eth0"), and its peers reach
+    it there, whatever `storage_local_hostname` says."""
+    return {"MC_TCP_BIND_ADDRESS": local_hostname}
+
+
 @register("mooncake")
 class MooncakeBackend(StorageBackend):
     @classmethod
