@@ -28,6 +28,7 @@ from grpc_health.v1 import _async as health_async
 from cpcache.agreement.bounded import bounded_async
 from cpcache.config import DaemonConfig
 from cpcache.daemon import metrics
+from cpcache.daemon.call_limits import CallCounts
 from cpcache.daemon.device_pools import open_device
 from cpcache.daemon.grpc_server import new_server, set_health
 from cpcache.daemon.listeners import release_unix, start_listeners
@@ -74,6 +75,7 @@ class Daemon:
         self.rank = Rank(config, self)
         self.metrics = DaemonCollector(self)
         self.metrics_port = 0
+        self.calls = CallCounts()  # every listener's call shares, as counted
         self._health = health_async.HealthServicer()
         self._servers: list[grpc.aio.Server] = []
         self._pools: PoolHandover | None = None
@@ -129,7 +131,7 @@ class Daemon:
         return self._pools.stats() if self._pools is not None else {}
 
     def stats(self) -> dict[str, int]:
-        return {**self.rank.stats().counters(), **self.handover_stats()}
+        return {**self.rank.stats().counters(), **self.handover_stats(), **self.calls.counters()}
 
     def status(self) -> DaemonStatus:
         rank, stats, failure = self.rank, self.rank.stats(), self.rank.failure
@@ -240,9 +242,10 @@ class Daemon:
 
     async def _start_servers(self) -> None:
         await set_health(self._health, False)
-        servicer = CacheDaemonServicer(self)
+        servicer = CacheDaemonServicer(self, self.config.steps_idle_s, self.calls)
         self._servers = await start_listeners(
-            self.config, functools.partial(new_server, self.config, servicer, self._health, self.metrics.rpc))
+            self.config, functools.partial(new_server, self.config, servicer, self._health, self.metrics.rpc,
+                                           calls=self.calls))
         # Pools come by descriptor, beside the socket, with its mode and group.
         self._pools = PoolHandover(self.config.socket_path + POOLS_SUFFIX, self.config.socket_group)
         self._pools.start()
