@@ -294,9 +294,13 @@ class AsyncStepStream:
         except grpc.aio.AioRpcError:
             self._call = None
             raise
-        except asyncio.InvalidStateError:  # the stream had ended with OK before the write
+        except asyncio.InvalidStateError:  # the stream had ended before the write: raise how it ended
             self._call = None
-            raise errors.Unavailable("the daemon ended the step stream before the step") from None
+            code = await stream.code()
+            if code == grpc.StatusCode.OK:
+                raise errors.Unavailable("the daemon ended the step stream before the step") from None
+            raise grpc.aio.AioRpcError(code, await stream.initial_metadata(), await stream.trailing_metadata(),
+                                       await stream.details()) from None
         except asyncio.CancelledError:
             self._call = None
             stream.cancel()

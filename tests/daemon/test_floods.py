@@ -520,6 +520,13 @@ async def test_an_idle_steps_stream_is_closed_and_its_slot_freed(run_dir):
                 counts = await client.stats()
                 assert counts["rpc_steps_streams_open"] == 1
                 assert counts["rpc_refused_max_steps_streams"] == refused
+                # The scheduler's own stream, idle in turn, is closed; its next
+                # step goes on a new stream, as if nothing had happened.
+                assert await asyncio.wait_for(stream._call.code(), 60) == grpc.StatusCode.UNAVAILABLE
+                assert (await stream.step(3, votes=[(5, Reduce.MIN, 2)])).decisions[5] == 2
+                counts = await client.stats()
+                assert counts["rpc_steps_streams_closed_idle"] == config.max_steps_streams + 1
+                assert counts["rpc_steps_streams_open"] == 1
                 await stream.close()
         finally:
             await flood.close()
