@@ -130,7 +130,19 @@ class DaemonConfig:
     tls_cert: str = setting("", "PEM certificate chain for TCP with TLS.")
     tls_key: str = setting("", "PEM private key for TCP with TLS.")
     tls_client_ca: str = setting("", "PEM CA bundle: TCP clients must present a certificate it signed (mTLS).")
-    max_concurrent_rpcs: int = setting(1024, "Calls served at once per listener; more answer RESOURCE_EXHAUSTED.")
+    max_concurrent_rpcs: int = setting(1024, "Calls served at once per listener, besides the control_rpcs kept for "
+                                       "Health, Status and Outcome; more answer RESOURCE_EXHAUSTED.")
+    control_rpcs: int = setting(64, "Calls at once per listener kept for Health (Check), Status and Outcome, which "
+                                "no other call may take, so a flood of other calls never stops a peer's recovery or "
+                                "a re-attach's health check (past them, these calls share max_concurrent_rpcs).")
+    max_calls_per_connection: int = setting(
+        100, "Calls one connection may have open at once (HTTP/2 MAX_CONCURRENT_STREAMS, kept by gRPC itself); "
+        "more wait in that client's own transport, taking nothing of the daemon's.")
+    max_steps_streams: int = setting(32, "Steps streams open at once per listener; more answer RESOURCE_EXHAUSTED "
+                                     "(cpcache's clients then step by Step).")
+    steps_idle_timeout_s: float = setting(0.0, "A Steps stream that waits longer than this for its next step is "
+                                          "closed (UNAVAILABLE; cpcache's clients reopen it), freeing its slot "
+                                          "(0: 3 x agreement_timeout_s).")
     keepalive_time_s: float = setting(30.0, "TCP: ping a client connection idle this long (finds dead clients).")
     keepalive_timeout_s: float = setting(10.0, "TCP: close a connection whose keepalive ping is unanswered this long.")
     keepalive_min_ping_interval_s: float = setting(
@@ -219,8 +231,11 @@ class DaemonConfig:
             raise bad("tls_cert", "tls_cert and tls_key go together")
         if not self.socket:
             raise bad("socket", "must be a path")
-        if self.max_concurrent_rpcs < 1:
-            raise bad("max_concurrent_rpcs", "must be >= 1")
+        for name in ("max_concurrent_rpcs", "control_rpcs", "max_calls_per_connection", "max_steps_streams"):
+            if getattr(self, name) < 1:
+                raise bad(name, "must be >= 1")
+        if self.steps_idle_timeout_s < 0:
+            raise bad("steps_idle_timeout_s", "must be >= 0 (0: 3 x agreement_timeout_s)")
         if self.host_pool_max_bytes < 1:
             raise bad("host_pool_max_bytes", "must be >= 1")
         if self.host_pool_pages < 1 or self.io_threads < 1:
@@ -247,6 +262,11 @@ class DaemonConfig:
     @property
     def socket_path(self) -> str:
         return self.socket.replace("{rank}", str(self.rank))
+
+    @property
+    def steps_idle_s(self) -> float:
+        """How long a Steps stream may wait for its next step before the daemon closes it."""
+        return self.steps_idle_timeout_s or 3 * self.agreement_timeout_s
 
     @property
     def drain_s(self) -> float:

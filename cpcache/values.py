@@ -21,6 +21,12 @@ MAX_MESSAGE_BYTES = 64 << 20
 # In an `Outcome`'s StepError: the daemon answering has not taken the step
 # (its round cannot complete without it), rather than a round that failed.
 NOT_TAKEN = "not_taken"
+# ErrorInfo reasons of the daemon's call limits (cpcache/daemon/call_limits.py),
+# each with metadata `setting`: a call past its share (RESOURCE_EXHAUSTED),
+# and a Steps stream closed after waiting too long for a step (UNAVAILABLE).
+# Neither took the call's step: a client may send it again, by either call.
+CALL_LIMIT = "CALL_LIMIT"
+STREAM_IDLE = "STREAM_IDLE"
 
 
 class Reduce(enum.IntEnum):

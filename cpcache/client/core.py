@@ -43,11 +43,11 @@ from cpcache.client.calls import (
 from cpcache.client.daemon_process import HeldDaemon
 from cpcache.client.messages import StepResult
 from cpcache.client.recovery import StepRecovery, unanswered
-from cpcache.client.wire_errors import error_from
+from cpcache.client.wire_errors import error_from, error_info
 from cpcache.requests import CacheRequests
 from cpcache.v1 import daemon_pb2 as pb
 from cpcache.v1 import daemon_pb2_grpc as pb_grpc
-from cpcache.values import MAX_MESSAGE_BYTES, Reduce
+from cpcache.values import CALL_LIMIT, MAX_MESSAGE_BYTES, STREAM_IDLE, Reduce
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -246,7 +246,12 @@ class AsyncStepStream:
     `step` would give. A failed step ends the stream; the next step opens a
     new one. Each step has the client's deadline: past it the stream is
     cancelled and the step raises `Unavailable` (its outcome is kept by the
-    daemon: send the same request again, by either call, to get it)."""
+    daemon: send the same request again, by either call, to get it).
+
+    Two ends of a stream take no step and are not errors: the daemon closed
+    it while it waited for a step (`steps_idle_timeout_s`): the step goes
+    again on a new stream; the daemon has no stream to spare
+    (`max_steps_streams`): the step goes by `Step`."""
 
     def __init__(self, client: AsyncClient) -> None:
         self._client = client
@@ -261,37 +266,59 @@ class AsyncStepStream:
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:
-            if self._call is None:
-                self._call = self._client._stub.Steps(metadata=kwargs["metadata"])
-            stream = self._call
-            timer = None
-            timed_out = False
-            if kwargs["timeout"] is not None:
-                def expire() -> None:
-                    nonlocal timed_out
-                    timed_out = True
-                    stream.cancel()
-                timer = asyncio.get_running_loop().call_later(kwargs["timeout"], expire)
-            try:
-                await stream.write(call.request)
-                reply = await stream.read()
-            except grpc.aio.AioRpcError as exc:
-                self._call = None
-                raise error_from(exc) from None
-            except asyncio.CancelledError:
-                self._call = None
+            for again in (False, True):
+                try:
+                    return await self._exchange(call, step, kwargs)
+                except grpc.aio.AioRpcError as exc:
+                    info = error_info(exc)
+                    reason = info.reason if info is not None else ""
+                    if reason == STREAM_IDLE and not again:
+                        continue  # closed while it waited: the step was not taken
+                    if reason == CALL_LIMIT and exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        return await self._client._send(call)  # refused before it read the step
+                    raise error_from(exc) from None
+            raise AssertionError("unreachable")
+
+    async def _exchange(self, call: Call[StepResult], step: int, kwargs: dict[str, Any]) -> StepResult:
+        """The step on the stream, opened if there is none."""
+        if self._call is None:
+            self._call = self._client._stub.Steps(metadata=kwargs["metadata"])
+        stream = self._call
+        timer = None
+        timed_out = False
+        if kwargs["timeout"] is not None:
+            def expire() -> None:
+                nonlocal timed_out
+                timed_out = True
                 stream.cancel()
-                if timed_out:
-                    raise errors.Unavailable(f"DEADLINE_EXCEEDED: step {step} had no reply within "
-                                             f"{kwargs['timeout']}s") from None
-                raise
-            finally:
-                if timer is not None:
-                    timer.cancel()
-            if reply is grpc.aio.EOF:
-                self._call = None
-                raise errors.Unavailable("the daemon ended the step stream without a reply")
-            return call.read(reply)
+            timer = asyncio.get_running_loop().call_later(kwargs["timeout"], expire)
+        try:
+            await stream.write(call.request)
+            reply = await stream.read()
+        except grpc.aio.AioRpcError:
+            self._call = None
+            raise
+        except asyncio.InvalidStateError:  # the stream had ended before the write: raise how it ended
+            self._call = None
+            code = await stream.code()
+            if code == grpc.StatusCode.OK:
+                raise errors.Unavailable("the daemon ended the step stream before the step") from None
+            raise grpc.aio.AioRpcError(code, await stream.initial_metadata(), await stream.trailing_metadata(),
+                                       await stream.details()) from None
+        except asyncio.CancelledError:
+            self._call = None
+            stream.cancel()
+            if timed_out:
+                raise errors.Unavailable(f"DEADLINE_EXCEEDED: step {step} had no reply within "
+                                         f"{kwargs['timeout']}s") from None
+            raise
+        finally:
+            if timer is not None:
+                timer.cancel()
+        if reply is grpc.aio.EOF:
+            self._call = None
+            raise errors.Unavailable("the daemon ended the step stream without a reply")
+        return call.read(reply)
 
     async def close(self) -> None:
         if self._call is not None:

@@ -14,6 +14,8 @@ from grpc_reflection.v1alpha import reflection
 
 from cpcache.config import DaemonConfig
 from cpcache.daemon import budget
+from cpcache.daemon.call_limits import CallCounts, CallLimits, grpc_limit
+from cpcache.daemon.call_limits import grpc_options as limit_options
 from cpcache.daemon.servicer import CacheDaemonServicer
 from cpcache.daemon.status import tolerant
 from cpcache.v1 import daemon_pb2 as pb
@@ -43,18 +45,21 @@ def service_handler(servicer: CacheDaemonServicer) -> grpc.GenericRpcHandler:
 
 def new_server(config: DaemonConfig, servicer: CacheDaemonServicer, health: health_async.HealthServicer,
                metrics: grpc.aio.ServerInterceptor, interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
-               options: Sequence[tuple[str, int]] = ()) -> grpc.aio.Server:
-    """A server of the daemon's services, not yet bound (`listeners` binds it)."""
-    # Above the limit gRPC answers RESOURCE_EXHAUSTED instead of queueing.
-    # The metrics interceptor comes first, so refused calls are counted too.
+               options: Sequence[tuple[str, int]] = (), calls: CallCounts | None = None) -> grpc.aio.Server:
+    """A server of the daemon's services, not yet bound (`listeners` binds it),
+    with its own shares of calls (`call_limits`), counted into `calls`."""
+    # The metrics interceptor comes first, so refused calls are counted too;
+    # the shares come last, so a call the token refuses takes no slot. Past
+    # a share the call is answered RESOURCE_EXHAUSTED, naming the setting;
+    # gRPC's own limit is a backstop above every share.
     # Twice the message limit: a request between the two gets a clear
     # INVALID_ARGUMENT from the handler (`status.tolerant`) rather than
     # gRPC's own RESOURCE_EXHAUSTED, which also means "pool full" here.
     limits = [("grpc.max_receive_message_length", 2 * MAX_MESSAGE_BYTES),
               ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-              *budget.grpc_options()]
-    server = grpc.aio.server(interceptors=[metrics, *interceptors], options=[*limits, *options],
-                             maximum_concurrent_rpcs=config.max_concurrent_rpcs)
+              *budget.grpc_options(), *limit_options(config)]
+    server = grpc.aio.server(interceptors=[metrics, *interceptors, CallLimits(config, calls)],
+                             options=[*limits, *options], maximum_concurrent_rpcs=grpc_limit(config))
     server.add_generic_rpc_handlers((service_handler(servicer),))
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     # Reflection: grpcurl and friends list and call the API without the proto.

@@ -29,6 +29,7 @@ import cpcache
 from cpcache.agreement.bounded import bounded_async
 from cpcache.config import DaemonConfig
 from cpcache.daemon import metrics
+from cpcache.daemon.call_limits import CallCounts
 from cpcache.daemon.device_pools import open_device
 from cpcache.daemon.grpc_server import new_server, set_health
 from cpcache.daemon.listeners import release_unix, start_listeners
@@ -81,6 +82,7 @@ class Daemon:
         self.rank.formation.record_outcome = self._record_outcome
         self.metrics = DaemonCollector(self)
         self.metrics_port = 0
+        self.calls = CallCounts()  # every listener's call shares, as counted
         self._health = health_async.HealthServicer()
         self._servers: list[grpc.aio.Server] = []
         self._pools: PoolHandover | None = None
@@ -141,7 +143,7 @@ class Daemon:
         return self._pools.stats() if self._pools is not None else {}
 
     def stats(self) -> dict[str, int]:
-        return {**self.rank.stats().counters(), **self.handover_stats()}
+        return {**self.rank.stats().counters(), **self.handover_stats(), **self.calls.counters()}
 
     def status(self) -> DaemonStatus:
         rank, stats, failure = self.rank, self.rank.stats(), self.rank.failure
@@ -257,9 +259,10 @@ class Daemon:
 
     async def _start_servers(self) -> None:
         await set_health(self._health, False)
-        servicer = CacheDaemonServicer(self)
+        servicer = CacheDaemonServicer(self, self.config.steps_idle_s, self.calls)
         self._servers = await start_listeners(
-            self.config, functools.partial(new_server, self.config, servicer, self._health, self.metrics.rpc))
+            self.config, functools.partial(new_server, self.config, servicer, self._health, self.metrics.rpc,
+                                           calls=self.calls))
         # Pools come by descriptor, beside the socket, with its mode and group.
         self._pools = PoolHandover(self.config.socket_path + POOLS_SUFFIX, self.config.socket_group,
                                    self.outcomes.fd)

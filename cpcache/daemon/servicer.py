@@ -13,6 +13,7 @@ from typing import Any, Protocol
 import grpc
 
 from cpcache.agreement.rounds import Questions
+from cpcache.daemon.call_limits import CallCounts, idle_status
 from cpcache.daemon.status import decoded, guarded
 from cpcache.daemon.wire import (
     AttachAsk,
@@ -52,8 +53,13 @@ class DaemonPort(Protocol):
 
 
 class CacheDaemonServicer(pb_grpc.CacheDaemonServicer):
-    def __init__(self, daemon: DaemonPort) -> None:
+    def __init__(self, daemon: DaemonPort, steps_idle_s: float | None = None,
+                 calls: CallCounts | None = None) -> None:
+        """`steps_idle_s`: a `Steps` stream that waits this long for a step
+        is closed (None: never); counted in `calls`."""
         self._daemon = daemon
+        self._steps_idle_s = steps_idle_s
+        self._calls = calls
 
     async def _step(self, request: pb.StepRequest) -> pb.StepReply:
         """One step. A request that cannot be read still takes part in its
@@ -87,8 +93,22 @@ class CacheDaemonServicer(pb_grpc.CacheDaemonServicer):
         order with exactly what `Step` answers (a retry, by either call, is
         told apart by the same digest). A step that fails ends the stream
         with the status `Step` would have answered (`guarded`)."""
-        while (request := await context.read()) is not grpc.aio.EOF:
+        while (request := await self._next_step(context)) is not grpc.aio.EOF:
             await context.write(await self._step(decoded(request)))
+
+    async def _next_step(self, context: grpc.aio.ServicerContext) -> Any:
+        """The stream's next request. One that does not come within
+        `steps_idle_s` ends the stream (UNAVAILABLE, reason STREAM_IDLE),
+        so an idle stream holds no slot for long: only while it waits for a
+        request, never while a step runs."""
+        if self._steps_idle_s is None:
+            return await context.read()
+        try:
+            return await asyncio.wait_for(context.read(), self._steps_idle_s)
+        except TimeoutError:
+            if self._calls is not None:
+                self._calls.steps_closed_idle += 1
+            await context.abort_with_status(idle_status(self._steps_idle_s))
 
     @guarded
     async def Attach(self, request: pb.AttachRequest, context: grpc.aio.ServicerContext) -> pb.AttachReply:

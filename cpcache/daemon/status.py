@@ -42,7 +42,7 @@ def _cut(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _rich(code: grpc.StatusCode, message: str, reason: str, metadata: dict[str, str]) -> grpc.Status:
+def rich_status(code: grpc.StatusCode, message: str, reason: str, metadata: dict[str, str]) -> grpc.Status:
     info = error_details_pb2.ErrorInfo(
         reason=reason, domain=errors.DOMAIN,
         metadata={str(k): _cut(str(v), MAX_METADATA_VALUE) for k, v in metadata.items()},
@@ -60,10 +60,10 @@ def wire_status(error: BaseException) -> grpc.Status:
     read (a bug in its class, logged)."""
     if isinstance(error, errors.CacheError):
         try:
-            return _rich(status_of(error), str(error), error.reason, error.metadata())
+            return rich_status(status_of(error), str(error), error.reason, error.metadata())
         except Exception:
             log.exception("cannot describe %s", type(error).__name__)
-    return _rich(grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}: {error}", "INTERNAL", {})
+    return rich_status(grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}: {error}", "INTERNAL", {})
 
 
 class Undecodable:

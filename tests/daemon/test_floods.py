@@ -6,6 +6,8 @@ docs/security.md states (`cpcache.daemon.budget`). Also what needs a real
 daemon: pools it must refuse and socket_group."""
 
 import asyncio
+import collections
+import contextlib
 import fcntl
 import grp
 import json
@@ -19,16 +21,22 @@ import threading
 import time
 from pathlib import Path
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cpcache import errors
 from cpcache.client import AsyncClient, CacheRequests, WriteRequest
+from cpcache.config import DaemonConfig
 from cpcache.daemon import budget
 from cpcache.daemon.launcher import DomainSpec, LocalDomain
 from cpcache.daemon.server import ExitCode
 from cpcache.dataplane.pools import DevicePool
 from cpcache.geometry import KVGeometry
 from cpcache.topology import Topology
+from cpcache.v1 import daemon_pb2 as pb
+from cpcache.v1 import daemon_pb2_grpc as pb_grpc
+from cpcache.values import Reduce
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -320,3 +328,206 @@ async def test_socket_group_recipe_serves_the_group(shared_dir):
         proc.terminate()
         assert await asyncio.to_thread(proc.wait, 30) == ExitCode.STOPPED
         proc.stderr.close()
+
+
+# -- a flood of calls on one connection costs the flooder's own calls ---------------------------
+
+
+class StreamFlood:
+    """One flooding client: streams on one connection (one channel), each
+    read by a task; `refused` fires at its first refusal, `admitted` counts
+    the Health.Watch streams the daemon took (they answer at once)."""
+
+    def __init__(self, sock: str) -> None:
+        self.channel = grpc.aio.insecure_channel("unix:" + sock)
+        self.daemon = pb_grpc.CacheDaemonStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+        self.calls: list = []
+        self.tasks: list[asyncio.Task] = []
+        self.errors: list[grpc.aio.AioRpcError] = []
+        self.refused = asyncio.Event()
+        self.watching = 0
+        self.watch_errors: list[grpc.aio.AioRpcError] = []
+        self.watched = asyncio.Condition()
+
+    async def steps(self, n: int) -> None:
+        """`n` Steps streams that never send a step."""
+        await self.daemon.Status(pb.StatusRequest(), timeout=30)  # the connection is up, its limits known
+        for _ in range(n):
+            call = self.daemon.Steps()
+            self.calls.append(call)
+            self.tasks.append(asyncio.ensure_future(self._read(call)))
+
+    async def watches(self, n: int, admitted: int) -> None:
+        """`n` Health.Watch streams; returns once `admitted` of them answered.
+        Those past its connection's limit wait in its transport, or are
+        refused by the daemon's HTTP/2 (REFUSED_STREAM: UNAVAILABLE) when
+        they reach it before the streams it ended are gone there."""
+        for _ in range(n):
+            call = self.health.Watch(health_pb2.HealthCheckRequest(service=""))
+            self.calls.append(call)
+            self.tasks.append(asyncio.ensure_future(self._watch(call)))
+        failed = lambda: [e for e in self.watch_errors if e.code() != grpc.StatusCode.UNAVAILABLE]  # noqa: E731
+        async with self.watched:
+            await asyncio.wait_for(self.watched.wait_for(lambda: self.watching >= admitted or failed()), 60)
+        assert not failed(), failed()[0]
+
+    async def _read(self, call) -> None:
+        try:
+            await call.read()
+        except grpc.aio.AioRpcError as exc:
+            self.errors.append(exc)
+            self.refused.set()
+            async with self.watched:
+                self.watched.notify_all()
+
+    async def refusals(self, n: int) -> None:
+        """Until `n` Steps streams have ended."""
+        async with self.watched:
+            await asyncio.wait_for(self.watched.wait_for(lambda: len(self.errors) >= n), 60)
+
+    async def _watch(self, call) -> None:
+        try:
+            await call.read()
+        except grpc.aio.AioRpcError as exc:
+            self.watch_errors.append(exc)
+            async with self.watched:
+                self.watched.notify_all()
+            return
+        async with self.watched:
+            self.watching += 1
+            self.watched.notify_all()
+
+    async def first_refusal(self) -> grpc.aio.AioRpcError:
+        await asyncio.wait_for(self.refused.wait(), 60)
+        return self.errors[0]
+
+    async def close(self) -> None:
+        for call in self.calls:
+            call.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await self.channel.close()
+
+
+LIMITED = dict(host_pool_pages=8, max_concurrent_rpcs=128)
+CONFIG = DaemonConfig(rank=0, **LIMITED)  # the shares these tests flood
+FLOOD_STREAMS = CONFIG.max_concurrent_rpcs + CONFIG.control_rpcs + 8  # more than any share: today, all of them
+
+
+@contextlib.asynccontextmanager
+async def flooded(run_dir: Path, extra: dict | None = None):
+    """A daemon whose one flooding client holds every Steps stream it can on
+    one connection, until refused (today: every call slot). -> (domain, flood)."""
+    async with LocalDomain(DomainSpec(Topology(tp=1), run_dir, extra=dict(LIMITED, **(extra or {})))) as domain:
+        flood = StreamFlood(domain.sockets[0])
+        try:
+            await flood.steps(FLOOD_STREAMS)
+            await flood.first_refusal()
+            yield domain, flood
+            async with AsyncClient(domain.sockets[0]) as client:  # the flood was held all along
+                assert (await client.stats())["rpc_steps_streams_open"] == CONFIG.max_steps_streams
+        finally:
+            await flood.close()
+        assert domain.procs[0].poll() is None
+        async with AsyncClient(domain.sockets[0]) as client:
+            assert (await client.status()).state == "serving"
+
+
+async def test_a_flood_on_one_connection_leaves_health_status_and_outcome_answering(run_dir):
+    """(a) Today one connection could hold every call slot with idle Steps
+    streams, and Health, Status and Outcome answered RESOURCE_EXHAUSTED:
+    a peer's recovery could not ask this daemon, a re-attach's health
+    check failed. Now they answer on another connection, the flood held."""
+    async with flooded(run_dir) as (domain, flood):
+        async with AsyncClient(domain.sockets[0]) as other:
+            assert await other.health() == health_pb2.HealthCheckResponse.SERVING
+            assert (await other.status()).state == "serving"
+            outcome = await other.outcome(0, 7)  # a step never taken here: its round cannot complete
+            assert outcome.HasField("error")
+
+
+async def test_a_flood_on_one_connection_leaves_a_schedulers_steps_answering(run_dir):
+    """(b) A legitimate scheduler on its own connection attaches and steps
+    while the flood is held: by Step, and by its Steps stream (the daemon
+    has no stream to spare: the client steps by Step)."""
+    async with flooded(run_dir) as (domain, flood):
+        async with AsyncClient(domain.sockets[0]) as scheduler:
+            pool = DevicePool.create_sealed(GEOMETRY, 8)
+            await scheduler.attach("m", GEOMETRY, 8, pool_fd=pool.fd)
+            reply = await scheduler.step(1, requests=CacheRequests(writes=(WriteRequest(1, [bytes(32)], [0]),)))
+            stream = scheduler.steps_stream()
+            step = 1
+            while 1 not in reply.write_acks:
+                step += 1
+                reply = await stream.step(step)
+            reply = await stream.step(step + 1, votes=[(9, Reduce.MAX, 4)])
+            assert reply.decisions[9] == 4
+            await stream.close()
+            held = await scheduler.stats()
+        assert held["rpc_steps_streams_open"] == CONFIG.max_steps_streams  # the flooder's, still held
+
+
+async def test_a_flooder_is_refused_naming_the_setting_and_holds_one_connections_worth(run_dir):
+    """(c) The flooder's streams past its share are refused
+    RESOURCE_EXHAUSTED, naming the setting to raise; with other calls it
+    holds at most `max_calls_per_connection` on its connection (those past
+    it wait in its own transport)."""
+    async with flooded(run_dir) as (domain, flood):
+        refusal = flood.errors[0]
+        assert refusal.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "setting max_steps_streams" in refusal.details(), refusal.details()
+        await flood.watches(2 * CONFIG.max_calls_per_connection,
+                            admitted=CONFIG.max_calls_per_connection - CONFIG.max_steps_streams)
+        async with AsyncClient(domain.sockets[0]) as other:
+            held = await other.stats()
+        assert held["rpc_steps_streams_open"] == CONFIG.max_steps_streams
+        assert held["rpc_calls_open"] == CONFIG.max_calls_per_connection + 1  # + that Stats
+        # Past its share (RESOURCE_EXHAUSTED), or past its connection's limit, by
+        # gRPC's HTTP/2 (REFUSED_STREAM: UNAVAILABLE), and nothing else.
+        await flood.refusals(FLOOD_STREAMS - CONFIG.max_steps_streams)
+        codes = collections.Counter(e.code() for e in flood.errors)
+        assert set(codes) <= {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE}, codes
+        assert held["rpc_refused_max_steps_streams"] <= codes[grpc.StatusCode.RESOURCE_EXHAUSTED]
+        assert all("setting max_steps_streams" in e.details() for e in flood.errors
+                   if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+async def test_an_idle_steps_stream_is_closed_and_its_slot_freed(run_dir):
+    """(d) Steps streams that wait past `steps_idle_timeout_s` for a step are
+    closed by the daemon, naming the setting; their slots serve the next
+    streams."""
+    extra = dict(LIMITED, steps_idle_timeout_s=1.0)
+    config = DaemonConfig(rank=0, **extra)
+    async with LocalDomain(DomainSpec(Topology(tp=1), run_dir, extra=extra)) as domain:
+        sock = domain.sockets[0]
+        flood = StreamFlood(sock)
+        try:
+            await flood.steps(config.max_steps_streams + 8)
+            await asyncio.wait_for(asyncio.gather(*flood.tasks), 60)  # every stream ends: refused, or closed idle
+            idle = [e for e in flood.errors if e.code() == grpc.StatusCode.UNAVAILABLE]
+            assert len(idle) == config.max_steps_streams, [(e.code(), e.details()) for e in flood.errors]
+            assert all("setting steps_idle_timeout_s" in e.details() for e in idle)
+            async with AsyncClient(sock) as client:
+                counts = await client.stats()
+                assert counts["rpc_steps_streams_open"] == 0
+                assert counts["rpc_steps_streams_closed_idle"] == config.max_steps_streams
+                refused = counts["rpc_refused_max_steps_streams"]
+                # The freed slots serve a scheduler's stream, step after step.
+                stream = client.steps_stream()
+                for step in (1, 2):
+                    reply = await stream.step(step, votes=[(5, Reduce.MIN, 3)])
+                    assert reply.decisions[5] == 3
+                counts = await client.stats()
+                assert counts["rpc_steps_streams_open"] == 1
+                assert counts["rpc_refused_max_steps_streams"] == refused
+                # The scheduler's own stream, idle in turn, is closed; its next
+                # step goes on a new stream, as if nothing had happened.
+                assert await asyncio.wait_for(stream._call.code(), 60) == grpc.StatusCode.UNAVAILABLE
+                assert (await stream.step(3, votes=[(5, Reduce.MIN, 2)])).decisions[5] == 2
+                counts = await client.stats()
+                assert counts["rpc_steps_streams_closed_idle"] == config.max_steps_streams + 1
+                assert counts["rpc_steps_streams_open"] == 1
+                await stream.close()
+        finally:
+            await flood.close()
+        assert domain.procs[0].poll() is None

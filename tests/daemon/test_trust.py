@@ -249,6 +249,8 @@ async def test_match_on_a_hung_store_answers_in_bounded_time_and_sigterm_finishe
 
 
 async def test_calls_past_max_concurrent_rpcs_get_resource_exhausted(run_dir):
+    """Past `max_concurrent_rpcs`, a call is refused naming the setting; Status
+    still answers, from the `control_rpcs` no other call may take."""
     async with LocalDomain(DomainSpec(Topology(tp=1), run_dir, extra=dict(max_concurrent_rpcs=2))) as domain:
         async with grpc.aio.insecure_channel("unix:" + domain.sockets[0]) as channel:
             from grpc_health.v1 import health_pb2_grpc
@@ -257,16 +259,19 @@ async def test_calls_past_max_concurrent_rpcs_get_resource_exhausted(run_dir):
             watches = [health.Watch(health_pb2.HealthCheckRequest(service="")) for _ in range(2)]
             for watch in watches:  # both streams are open on the server now
                 assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+            stub = pb_grpc.CacheDaemonStub(channel)
             with pytest.raises(grpc.aio.AioRpcError) as info:
-                await pb_grpc.CacheDaemonStub(channel).Status(pb.StatusRequest(), timeout=10)
+                await stub.Stats(pb.StatsRequest(), timeout=10)
             assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "setting max_concurrent_rpcs" in info.value.details()
+            assert (await stub.Status(pb.StatusRequest(), timeout=10)).state == "serving"
             for watch in watches:
                 watch.cancel()
         async with AsyncClient(domain.sockets[0]) as client:
             deadline = time.monotonic() + 10
             while True:  # the cancelled streams free their slots as the server sees them end
                 try:
-                    assert (await client.status()).state == "serving"
+                    assert (await client.stats())["rpc_refused_max_concurrent_rpcs"] == 1
                     break
                 except errors.ResourceExhausted:
                     assert time.monotonic() < deadline

@@ -5,6 +5,7 @@ import pytest
 
 from cpcache.config import DaemonConfig
 from cpcache.daemon import server
+from cpcache.daemon.call_limits import CallCounts
 from cpcache.daemon.metrics import DaemonCollector
 from cpcache.daemon.pool_handover import PoolHandover
 from cpcache.rank.stats import RankStats
@@ -22,6 +23,7 @@ class Daemon:
 
     config = DaemonConfig(rank=0)
     rank = Rank()
+    calls = CallCounts()
     handover_stats = server.Daemon.handover_stats
     stats = server.Daemon.stats
 
