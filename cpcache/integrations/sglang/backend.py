@@ -127,7 +127,7 @@ def build_cache(context: Any, settings: Settings | None = None) -> Any:
     before = pool.addresses()
     layer_loads = _layer_loads(context, pool, runner_pool, kv_pool, settings)
     client = Client(socket, token=settings.token(), timeout_s=settings.timeout_s,
-                    peers=peer_sockets(settings, topology, rank), rank=rank)
+                    peers=peer_sockets(settings, topology, rank), rank=rank, outcome_wait_s=settings.outcome_wait_s)
     try:
         # A daemon busy at the server's start (a loaded host) is waited for, not a failed start.
         client.wait_serving(settings.start_timeout_s)

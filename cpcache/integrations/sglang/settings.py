@@ -54,6 +54,10 @@ class Settings:
     # How long the server's start waits for its daemon to serve (a daemon
     # still starting, or busy on a loaded host, is waited for).
     start_timeout_s: float = 120.0
+    # How long a step whose daemon gave no answer waits for a daemon that
+    # may still tell how it ended (a peer's, stopped or flooded): keep it
+    # within SGLang's --watchdog-timeout (300 s by default).
+    outcome_wait_s: float = 120.0
     # The domain's settings file (the TOML `cpcache launch --config` and the
     # daemons read): where a server without daemons beneath it (a decode
     # server's KV offload, `storage.CpcacheStore`) finds the store it shares.
@@ -64,6 +68,8 @@ class Settings:
     store_hostname: str = ""
 
     def __post_init__(self) -> None:
+        if not self.outcome_wait_s > 0:
+            raise ValueError(f"cpcache: outcome_wait_s must be above 0, not {self.outcome_wait_s!r}")
         if self.load_back not in LOAD_BACKS:
             raise ValueError(f"cpcache: load_back must be one of {', '.join(LOAD_BACKS)}, not {self.load_back!r}")
 
