@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import signal
 import stat
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 from cpcache.agreement.collective import host_store
 from cpcache.client import AsyncClient
 from cpcache.config import DaemonConfig
+from cpcache.daemon.segment_owner import OwnerSettings, SegmentOwner
 from cpcache.daemon.settings import as_flags
 from cpcache.errors import CacheError, InvalidArgument, Unavailable
 from cpcache.topology import Topology
@@ -66,8 +68,27 @@ class DomainSpec:
     seed: int = 0
     extra: dict = field(default_factory=dict)  # any other setting by name (`config.SETTINGS`), for every rank
     per_rank: dict = field(default_factory=dict)  # rank -> settings for that rank only (fault_* settings)
+    # With Mooncake storage: one segment owner holds the memory every rank
+    # would lend (the sum of their `storage_segment_bytes`) and the daemons
+    # mount none, so no daemon's death takes pages out of the store
+    # (`segment_owner`). False: each daemon mounts its own.
+    segment_owner: bool = True
+
+    def owner_bytes(self) -> int:
+        """What the segment owner holds (0: none runs)."""
+        if not self.segment_owner:
+            return 0
+        lent = [self._config(rank, 0, "").storage_segment_bytes for rank in range(self.topology.world_size)
+                if self._config(rank, 0, "").storage == "mooncake"]
+        return sum(lent)
 
     def config(self, rank: int, store_port: int, deployment: str) -> DaemonConfig:
+        config = self._config(rank, store_port, deployment)
+        if self.owner_bytes():
+            return dataclasses.replace(config, storage_segment_bytes=0)  # the owner lends this rank's share
+        return config
+
+    def _config(self, rank: int, store_port: int, deployment: str) -> DaemonConfig:
         settings = dict(
             rank=rank,
             tp=self.topology.tp,
@@ -133,6 +154,7 @@ class LocalDomain:
         self.sockets: list[str] = []
         self.logs: list[Path] = []
         self._store: TCPStore | None = None
+        self.segment_owner: SegmentOwner | None = None
 
     @property
     def size(self) -> int:
@@ -157,6 +179,11 @@ class LocalDomain:
         private_run_dir(self.spec.run_dir)
         self._store = host_store("127.0.0.1", 0)
         self._deployment = f"local-{uuid.uuid4().hex[:8]}"
+        owner_bytes = self.spec.owner_bytes()
+        if owner_bytes:
+            settings = OwnerSettings.of(self.spec._config(0, 0, ""), owner_bytes)
+            self.segment_owner = SegmentOwner(settings, self.spec.run_dir / "segment-owner.log")
+            await asyncio.to_thread(self.segment_owner.start)
         for rank in range(self.size):
             self.procs.append(self._spawn(rank))
             self._exits.append(ExitWatch(self.procs[rank]))
@@ -270,5 +297,8 @@ class LocalDomain:
                 proc.kill()
                 codes.append(await watch.exited)
         self._store = None
+        if self.segment_owner is not None:  # after the daemons: the store's memory outlives every one of them
+            await asyncio.to_thread(self.segment_owner.stop)
+            self.segment_owner = None
         return codes
 

@@ -87,6 +87,9 @@ async def _launch(args: argparse.Namespace) -> int:
         print(f"cpcache: {domain.size} ranks serving ({spec.topology.describe()}, {args.mode} mode, lag {args.lag})")
         for rank, socket in enumerate(domain.sockets):
             print(f"rank {rank}: unix:{socket} (pid {domain.procs[rank].pid})")
+        if domain.segment_owner is not None:
+            print(f"cpcache: the store's memory is held by a segment owner (pid {domain.segment_owner.pid}, "
+                  f"{domain.segment_owner.settings.segment_bytes} bytes): the daemons mount none", flush=True)
         print("cpcache: press Ctrl-C to stop", flush=True)
         # A supervisor per rank, as systemd's Restart=always is: a rank that
         # exits is started again, however often and with whatever code (a
@@ -166,6 +169,37 @@ async def _store(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _segment_owner(args: argparse.Namespace) -> int:
+    """Mooncake's real client holding this host's share of the store, until
+    signalled: the daemons (storage_segment_bytes = 0) come and go beside it."""
+    from cpcache.config import DaemonConfig
+    from cpcache.daemon.segment_owner import OwnerSettings, SegmentOwner
+
+    every_rank, _ = _daemon_settings(args.config)
+    config = DaemonConfig.from_settings({"rank": 0, **every_rank})
+    owner = SegmentOwner(OwnerSettings.of(config, args.bytes), Path(args.log))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await asyncio.to_thread(owner.start)
+    try:
+        print(f"cpcache: holding {args.bytes} bytes of the Mooncake Store at {config.storage_master} "
+              f"(pid {owner.pid})", flush=True)
+        _notify_systemd(f"READY=1\nSTATUS=holding {args.bytes} bytes of the store")
+        exited = asyncio.ensure_future(asyncio.to_thread(owner.proc.wait)) if owner.proc else None
+        waits = {asyncio.ensure_future(stop.wait()), *([exited] if exited else [])}
+        done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for task in pending:
+            task.cancel()
+        if exited is not None and exited in done:
+            print("cpcache: the segment owner exited on its own", file=sys.stderr, flush=True)
+            return 1
+    finally:
+        await asyncio.to_thread(owner.stop)
+    return 0
+
+
 def _notify_systemd(message: str) -> None:
     import os
     import socket as socket_module
@@ -220,6 +254,14 @@ def parser() -> argparse.ArgumentParser:
     store.add_argument("--probe", metavar="HOST:PORT", help="exit 0 if a store accepts connections there, else 1 "
                        "(a healthcheck)")
 
+    owner = sub.add_parser("segment-owner", help="hold this host's share of a Mooncake Store (a service that "
+                           "outlives daemons, whose own segments would leave the store with them)")
+    owner.add_argument("--config", required=True, help="the daemons' TOML settings (storage_master, "
+                       "storage_metadata_server, storage_local_hostname, storage_protocol)")
+    owner.add_argument("--bytes", type=int, required=True, help="memory lent to the store; the daemons then run "
+                       "with storage_segment_bytes = 0")
+    owner.add_argument("--log", default="/dev/stderr", help="where the owner's own log goes")
+
     for name, text in (("status", "health, domain, step and open questions of a daemon"),
                        ("stats", "a daemon's counters: tier occupancy, pages moved, hits")):
         query = sub.add_parser(name, help=text)
@@ -255,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
             return asyncio.run(_store(args))
         if args.command in ("status", "stats"):
             return asyncio.run(_status(args))
+        if args.command == "segment-owner":
+            return asyncio.run(_segment_owner(args))
         if args.command == "demo":
             from cpcache.tools import demo as demo_module
 
