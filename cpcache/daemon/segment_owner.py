@@ -11,14 +11,19 @@ and one segment owner per host holds the memory: Mooncake's own real client
 as long as it runs and `cpcache segment-owner` runs as a service of its own
 (docs/operations.md). A daemon killed, restarted or stopped leaves the store
 as it was, and a re-formed domain starts warm from it.
+
+The owner is a Mooncake client of its own, in a process of its own
+(`python -m cpcache.daemon.segment_owner`): it mounts its segment, says so
+on its output, and on SIGTERM or SIGINT unmounts it before it exits, so
+the master never places a page in memory that is gone (Mooncake's
+`mooncake_client` dies on those signals with its segment still mounted,
+and the master's puts fail there until its lease expires).
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -28,22 +33,7 @@ from pathlib import Path
 from cpcache.config import DaemonConfig
 from cpcache.errors import Unavailable
 
-READY_LINE = "Starting real client service"
-
-
-def owner_binary() -> str:
-    beside_python = Path(sys.executable).with_name("mooncake_client")
-    found = str(beside_python) if beside_python.exists() else shutil.which("mooncake_client")
-    if not found:
-        raise Unavailable("mooncake_client is not installed (pip install mooncake-transfer-engine-non-cuda, or "
-                          "mooncake-transfer-engine on CUDA hosts)")
-    return found
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host if host else "127.0.0.1", 0))
-        return int(s.getsockname()[1])
+READY_LINE = "segment owner: mounted"
 
 
 @dataclass(frozen=True)
@@ -62,10 +52,9 @@ class OwnerSettings:
         return cls(config.storage_master, config.storage_metadata_server, config.storage_local_hostname,
                    config.storage_protocol, config.storage_device, segment_bytes)
 
-    def command(self, port: int) -> list[str]:
-        return [owner_binary(), f"--master_server_address={self.master}", f"--metadata_server={self.metadata_server}",
-                f"--global_segment_size={self.segment_bytes}", f"--host={self.hostname}", f"--port={port}",
-                f"--protocol={self.protocol}", f"--device_names={self.device}"]
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "cpcache.daemon.segment_owner", self.master, self.metadata_server,
+                self.hostname, self.protocol, self.device, str(self.segment_bytes)]
 
     def environment(self) -> dict[str, str]:
         # The transfer engine advertises this address, not the host's first interface.
@@ -85,8 +74,7 @@ class SegmentOwner:
 
     def start(self) -> SegmentOwner:
         ready = threading.Event()
-        port = _free_port(self.settings.hostname)  # its IPC socket is named by its port: two owners never meet
-        self.proc = subprocess.Popen(self.settings.command(port), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(self.settings.command(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=self.settings.environment())
         self._reader = threading.Thread(target=self._drain, args=(self.proc, ready), name="segment-owner-log",
                                         daemon=True)
@@ -131,3 +119,30 @@ class SegmentOwner:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def serve(settings: OwnerSettings) -> int:
+    """The owner's process: mount the segment, hold it until SIGTERM or
+    SIGINT, unmount it. -> the exit code."""
+    from mooncake.store import MooncakeDistributedStore
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    store = MooncakeDistributedStore()
+    rc = store.setup(settings.hostname, settings.metadata_server, settings.segment_bytes, 0, settings.protocol,
+                     settings.device, settings.master)
+    if rc != 0:
+        print(f"segment owner: setup against master {settings.master} failed with code {rc}", flush=True)
+        return 1
+    print(f"{READY_LINE} {settings.segment_bytes} bytes in the store at {settings.master}", flush=True)
+    while not stop.wait(1.0):
+        pass
+    store.close()  # unmounts the segment: the master places nothing more there
+    print("segment owner: unmounted", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    master, metadata, hostname, protocol, device, size = sys.argv[1:7]
+    sys.exit(serve(OwnerSettings(master, metadata, hostname, protocol, device, int(size))))

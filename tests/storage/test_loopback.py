@@ -8,7 +8,7 @@ import pytest
 
 from cpcache.daemon.launcher import DomainSpec, LocalDomain
 from cpcache.topology import Topology
-from tests.multirank.attacks.common import PAGE_HASHES, attach_all, close_all, make, write_through
+from tests.multirank.attacks.common import PAGE_HASHES, attach_all, close_all, make, step_all, write_through
 from tests.support.listeners import listeners
 
 pytestmark = pytest.mark.timeout(120)
@@ -46,7 +46,11 @@ async def _daemon_with_mooncake(run_dir, master):
         schedulers = make(domain, run_dir, 1)
         try:
             await attach_all(schedulers)
-            await write_through(schedulers, 1)  # the pages are put in the store
+            step, _ = await write_through(schedulers, 1)
+            backups = {}
+            while not backups:  # the acknowledged pages are put in the store
+                step += 1
+                backups.update((await step_all(schedulers, step))[0].backups)
             reply = await schedulers[0].client.match(PAGE_HASHES)
             found = listeners(domain.procs[0].pid)
         finally:
