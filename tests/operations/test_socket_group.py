@@ -102,6 +102,7 @@ def test_the_drop_in_the_example_the_image_and_compose_name_one_group():
     unit = the_unit()
     group = one(unit, "Group")
     assert group != one(unit_service(SERVICES / "cpcached@.service"), "Group")  # the drop-in changes it
+    assert "services/cpcached/socket-group.conf" in (SERVICES / "cpcached@.service").read_text()  # the unit names it
     example = tomllib.loads((SERVICES / "rank.toml.example").read_text())
     assert example["socket_group"] == group
     assert example["socket"].startswith(f"/run/{one(unit, 'RuntimeDirectory')}/")
