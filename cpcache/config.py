@@ -123,7 +123,9 @@ class DaemonConfig:
     rendezvous_timeout_s: float = setting(120.0, "Longest start-up may wait for every peer to join.")
     gloo_host: str = setting("127.0.0.1", "Address gloo binds and advertises to peers.")
     socket: str = setting("/run/cpcache/rank-{rank}.sock", "Unix socket path for the gRPC API ({rank} expands).")
-    socket_group: str = setting("", "Group that may use the socket (mode 0660); empty: owner only (0600).")
+    socket_group: str = setting("", "Group that may use the socket and its .pools socket (mode 0660); the daemon "
+                                "must have it as a group (systemd: socket-group.conf) and the group must be able to "
+                                "enter the socket's directory; empty: owner only (0600).")
     listen_tcp: str = setting("", "Also serve gRPC on host:port; needs mTLS (tls_client_ca) or token_file "
                               "over TLS (a token alone: loopback only).")
     token_file: str = setting("", "File holding the shared token TCP clients must send.")

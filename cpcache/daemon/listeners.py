@@ -105,8 +105,39 @@ def check_socket_group(name: str) -> None:
         return
     raise InvalidArgument(
         f"setting socket_group: this daemon (uid {os.geteuid()}) is not a member of group {name!r} and lacks "
-        f"CAP_CHOWN, so it cannot give its socket that group; add {name} to the unit's SupplementaryGroups= "
-        "(docs/operations.md, Under systemd, \"Sharing the socket with a group\")")
+        f"CAP_CHOWN, so it cannot give its socket that group; under systemd set the unit's Group={name} "
+        "(the drop-in services/cpcached/socket-group.conf; docs/operations.md, Under systemd, "
+        "\"Sharing the socket with a group\")")
+
+
+def closed_to_group(path: str, gid: int) -> str:
+    """The first directory above `path` that members of `gid` cannot
+    search by its mode bits ("" if none): neither the group's x bit with
+    that group, nor the others' x bit. Their own uid or an ACL may still
+    let some members in, so this only warns."""
+    directory = os.path.dirname(os.path.abspath(path))
+    while True:
+        try:
+            info = os.stat(directory)
+        except OSError:
+            return directory
+        if not (info.st_mode & stat.S_IXOTH or (info.st_gid == gid and info.st_mode & stat.S_IXGRP)):
+            return directory
+        parent = os.path.dirname(directory)
+        if parent == directory:
+            return ""
+        directory = parent
+
+
+def warn_if_closed_to_group(path: str, name: str) -> None:
+    gid = grp.getgrnam(name).gr_gid
+    closed = closed_to_group(path, gid)
+    if closed:
+        info = os.stat(closed) if os.path.exists(closed) else None
+        what = f"gid {info.st_gid}, mode {stat.S_IMODE(info.st_mode):04o}" if info else "missing"
+        log.warning("socket_group %s cannot enter %s (%s): its members cannot reach %s; give the directory "
+                    "that group (under systemd: the unit's Group=%s, docs/operations.md)", name, closed, what,
+                    path, name)
 
 
 def has_cap_chown() -> bool:
@@ -206,6 +237,7 @@ async def start_unix(config: DaemonConfig, new_server: ServerFactory) -> grpc.ai
     _claims[path] = SocketClaim(path, info.st_dev, info.st_ino)
     if config.socket_group:
         os.chown(path, -1, grp.getgrnam(config.socket_group).gr_gid, follow_symlinks=False)
+        warn_if_closed_to_group(path, config.socket_group)
     log.info("listening on unix:%s", path)
     return server
 

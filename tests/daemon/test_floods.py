@@ -303,15 +303,16 @@ def test_socket_group_without_membership_exits_2_naming_the_setting(shared_dir):
     result = subprocess.run(as_user(*unit_command(rank_config(shared_dir, free_port()))), capture_output=True,
                             text=True, timeout=60)
     assert result.returncode == ExitCode.CONFIG, result.stderr
-    assert "setting socket_group" in result.stderr and "SupplementaryGroups=" in result.stderr
+    assert "setting socket_group" in result.stderr and f"Group={GROUP}" in result.stderr
     assert "Traceback" not in result.stderr
     assert not list(shared_dir.glob("*.sock*"))  # nothing bound
 
 
 @needs_root
 async def test_socket_group_recipe_serves_the_group(shared_dir):
-    """docs/operations.md's recipe: the daemon (no capabilities) in the group by
-    SupplementaryGroups=, its run directory entered by the group."""
+    """The daemon (no capabilities) a member of the group, its run directory
+    entered by the group (tests/operations/test_socket_group.py runs the
+    unit's own settings with its drop-in)."""
     os.chown(shared_dir, NOBODY, -1)
     gid = grp.getgrnam(GROUP).gr_gid
     proc = subprocess.Popen(as_user(*unit_command(rank_config(shared_dir, free_port())), groups=(gid,)),
