@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         query.add_argument("--timeout", type=float, default=5.0)
 
     bench = sub.add_parser("bench", help="run a benchmark and print its figures")
-    bench.add_argument("name", choices=["agreement", "load-back", "movers", "ranks", "serving", "sglang",
+    bench.add_argument("name", choices=["agreement", "chaos", "load-back", "movers", "ranks", "serving", "sglang",
                                         "sglang-chaos", "sglang-pd", "sglang-soak", "soak", "state", "store-policies"])
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.add_argument("--steps", type=int, default=40,
@@ -253,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--work-dir", help="sglang, sglang-pd, sglang-soak, sglang-chaos, load-back: where the model, "
                        "logs and daemons go (kept; default: a temp dir, removed after a run that succeeded)")
     _add_sglang_cpu_flags(bench)
+    from cpcache.testing.chaos import add_flags as add_chaos_flags
+
+    add_chaos_flags(bench)
 
     fuzz = sub.add_parser("fuzz", help="send hostile requests to live daemons and check they stay sound")
     fuzz.add_argument("--per-rpc", type=int, default=10_000, help="hostile requests per RPC")
@@ -289,6 +292,10 @@ def main(argv: list[str] | None = None) -> int:
             from cpcache.tools.bench import ranks
 
             return asyncio.run(ranks.main(args))
+        if args.command == "bench" and args.name == "chaos":
+            from cpcache.testing import chaos
+
+            return chaos.main(args)
         if args.command == "bench" and args.name == "soak":
             from cpcache.testing import soak
 
