@@ -583,11 +583,34 @@ class ChaosRun:
             "daemon_back_s_max": max((x.back_s for x in lives if x.back_s is not None), default=0.0),
             "armed_lives": [{"rank": x.rank, "armed": x.armed} for x in lives if x.armed],
             "harness_errors": self.harness_errors + self.injector.errors,
-            "fault_list": [f.as_dict(self.began) for f in faults],
+            "fault_list": with_episodes([f.as_dict(self.began) for f in faults], fallbacks, reattaches),
         }
         report["ok"] = (report["divergences"] == 0 and report["hangs"] == 0 and report["wrong_decisions"] == 0
                         and not report["harness_errors"])
         return report
+
+
+def with_episodes(rows: list[dict[str, Any]], fallbacks: dict[str, list[int]],
+                  reattaches: dict[str, list[int]]) -> list[dict[str, Any]]:
+    """Each fault with the iterations each rank fell back at, from the
+    fault's iteration until the next fault's, and attached again at after
+    each of those (-1: not by the end); and whether it landed while some rank
+    was without tiers."""
+
+    def back(rank: str, fell: int) -> int:
+        return next((i for i in reattaches[rank] if i > fell), -1)
+
+    for k, row in enumerate(rows):
+        lo, hi = row["iteration"], rows[k + 1]["iteration"] if k + 1 < len(rows) else 1 << 62
+        fell = {r: [i for i in its if lo <= i < hi] for r, its in fallbacks.items()}
+        came = {r: [back(r, i) for i in its] for r, its in fell.items()}
+        row["fallback_iterations"] = {r: its for r, its in fell.items() if its}
+        row["reattach_iterations"] = {r: its for r, its in came.items() if its}
+        row["fallback_differs"] = len({tuple(its) for its in fell.values()}) > 1
+        row["reattach_differs"] = len({tuple(its) for its in came.values()}) > 1
+        row["during_fallback"] = any(i < lo and (back(r, i) == -1 or back(r, i) > lo)
+                                     for r, its in fallbacks.items() for i in its)
+    return rows
 
 
 def differences(per_rank: dict[str, list[int]]) -> list[dict[str, Any]]:
@@ -710,7 +733,10 @@ def text_report(report: dict[str, Any]) -> str:
     for f in report["fault_list"]:
         opened = " ".join(f"r{r}:{','.join(v)}" for r, v in f["open"].items())
         lines.append(f"{f['n']:3d} {f['t_s']:6.1f} {f['iteration']:5d}  {f['kind']:<22} "
-                     f"{','.join(map(str, f['ranks'])):<6} {opened}")
+                     f"{','.join(map(str, f['ranks'])):<6} {opened}  fell back {_its(f['fallback_iterations'])}"
+                     f"  attached again {_its(f['reattach_iterations'])}"
+                     + ("  DIFFERS" if f["fallback_differs"] or f["reattach_differs"] else "")
+                     + ("  (during a fallback)" if f["during_fallback"] else ""))
         lines += [f"{'':42}{a}" for a in f["actions"]]
     for d in report["divergent_steps"]:
         lines.append(f"DIVERGENCE at iteration {d['iteration']} ({d['kind']}, t={d['t_s']}s, after faults "
@@ -722,6 +748,16 @@ def text_report(report: dict[str, Any]) -> str:
     lines += [f"{key}: {value}" for key, value in report.items() if key not in skip]
     lines.append("OK" if report["ok"] else "FAILED")
     return "\n".join(lines)
+
+
+def _its(per_rank: dict[str, list[int]]) -> str:
+    """`0-3:987` when every rank listed has the same iterations, else `0:987 1:990`."""
+    if not per_rank:
+        return "-"
+    values = {tuple(v) for v in per_rank.values()}
+    if len(values) == 1:
+        return f"{','.join(per_rank)}:{','.join(map(str, values.pop()))}"
+    return " ".join(f"{r}:{','.join(map(str, v))}" for r, v in per_rank.items())
 
 
 def main(args: argparse.Namespace) -> int:
