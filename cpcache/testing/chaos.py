@@ -47,6 +47,7 @@ import contextlib
 import functools
 import hashlib
 import json
+import os
 import random
 import shutil
 import sys
@@ -54,7 +55,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -200,6 +201,7 @@ class ChaosRank:
         self.attaches: list[int] = []  # the first attach, then every re-attach
         self.attach_failures = 0
         self.skips = 0
+        self.last_skip = ""
         self.spans_s: list[float] = []  # each stretch without tiers, fallback to re-attach
         self._fallen_at: float | None = None
         self.steps_ok = 0
@@ -362,6 +364,7 @@ class ChaosRank:
             self._idle()
         if not_serving:
             entry.attach, entry.detail = "skipped", f"{not_serving} not serving"
+            self.last_skip = f"iteration {iteration}: {entry.detail}"
             self.skips += 1
             self.tries.skipped(iteration)
             return
@@ -411,8 +414,8 @@ class ChaosRank:
 
     def close(self) -> None:
         self.client.close()
-        with contextlib.suppress(Exception):
-            self.pool.close()
+        with contextlib.suppress(OSError):
+            os.close(self.pool.fd)  # the daemon holds its own descriptor; the mapping goes with the pool
 
 
 # -- the run --------------------------------------------------------------------------------
@@ -533,6 +536,7 @@ class ChaosRun:
                         self._hang(rank, rank.busy_what, now - since)
                         self.abort()
             ran_s = time.time() - self.began
+            at_end = self._daemons_now()
         finally:
             self.injector.halt.set()
             self.injector.join(cfg.call_timeout_s * 3 + 30)
@@ -540,8 +544,36 @@ class ChaosRun:
             for rank in self.schedulers:
                 rank.close()
         report = self.report(ran_s, ready_s)
+        report["daemons_at_end"] = at_end
         report["daemon_exit_codes_at_stop"] = codes
+        if not self.settled:
+            # The faults ended settle_s ago and some rank is still without
+            # tiers: its domain did not serve again (a hang of the tiers).
+            why = {str(r.rank): r.last_skip for r in self.schedulers if r.session is None}
+            report["hang_list"].append({"rank": -1, "iteration": self.iteration, "t_s": round(ran_s, 2),
+                                        "what": f"ranks {report['without_tiers_s']['still_without_at_end']} not "
+                                                f"attached again {cfg.settle_s:g} s after the last fault; last "
+                                                f"skipped tries: {why}", "seconds": cfg.settle_s})
+            report["hangs"] = len(report["hang_list"])
+            report["ok"] = False
         return report
+
+    def _daemons_now(self) -> dict[str, Any]:
+        """Each daemon's health, state and epoch, as the run ends."""
+        from cpcache.testing.sglang_chaos import what_is_open
+
+        out: dict[str, Any] = {}
+        for rank, socket in enumerate(self.host.sockets):
+            with Client(socket, timeout_s=2.0) as daemon:
+                health: int | str
+                try:
+                    health = daemon.health()
+                except CacheError as exc:
+                    health = type(exc).__name__
+            seen = what_is_open(socket, timeout_s=2.0)
+            out[str(rank)] = {"pid": self.host.pid(rank), "health": health,
+                              **{k: seen[k] for k in ("state", "epoch", "attached", "error") if k in seen}}
+        return out
 
     # -- the report ---------------------------------------------------------------------
 
@@ -625,7 +657,7 @@ def compare(ranks: list[ChaosRank], faults: list[dict[str, Any]], began: float, 
     to attach) at it."""
     iterations = sorted(set().union(*(r.log for r in ranks)))
     divergent: list[dict[str, Any]] = []
-    counts = Counter()
+    counts: Counter[str] = Counter()
     for i in iterations:
         entries = {r.rank: r.log[i] for r in ranks if i in r.log}
         sent = {rank: e for rank, e in entries.items() if e.outcome}
@@ -661,11 +693,24 @@ def compare(ranks: list[ChaosRank], faults: list[dict[str, Any]], began: float, 
             "faults_before": [f["n"] for f in faults if f["t_s"] <= at - began + 0.5
                               and f["t_s"] + f["lasted_s"] >= at - began - 4 * window_s][-4:],
         })
+        divergent[-1]["scenario"] = scenario(divergent[-1], faults)
     return {"steps": counts["steps"], "steps_compared": counts["steps_compared"],
             "steps_replied_alike": counts["steps_replied_alike"], "steps_failed_alike": counts["steps_failed_alike"],
             "steps_sent_apart": counts["steps_sent_apart"], "attach_tries": counts["attach_tries"],
             "attach_tries_apart": counts["attach_tries_apart"],
             "divergences": len(divergent), "divergent_steps": divergent[:50]}
+
+
+def scenario(divergence: dict[str, Any], faults: list[dict[str, Any]]) -> str:
+    """One line: the faults before a divergence, and how each rank ended the step."""
+    by_number = {f["n"]: f for f in faults}
+    before = "; ".join(f"fault {n} {by_number[n]['kind']} at {by_number[n]['t_s']}s (" +
+                       ", ".join(a.split(" ", 1)[1] for a in by_number[n]["actions"]) + ")"
+                       for n in divergence["faults_before"])
+    ends = ", ".join(f"r{r} {o.get('attach', '') or ''}{' ' if o.get('attach') else ''}"
+                     f"{o.get('outcome', '-')}" + (f" (epoch {o['epoch']} step {o['step']})" if "step" in o else "")
+                     for r, o in divergence["outcomes"].items())
+    return f"after {before or 'no fault'}: iteration {divergence['iteration']} at {divergence['t_s']}s: {ends}"
 
 
 def run_chaos(cfg: ChaosConfig) -> dict[str, Any]:
@@ -741,6 +786,7 @@ def text_report(report: dict[str, Any]) -> str:
     for d in report["divergent_steps"]:
         lines.append(f"DIVERGENCE at iteration {d['iteration']} ({d['kind']}, t={d['t_s']}s, after faults "
                      f"{d['faults_before']}): applied {d['applied']} failed {d['failed']}")
+        lines.append(f"    {d['scenario']}")
         lines += [f"    rank {r}: {o}" for r, o in d["outcomes"].items()]
     for h in report["hang_list"]:
         lines.append(f"HANG rank {h['rank']} at iteration {h['iteration']}: {h['what']} ({h['seconds']} s)")

@@ -31,6 +31,8 @@ combined faults
 - `kill_then_round_exit`: a daemon killed, and its next life armed to die
   between the round of step N (1 to 3: 1 is the attach try's first step) of
   its first session and its reply (`fault_exit_after_round`);
+- `kill_two_then_round_exit`: two daemons killed at once, and the next
+  life of each armed to die between the round of the same step N and its reply;
 - `kill_then_attach_exit`: a daemon killed, and its next life armed to die
   once its first Attach is agreed, before answering it (`fault_exit_after_attach`).
 """
@@ -63,7 +65,7 @@ if TYPE_CHECKING:
 
 SINGLE = ("daemon_sigkill", "daemon_sigterm", "daemon_sigstop", "scheduler_pause", "flood")
 COMBINED = ("two_daemons", "kill_while_stopped", "term_during_reform", "kill_mid_drain", "kill_then_round_exit",
-            "kill_then_attach_exit")
+            "kill_two_then_round_exit", "kill_then_attach_exit")
 KINDS = SINGLE + COMBINED
 STREAMS_PER_CHANNEL = 64  # a flood's calls per connection (HTTP/2 caps the streams of one)
 
@@ -234,6 +236,10 @@ class Fault:
                 "actions": self.actions, "missed": self.missed, **({"flood": self.flood} if self.flood else {})}
 
 
+def _nothing() -> None:
+    pass
+
+
 PauseScheduler = Callable[[int, str, float], None]  # (rank, where, seconds)
 
 
@@ -293,7 +299,7 @@ class Injector(threading.Thread):
         """SIGSTOP now: -> what sends SIGCONT (to the same process)."""
         pid = self.host.pid(rank)
         if pid is None or not self._signal(rank, signal.SIGSTOP):
-            return lambda: None
+            return _nothing
         self._note(f"r{rank} stopped for {seconds:.2f}s")
 
         def resume() -> None:
@@ -364,11 +370,11 @@ class Injector(threading.Thread):
                 for resume in resumes:
                     resume()
         elif kind == "kill_while_stopped":
-            resume: Callable[[], None] = lambda: None
             if rng.random() < 0.5:
                 resume = self._stop_for(a, seconds := self._stop_s())
             else:
                 self._pause(a, seconds := self._pause_s())
+                resume = _nothing
             before = rng.uniform(0.1, 0.8) * min(seconds, self.agreement_s)
             self._wait(before)
             self._signal(b, signal.SIGKILL)
@@ -387,6 +393,13 @@ class Injector(threading.Thread):
             self.host.arm(a, {"fault_exit_after_round": step})
             self._note(f"r{a} next daemon armed: dies after the round of step {step}, before its reply")
             self._signal(a, signal.SIGKILL)
+        elif kind == "kill_two_then_round_exit":
+            step = rng.randint(1, 3)
+            for rank in (a, b):
+                self.host.arm(rank, {"fault_exit_after_round": step})
+            self._note(f"r{a} r{b} next daemons armed: both die after the round of step {step}, before their replies")
+            self._signal(a, signal.SIGKILL)
+            self._signal(b, signal.SIGKILL)
         elif kind == "kill_then_attach_exit":
             self.host.arm(a, {"fault_exit_after_attach": 1})
             self._note(f"r{a} next daemon armed: dies once its first Attach is agreed, before its reply")
