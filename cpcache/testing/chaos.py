@@ -693,12 +693,31 @@ def compare(ranks: list[ChaosRank], faults: list[dict[str, Any]], began: float, 
             "faults_before": [f["n"] for f in faults if f["t_s"] <= at - began + 0.5
                               and f["t_s"] + f["lasted_s"] >= at - began - 4 * window_s][-4:],
         })
+        divergent[-1]["cause"] = cause(entries)
         divergent[-1]["scenario"] = scenario(divergent[-1], faults)
     return {"steps": counts["steps"], "steps_compared": counts["steps_compared"],
             "steps_replied_alike": counts["steps_replied_alike"], "steps_failed_alike": counts["steps_failed_alike"],
             "steps_sent_apart": counts["steps_sent_apart"], "attach_tries": counts["attach_tries"],
             "attach_tries_apart": counts["attach_tries_apart"],
-            "divergences": len(divergent), "divergent_steps": divergent[:50]}
+            "divergences": len(divergent), "divergences_by_cause": dict(Counter(d["cause"] for d in divergent)),
+            "divergent_steps": divergent[:50]}
+
+
+def cause(entries: dict[int, Entry]) -> str:
+    """What the failed ranks' errors say of a split step:
+    - `recovery_no_peer`: a rank whose daemon gave no answer found no peer's
+      daemon that could tell how the step ended, and failed it alone;
+    - `round_split`: the round itself ended apart: some daemons completed
+      it while others failed it (a peer lost mid-collective), each rank told
+      by its own daemon or by the peer it asked;
+    - `other`."""
+    details = [e.detail for e in entries.values() if e.outcome.startswith("error")]
+    if any("could tell how step" in d for d in details):
+        return "recovery_no_peer"
+    if details and all(f"round {e.step} failed" in e.detail for e in entries.values()
+                       if e.outcome.startswith("error") and e.step is not None):
+        return "round_split"
+    return "other"
 
 
 def scenario(divergence: dict[str, Any], faults: list[dict[str, Any]]) -> str:
@@ -784,8 +803,8 @@ def text_report(report: dict[str, Any]) -> str:
                      + ("  (during a fallback)" if f["during_fallback"] else ""))
         lines += [f"{'':42}{a}" for a in f["actions"]]
     for d in report["divergent_steps"]:
-        lines.append(f"DIVERGENCE at iteration {d['iteration']} ({d['kind']}, t={d['t_s']}s, after faults "
-                     f"{d['faults_before']}): applied {d['applied']} failed {d['failed']}")
+        lines.append(f"DIVERGENCE at iteration {d['iteration']} ({d['kind']}, {d['cause']}, t={d['t_s']}s, after "
+                     f"faults {d['faults_before']}): applied {d['applied']} failed {d['failed']}")
         lines.append(f"    {d['scenario']}")
         lines += [f"    rank {r}: {o}" for r, o in d["outcomes"].items()]
     for h in report["hang_list"]:
