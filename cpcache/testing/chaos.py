@@ -98,7 +98,8 @@ class ChaosConfig:
     kinds: tuple[str, ...] = KINDS
     iteration_ms: float = 10.0  # the shortest scheduler iteration (a forward pass)
     reattach_after: int = 16  # the backend's reattach_after_iterations
-    settle_s: float = 90.0  # after the faults, longest wait for every rank to be attached again
+    settle_s: float = 180.0  # after the faults, longest wait for every rank to be attached again (beyond the
+    # daemons' own rendezvous_timeout_s, 120 s: a domain forming again may take that long)
     device_pages: int = 256
     host_pool_pages: int = 64
     flood_streams: int = 256
