@@ -16,24 +16,10 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from cpcache.testing.daemon_probe import open_labels
 from cpcache.testing.sglang_cpu.servers import Watched
 
 KINDS = ("daemon_sigkill", "daemon_sigterm", "daemon_sigstop", "scheduler_sigstop")
-# What a daemon may have open, by its Stats counter (`CacheState.stats`).
-OPEN_KINDS = {"load": "open_loads", "write": "open_writes", "prefetch": "open_prefetches", "backup": "open_backups"}
-def open_labels(seen: dict[str, Any]) -> list[str]:
-    """What a fault interrupted: one label per kind of operation open on
-    the victim's daemon; `unreachable` (no answer), `detached` (serving, no
-    scheduler attached), `nothing`."""
-    if "error" in seen:
-        return ["unreachable"]
-    if not seen.get("attached"):
-        return ["detached"]
-    labels = [kind for kind, counter in OPEN_KINDS.items() if seen.get(counter)]
-    if not labels and seen.get("open_questions"):
-        labels = ["questions"]
-    return labels or ["nothing"]
-
 
 # -- the server's log ------------------------------------------------------------------------
 

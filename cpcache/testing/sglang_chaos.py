@@ -53,14 +53,12 @@ import urllib.error
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
 from cpcache.client import Client
 from cpcache.client.core import check_deadline
 from cpcache.errors import InvalidArgument
 from cpcache.testing.chaos_episodes import (
     KINDS,
-    OPEN_KINDS,
     Fault,
     LineTimes,
     analyse,
@@ -68,6 +66,7 @@ from cpcache.testing.chaos_episodes import (
     events_of,
     still_fallen,
 )
+from cpcache.testing.daemon_probe import what_is_open
 from cpcache.testing.sglang_cpu.servers import Watched, make_tiny_model
 from cpcache.testing.sglang_cpu.stacks import DOCS, SLOW_RANK, Shape, Stack, started, workload
 from cpcache.testing.sglang_soak import HttpTraffic, client_loop, run_reported
@@ -134,20 +133,6 @@ def _send(pid: int, sig: int) -> bool:
 
 
 # -- what a daemon has open ----------------------------------------------------------------
-
-
-def what_is_open(socket: str, timeout_s: float = 2.0) -> dict[str, Any]:
-    """The daemon's Status and Stats, as far as what it has open goes."""
-    try:
-        with Client(socket, timeout_s=timeout_s) as daemon:
-            status = daemon.status()
-            stats = dict(daemon.stats())
-    except Exception as exc:  # restarting, stopping, or stopped: the fault lands all the same
-        return {"error": f"{type(exc).__name__}: {exc}"[:300]}
-    return {"state": status.state, "attached": status.attached, "epoch": status.epoch,
-            "open_questions": status.open_questions, "in_flight_slots": stats.get("in_flight_slots", 0),
-            **{counter: stats.get(counter, 0) for counter in OPEN_KINDS.values()}}
-
 
 
 # -- faults ---------------------------------------------------------------------------------

@@ -146,6 +146,12 @@ def _sglang_chaos(p: argparse.ArgumentParser) -> None:
     add_flags(p)
 
 
+def _chaos(p: argparse.ArgumentParser) -> None:
+    from cpcache.testing.chaos import add_flags
+
+    add_flags(p)
+
+
 @dataclass(frozen=True)
 class Bench:
     help: str
@@ -158,6 +164,9 @@ BENCHES = {
     "agreement": Bench("what one agreed round costs on 4 ranks, against its bare parts and SGLang's per-question "
                        "collectives",
                        "cpcache.tools.bench.agreement", (_repeat(5), _steps)),
+    "chaos": Bench("real daemons and simulated schedulers under faults at random moments and in combination "
+                   "(kills, stops, graceful stops, floods, deaths at exact moments), every rank's outcome compared "
+                   "step by step", "cpcache.testing.chaos", (_seed,), _chaos),
     "load-back": Bench("the load-back, overlapped against blocking: a stand-in forward over a real daemon, or "
                        "TTFT of host hits through SGLang", "cpcache.testing.load_back",
                        (_repeat(5), _work_dir, _layer_delay), _load_back),
