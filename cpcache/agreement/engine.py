@@ -16,8 +16,7 @@ it leaves the epoch), joins the thread and only then destroys the groups.
 A round that fails here may have completed on a peer (gloo ends a collective
 on each rank apart: a rank timed out at the very edge, or frozen across its
 timeout, while the others completed it). Before it fails the round, the
-engine destroys its groups (no peer completes the round with this rank's
-values from now on) and asks its peers through the rendezvous store
+engine asks its peers through the rendezvous store
 (`witness.RoundWitness`): a peer's reduced vector for the round is delivered
 here as the round's result, exactly as the peers apply it, and the engine
 breaks all the same. Nothing of this costs the rounds that complete: the
@@ -150,14 +149,11 @@ class AgreementEngine:
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             return False
-        self._close_reducer()
-        return True
-
-    def _close_reducer(self) -> None:
         with self._lock:
             reducer, self._reducer_open = self._reducer_open, False
         if reducer:
             self._reducer.close()
+        return True
 
     def _run(self) -> None:
         try:
@@ -224,13 +220,6 @@ class AgreementEngine:
         None once it is failed (and the engine broken)."""
         if self._witness is not None:
             self._witness.failed()
-        # No peer completes this round with this rank's values from now on
-        # (a late peer could, with what gloo still holds to send), so a peer
-        # that tells it did not complete it never completes it later.
-        try:
-            self._close_reducer()
-        except Exception:  # the groups are gone either way
-            log.warning("destroying the groups after round %d failed raised", round_input.number, exc_info=True)
         outcome = self._diagnose(round_input.number, exc)
         if isinstance(outcome, Recovered):
             if round_input.holds(outcome.vector):

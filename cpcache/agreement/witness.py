@@ -20,7 +20,7 @@ The failing rank reads its peers' records:
   agreed (every rank's values, this rank's included, are in it): the rank
   delivers the round as completed, and its engine then breaks as for any
   failure (the epoch ends);
-- once every live peer's record is final below the round (the dead ones, by
+- once no live peer can have completed the round (the dead ones, by
   heartbeat, cannot tell), or `wait_s` has passed, the round fails as before.
 
 Keys are namespaced by deployment, epoch and rank (the flag by domain).
@@ -56,19 +56,22 @@ def wanted_key(rdzv: Rendezvous, domain: tuple[int, ...]) -> str:
 @dataclass(frozen=True)
 class Record:
     """A rank's last completed round: its number (0: none yet), whether it
-    is final (the rank's engine completes no more rounds), its reduced vector."""
+    is final (the rank's engine completes no more rounds), its reduced
+    vector; and, as published, the last round the rank had entered."""
 
     number: int
     final: bool
     vector: np.ndarray
+    entered: int = 0
 
     def encode(self) -> bytes:
-        return b"%d %d " % (self.number, int(self.final)) + np.ascontiguousarray(self.vector, np.int64).tobytes()
+        head = b"%d %d %d " % (self.number, int(self.final), self.entered)
+        return head + np.ascontiguousarray(self.vector, np.int64).tobytes()
 
     @staticmethod
     def decode(raw: bytes) -> Record:
-        number, final, body = raw.split(b" ", 2)
-        return Record(int(number), final == b"1", np.frombuffer(body, dtype=np.int64).copy())
+        number, final, entered, body = raw.split(b" ", 3)
+        return Record(int(number), final == b"1", np.frombuffer(body, dtype=np.int64).copy(), int(entered))
 
 
 _NONE = Record(0, False, np.empty(0, dtype=np.int64))
@@ -111,11 +114,11 @@ class RoundWitness:
             self._record = replace(self._record, final=True)
             self._wanting = True
 
-    def beat(self, store: Any) -> None:
-        """At each heartbeat: raise the flag if this rank asks, look for it
-        otherwise, and once it is up publish the record whenever it changed.
-        One existence check per beat while nobody asks; store errors
-        (RuntimeError) are the caller's."""
+    def beat(self, store: Any, entered: int) -> None:
+        """At each heartbeat (`entered`: the last round this rank entered):
+        raise the flag if this rank asks, look for it otherwise, and once it
+        is up publish the record whenever it changed. One existence check per
+        beat while nobody asks; store errors (RuntimeError) are the caller's."""
         if not self._wanted:
             if self._wanting:
                 store.set(self._wanted_key, str(self._rank))
@@ -124,14 +127,18 @@ class RoundWitness:
                 self._wanted = bool(store.check([self._wanted_key]))
         record = self._record
         if self._wanted and record is not self._published:
-            store.set(self._record_key, record.encode())
+            store.set(self._record_key, replace(record, entered=entered).encode())
             self._published = record
 
     def recover(self, store: Any, connect: Callable[[], Any], number: int, dead: dict[int, str],
                 wait_s: float, poll_s: float, settle_s: float) -> tuple[int, np.ndarray] | None:
         """(rank, vector) of a peer that completed round `number`, or None
-        once every live peer's final record is below it or `wait_s` has
-        passed. `dead`: the heartbeat keys of the peers whose heartbeat
+        once no live peer can have completed it, or `wait_s` has passed. A
+        peer cannot have when its record is below the round and final, or
+        published (which it is only once the flag is up: after a rank's round
+        failed) before the peer entered the round: gloo closes a timed-out
+        rank's connections, so a round entered after a rank failed it
+        completes nowhere. `dead`: the heartbeat keys of the peers whose heartbeat
         stopped; one counts as dead only while its beat stays still, for
         `settle_s` at least (a loaded host's beat may just be late).
         `store`: a connection opened before (None: `connect` opens one)."""
@@ -167,7 +174,7 @@ class RoundWitness:
                 still.setdefault(peer, beat)
             silent = [p for p in dead if p in beats and beats[p] == still[p]]
             settled = time.monotonic() - started >= settle_s
-            told = {p: r.number for p, r in records.items() if r.final and r.number < number}
+            told = {p: r.number for p, r in records.items() if r.number < number and (r.final or r.entered < number)}
             if all(p in told or (settled and p in silent) for p in self._peers):
                 log.warning("round %d: no live peer completed it (their last completed rounds: %s; dead: %s)",
                             number, told, [p for p in silent if p not in told])

@@ -53,7 +53,7 @@ def test_a_failed_round_a_peer_completed_is_delivered_as_there_and_the_engine_br
     assert engine.submit(voted(1)).result(10).number == 1
     result = engine.submit(voted(2)).result(10)
     assert (result.number, list(result.values)) == (2, [3])
-    assert asked == [2] and engine.rounds_recovered == 1 and reducer.closed.is_set()
+    assert asked == [2] and engine.rounds_recovered == 1
     with pytest.raises(PeerLost, match="round 2 ended the epoch"):
         engine.submit(voted(3)).result(10)
     assert reducer.rounds == 2  # no round runs after the recovered one
@@ -100,18 +100,18 @@ def test_records_are_published_only_once_a_peer_asks(rdzv):
     store = rdzv.connect()
     witness = RoundWitness(rdzv, 1, (0, 1, 2))
     witness.completed(4, np.arange(3, dtype=np.int64))
-    witness.beat(store)
+    witness.beat(store, 4)
     assert not store.check([record_key(rdzv, 1)])  # nobody asked: nothing written
     asking = RoundWitness(rdzv, 0, (0, 1, 2))
     asking.failed()
-    asking.beat(store)  # raises the flag, publishes its own (final) record
+    asking.beat(store, 0)  # raises the flag, publishes its own (final) record
     assert store.check([wanted_key(rdzv, (0, 1, 2))])
     assert Record.decode(store.get(record_key(rdzv, 0))).final
-    witness.beat(store)
+    witness.beat(store, 5)
     record = Record.decode(store.get(record_key(rdzv, 1)))
-    assert (record.number, record.final, list(record.vector)) == (4, False, [0, 1, 2])
+    assert (record.number, record.final, record.entered, list(record.vector)) == (4, False, 5, [0, 1, 2])
     witness.completed(5, np.arange(2, dtype=np.int64))  # a peer still in the round may complete it later
-    witness.beat(store)
+    witness.beat(store, 5)
     assert Record.decode(store.get(record_key(rdzv, 1))).number == 5
 
 
@@ -120,17 +120,44 @@ def test_recover_finds_a_peers_result_or_ends_once_every_live_peer_is_final_belo
     ranks = (0, 1, 2)
     mine, completer, late = (RoundWitness(rdzv, r, ranks) for r in ranks)
     mine.failed()
-    mine.beat(store)
+    mine.beat(store, 0)
     late.completed(6, np.array([1], dtype=np.int64))
     late.ended()
-    late.beat(store)
+    late.beat(store, 0)
     completer.completed(7, np.array([4, 2], dtype=np.int64))
-    completer.beat(store)
+    completer.beat(store, 7)
     assert mine.recover(store, rdzv.connect, 7, {}, 30.0, 0.01, 0.0)[0] == 1
-    # Nobody completed round 8: both peers final below it.
-    completer.ended()
-    completer.beat(store)
+    # Nobody completed round 8: one peer is final below it, the other had
+    # not entered it when the flag was up (it cannot complete it any more).
     assert mine.recover(store, rdzv.connect, 8, {}, 30.0, 0.01, 0.0) is None
+
+
+def test_recover_waits_for_a_peer_that_entered_the_round_until_it_completes_it(rdzv):
+    store = rdzv.connect()
+    ranks = (0, 1)
+    mine, peer = RoundWitness(rdzv, 0, ranks), RoundWitness(rdzv, 1, ranks)
+    mine.failed()
+    mine.beat(store, 3)
+    peer.completed(2, np.array([1], dtype=np.int64))
+    peer.beat(store, 3)  # in round 3: it may yet complete it
+
+    class Polled:
+        """The store, the peer completing round 3 at the third poll."""
+
+        polls = 0
+
+        def check(self, keys):
+            Polled.polls += 1
+            if Polled.polls == 3:
+                peer.completed(3, np.array([0], dtype=np.int64))
+                peer.beat(store, 3)
+            return store.check(keys)
+
+        def get(self, key):
+            return store.get(key)
+
+    rank, vector = mine.recover(Polled(), rdzv.connect, 3, {}, 60.0, 0.01, 0.0)
+    assert (rank, list(vector), Polled.polls) == (1, [0], 3)
 
 
 def test_recover_counts_a_peer_dead_only_while_its_beat_stays_still(rdzv):
@@ -138,8 +165,8 @@ def test_recover_counts_a_peer_dead_only_while_its_beat_stays_still(rdzv):
     ranks = (0, 1, 2)
     mine, live = RoundWitness(rdzv, 0, ranks), RoundWitness(rdzv, 1, ranks)
     mine.failed()
-    mine.beat(store)
+    mine.beat(store, 0)
     live.ended()
-    live.beat(store)
+    live.beat(store, 0)
     store.set("beat-of-2", "1 8")
     assert mine.recover(store, rdzv.connect, 8, {2: "beat-of-2"}, 30.0, 0.01, 0.05) is None
