@@ -100,3 +100,19 @@ async def test_a_round_no_peer_completed_fails_on_every_rank_and_the_survivors_s
             assert f"round 2: {NONE_COMPLETED}" in log, domain.log_tail(rank, 40)
             assert NOBODY_TOLD not in log and RECOVERED not in log
             assert log.index("agreement broken") > log.index(f"round 2: {NONE_COMPLETED}")
+
+
+async def test_a_round_whose_scheduler_is_late_on_one_rank_fails_without_waiting_out_the_ask(run_dir):
+    async with three_ranks(run_dir) as (domain, blocking, epoch):
+        assert same_replies(await step_all(blocking, 1, epoch))
+        # Rank 2's scheduler does not send step 2 until the others have failed it.
+        outcomes = await step_all(blocking[:2], 2, epoch)
+        assert all(isinstance(o, errors.Unavailable) for o in outcomes), outcomes
+        for rank in (0, 1):
+            log = domain.logs[rank].read_text(errors="replace")
+            # Rank 2 had not entered round 2 when asked: it cannot complete
+            # it any more, so the survivors stop asking at once.
+            assert f"round 2: {NONE_COMPLETED}" in log, domain.log_tail(rank, 40)
+            assert NOBODY_TOLD not in log and RECOVERED not in log
+        late = await step_all(blocking[2:], 2, epoch)
+        assert isinstance(late[0], errors.Unavailable), late
