@@ -96,6 +96,9 @@ class FaultInjection:
                                      "restarted daemon counts from 1 again; 0: never).")
     stall_after_attach_ms: float = setting(0.0, "Fault injection: the daemon's event loop stalls this long once "
                                            "each Attach is agreed, before answering it (a frozen daemon).")
+    round_lost_after_complete: int = setting(0, "Fault injection: this rank's round of this step completes and is "
+                                             "then reported as timed out (a rank at the very edge of the "
+                                             "agreement timeout while its peers completed the round; 0: never).")
     seed: int = setting(0, "Seed of the fault injection.")
 
     def __post_init__(self) -> None:

@@ -12,6 +12,15 @@ waits, so `close` lets the round in progress end (a peer completes it, or
 its timeout fails it), delivers it as it ended (a completed round is agreed:
 the peers that completed it apply it, and the daemon applies it too before
 it leaves the epoch), joins the thread and only then destroys the groups.
+
+A round that fails here may have completed on a peer (gloo ends a collective
+on each rank apart: a rank timed out at the very edge, or frozen across its
+timeout, while the others completed it). Before it fails the round, the
+engine asks its peers through the rendezvous store
+(`witness.RoundWitness`): a peer's reduced vector for the round is delivered
+here as the round's result, exactly as the peers apply it, and the engine
+breaks all the same. Nothing of this costs the rounds that complete: the
+last one is kept in memory only.
 """
 
 from __future__ import annotations
@@ -27,6 +36,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from cpcache.agreement.divergence import DivergenceExchange
 from cpcache.agreement.rounds import MIN_CAPACITY, RoundInput, RoundResult
 from cpcache.errors import CacheError, Divergence, PeerLost, Unavailable
@@ -35,6 +46,7 @@ from cpcache.histogram import Histogram
 if TYPE_CHECKING:
     from cpcache.agreement.collective import Reducer
     from cpcache.agreement.liveness import Diagnosis, Heartbeat
+    from cpcache.agreement.witness import RoundWitness
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +62,17 @@ class RoundFaults:
 
     delay_ms: float = 0.0  # each round waits uniform(0, delay_ms) before reducing
     seed: int = 0
+    lost_after_complete: int = 0  # this round completes, and is then reported as timed out (0: none)
+
+
+@dataclass(frozen=True)
+class Recovered:
+    """A round that failed here completed on peer `rank`: its reduced vector,
+    and the failure the engine breaks with once it is delivered."""
+
+    rank: int
+    vector: np.ndarray
+    failure: CacheError
 
 
 class AgreementEngine:
@@ -57,20 +80,24 @@ class AgreementEngine:
         self,
         reducer: Reducer,
         exchange: DivergenceExchange | None,
-        diagnose: Callable[[int, BaseException], CacheError],
+        diagnose: Callable[[int, BaseException], CacheError | Recovered],
         heartbeat: Heartbeat | None = None,
         faults: RoundFaults = RoundFaults(),
         on_failure: Callable[[CacheError], object] | None = None,
+        witness: RoundWitness | None = None,
     ) -> None:
         """`reducer` has `min_inplace(vector)` and `close()`; `diagnose(round,
-        exc)` returns a `PeerLost` naming the missing ranks; `on_failure(error)`
-        is called once, from the agreement thread, when the engine breaks."""
+        exc)` returns a `PeerLost` naming the missing ranks, or the round as
+        a peer completed it (`Recovered`); `on_failure(error)` is called
+        once, from the agreement thread, when the engine breaks; `witness`
+        keeps the last completed round for peers whose round failed."""
         self._reducer = reducer
         self._exchange = exchange
         self._diagnose = diagnose
         self._heartbeat = heartbeat
         self._faults = faults
         self._on_failure = on_failure
+        self._witness = witness
         self._random = random.Random(faults.seed)
         self._jobs: queue.SimpleQueue[tuple[RoundInput, Future] | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -78,6 +105,7 @@ class AgreementEngine:
         self._closed = False
         self._closed_why = "the agreement engine is closed: the daemon is shutting down"
         self.rounds_completed = 0
+        self.rounds_recovered = 0  # failed here, completed on a peer, delivered as there
         self.divergences = 0
         self.round_latency = Histogram(ROUND_BOUNDS_S)
         self._capacity = MIN_CAPACITY  # touched only by the agreement thread
@@ -128,6 +156,13 @@ class AgreementEngine:
         return True
 
     def _run(self) -> None:
+        try:
+            self._rounds()
+        finally:
+            if self._witness is not None:
+                self._witness.ended()
+
+    def _rounds(self) -> None:
         while (job := self._jobs.get()) is not None:
             round_input, future = job
             # A cancelled caller still gets its round run: peers wait in it.
@@ -163,13 +198,44 @@ class AgreementEngine:
         started = time.perf_counter()
         try:
             vector, self._capacity = round_input.reduce(self._reducer.min_inplace, self._capacity)
+            if round_input.number == self._faults.lost_after_complete:
+                log.error("fault injection: round %d completed, reported as timed out", round_input.number)
+                raise RuntimeError(f"fault injection: round {round_input.number} completed here and is reported "
+                                   f"as timed out")
         except RuntimeError as exc:
-            failure = self._diagnose(round_input.number, exc)
-            self._break(failure)
-            future.set_exception(failure)
+            recovered = self._failed(round_input, exc, future)
+            if recovered is None:
+                return
+            self._deliver(round_input, recovered.vector, future)
+            self._break(recovered.failure)
             return
+        if self._witness is not None:
+            self._witness.completed(round_input.number, vector)
         self.rounds_completed += 1
         self.round_latency.observe(time.perf_counter() - started)
+        self._deliver(round_input, vector, future)
+
+    def _failed(self, round_input: RoundInput, exc: RuntimeError, future: Future) -> Recovered | None:
+        """Round `round_input` failed here: what a peer completed of it, or
+        None once it is failed (and the engine broken)."""
+        if self._witness is not None:
+            self._witness.failed()
+        outcome = self._diagnose(round_input.number, exc)
+        if isinstance(outcome, Recovered):
+            if round_input.holds(outcome.vector):
+                self.rounds_recovered += 1
+                if self._witness is not None:
+                    self._witness.completed(round_input.number, outcome.vector)
+                return outcome
+            log.error("round %d: rank %d's result does not hold this rank's values; it is not applied",
+                      round_input.number, outcome.rank)
+            outcome = outcome.failure
+        self._break(outcome)
+        future.set_exception(outcome)
+        return None
+
+    def _deliver(self, round_input: RoundInput, vector: np.ndarray, future: Future) -> None:
+        """Resolve `future` with the completed round's result."""
         # Closed while this round was in its collective: it completed, so it
         # is agreed (a peer may already apply it) and is delivered all the
         # same; whoever closed decides whether it still applies it.

@@ -17,17 +17,22 @@ from typing import Any
 
 from cpcache.agreement.bounded import bounded
 from cpcache.agreement.collective import Rendezvous
+from cpcache.agreement.witness import RoundWitness
 
 
-def _key(rdzv: Rendezvous, rank: int) -> str:
+def heartbeat_key(rdzv: Rendezvous, rank: int) -> str:
     return f"{rdzv.namespace}/heartbeat/{rank}"
 
 
 class Heartbeat:
     """Publishes this rank's beat from a daemon thread until stopped."""
 
-    def __init__(self, rdzv: Rendezvous, rank: int, interval_s: float = 0.1) -> None:
+    def __init__(self, rdzv: Rendezvous, rank: int, interval_s: float = 0.1,
+                 witness: RoundWitness | None = None) -> None:
+        """`witness`: this rank's record of its last completed round, looked
+        after at each beat (published once a peer whose round failed asks)."""
         self._rdzv = rdzv
+        self.witness = witness
         self._rank = rank
         self._interval_s = interval_s
         self._round = 0
@@ -49,7 +54,9 @@ class Heartbeat:
         while not self._stop.is_set():
             try:
                 store = store or self._rdzv.connect(timeout_s=max(1.0, 5 * self._interval_s))
-                store.set(_key(self._rdzv, self._rank), f"{beat} {self._round}")
+                store.set(heartbeat_key(self._rdzv, self._rank), f"{beat} {self._round}")
+                if self.witness is not None:
+                    self.witness.beat(store, self._round)
             except RuntimeError:
                 store = None  # the store is gone or slow; peers will see a stale beat
             beat += 1
@@ -60,6 +67,7 @@ class Heartbeat:
 class Diagnosis:
     missing: tuple[int, ...]
     reason: str
+    stalled: tuple[int, ...] = ()  # of `missing`, those whose heartbeat stopped (dead or stopped)
 
 
 CONNECT_S = 2.0
@@ -74,7 +82,7 @@ def diagnose(
     longer than CONNECT_S to accept a new one); a new one is opened only if
     it fails. Bounded by the window plus three times max(CONNECT_S, window)
     even when the store is unreachable or stopped (`bounded`)."""
-    keys = [_key(rdzv, r) for r in peers]
+    keys = [heartbeat_key(rdzv, r) for r in peers]
     limit = max(CONNECT_S, window_s)
 
     def fresh() -> list[bytes]:
@@ -108,4 +116,5 @@ def diagnose(
         reasons.append(f"ranks {stalled} stopped sending heartbeats (dead or stopped)")
     if behind:
         reasons.append(f"ranks {behind} never entered round {failed_round} (their scheduler did not send that step)")
-    return Diagnosis(tuple(sorted(stalled + behind)), "; ".join(reasons) or "no peer is missing by heartbeat")
+    return Diagnosis(tuple(sorted(stalled + behind)), "; ".join(reasons) or "no peer is missing by heartbeat",
+                     tuple(stalled))

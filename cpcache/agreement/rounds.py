@@ -190,6 +190,16 @@ class RoundInput:
         framed[:kept] = self.vector[:kept]
         return framed
 
+    def holds(self, reduced: np.ndarray) -> bool:
+        """Whether `reduced` can be a MIN over the domain that took this
+        rank's vector: every slot at or below this rank's (a peer's result
+        for this round, told through the store, is checked so before it is
+        applied here)."""
+        capacity = len(reduced) - HEADER_SLOTS
+        if reduced.dtype != np.int64 or capacity < len(self.vector) - HEADER_SLOTS:
+            return False
+        return bool(np.all(reduced <= self.framed(capacity)))
+
     def decode(self, reduced: np.ndarray) -> RoundResult:
         """Read the reduced vector: a rejected round (naming the lowest
         rejecting rank and its status), or the agreed answers. Raises

@@ -35,9 +35,10 @@ from torch.distributed import TCPStore
 
 from cpcache.agreement.bounded import StoreTimeout, bounded_async
 from cpcache.agreement.collective import Reducer, Rendezvous, build_reducer, confirmation_reducer, host_store
-from cpcache.agreement.engine import AgreementEngine, DivergenceExchange, RoundFaults, peer_lost
+from cpcache.agreement.engine import AgreementEngine, DivergenceExchange, Recovered, RoundFaults, peer_lost
 from cpcache.agreement.epochs import Epochs
-from cpcache.agreement.liveness import Heartbeat, diagnose
+from cpcache.agreement.liveness import CONNECT_S, Heartbeat, diagnose, heartbeat_key
+from cpcache.agreement.witness import RoundWitness
 from cpcache.config import DaemonConfig
 from cpcache.errors import CacheError, PeerLost, Unavailable
 from cpcache.rank.assembly import CacheRuntime, carry_over
@@ -217,7 +218,8 @@ class Formation:
         self.rdzv = self._epochs.rendezvous(epoch)
         if self._heartbeat is not None:
             self._heartbeat.stop()
-        self._heartbeat = Heartbeat(self.rdzv, config.rank, config.heartbeat_interval_s)
+        self._heartbeat = Heartbeat(self.rdzv, config.rank, config.heartbeat_interval_s,
+                                    RoundWitness(self.rdzv, config.rank, tuple(self.domain.ranks)))
         self._heartbeat.start()
         reducer = build_reducer(store, self.rdzv, config.topology, config.rank, config.mode,
                                 config.agreement_timeout_s, config.gloo_host)
@@ -244,14 +246,17 @@ class Formation:
         `note`: the status line to show the service manager, if any."""
         config, loop = self.config, asyncio.get_running_loop()
         self.confirmer = formed.confirmer
+        witness = self._heartbeat.witness if self._heartbeat is not None else None
         engine = AgreementEngine(
             formed.reducer,
             DivergenceExchange(self.rdzv.connect(), self.rdzv.namespace, config.rank, self.domain.ranks,
                                config.agreement_timeout_s),
-            functools.partial(self._diagnose, formed.diagnosis_store),
+            functools.partial(self._diagnose, formed.diagnosis_store, witness),
             heartbeat=self._heartbeat,
-            faults=RoundFaults(config.faults.delay_ms, config.faults.seed + config.rank),
+            faults=RoundFaults(config.faults.delay_ms, config.faults.seed + config.rank,
+                               config.faults.round_lost_after_complete),
             on_failure=lambda failure: loop.call_soon_threadsafe(self._on_failure, failure, engine),
+            witness=witness,
         )
         self.engine = engine
         self.stepper = Stepper(engine, config.rank, config.agreement_lag, self.epoch)
@@ -404,10 +409,28 @@ class Formation:
         if self._serving() and current > self.epoch:
             self.reform_soon(f"the deployment moved to epoch {current}")
 
-    def _diagnose(self, store: TCPStore | None, round_number: int, exc: BaseException) -> PeerLost:
-        peers = tuple(r for r in self.domain.ranks if r != self.config.rank)
-        window = max(0.3, 3 * self.config.heartbeat_interval_s)
-        return peer_lost(round_number, exc, diagnose(self.rdzv, peers, round_number, window, store))
+    def _diagnose(self, store: TCPStore | None, witness: RoundWitness | None, round_number: int,
+                  exc: BaseException) -> PeerLost | Recovered:
+        """On the agreement thread, round `round_number` having failed here:
+        the peers that are missing, or the round as a peer completed it (it
+        asks its peers through the witness, for up to agreement_timeout_s)."""
+        rdzv, config = self.rdzv, self.config
+        peers = tuple(r for r in self.domain.ranks if r != config.rank)
+        window = max(0.3, 3 * config.heartbeat_interval_s)
+        diagnosis = diagnose(rdzv, peers, round_number, window, store)
+        failure = peer_lost(round_number, exc, diagnosis)
+        if witness is None:
+            return failure
+        told = witness.recover(store, functools.partial(rdzv.connect, CONNECT_S), round_number,
+                               {r: heartbeat_key(rdzv, r) for r in diagnosis.stalled}, config.agreement_timeout_s,
+                               config.heartbeat_interval_s, window)
+        if told is None:
+            return failure
+        rank, vector = told
+        return Recovered(rank, vector, PeerLost(
+            f"round {round_number} failed on rank {config.rank} ({str(exc).splitlines()[0][:200]}) after rank "
+            f"{rank} completed it: applied here as there, and epoch {rdzv.epoch} ends (no later round of it "
+            f"can complete)", ()))
 
     def _on_failure(self, failure: CacheError, engine: AgreementEngine) -> None:
         if engine is not self.engine or not self._serving():
