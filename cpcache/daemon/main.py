@@ -4,8 +4,10 @@ exit with a code that says how it ended."""
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import logging
 import os
+import signal
 import sys
 
 from cpcache.daemon.budget import raise_file_limit
@@ -49,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(EscapingFormatter(f"%(asctime)s rank{config.rank} %(name)s %(levelname)s %(message)s"))
     logging.basicConfig(level=config.log_level.upper(), handlers=[handler])
+    # `kill -USR1 <pid>` writes every thread's stack to the log: what a
+    # daemon that stopped answering is waiting on, without stopping it.
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     files, need = raise_file_limit(2 if config.listen_tcp else 1)
     if files < need:
         logging.getLogger("cpcached").warning(
