@@ -13,19 +13,23 @@ record is the copy itself.
 The memory is a ring of fixed slots, step `s` in slot `s % slots`. Each slot
 is guarded by a sequence number (a seqlock): odd while it is written, so a
 reader never takes a half-written record, whether the writer is stopped in
-the middle or died there. An outcome too large for a slot is not recorded
-(its scheduler asks the peers, as before).
+the middle or died there; a CRC-32 of the payload guards against a reader
+that sees the stores out of order (CPython issues no memory barriers, and
+weakly ordered CPUs reorder). An outcome too large for a slot is not
+recorded (its scheduler asks the peers, as before).
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import secrets
 import struct
+import zlib
 
-MAGIC = b"CPCOUT01"
-_HEADER = struct.Struct("<8sII")  # magic, slots, slot bytes
-_SLOT = struct.Struct("<QQQI")  # sequence, epoch, step, payload length
+MAGIC = b"CPCOUT02"
+_HEADER = struct.Struct("<8sIIQ")  # magic, slots, slot bytes, the writing process's instance
+_SLOT = struct.Struct("<QQQII")  # sequence, epoch, step, payload length, payload CRC-32
 HEADER_BYTES = 64
 SLOTS = 128
 SLOT_BYTES = 32 * 1024
@@ -43,7 +47,8 @@ class OutcomeWriter:
         self.fd = os.memfd_create("cpcache-step-outcomes", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         os.ftruncate(self.fd, size(slots, slot_bytes))
         self._map = mmap.mmap(self.fd, size(slots, slot_bytes))
-        _HEADER.pack_into(self._map, 0, MAGIC, slots, slot_bytes)
+        self.instance = secrets.randbits(63) or 1
+        _HEADER.pack_into(self._map, 0, MAGIC, slots, slot_bytes, self.instance)
         self._slots, self._slot_bytes = slots, slot_bytes
         self.skipped = 0  # outcomes too large for a slot
 
@@ -54,9 +59,9 @@ class OutcomeWriter:
             return False
         at = HEADER_BYTES + (step % self._slots) * self._slot_bytes
         sequence = _SLOT.unpack_from(self._map, at)[0]
-        _SLOT.pack_into(self._map, at, sequence + 1, 0, 0, 0)  # odd: being written
+        _SLOT.pack_into(self._map, at, sequence + 1, 0, 0, 0, 0)  # odd: being written
         self._map[at + _SLOT.size:at + _SLOT.size + len(payload)] = payload
-        _SLOT.pack_into(self._map, at, sequence + 2, epoch, step, len(payload))
+        _SLOT.pack_into(self._map, at, sequence + 2, epoch, step, len(payload), zlib.crc32(payload))
         return True
 
     def read_only_fd(self) -> int:
@@ -76,7 +81,7 @@ class OutcomeReader:
             self._map = mmap.mmap(fd, os.fstat(fd).st_size, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
-        magic, self._slots, self._slot_bytes = _HEADER.unpack_from(self._map, 0)
+        magic, self._slots, self._slot_bytes, self.instance = _HEADER.unpack_from(self._map, 0)
         if magic != MAGIC or len(self._map) < size(self._slots, self._slot_bytes):
             self._map.close()
             raise ValueError("not a cpcache step-outcome ring")
@@ -85,11 +90,13 @@ class OutcomeReader:
         """Step `step` of epoch `epoch`'s recorded outcome, or None (not
         recorded, overwritten since, or being written)."""
         at = HEADER_BYTES + (step % self._slots) * self._slot_bytes
-        before, got_epoch, got_step, length = _SLOT.unpack_from(self._map, at)
+        before, got_epoch, got_step, length, crc = _SLOT.unpack_from(self._map, at)
         if before % 2 or (got_epoch, got_step) != (epoch, step) or length > self._slot_bytes - _SLOT.size:
             return None
         payload = bytes(self._map[at + _SLOT.size:at + _SLOT.size + length])
-        return payload if _SLOT.unpack_from(self._map, at)[0] == before else None
+        if _SLOT.unpack_from(self._map, at)[0] != before or zlib.crc32(payload) != crc:
+            return None
+        return payload
 
     def close(self) -> None:
         self._map.close()

@@ -56,7 +56,7 @@ class Heartbeat:
                 store = store or self._rdzv.connect(timeout_s=max(1.0, 5 * self._interval_s))
                 store.set(heartbeat_key(self._rdzv, self._rank), f"{beat} {self._round}")
                 if self.witness is not None:
-                    self.witness.beat(store, self._round)
+                    self.witness.beat(store, lambda: self._round)  # read after the flag is seen
             except RuntimeError:
                 store = None  # the store is gone or slow; peers will see a stale beat
             beat += 1

@@ -90,6 +90,7 @@ class RoundWitness:
         self._wanted_key = wanted_key(rdzv, domain)
         self._record = _NONE  # replaced whole, never mutated: a reader sees one or the other
         self._published: Record | None = None
+        self._published_entered = -1
         self._wanting = False  # this rank's round failed: raise the flag
         self._wanted = False  # the flag is up (raised here or seen): publish on change
         self._lock = threading.Lock()
@@ -114,21 +115,28 @@ class RoundWitness:
             self._record = replace(self._record, final=True)
             self._wanting = True
 
-    def beat(self, store: Any, entered: int) -> None:
-        """At each heartbeat (`entered`: the last round this rank entered):
-        raise the flag if this rank asks, look for it otherwise, and once it
-        is up publish the record whenever it changed. One existence check per
-        beat while nobody asks; store errors (RuntimeError) are the caller's."""
+    def beat(self, store: Any, entered: int | Callable[[], int]) -> None:
+        """At each heartbeat (`entered`: the last round this rank entered, or
+        what reads it): raise the flag if this rank asks, look for it
+        otherwise, and once it is up publish the record whenever it, or the
+        round entered, changed. `entered` is read after the flag was seen up:
+        a round entered after that read was entered after the asking rank's
+        round failed, which gloo completes nowhere, so "had not entered" is
+        never stale. One existence check per beat while nobody asks; store
+        errors (RuntimeError) are the caller's."""
         if not self._wanted:
             if self._wanting:
                 store.set(self._wanted_key, str(self._rank))
                 self._wanted = True
             else:
                 self._wanted = bool(store.check([self._wanted_key]))
+        if not self._wanted:
+            return
         record = self._record
-        if self._wanted and record is not self._published:
-            store.set(self._record_key, replace(record, entered=entered).encode())
-            self._published = record
+        now_entered = entered() if callable(entered) else entered
+        if record is not self._published or now_entered != self._published_entered:
+            store.set(self._record_key, replace(record, entered=now_entered).encode())
+            self._published, self._published_entered = record, now_entered
 
     def recover(self, store: Any, connect: Callable[[], Any], number: int, dead: dict[int, str],
                 wait_s: float, poll_s: float, settle_s: float) -> tuple[int, np.ndarray] | None:

@@ -5,6 +5,7 @@ deadline. Both client faces (`core.py`) send these, and nothing else."""
 from __future__ import annotations
 
 import functools
+import secrets
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
@@ -76,12 +77,16 @@ def attach_call(model_id: str, geometry: KVGeometry, device_pages: int, pool_fd:
     quantization, if any), part of the tenant with `model_id` and the
     geometry (AttachRequest.model_dtype)."""
 
+    attempt = secrets.randbits(63) or 1  # every retry of this attach sends it: the daemon tells it from a new one
+
     def request(address: str) -> pb.AttachRequest:
         ticket = hand_over(address, pool_fd) if pool_fd >= 0 else ""
         board = (hand_over(address, load_signals.fd), load_signals.slots, tuple(cuda_events)) \
             if load_signals is not None else None
-        return attach_request(model_id, geometry, device_pages, ticket, cuda_ipc, placement, regions, board,
-                              model_dtype)
+        request = attach_request(model_id, geometry, device_pages, ticket, cuda_ipc, placement, regions, board,
+                                 model_dtype)
+        request.attempt = attempt
+        return request
 
     return Call("Attach", read=functools.partial(attached_whole, geometry), prepare=request)
 

@@ -370,7 +370,7 @@ class Client(_Face):
                 raise error_from(exc) from None
             reply = self._attach_again(call, exc)
         if call.rpc == "Attach":
-            self.hold_daemon()  # the instance that attached: its steps are recorded in its ring
+            self.hold_daemon(reply.daemon_instance)  # the instance that attached: its steps are in its ring
         return call.read(reply)
 
     def _attach_again(self, call: Call[Any], failure: grpc.RpcError) -> Any:
@@ -379,25 +379,34 @@ class Client(_Face):
         the daemon answers the retry of the attach that began its session
         with that attach's answer, so a deadline never decides it."""
         give_up = time.monotonic() + self._outcome_wait_s
+        pause_s = 0.05
         while time.monotonic() < give_up:
             if call.prepare is not None:
-                call = dataclasses.replace(call, request=call.prepare(self._address))
+                try:
+                    call = dataclasses.replace(call, request=call.prepare(self._address))
+                except (errors.ResourceExhausted, errors.Unavailable):  # tickets of the tries before: they expire
+                    time.sleep(pause_s)
+                    pause_s = min(2 * pause_s, 1.0)
+                    continue
             method, kwargs = self._method_for(call)
+            timeout_s = max(0.01, min(kwargs.get("timeout") or DEFAULT_TIMEOUT_S, give_up - time.monotonic()))
             try:
-                return method(call.request, **kwargs)
+                return method(call.request, **{**kwargs, "timeout": timeout_s})
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise error_from(exc) from None
                 failure = exc
         raise error_from(failure) from None
 
-    def hold_daemon(self) -> bool:
+    def hold_daemon(self, instance: int = 0) -> bool:
         """Take the daemon's identity now (its pidfd and step-outcome ring),
         replacing any held: a step whose reply it never gives is then read
-        from its ring. Done after every Attach. -> whether it could be had
-        (not over TCP, nor from a daemon that is down)."""
+        from its ring. Done after every Attach, with the instance that
+        answered it (`AttachReply.daemon_instance`; 0: any). -> whether it
+        could be had (not over TCP, nor from a daemon that is down or
+        restarted since)."""
         try:
-            held: HeldDaemon | None = HeldDaemon.take(self._address, self._timeout_s or DEFAULT_TIMEOUT_S)
+            held: HeldDaemon | None = self.identify(instance)
         except errors.CacheError:
             held = None
         old, self._held = self._held, held
@@ -405,10 +414,11 @@ class Client(_Face):
             old.close()
         return held is not None
 
-    def identify(self) -> HeldDaemon:
+    def identify(self, instance: int = 0) -> HeldDaemon:
         """The daemon's process and outcome ring, taken now, for the caller
-        to keep (and close): `CacheError` when it cannot be had."""
-        return HeldDaemon.take(self._address, self._timeout_s or DEFAULT_TIMEOUT_S)
+        to keep (and close): `CacheError` when it cannot be had, or is not
+        `instance` (when given)."""
+        return HeldDaemon.take(self._address, self._timeout_s or DEFAULT_TIMEOUT_S, instance)
 
     def wait_serving(self, timeout_s: float) -> None:
         """Wait until the daemon reports SERVING (its socket may not exist

@@ -17,6 +17,7 @@ import select
 import signal
 
 from cpcache.client.pools import take_identity
+from cpcache.errors import Unavailable
 from cpcache.step_outcomes import OutcomeReader
 
 
@@ -66,15 +67,23 @@ class HeldDaemon:
         self.outcomes = outcomes
 
     @classmethod
-    def take(cls, address: str, timeout_s: float = 10.0) -> HeldDaemon:
+    def take(cls, address: str, timeout_s: float = 10.0, instance: int = 0) -> HeldDaemon:
         """Ask the daemon at `address` for its identity (`CacheError` if it
-        cannot be had: TCP, a daemon that is down or too old)."""
+        cannot be had: TCP, a daemon that is down or too old). `instance`:
+        the one an Attach answered from (`AttachReply.daemon_instance`); a
+        daemon restarted since is another process, and is refused
+        (`Unavailable`) rather than held in its place."""
         pidfd, ring = take_identity(address, timeout_s)
         outcomes = None
         if ring >= 0:
             with contextlib.suppress(OSError, ValueError):  # not a ring: only the process is held
                 outcomes = OutcomeReader(ring)
-        return cls(DaemonProcess(pidfd), outcomes)
+        held = cls(DaemonProcess(pidfd), outcomes)
+        if instance and (outcomes is None or outcomes.instance != instance):
+            held.close()
+            raise Unavailable(f"the daemon at {address} is not the instance that answered the Attach (it restarted "
+                              "since)")
+        return held
 
     def recorded(self, epoch: int, step: int) -> bytes | None:
         return self.outcomes.find(epoch, step) if self.outcomes is not None else None

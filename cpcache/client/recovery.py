@@ -107,7 +107,7 @@ class StepRecovery:
             # stalled daemon may not.
             heard = self._read_record(request) if request.HasField("epoch") else _Heard()
             if heard.decided is None and request.HasField("epoch"):
-                heard = self._ask_peers(request, fence=gone)
+                heard = self._ask_peers(request, fence=gone, give_up=give_up)
             if heard.decided is not None:
                 if heard.decided.HasField("reply"):
                     return heard.decided.reply
@@ -123,7 +123,7 @@ class StepRecovery:
                 pause_s = min(2 * pause_s, LONGEST_PAUSE_S)
                 continue
             try:
-                return self.resend(request, self.timeout_s)
+                return self.resend(request, max(0.05, min(self.timeout_s, give_up - time.monotonic())))
             except grpc.RpcError as exc:
                 if not unanswered(exc):
                     raise error_from(exc) from None
@@ -138,9 +138,11 @@ class StepRecovery:
             told.ParseFromString(payload)
         except DecodeError:  # a record that does not read: as if none
             return _Heard()
+        if told.HasField("reply") and (told.reply.step, told.reply.epoch) != (request.step, request.epoch):
+            return _Heard()  # another step's reply: as if none
         return _Heard(decided=told) if told.HasField("reply") or told.HasField("error") else _Heard()
 
-    def _ask_peers(self, request: pb.StepRequest, fence: bool) -> _Heard:
+    def _ask_peers(self, request: pb.StepRequest, fence: bool, give_up: float) -> _Heard:
         """The first peer's answer that decides the step. A peer that has
         not taken it decides it once this rank's daemon is gone, by fencing
         it (a living daemon may still take part in its round with that peer)."""
@@ -149,8 +151,10 @@ class StepRecovery:
             ask.asking_rank = self.rank
         heard = _Heard()
         for peer in self.peers:
+            # No ask outlasts the wait: several stopped peers cost it once, not once each.
+            timeout_s = max(0.05, min(self.timeout_s, give_up - time.monotonic()))
             try:
-                answer = peer(ask, self.timeout_s)
+                answer = peer(ask, timeout_s)
             except grpc.RpcError as exc:
                 heard.may_tell |= exc.code() in _MAY_TELL_LATER  # stopped or flooded: ask again
                 continue

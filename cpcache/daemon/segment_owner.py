@@ -74,8 +74,10 @@ class SegmentOwner:
 
     def start(self) -> SegmentOwner:
         ready = threading.Event()
+        # A process group of its own, as the daemons': a terminal's Ctrl-C
+        # reaches the launcher alone, which stops the owner after its daemons.
         self.proc = subprocess.Popen(self.settings.command(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env=self.settings.environment())
+                                     stdin=subprocess.DEVNULL, env=self.settings.environment(), process_group=0)
         self._reader = threading.Thread(target=self._drain, args=(self.proc, ready), name="segment-owner-log",
                                         daemon=True)
         self._reader.start()
@@ -122,12 +124,12 @@ class SegmentOwner:
 
 
 def serve(settings: OwnerSettings) -> int:
-    """The owner's process: mount the segment, hold it until SIGTERM or
-    SIGINT, unmount it. -> the exit code."""
+    """The owner's process: mount the segment, hold it until SIGTERM, SIGINT
+    or SIGHUP, unmount it. -> the exit code."""
     from mooncake.store import MooncakeDistributedStore
 
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda *_: stop.set())
     store = MooncakeDistributedStore()
     rc = store.setup(settings.hostname, settings.metadata_server, settings.segment_bytes, 0, settings.protocol,

@@ -119,8 +119,15 @@ class Daemon:
         host pool in shared memory is offered back by ticket."""
         rank = self.rank
         attached = await rank.attacher.decide(ask.model_id, ask.geometry, ask.device_pages, ask.pool.kind,
-                                              functools.partial(open_device, ask, self._take), ask.model_dtype)
-        host = rank.attached_runtime().io.transfers.tiers.host
+                                              functools.partial(open_device, ask, self._take), ask.model_dtype,
+                                              ask.attempt)
+        attached = dataclasses.replace(attached, daemon_instance=self.outcomes.instance)
+        try:
+            host = rank.attached_runtime().io.transfers.tiers.host
+        except CacheError:
+            # A retry told the attach of a session whose epoch has ended: its
+            # first step fails on every rank alike; there is no pool to offer.
+            return attached
         if host.fd >= 0 and self._pools is not None:
             attached = dataclasses.replace(attached, host_pool_ticket=self._pools.offer_host_pool(host))
         return attached

@@ -151,8 +151,12 @@ class CacheDaemonServicer(pb_grpc.CacheDaemonServicer):
         except NotFound as exc:
             if self._daemon.rank.config.agreement_lag:
                 # At lag >= 1 the step answers an earlier round, which may
-                # have completed without this rank's step: no telling yet.
-                raise Unavailable(f"{exc}; at agreement_lag >= 1 this rank cannot tell how it ends") from None
+                # have completed without this rank's step: no telling yet,
+                # but once this rank's scheduler sends the step, this rank
+                # answers it (the asker waits for that, never guesses).
+                error = step_error(Unavailable(f"{exc}; at agreement_lag >= 1 it is told once this rank takes it"))
+                error.metadata[NOT_TAKEN] = "1"
+                return pb.OutcomeReply(error=error)
             # Not taken here at lag 0: its round cannot complete without this
             # rank. Asked to fence, the step can no longer be taken here (the
             # epoch was left): final. Otherwise the asker's living daemon may

@@ -96,6 +96,7 @@ class AttachAsk:
     regions: list[Region]
     signals: SignalsAsk | None = None
     model_dtype: str = ""  # "" from a client that does not send it
+    attempt: int = 0  # AttachRequest.attempt: a retry repeats it (0: none)
 
 
 def attach_from_wire(request: pb.AttachRequest) -> AttachAsk:
@@ -129,7 +130,7 @@ def attach_from_wire(request: pb.AttachRequest) -> AttachAsk:
         pool = CudaPool(cuda_ipc_from_wire(request.cuda_ipc) if request.HasField("cuda_ipc") else None)
     return AttachAsk(request.model_id, geometry, request.device_pages, pool, regions,
                      signals_from_wire(request.load_signals) if request.HasField("load_signals") else None,
-                     request.model_dtype)
+                     request.model_dtype, request.attempt)
 
 
 def signals_from_wire(signals: pb.LoadSignals) -> SignalsAsk:

@@ -46,6 +46,7 @@ class Attached:
     epoch: int = 0  # the epoch the session opened in: its steps name it
     host_pool_ticket: str = ""  # where the scheduler takes the host pool, read-only (the daemon's handover)
     last_step: int = 0  # the last step taken as the session began: its first step is any after it
+    daemon_instance: int = 0  # this daemon process (its step-outcome ring's), set by the daemon
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +58,7 @@ class _LastAttach:
     pool: tuple[int, ...]
     step: int
     attached: Attached
+    attempt: int = 0  # the client's, telling its retries from a new attach (0: none)
 
 
 def attach_descriptor(config: DaemonConfig, model_id: str, geometry: KVGeometry, device_pages: int,
@@ -90,23 +92,33 @@ class Attacher:
         self._sessions = 0  # data-plane sessions opened
 
     async def decide(self, model_id: str, geometry: KVGeometry, device_pages: int, kind: str,
-                     open_device: Callable[[], DevicePool], model_dtype: str = "") -> Attached:
+                     open_device: Callable[[], DevicePool], model_dtype: str = "", attempt: int = 0) -> Attached:
         """Attach the pool `open_device` opens (blocking: run on a thread),
         `kind` naming how it was handed over, for the log; `model_dtype`
-        (the dtype the model computes in) is part of the tenant."""
+        (the dtype the model computes in) is part of the tenant. `attempt`:
+        the client's (AttachRequest.attempt), which a retry repeats."""
         task = asyncio.ensure_future(self._open_and_agree(model_id, geometry, device_pages, kind, open_device,
-                                                          model_dtype))
+                                                          model_dtype, attempt))
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
         return await asyncio.shield(task)
 
     async def _open_and_agree(self, model_id: str, geometry: KVGeometry, device_pages: int, kind: str,
-                      open_device: Callable[[], DevicePool], model_dtype: str) -> Attached:
+                              open_device: Callable[[], DevicePool], model_dtype: str, attempt: int) -> Attached:
         formation = self._formation
-        await formation.wait_reformed()
-        formation.admit()
         while self._task is not None and not self._task.done():
             # One at a time: a retry of a cancelled call waits for that call's attach.
             await asyncio.wait({self._task})
+        last = self._last
+        if attempt and last is not None and last.attempt == attempt:
+            # A retry of the attach that began the last session, whatever
+            # became of it since: its answer, never a new agreement (its
+            # peers were told that one). A session whose epoch has ended
+            # fails its first step on every rank alike. The pool it hands
+            # over again is taken and let go.
+            await asyncio.to_thread(open_device)
+            return last.attached
+        await formation.wait_reformed()
+        formation.admit()
         # The pool is opened and checked before anything else changes: a bad
         # one is refused without ending the session that works.
         check_host_budget(self.config, geometry)
@@ -127,13 +139,13 @@ class Attacher:
             await formation.reform("a scheduler attached again: its previous session ends")
             stepper = formation.admit()
         task = asyncio.ensure_future(self._agree(stepper, model_id, model_dtype, geometry, device, descriptor,
-                                                  kind))
+                                                  kind, attempt))
         self._task = task
         formation.attach_started(task)
         return await task
 
     async def _agree(self, stepper: Stepper, model_id: str, model_dtype: str, geometry: KVGeometry,
-                      device: DevicePool, descriptor: dict[str, Any], kind: str) -> Attached:
+                     device: DevicePool, descriptor: dict[str, Any], kind: str, attempt: int = 0) -> Attached:
         formation, config = self._formation, self.config
         runtime: CacheRuntime | None = None
         kept = formation.kept_for(descriptor)
@@ -193,7 +205,7 @@ class Attacher:
         attached = Attached(geometry.page_bytes, config.host_pool_pages, config.host_layout,
                             storage.name if storage else "none", key_seed, resumed, formation.epoch,
                             last_step=stepper.last_step)
-        self._last = _LastAttach(stepper, descriptor, device.identity, stepper.last_step, attached)
+        self._last = _LastAttach(stepper, descriptor, device.identity, stepper.last_step, attached, attempt)
         if self._sessions == config.faults.exit_after_attach:
             log.error("fault injection: exiting after Attach %d was agreed, before answering it", self._sessions)
             os._exit(137)

@@ -50,6 +50,7 @@ log = logging.getLogger("cpcached")
 
 CLOSE_S = 5.0  # the longest closing a storage backend may hold the exit
 EPOCHS_KEPT = 4  # ended epochs whose step outcomes are still answered
+WITNESS_WAIT_S = 3.0  # the longest a failed round waits for a peer to say it completed it
 
 
 def _exit_after_round(dying_step: int, step: int) -> None:
@@ -413,7 +414,7 @@ class Formation:
                   exc: BaseException) -> PeerLost | Recovered:
         """On the agreement thread, round `round_number` having failed here:
         the peers that are missing, or the round as a peer completed it (it
-        asks its peers through the witness, for up to agreement_timeout_s)."""
+        asks its peers through the witness, for up to WITNESS_WAIT_S)."""
         rdzv, config = self.rdzv, self.config
         peers = tuple(r for r in self.domain.ranks if r != config.rank)
         window = max(0.3, 3 * config.heartbeat_interval_s)
@@ -421,8 +422,12 @@ class Formation:
         failure = peer_lost(round_number, exc, diagnosis)
         if witness is None:
             return failure
+        # Bounded well within a client's deadline margin past the round's
+        # timeout: a peer that completed the round publishes within a few
+        # heartbeats of the ask, and one still in it completes it nowhere.
+        wait_s = min(config.agreement_timeout_s, WITNESS_WAIT_S)
         told = witness.recover(store, functools.partial(rdzv.connect, CONNECT_S), round_number,
-                               {r: heartbeat_key(rdzv, r) for r in diagnosis.stalled}, config.agreement_timeout_s,
+                               {r: heartbeat_key(rdzv, r) for r in diagnosis.stalled}, wait_s,
                                config.heartbeat_interval_s, window)
         if told is None:
             return failure

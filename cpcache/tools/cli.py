@@ -18,6 +18,7 @@ from cpcache.topology import MODES, Topology
 
 if TYPE_CHECKING:
     from cpcache.daemon.launcher import LocalDomain
+    from cpcache.daemon.segment_owner import SegmentOwner
 
 
 def add_topology_flags(p: argparse.ArgumentParser, tp: int = 4, cp: int = 2) -> None:
@@ -97,6 +98,8 @@ async def _launch(args: argparse.Namespace) -> int:
         # again in the next epoch. Settings errors (exit 2) are not retried.
         supervisors = [asyncio.ensure_future(_supervise(domain, rank, args.restart))
                        for rank in range(domain.size)]
+        if domain.segment_owner is not None:
+            supervisors.append(asyncio.ensure_future(_supervise_owner(domain.segment_owner)))
         stopped = asyncio.ensure_future(stop.wait())
         await asyncio.wait({stopped, *supervisors}, return_when=asyncio.FIRST_COMPLETED)
         for task in (stopped, *supervisors):
@@ -138,6 +141,17 @@ async def _supervise(domain: LocalDomain, rank: int, restart: bool) -> None:
             continue  # its exit is seen like any other death
         print(f"cpcache: rank {rank} is back (pid {domain.procs[rank].pid}, serving "
               f"{time.monotonic() - seen:.2f}s after its exit was seen)", flush=True)
+
+
+async def _supervise_owner(owner: SegmentOwner) -> None:
+    """Start the store's segment owner again whenever it exits (what it held
+    is gone from the store; the daemons' later writes go to the new one)."""
+    while owner.proc is not None:
+        code = await asyncio.to_thread(owner.proc.wait)
+        print(f"cpcache: the segment owner exited with code {code} (the pages it held left the store); starting "
+              "it again", file=sys.stderr, flush=True)
+        owner.stop()  # its log read to the end
+        await asyncio.to_thread(owner.start)
 
 
 async def _store(args: argparse.Namespace) -> int:

@@ -79,7 +79,7 @@ class PoolRegion(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., strides: _Optional[_Iterable[int]] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
-    __slots__ = ("model_id", "geometry", "device_pages", "shm_path", "cuda_ipc", "shm_ticket", "topology", "regions", "load_signals", "model_dtype")
+    __slots__ = ("model_id", "geometry", "device_pages", "shm_path", "cuda_ipc", "shm_ticket", "topology", "regions", "load_signals", "model_dtype", "attempt")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
     DEVICE_PAGES_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,7 @@ class AttachRequest(_message.Message):
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     LOAD_SIGNALS_FIELD_NUMBER: _ClassVar[int]
     MODEL_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     geometry: Geometry
     device_pages: int
@@ -100,7 +101,8 @@ class AttachRequest(_message.Message):
     regions: _containers.RepeatedCompositeFieldContainer[PoolRegion]
     load_signals: LoadSignals
     model_dtype: str
-    def __init__(self, model_id: _Optional[str] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., device_pages: _Optional[int] = ..., shm_path: _Optional[str] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., shm_ticket: _Optional[str] = ..., topology: _Optional[_Union[SchedulerTopology, _Mapping]] = ..., regions: _Optional[_Iterable[_Union[PoolRegion, _Mapping]]] = ..., load_signals: _Optional[_Union[LoadSignals, _Mapping]] = ..., model_dtype: _Optional[str] = ...) -> None: ...
+    attempt: int
+    def __init__(self, model_id: _Optional[str] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., device_pages: _Optional[int] = ..., shm_path: _Optional[str] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., shm_ticket: _Optional[str] = ..., topology: _Optional[_Union[SchedulerTopology, _Mapping]] = ..., regions: _Optional[_Iterable[_Union[PoolRegion, _Mapping]]] = ..., load_signals: _Optional[_Union[LoadSignals, _Mapping]] = ..., model_dtype: _Optional[str] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class LoadSignals(_message.Message):
     __slots__ = ("shm_ticket", "slots", "cuda_events")
@@ -127,7 +129,7 @@ class SchedulerTopology(_message.Message):
     def __init__(self, tp: _Optional[int] = ..., cp: _Optional[int] = ..., dp: _Optional[int] = ..., pp: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class AttachReply(_message.Message):
-    __slots__ = ("page_bytes", "host_pages", "host_layout", "storage", "key_seed", "resumed_pages", "epoch", "host_pool_ticket", "last_step")
+    __slots__ = ("page_bytes", "host_pages", "host_layout", "storage", "key_seed", "resumed_pages", "epoch", "host_pool_ticket", "last_step", "daemon_instance")
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     HOST_PAGES_FIELD_NUMBER: _ClassVar[int]
     HOST_LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +139,7 @@ class AttachReply(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     HOST_POOL_TICKET_FIELD_NUMBER: _ClassVar[int]
     LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     page_bytes: int
     host_pages: int
     host_layout: str
@@ -146,7 +149,8 @@ class AttachReply(_message.Message):
     epoch: int
     host_pool_ticket: str
     last_step: int
-    def __init__(self, page_bytes: _Optional[int] = ..., host_pages: _Optional[int] = ..., host_layout: _Optional[str] = ..., storage: _Optional[str] = ..., key_seed: _Optional[str] = ..., resumed_pages: _Optional[int] = ..., epoch: _Optional[int] = ..., host_pool_ticket: _Optional[str] = ..., last_step: _Optional[int] = ...) -> None: ...
+    daemon_instance: int
+    def __init__(self, page_bytes: _Optional[int] = ..., host_pages: _Optional[int] = ..., host_layout: _Optional[str] = ..., storage: _Optional[str] = ..., key_seed: _Optional[str] = ..., resumed_pages: _Optional[int] = ..., epoch: _Optional[int] = ..., host_pool_ticket: _Optional[str] = ..., last_step: _Optional[int] = ..., daemon_instance: _Optional[int] = ...) -> None: ...
 
 class PrefetchOp(_message.Message):
     __slots__ = ("op_id", "pages", "tokens", "parent", "hold")

@@ -246,6 +246,81 @@ async def test_an_attach_whose_answer_comes_after_the_deadline_is_retried_not_fa
                 c.close()
 
 
+async def test_an_attach_retried_after_its_epoch_ended_is_told_its_first_answer_and_both_ranks_fail_alike(run_dir):
+    """As above, but rank 1, told "attached", steps at once (as SGLang does):
+    its round fails (rank 0's daemon is frozen) and the domain moves to the
+    next epoch before rank 0's retry arrives. The retry (the same attempt)
+    is told the attach that every rank made, not a new one that no peer
+    joins; that session's first step then fails on both ranks alike."""
+    deadline_s = TIMEOUT_S + 5.5
+    stall = {0: {"fault_stall_after_attach_ms": 1000 * (deadline_s + 2)}}
+    async with LocalDomain(spec(run_dir, per_rank=stall)) as domain:
+        pools = [DevicePool.create_sealed(GEOMETRY, 16) for _ in range(2)]
+        attaching = [Client(s, timeout_s=deadline_s, peers=[p for p in domain.sockets if p != s], rank=r)
+                     for r, s in enumerate(domain.sockets)]
+        try:
+            first = asyncio.ensure_future(asyncio.to_thread(attaching[0].attach, "m", GEOMETRY, 16,
+                                                            pool_fd=pools[0].fd))
+            told = await asyncio.to_thread(attaching[1].attach, "m", GEOMETRY, 16, pool_fd=pools[1].fd)
+            stepped = await asyncio.gather(asyncio.to_thread(attaching[1].step, told.last_step + 1,
+                                                             [(1, Reduce.MIN, 1)], None, told.epoch),
+                                           return_exceptions=True)
+            assert isinstance(stepped[0], errors.Unavailable), stepped
+            retried = (await asyncio.gather(first, return_exceptions=True))[0]
+            assert not isinstance(retried, BaseException), retried
+            assert (retried.epoch, retried.last_step) == (told.epoch, told.last_step)
+            late = await asyncio.gather(asyncio.to_thread(attaching[0].step, told.last_step + 1,
+                                                          [(1, Reduce.MIN, 1)], None, told.epoch),
+                                        return_exceptions=True)
+            assert isinstance(late[0], errors.Unavailable), late
+        finally:
+            for c in attaching:
+                c.close()
+
+
+async def test_at_lag_1_a_gone_daemon_s_rank_waits_for_the_peer_to_take_the_step(run_dir):
+    """At agreement lag 1 a step answers the round before it, which may have
+    completed on every rank without the step itself: a peer that has not
+    taken the step cannot tell yet, and says so (not "never"). Rank 1, whose
+    daemon died after round 3, waits until rank 0 takes step 4, and both are
+    told round 3's answer."""
+    async with LocalDomain(spec(run_dir, lag=1)) as domain:
+        schedulers = make(domain, run_dir, 1)
+        epoch = (await attach_all(schedulers))[0].epoch
+        sockets = domain.sockets
+        ranks = [Client(sockets[r], timeout_s=CLIENT_TIMEOUT_S, peers=[p for p in sockets if p != sockets[r]], rank=r)
+                 for r in range(2)]
+        try:
+            for step in (1, 2, 3):
+                assert same_outcome(await step_both(ranks, step, epoch))
+            for c in ranks:  # round 3 completed on both (step 3 answered round 2)
+                while (await asyncio.to_thread(c.status)).rounds_completed < 3:
+                    await asyncio.sleep(0)
+            domain.signal(1, signal.SIGKILL)
+            await domain.wait_exit(1, 30)
+            asked = threading.Event()
+            peer = ranks[1]._peers()[0]
+            ask = peer._ask_outcome
+
+            def asking(request, timeout_s):
+                try:
+                    return ask(request, timeout_s)
+                finally:
+                    asked.set()
+
+            peer._ask_outcome = asking
+            gone = asyncio.ensure_future(asyncio.to_thread(ranks[1].step, 4, [(1, Reduce.MIN, 1)], None, epoch))
+            assert await asyncio.to_thread(asked.wait, 60)
+            taken = await asyncio.gather(asyncio.to_thread(ranks[0].step, 4, [(1, Reduce.MIN, 1)], None, epoch),
+                                         return_exceptions=True)
+            outcomes = taken + await asyncio.gather(gone, return_exceptions=True)
+            assert same_outcome(outcomes), outcomes
+        finally:
+            for c in ranks:
+                c.close()
+            await close_all(schedulers)
+
+
 async def _first_of(future, log, line):
     """Until `future` is done or `log` holds `line`: waiting on the future,
     reading the log between waits."""

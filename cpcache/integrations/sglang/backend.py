@@ -160,7 +160,7 @@ def build_cache(context: Any, settings: Settings | None = None) -> Any:
         return SchedulerSession(client, first_step=step, decision_timeout_s=settings.timeout_s, decisions=decisions,
                                 epoch=epoch)
 
-    held = [hold_daemon(client)]  # this rank's daemon process (its pidfd), as last attached
+    held = [hold_daemon(client, attached)]  # this rank's daemon process (its pidfd), as last attached
     daemon = [orphan_loads(socket, attached, pool, held[0])]  # and its host pool
     if layer_loads is not None:
         layer_loads.orphans = daemon[0]
@@ -197,7 +197,7 @@ def build_cache(context: Any, settings: Settings | None = None) -> Any:
         # Nothing from here may fail on this rank alone (the host pool's
         # handover, the one call left to the daemon, only warns). A daemon
         # lost from here fails the session's next step, on every rank alike.
-        old_held, held[0] = held[0], hold_daemon(client)
+        old_held, held[0] = held[0], hold_daemon(client, again)
         old, daemon[0] = daemon[0], orphan_loads(socket, again, pool, held[0])
         if layer_loads is not None and board is not None:
             layer_loads.rebind(board, daemon[0])  # closes the old one
@@ -258,11 +258,12 @@ def first_not_serving(sockets: list[str], token: str | None, timeout_s: float = 
     return ""
 
 
-def hold_daemon(client: Client) -> HeldDaemon | None:
-    """The daemon's process by the pidfd it hands over (None: it cannot be
-    had, and a daemon that stops answering cannot be made sure of)."""
+def hold_daemon(client: Client, attached: Any) -> HeldDaemon | None:
+    """The process of the daemon that answered `attached`, by the pidfd it
+    hands over (None: it cannot be had, or restarted since, and a daemon
+    that stops answering cannot be made sure of)."""
     try:
-        return client.identify()
+        return client.identify(attached.daemon_instance)
     except CacheError as exc:
         log.warning("cpcache: the daemon's identity could not be taken (%s): a flush with a daemon that does not "
                     "answer keeps its slots, and a load it dies in the middle of stops the forward", exc)
