@@ -186,7 +186,8 @@ async def run(sizes: tuple[int, ...], steps: int, repeat: int) -> dict:
 
 
 def table(report: dict) -> list[str]:
-    """The figures as a Markdown table (the one docs/benchmarks.md shows)."""
+    """The figures as a Markdown table (docs/benchmarks.md, "What a round and a step cost", shows
+    the latest run's, rendered from benchmarks/runs/)."""
     lines = ["| ranks | topology | round p50 ms | bare all-reduce p50 ms | bare exchange p50 ms "
              "| round / all-reduce (min-max) | round / exchange (min-max) "
              "| round: bytes sent per rank, payload / wire / measured "

@@ -12,9 +12,9 @@ policy and capacity, against the plain LRU at a CP rank's share of the
 bytes (HiCache keeps a copy per CP rank, cpcache one per page).
 
 No server and no clock: SGLang's queue and admission order are left out, so
-the figures land within about a point of the measured ones (docs/benchmarks.md
-has both). Seconds, not minutes: a capacity policy is judged here before a
-serving run.
+the figures land within about a point of the measured ones (docs/benchmarks.md,
+"Hit rates, and what a bounded store can give", has both). Seconds, not
+minutes: a capacity policy is judged here before a serving run.
 """
 
 from __future__ import annotations

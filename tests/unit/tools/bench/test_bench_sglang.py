@@ -5,7 +5,7 @@ shape, and its refusal without SGLang's environment.
 
 A whole run starts three real SGLang servers at tp 2 and takes 6 to 7
 minutes on this 2-core machine (4 to 5 of them starting the servers), so it
-is not run here; docs/benchmarks.md ("SGLang servers") has its figures.
+is not run here; docs/benchmarks.md ("Decode latency, and the load-back") has its figures.
 """
 
 import argparse

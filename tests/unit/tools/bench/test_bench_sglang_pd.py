@@ -2,7 +2,7 @@
 the TTFT figures, a block's figures, the output comparison, the rotated
 order, the report and the CLI's flags. A whole run starts three PD pairs
 twice (6 to 7 minutes each block on this 2-core machine), so it is not run
-here; docs/benchmarks.md ("PD pair: ...") has its figures."""
+here; docs/benchmarks.md ("Prefill and decode apart (PD)") has its figures."""
 
 import argparse
 import json
