@@ -39,6 +39,7 @@ class StepResult:
     host_entered: tuple[bytes, ...] = ()  # pages that entered the host pool in `round`
     host_left: tuple[bytes, ...] = ()  # pages evicted from it in `round`
     host_entered_slots: tuple[int, ...] = ()  # the host slot of each page of host_entered
+    backup_pages: dict[int, tuple[bytes, ...]] = field(default_factory=dict)  # backup op -> the pages it wrote
 
 
 def step_request(step: int, votes: Iterable[tuple[int, Reduce, int]] = (),
@@ -92,6 +93,7 @@ def step_result(reply: pb.StepReply) -> StepResult:
         host_entered=tuple(reply.host_entered),
         host_left=tuple(reply.host_left),
         host_entered_slots=tuple(reply.host_entered_slots),
+        backup_pages={b.op_id: tuple(b.pages) for b in reply.backups},
     )
 
 

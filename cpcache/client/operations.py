@@ -83,6 +83,9 @@ class SessionOperations:
         self._writes: dict[int, tuple[int, Stored | None]] = {}  # open write op -> (pages, its end)
         self._loads: dict[int, tuple[int, Landed | None]] = {}  # open load op -> (pages, its end)
         self._signal_slots: dict[int, tuple[LoadSignals, int]] = {}  # open load op -> where its layers are published
+        # Called with every agreed reply, once the session followed it (the
+        # SGLang backend's KV events of the host pool and storage).
+        self.listeners: list[Callable[[StepResult], None]] = []
 
     # -- device -> host --------------------------------------------------------------
 
@@ -295,6 +298,8 @@ class SessionOperations:
             self._end_load(op, True)
         for op in reply.load_failures:
             self._end_load(op, False)
+        for listener in self.listeners:
+            listener(reply)
         return reply
 
     def _end_prefetch(self, op: int, pages: int) -> None:

@@ -289,7 +289,10 @@ def _rank_families(stats: RankStats, names: list[str], values: list[str]) -> Ite
                                    "Prefetched pages evicted before any load read them (storage reads wasted)",
                                    labels=names)
     unloaded.add_metric(values, cache.state["prefetched_pages_evicted_unloaded"])
-    yield from (hits, pages, moved, errors, refused, occupancy, held, expired, unloaded)
+    evicted = CounterMetricFamily("cpcache_host_pages_evicted", "Pages evicted from the host pool to make room",
+                                  labels=names)
+    evicted.add_metric(values, cache.state["host_pages_evicted"])
+    yield from (hits, pages, moved, errors, refused, occupancy, held, expired, unloaded, evicted)
 
 
 def _handover_families(stats: dict[str, int], names: list[str], values: list[str]) -> Iterator[Metric]:

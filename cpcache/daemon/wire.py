@@ -160,8 +160,8 @@ def step_reply(answer: StepAnswer) -> pb.StepReply:
         reply.prefetches.add(op_id=op_id, outcome=pb.PrefetchDecision.REVOKED, reason=why)
     reply.write_acks.extend(d.write_acks)
     reply.write_failures.extend(d.write_failures)
-    for op_id, stored in d.backups:
-        reply.backups.add(op_id=op_id, stored=stored)
+    for (op_id, stored), written in zip(d.backups, d.backup_pages or [()] * len(d.backups)):
+        reply.backups.add(op_id=op_id, stored=stored, pages=written)
     for op_id, pages in d.loads:
         reply.loads.add(op_id=op_id, pages=pages)
     reply.load_failures.extend(d.load_failures)

@@ -96,6 +96,9 @@ class Decisions:
     write_acks: list[int] = field(default_factory=list)
     write_failures: list[int] = field(default_factory=list)  # copies that failed on some rank
     backups: list[tuple[int, bool]] = field(default_factory=list)  # (backup id, stored)
+    # The pages of each backup of `backups`, in its order (the reply names
+    # them); not compared: a function of the backup, which `backups` names.
+    backup_pages: list[tuple[bytes, ...]] = field(default_factory=list, compare=False)
     loads: list[tuple[int, int]] = field(default_factory=list)  # (op, pages loaded)
     load_failures: list[int] = field(default_factory=list)  # copies that failed on some rank
     host_entered: list[bytes] = field(default_factory=list)  # pages now resident in the host pool
@@ -108,4 +111,4 @@ class Decisions:
         return self
 
     def count(self) -> int:
-        return sum(len(v) for v in vars(self).values())
+        return sum(len(v) for name, v in vars(self).items() if name != "backup_pages")

@@ -105,6 +105,7 @@ class Ledger:
         self.holds_taken = 0
         self.holds_expired = 0
         self.prefetched_evicted = 0  # prefetched pages evicted before any load read them
+        self.host_evicted = 0  # pages evicted from the host pool to make room
         self._next_serial = 1
 
     def record(self, *fields: object) -> None:

@@ -222,4 +222,5 @@ class CacheState:
             "prefetch_holds_taken": ledger.holds_taken,
             "prefetch_holds_expired": ledger.holds_expired,
             "prefetched_pages_evicted_unloaded": ledger.prefetched_evicted,
+            "host_pages_evicted": ledger.host_evicted,
         }

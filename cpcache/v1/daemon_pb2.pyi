@@ -337,12 +337,14 @@ class PrefetchDecision(_message.Message):
     def __init__(self, op_id: _Optional[int] = ..., outcome: _Optional[_Union[PrefetchDecision.Outcome, str]] = ..., pages: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class BackupDecision(_message.Message):
-    __slots__ = ("op_id", "stored")
+    __slots__ = ("op_id", "stored", "pages")
     OP_ID_FIELD_NUMBER: _ClassVar[int]
     STORED_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
     op_id: int
     stored: bool
-    def __init__(self, op_id: _Optional[int] = ..., stored: _Optional[bool] = ...) -> None: ...
+    pages: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, op_id: _Optional[int] = ..., stored: _Optional[bool] = ..., pages: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class LoadDecision(_message.Message):
     __slots__ = ("op_id", "pages")

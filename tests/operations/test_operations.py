@@ -261,6 +261,7 @@ CPCACHE_FAMILIES = {
     "cpcache_prefetch_held_pages": "gauge",
     "cpcache_prefetch_holds_expired_total": "counter",
     "cpcache_prefetched_pages_evicted_unloaded_total": "counter",
+    "cpcache_host_pages_evicted_total": "counter",
     "cpcache_pool_handover_events_total": "counter",
     "cpcache_pool_tickets_held": "gauge",
     "grpc_server_started_total": "counter",

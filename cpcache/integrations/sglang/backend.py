@@ -232,7 +232,7 @@ def build_cache(context: Any, settings: Settings | None = None) -> Any:
                              reattach_after=settings.reattach_after_iterations,
                              storage_prefetch=server_flags.storage_prefetch_enabled(context.server_args), rank=rank,
                              host_pages=attached.host_pages, decisions=decisions, layer_loads=layer_loads,
-                             daemon_quiet=daemon_quiet)
+                             daemon_quiet=daemon_quiet, storage=attached.storage)
 
 
 def peer_sockets(settings: Settings, topology: Topology, rank: int) -> list[str]:

@@ -75,3 +75,4 @@ def _end(ledger: Ledger, backup: Backup, outcome: BackupOutcome, decisions: Deci
         entry.io_suspect = entry.io_suspect or suspect
     ledger.record("backed up", backup.serial, int(outcome))
     decisions.backups.append((backup.serial, outcome == BackupOutcome.STORED))
+    decisions.backup_pages.append(tuple(backup.pages))

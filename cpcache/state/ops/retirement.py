@@ -55,6 +55,7 @@ def make_room(ledger: Ledger, count: int, keep: set[bytes] | frozenset[bytes] = 
     # still be reading, so those slots wait for an agreed reclaim.
     ledger.record("evict", tuple(p for p, _ in evicted))
     ledger.prefetched_evicted += sum(e.prefetched for _, e in evicted)
+    ledger.host_evicted += len(evicted)
     ledger.allocator.free([e.slot for _, e in evicted if not e.io_suspect])
     retire(ledger, [e.slot for _, e in evicted if e.io_suspect])
     return True

@@ -78,12 +78,13 @@ class Stack:
                  copy_delay_ms: float = 400.0, storage_delay_ms: float = 200.0,
                  per_rank: dict[int, dict] | None = None, backend: dict | None = None,
                  daemon_settings: dict | None = None, with_reference: bool = True,
-                 sleep_on_idle: bool = False) -> None:
+                 sleep_on_idle: bool = False, server_flags: list[str] | None = None) -> None:
         """`backend`: the SGLang backend's settings over the defaults here;
         `daemon_settings`: more daemon settings for every rank;
         `with_reference`: start the `--disable-radix-cache` server too;
         `sleep_on_idle`: the cpcache server with SGLang's `--sleep-on-idle`
-        (the reference server always has it)."""
+        (the reference server always has it); `server_flags`: more flags for
+        the cpcache server."""
         self.work = work
         self.shape = shape
         self.storage = work / "pages"
@@ -108,7 +109,7 @@ class Stack:
         # --enable-metrics: SGLang's HiCache gauges read the backend's host pool,
         # and its idle counters (every rank's) tell when its idle checks ran.
         flags = [*CPCACHE_FLAGS, "--enable-metrics", "--enable-metrics-for-all-schedulers",
-                 *(ZIGZAG_FLAGS if shape.zigzag else [])]
+                 *(ZIGZAG_FLAGS if shape.zigzag else []), *(server_flags or [])]
         env = {"CPCACHE_SGLANG_CONFIG": str(config), **(ZIGZAG_ENV if shape.zigzag else {}),
                **family_env(shape.family)}
         self.cpcache = Server("cpcache", model, work, flags, tp=shape.tp, cp=shape.cp, dp=shape.dp, page_size=PAGE,

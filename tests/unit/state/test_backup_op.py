@@ -55,6 +55,7 @@ def test_write_through_backs_up_an_acknowledged_write_and_holds_its_pages_until_
     s = c.step()
     assert s.answers == [(2, "backup outcome", STORED)]
     assert s.decided == Decisions(backups=[(2, True)])
+    assert s.decided.backup_pages == [pages(1, 2)]  # the reply names what the backup wrote
     assert [(c.entry(n).refs, c.entry(n).backed_up, c.entry(n).io_suspect) for n in (1, 2)] == [(0, True, False)] * 2
     assert c.open_ops() == [] and c.ranks[0].forgotten == [1, 2]
     assert s.digest == 0x1a5f63e5921a5cc0
@@ -80,6 +81,7 @@ def test_the_agreed_backup_outcome_is_the_worst_rank_s(outcomes, agreed, suspect
     s = c.step()
     assert s.answers == [(2, "backup outcome", agreed)]
     assert s.decided == Decisions(backups=[(2, False)])
+    assert s.decided.backup_pages == [pages(1, 2)]
     assert [(c.entry(n).refs, c.entry(n).backed_up, c.entry(n).io_suspect) for n in (1, 2)] == [(0, False, suspect)] * 2
     assert s.digest == digest
     assert c.digests == [0x12ae73e5daf48f88, 0x3fa7dd73182770d3, digest]  # the digest after every step
@@ -122,6 +124,7 @@ def test_write_through_selective_backs_up_a_page_at_its_second_load_only():
     c.answer("backups", 4, FAILED)
     s = c.step()
     assert s.decided == Decisions(loads=[(3, 1)], backups=[(4, False)])
+    assert s.decided.backup_pages == [pages(1)]  # the hot page alone
     s = c.step(CacheRequests(loads=(LoadRequest(5, pages(1, 2), (0, 1)),)))  # page 2's second load, page 1's third
     assert s.intents == [CopyToDevice(5, 5, (0, 1), (0, 1), 0), Store(6, pages(2), (1,), SHARDING)]
     assert [(c.entry(n).hits, c.entry(n).backed_up) for n in (1, 2)] == [(3, False), (2, False)]

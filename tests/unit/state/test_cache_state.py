@@ -175,6 +175,7 @@ def test_one_round_asks_every_open_operation_its_own_questions():
         "prefetch_holds_taken": 0,
         "prefetch_holds_expired": 0,
         "prefetched_pages_evicted_unloaded": 0,
+        "host_pages_evicted": 0,
     }
     assert (c.state.match(list(pages(1, 2))), c.state.match(list(pages(2, 1))), c.state.match([])) == (1, 0, 0)
     assert s.digest == 0x168430cdc3531cfe
