@@ -23,6 +23,7 @@ its "formed" mark), so a restarted rank joining afterwards moves past it.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 from torch.distributed import TCPStore
 
@@ -81,6 +82,25 @@ class Epochs:
 
     def formed(self, store: TCPStore, epoch: int) -> bool:
         return bool(store.check([self.formed_key(epoch)]))
+
+    def gather(self, store: TCPStore, epoch: int, rank: int, ranks: tuple[int, ...], timeout_s: float,
+               poll_s: float = 0.05) -> None:
+        """Say this rank is in `epoch` and wait until every rank of the domain
+        is, before any gloo group is joined (a join cannot be interrupted):
+        `RuntimeError` once the deployment has moved past `epoch` (a peer
+        gave it up: this rank follows at once, rather than waiting out a
+        join no peer will make), or after `timeout_s`."""
+        prefix = f"{self.rendezvous(epoch).namespace}/present/domain{self._domain}/"
+        store.set(f"{prefix}{rank}", "1")
+        keys = [f"{prefix}{r}" for r in ranks]
+        deadline = time.monotonic() + timeout_s
+        while not store.check(keys):
+            if self.current(store) > epoch:
+                raise RuntimeError(f"the deployment moved past epoch {epoch} while this rank waited for its peers")
+            if time.monotonic() > deadline:
+                missing = [r for r, key in zip(ranks, keys) if not store.check([key])]
+                raise RuntimeError(f"ranks {missing} did not join epoch {epoch} within {timeout_s:.0f}s")
+            time.sleep(poll_s)
 
     def exchange(self, store: TCPStore, epoch: int, rank: int, ranks: tuple[int, ...], offer: bytes,
                  timeout_s: float) -> list[bytes]:

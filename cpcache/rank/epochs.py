@@ -21,6 +21,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
+import datetime
 import enum
 import functools
 import logging
@@ -50,6 +52,7 @@ log = logging.getLogger("cpcached")
 
 CLOSE_S = 5.0  # the longest closing a storage backend may hold the exit
 EPOCHS_KEPT = 4  # ended epochs whose step outcomes are still answered
+JOIN_MIN_S = 10.0  # the least a gloo group's join waits once every rank of the epoch is there
 WITNESS_WAIT_S = 3.0  # the longest a failed round waits for a peer to say it completed it
 
 
@@ -222,11 +225,19 @@ class Formation:
         self._heartbeat = Heartbeat(self.rdzv, config.rank, config.heartbeat_interval_s,
                                     RoundWitness(self.rdzv, config.rank, tuple(self.domain.ranks)))
         self._heartbeat.start()
-        reducer = build_reducer(store, self.rdzv, config.topology, config.rank, config.mode,
+        # Every rank is there before the groups are joined, and a join then
+        # waits only as long as connecting takes: a peer that died in
+        # between costs a short wait and the next epoch, not the whole
+        # rendezvous timeout while the others have moved on.
+        self._epochs.gather(store, epoch, config.rank, tuple(self.domain.ranks), config.rendezvous_timeout_s)
+        join_s = min(config.rendezvous_timeout_s, max(JOIN_MIN_S, 3 * config.agreement_timeout_s))
+        joining = dataclasses.replace(self.rdzv, timeout_s=join_s)
+        store.set_timeout(datetime.timedelta(seconds=join_s))  # the peers' addresses are read within it too
+        reducer = build_reducer(store, joining, config.topology, config.rank, config.mode,
                                 config.agreement_timeout_s, config.gloo_host)
         confirmer: Reducer | None = None
         try:
-            confirmer = confirmation_reducer(store, self.rdzv, self.domain, config.rank,
+            confirmer = confirmation_reducer(store, joining, self.domain, config.rank,
                                              config.agreement_timeout_s, config.gloo_host)
             offers = self._epochs.exchange(store, epoch, config.rank, tuple(self.domain.ranks), offer,
                                            config.rendezvous_timeout_s)
