@@ -31,7 +31,7 @@ from dataclasses import astuple
 from pathlib import Path
 
 from cpcache.testing.sglang_cpu.servers import Reply, make_tiny_model, same_outputs
-from cpcache.testing.sglang_cpu.stacks import Shape, Stack, prompt, started, workload
+from cpcache.testing.sglang_cpu.stacks import Reference, Shape, Stack, prompt, started, workload
 
 SHAPE = Shape("llama", tp=2)
 LAYER_DELAY_MS = 25.0  # each layer of every load-back, on every rank
@@ -40,16 +40,18 @@ MODES = ("overlapped", "blocking")
 
 
 @contextlib.contextmanager
-def servers(work: Path, model: Path, layer_delay_ms: float = LAYER_DELAY_MS) -> Iterator[dict[str, Stack]]:
+def servers(work: Path, model: Path, layer_delay_ms: float = LAYER_DELAY_MS,
+            reference: Reference | None = None) -> Iterator[dict[str, Stack]]:
     """Both cpcache servers, started: -> {mode: its stack}; the overlapped
-    one holds the reference server."""
+    one holds the reference server (`reference`: one started elsewhere, of
+    `model` at SHAPE's TP, instead of its own)."""
     for mode in MODES:
         (work / mode).mkdir(parents=True, exist_ok=True)
     # Both sleep when idle (--sleep-on-idle): the one not being measured
     # would otherwise spin a core beside the one that is.
     slowed = dict(daemon_settings=dict(fault_copy_layer_delay_ms=layer_delay_ms), copy_delay_ms=0.0,
                   storage_delay_ms=0.0, per_rank={}, sleep_on_idle=True)
-    with started(work / "overlapped", model, SHAPE, **slowed) as overlapped, \
+    with started(work / "overlapped", model, SHAPE, reference=reference, **slowed) as overlapped, \
             started(work / "blocking", model, SHAPE, backend={"load_back": "blocking"}, with_reference=False,
                     **slowed) as blocking:
         yield {"overlapped": overlapped, "blocking": blocking}

@@ -1,6 +1,7 @@
 """The SGLang suites' own checks over a `cpcache.testing.sglang_cpu.stacks`
-Stack: a module's stack of one shape, SGLang's idle leak check waited for,
-pages planted in storage, and a daemon killed mid-run."""
+Stack: the session's tiny models and reference servers, a module's stack of
+one shape, SGLang's idle leak check waited for, pages planted in storage,
+and a daemon killed mid-run."""
 
 from __future__ import annotations
 
@@ -29,7 +30,18 @@ from cpcache.testing.sglang_cpu.servers import (
     same_outputs,
     sglang_interpreter,
 )
-from cpcache.testing.sglang_cpu.stacks import DOCS, PAGE, Shape, Stack, idle_seconds, prompt, started, workload
+from cpcache.testing.sglang_cpu.stacks import (
+    DOCS,
+    PAGE,
+    Reference,
+    Shape,
+    Stack,
+    idle_seconds,
+    prompt,
+    reference_server,
+    started,
+    workload,
+)
 from cpcache.topology import Topology
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,13 +57,65 @@ def run_sglang_worker(worker: Path, env: dict[str, str] | None = None, timeout_s
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+class References:
+    """The session's tiny models (one per family: seeded, so every one of a
+    family is the same) and its reference servers, one per family and
+    reference TP, shared by the stacks that compare with it: a server
+    without cache answers a prompt the same whoever asked before, and its
+    replies are kept for the next stack of that model.
+
+    An idle reference costs memory, not CPU (it sleeps when idle), so the
+    last one used stays up for the next module that wants it; asking for
+    another stops those no stack is using. A reference found exited is
+    started again (its replies kept)."""
+
+    def __init__(self, work: Path) -> None:
+        self.work = work
+        self.models: dict[str, Path] = {}
+        self.running: dict[tuple[str, int], Reference] = {}
+        self.users: dict[tuple[str, int], int] = {}
+        self.replies: dict[tuple[str, int], dict] = {}
+
+    def model(self, family: str) -> Path:
+        if family not in self.models:
+            self.models[family] = make_tiny_model(self.work / family, family)
+        return self.models[family]
+
+    @contextlib.contextmanager
+    def use(self, shape: Shape) -> Iterator[Reference]:
+        """The reference for stacks of `shape` (started, perhaps not yet
+        serving: `Stack.start` waits for it), held while the block runs."""
+        key = (shape.family, shape.reference_tp)
+        for other in [k for k in self.running if k != key and not self.users.get(k)]:
+            self.running.pop(other).server.stop()
+        reference = self.running.get(key)
+        process = reference.server.process if reference is not None else None
+        if reference is None or process is None or process.proc.poll() is not None:
+            if reference is not None:
+                reference.server.stop()
+            family, tp = key
+            server = reference_server(f"reference-{family}-tp{tp}", self.model(family), self.work, family, tp)
+            reference = self.running[key] = Reference(server.start(), family, self.replies.setdefault(key, {}))
+        self.users[key] = self.users.get(key, 0) + 1
+        try:
+            yield reference
+        finally:
+            self.users[key] -= 1
+
+    def stop(self) -> None:
+        for reference in self.running.values():
+            reference.server.stop()
+        self.running.clear()
+
+
 @contextlib.contextmanager
-def stack_of(shape: Shape, work: Path) -> Iterator[Stack]:
-    """A started stack of `shape` over its tiny model, in `work` (a module's
-    fixture); prints how long the stack took to serve."""
-    model = make_tiny_model(work / shape.family, shape.family)
+def stack_of(shape: Shape, work: Path, references: References, **options: object) -> Iterator[Stack]:
+    """A started stack of `shape` over the session's tiny model of its
+    family and its reference server, in `work` (a module's fixture; `options`:
+    Stack's); prints how long the stack took to serve."""
     begun = time.monotonic()
-    with started(work, model, shape) as stack:
+    with references.use(shape) as reference, \
+            started(work, references.model(shape.family), shape, reference=reference, **options) as stack:
         print(f"{shape.name}: servers ready in {time.monotonic() - begun:.1f} s")
         yield stack
 

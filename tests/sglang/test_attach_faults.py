@@ -21,8 +21,9 @@ import signal
 
 import pytest
 
-from cpcache.testing.sglang_cpu.servers import SGLANG_PYTHON, make_tiny_model
-from cpcache.testing.sglang_cpu.stacks import DOCS, Shape, prompt, started, workload
+from cpcache.testing.sglang_cpu.servers import SGLANG_PYTHON
+from cpcache.testing.sglang_cpu.stacks import DOCS, Shape, prompt, workload
+from tests.sglang.stacks import References, stack_of
 
 pytestmark = [
     pytest.mark.sglang,
@@ -39,10 +40,10 @@ def iteration_of(line: str) -> str:
     return re.search(r"at iteration (\d+)", line)[1]  # type: ignore[index]
 
 
-def test_a_daemon_dying_between_an_agreed_attach_and_its_answer_leaves_no_rank_attached_alone(tmp_path):
-    model = make_tiny_model(tmp_path / SHAPE.family, SHAPE.family)
+def test_a_daemon_dying_between_an_agreed_attach_and_its_answer_leaves_no_rank_attached_alone(
+        tmp_path, references: References):
     dying = {DIES_AT_ATTACH: dict(fault_exit_after_attach=2)}
-    with started(tmp_path, model, SHAPE, per_rank=dying, copy_delay_ms=0.0, storage_delay_ms=0.0) as stack:
+    with stack_of(SHAPE, tmp_path, references, per_rank=dying, copy_delay_ms=0.0, storage_delay_ms=0.0) as stack:
         server, launcher = stack.cpcache.process, stack.daemons.process
         assert server is not None and launcher is not None
         system, docs = workload(seed=5, docs=DOCS)

@@ -31,10 +31,10 @@ from cpcache.testing.sglang_cpu.servers import (
     SGLANG_PYTHON,
     Daemons,
     Server,
-    make_tiny_model,
 )
 from cpcache.testing.sglang_cpu.stacks import Shape, Stack, prompt, workload
 from tests.sglang.stacks import (
+    References,
     a_wrong_stored_page_breaks_the_match,
     flush_with_writes_in_flight_serves_no_wrong_bytes,
     kill_daemon_mid_run_and_come_back,
@@ -77,9 +77,11 @@ FILE_SHAPES = [shape for shape in EVERY_SHAPE if shape.storage == "file"]
 
 
 @pytest.fixture(scope="module")
-def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, references: References):
+    # The shapes of one model family share its tp 1 reference server (and
+    # the replies it gave): the first test's workload is every shape's.
     shape: Shape = request.param
-    with stack_of(shape, tmp_path_factory.mktemp(shape.name)) as stack:
+    with stack_of(shape, tmp_path_factory.mktemp(shape.name), references) as stack:
         yield stack
 
 
@@ -93,6 +95,29 @@ def daemon_counters(stack: Stack) -> list[dict[str, int]]:
         with Client(stack.daemons.socket(rank)) as daemon:
             counters.append(dict(daemon.stats()))
     return counters
+
+
+# First in the file, so first in the module: pytest runs it before any
+# stack starts (it needs none). After them it would start beside the last
+# stack, whose idle schedulers spin both cores of a 2-core machine.
+def test_a_cp_server_over_daemons_of_another_cp_size_is_refused_at_start(tmp_path: Path, references: References):
+    model = references.model("qwen3")
+    daemons = Daemons(tmp_path / "run", tp=2, cp=1, settings=dict(storage="none"))
+    config = tmp_path / "sglang-cpcache.json"
+    config.write_text(json.dumps({"socket": str(tmp_path / "run" / "rank-{rank}.sock"), "model_id": "tiny"}))
+    server = Server("cpcache", model, tmp_path, CPCACHE_FLAGS, tp=2, cp=2, env={"CPCACHE_SGLANG_CONFIG": str(config)})
+    try:
+        daemons.start()
+        server.start()
+        assert server.process is not None
+        # The refusal is the scheduler's start failing; SGLang then takes a
+        # while to tear its other ranks down, which is not what is tested.
+        refused = server.process.wait_lines("the scheduler's topology is not this daemon's", 1, timeout_s=600)
+        assert "cp" in refused[0], server.process.tail()
+        assert not server.process.lines_with(READY), "the server started over daemons of another CP size"
+    finally:
+        server.stop()
+        daemons.stop()
 
 
 @by_shape(*EVERY_SHAPE)
@@ -165,23 +190,3 @@ KILLED_SHAPES = [shape for shape in EVERY_SHAPE if shape.storage == "mooncake" o
 @by_shape(*KILLED_SHAPES)
 def test_a_daemon_killed_mid_run_leaves_the_server_serving_and_every_slot_comes_back(stack: Stack):
     kill_daemon_mid_run_and_come_back(stack, seed=30)
-
-
-def test_a_cp_server_over_daemons_of_another_cp_size_is_refused_at_start(tmp_path: Path):
-    model = make_tiny_model(tmp_path / "qwen3", "qwen3")
-    daemons = Daemons(tmp_path / "run", tp=2, cp=1, settings=dict(storage="none"))
-    config = tmp_path / "sglang-cpcache.json"
-    config.write_text(json.dumps({"socket": str(tmp_path / "run" / "rank-{rank}.sock"), "model_id": "tiny"}))
-    server = Server("cpcache", model, tmp_path, CPCACHE_FLAGS, tp=2, cp=2, env={"CPCACHE_SGLANG_CONFIG": str(config)})
-    try:
-        daemons.start()
-        server.start()
-        assert server.process is not None
-        # The refusal is the scheduler's start failing; SGLang then takes a
-        # while to tear its other ranks down, which is not what is tested.
-        refused = server.process.wait_lines("the scheduler's topology is not this daemon's", 1, timeout_s=600)
-        assert "cp" in refused[0], server.process.tail()
-        assert not server.process.lines_with(READY), "the server started over daemons of another CP size"
-    finally:
-        server.stop()
-        daemons.stop()

@@ -26,7 +26,7 @@ import pytest
 from cpcache.testing.sglang_cpu.servers import SGLANG_PYTHON
 from cpcache.testing.sglang_cpu.stacks import Shape, Stack, prompt, workload
 from cpcache.topology import Topology
-from tests.sglang.stacks import kill_daemon_mid_run_and_come_back, stack_of
+from tests.sglang.stacks import References, kill_daemon_mid_run_and_come_back, stack_of
 
 pytestmark = [
     pytest.mark.sglang,
@@ -47,9 +47,9 @@ SHAPES = [MLA_DP, *([DP] if os.environ.get("CPCACHE_SGLANG_QWEN3_DP") else []),
 
 
 @pytest.fixture(scope="module", params=SHAPES, ids=[s.name for s in SHAPES])
-def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, references: References):
     shape: Shape = request.param
-    with stack_of(shape, tmp_path_factory.mktemp(shape.name)) as stack:
+    with stack_of(shape, tmp_path_factory.mktemp(shape.name), references) as stack:
         yield stack
 
 

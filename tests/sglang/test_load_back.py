@@ -13,12 +13,14 @@ Runs alone with `pytest -m sglang tests/sglang/test_load_back.py`.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 
 import pytest
 
 from cpcache.testing import load_back
-from cpcache.testing.sglang_cpu.servers import SGLANG_PYTHON, Reply, make_tiny_model
-from cpcache.testing.sglang_cpu.stacks import prompt, started, workload
+from cpcache.testing.sglang_cpu.servers import SGLANG_PYTHON, Reply
+from cpcache.testing.sglang_cpu.stacks import Reference, prompt, started, workload
+from tests.sglang.stacks import References
 
 pytestmark = [
     pytest.mark.sglang,
@@ -28,14 +30,16 @@ pytestmark = [
 ]
 
 
-
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory):
-    return make_tiny_model(tmp_path_factory.mktemp("model") / "tiny-llama")
+def reference(references: References) -> Iterator[Reference]:
+    """Both tests' reference server (the session's, of SHAPE's model)."""
+    with references.use(load_back.SHAPE) as reference:
+        yield reference
 
 
-def test_host_hits_start_their_forward_before_the_copy_ends_and_answer_alike(tmp_path_factory, model):
-    with load_back.servers(tmp_path_factory.mktemp("load-back"), model) as stacks:
+def test_host_hits_start_their_forward_before_the_copy_ends_and_answer_alike(tmp_path_factory, reference: Reference):
+    with load_back.servers(tmp_path_factory.mktemp("load-back"), reference.server.model,
+                           reference=reference) as stacks:
         overlapped = stacks["overlapped"]
         system, docs = workload(seed=5, docs=load_back.DOCS)
         for d, doc in enumerate(docs):
@@ -51,13 +55,14 @@ def test_host_hits_start_their_forward_before_the_copy_ends_and_answer_alike(tmp
             assert stack.cpcache.process is not None and not stack.cpcache.process.lines_with("LoadBackFailed")
 
 
-def test_a_load_failing_mid_copy_stops_the_server_loudly_and_answers_nothing_wrong(tmp_path_factory, model):
+def test_a_load_failing_mid_copy_stops_the_server_loudly_and_answers_nothing_wrong(tmp_path_factory,
+                                                                                   reference: Reference):
     system, docs = workload(seed=9, docs=load_back.DOCS)
     # Rank 1's load-backs copy layer 0 (slowly: the forward has started by
     # then), then fail at layer 1.
     failing = {1: dict(fault_copy_layer_delay_ms=50.0, fault_load_fail_layer=1)}
-    with started(tmp_path_factory.mktemp("failing"), model, load_back.SHAPE, per_rank=failing, copy_delay_ms=0.0,
-                 storage_delay_ms=0.0) as stack:
+    with started(tmp_path_factory.mktemp("failing"), reference.server.model, load_back.SHAPE, per_rank=failing,
+                 copy_delay_ms=0.0, storage_delay_ms=0.0, reference=reference) as stack:
         server = stack.cpcache.process
         assert server is not None
         answered: list[Reply] = []

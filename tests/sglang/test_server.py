@@ -23,18 +23,19 @@ Runs alone with `make test-sglang` (or `pytest -m sglang tests/sglang`).
 from __future__ import annotations
 
 import re
-import time
 import urllib.request
 
 import pytest
 
-from cpcache.testing.sglang_cpu.servers import SGLANG_PYTHON, make_tiny_model
-from cpcache.testing.sglang_cpu.stacks import Shape, Stack, prompt, started, workload
+from cpcache.testing.sglang_cpu.servers import SGLANG_PYTHON
+from cpcache.testing.sglang_cpu.stacks import Shape, Stack, prompt, workload
 from tests.sglang.stacks import (
+    References,
     a_wrong_stored_page_breaks_the_match,
     flush_with_writes_in_flight_serves_no_wrong_bytes,
     kill_daemon_mid_run_and_come_back,
     requests_aborted_during_their_prefetch_are_revoked_on_every_rank,
+    stack_of,
 )
 
 pytestmark = [
@@ -48,16 +49,12 @@ SHAPE = Shape("llama", tp=2)
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory):
-    work = tmp_path_factory.mktemp("sglang")
-    model = make_tiny_model(work / "tiny-llama")
-    begun = time.monotonic()
+def stack(tmp_path_factory: pytest.TempPathFactory, references: References):
     # The blocking load-back: this file's daemon killed mid-load is served on
     # (a dead daemon is no tiers); with the overlapped one (the default,
     # test_load_back.py) a daemon lost while a forward reads its load stops
     # the rank instead, as a copy failing there does.
-    with started(work, model, SHAPE, backend={"load_back": "blocking"}) as stack:
-        print(f"servers ready in {time.monotonic() - begun:.1f} s")
+    with stack_of(SHAPE, tmp_path_factory.mktemp("sglang"), references, backend={"load_back": "blocking"}) as stack:
         yield stack
 
 

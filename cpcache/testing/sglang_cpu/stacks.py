@@ -73,18 +73,42 @@ def prompt(system: list[int], doc: list[int], turn: int, question: int) -> list[
     return system + doc + [turn + 1, question + 1]
 
 
+def reference_server(name: str, model: Path, work: Path, family: str, tp: int) -> Server:
+    """A `--disable-radix-cache` server of `model` (not started): what a
+    stack's replies are compared with. It sleeps when idle: its loops would
+    otherwise spin a core beside the servers under test."""
+    return Server(name, model, work, PLAIN_FLAGS, tp=tp, page_size=PAGE, device_tokens=DEVICE_TOKENS,
+                  env=family_env(family), sleep_on_idle=True)
+
+
+class Reference:
+    """A reference server and the replies it gave (keyed by the prompt; greedy,
+    `Server.generate`'s defaults), of one model family at one TP. Owned by
+    whoever started it: a stack shares one it did not start, and neither
+    starts nor stops it."""
+
+    def __init__(self, server: Server, family: str, replies: dict[tuple[int, ...], Reply] | None = None) -> None:
+        self.server = server
+        self.family = family
+        self.replies: dict[tuple[int, ...], Reply] = {} if replies is None else replies
+
+
 class Stack:
     def __init__(self, work: Path, model: Path, shape: Shape, storage_settings: dict | None = None,
                  copy_delay_ms: float = 400.0, storage_delay_ms: float = 200.0,
                  per_rank: dict[int, dict] | None = None, backend: dict | None = None,
                  daemon_settings: dict | None = None, with_reference: bool = True,
-                 sleep_on_idle: bool = False, server_flags: list[str] | None = None) -> None:
+                 sleep_on_idle: bool = False, server_flags: list[str] | None = None,
+                 reference: Reference | None = None) -> None:
         """`backend`: the SGLang backend's settings over the defaults here;
         `daemon_settings`: more daemon settings for every rank;
         `with_reference`: start the `--disable-radix-cache` server too;
         `sleep_on_idle`: the cpcache server with SGLang's `--sleep-on-idle`
         (the reference server always has it); `server_flags`: more flags for
-        the cpcache server."""
+        the cpcache server; `reference`: a reference server started by
+        someone else (of this model, family and reference TP) to use instead
+        of one of its own; the stack waits for it to serve, and leaves it
+        running."""
         self.work = work
         self.shape = shape
         self.storage = work / "pages"
@@ -114,14 +138,21 @@ class Stack:
                **family_env(shape.family)}
         self.cpcache = Server("cpcache", model, work, flags, tp=shape.tp, cp=shape.cp, dp=shape.dp, page_size=PAGE,
                               device_tokens=DEVICE_TOKENS, env=env, sleep_on_idle=sleep_on_idle)
-        self.plain = Server("reference", model, work, PLAIN_FLAGS, tp=shape.reference_tp, page_size=PAGE,
-                            device_tokens=DEVICE_TOKENS, env=family_env(shape.family),
-                            sleep_on_idle=True) if with_reference else None
-        self.expected: dict[tuple[int, ...], Reply] = {}
+        if reference is not None:
+            server = reference.server
+            assert (server.model, server.tp, reference.family) == (model, shape.reference_tp, shape.family), \
+                f"a reference of {server.model} at tp {server.tp} ({reference.family}) for a stack of {model}, " \
+                f"{shape.name}"
+        self.owns_reference = reference is None and with_reference
+        if self.owns_reference:
+            reference = Reference(reference_server("reference", model, work, shape.family, shape.reference_tp),
+                                  shape.family)
+        self.plain = reference.server if reference is not None else None
+        self.expected: dict[tuple[int, ...], Reply] = reference.replies if reference is not None else {}
 
     def start(self) -> Stack:
         self.daemons.start()
-        if self.plain is not None:
+        if self.plain is not None and self.owns_reference:
             self.plain.start()
         self.cpcache.start()
         if self.plain is not None:
@@ -131,7 +162,7 @@ class Stack:
 
     def stop(self) -> None:
         self.cpcache.stop()
-        if self.plain is not None:
+        if self.plain is not None and self.owns_reference:
             self.plain.stop()
         self.daemons.stop()
 

@@ -1,0 +1,91 @@
+"""The session's reference servers (tests/sglang/stacks.py References),
+without SGLang: stand-in servers that record their starts and stops. One
+start per model family and TP while stacks use it; an idle one stays up for
+the next user of the same kind, and is stopped when another kind is asked
+for; one in use is never stopped; one found exited is started again, its
+replies kept."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cpcache.testing.sglang_cpu.stacks import Shape
+from tests.sglang import stacks
+
+
+class Exited:
+    def poll(self) -> int:
+        return 0
+
+
+class Running:
+    def poll(self) -> None:
+        return None
+
+
+class Process:
+    def __init__(self) -> None:
+        self.proc: Running | Exited = Running()
+
+
+class FakeServer:
+    def __init__(self, name: str, model: Path, tp: int, log: list[str]) -> None:
+        self.name, self.model, self.tp, self.log = name, model, tp, log
+        self.process: Process | None = None
+
+    def start(self) -> FakeServer:
+        self.log.append(f"start {self.name}")
+        self.process = Process()
+        return self
+
+    def stop(self) -> None:
+        self.log.append(f"stop {self.name}")
+
+
+@pytest.fixture
+def pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    log: list[str] = []
+    monkeypatch.setattr(stacks, "make_tiny_model", lambda path, family: path)
+    monkeypatch.setattr(stacks, "reference_server",
+                        lambda name, model, work, family, tp: FakeServer(name, model, tp, log))
+    return stacks.References(tmp_path), log
+
+
+QWEN_CP, QWEN_CP_ZIGZAG = Shape("qwen3", tp=2, cp=2), Shape("qwen3", tp=2, cp=2, zigzag=True, storage="mooncake")
+MLA_CP, LLAMA = Shape("deepseek_v2", tp=2, cp=2), Shape("llama", tp=2)
+
+
+def test_stacks_of_one_family_and_tp_share_one_reference_and_its_replies(pool):
+    references, log = pool
+    with references.use(QWEN_CP) as first:
+        first.replies[(1, 2)] = "reply"
+    with references.use(QWEN_CP_ZIGZAG) as second:
+        assert second is first and second.replies == {(1, 2): "reply"}
+    assert log == ["start reference-qwen3-tp1"]
+    assert first.server.model == references.model("qwen3") == references.work / "qwen3"
+
+
+def test_another_kind_stops_the_idle_one_never_one_in_use(pool):
+    references, log = pool
+    with references.use(QWEN_CP):
+        with references.use(LLAMA):  # both in use: both up
+            pass
+        assert log == ["start reference-qwen3-tp1", "start reference-llama-tp2"]
+    with references.use(MLA_CP):  # neither in use now: both stopped first
+        pass
+    assert sorted(log[2:4]) == ["stop reference-llama-tp2", "stop reference-qwen3-tp1"]
+    assert log[4:] == ["start reference-deepseek_v2-tp1"]
+    references.stop()
+    assert log[-1] == "stop reference-deepseek_v2-tp1"
+
+
+def test_a_reference_found_exited_starts_again_with_its_replies(pool):
+    references, log = pool
+    with references.use(QWEN_CP) as first:
+        first.replies[(3,)] = "kept"
+        first.server.process.proc = Exited()
+    with references.use(QWEN_CP) as again:
+        assert again is not first and again.replies == {(3,): "kept"}
+    assert log == ["start reference-qwen3-tp1", "stop reference-qwen3-tp1", "start reference-qwen3-tp1"]
