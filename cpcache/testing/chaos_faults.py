@@ -206,6 +206,8 @@ class DomainHost:
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(10)
+            if not self._thread.is_alive():
+                self.loop.close()  # its self-pipe too: nothing left for the garbage collector to warn of
 
 
 # -- the faults ---------------------------------------------------------------------------

@@ -37,7 +37,6 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 )
 from sglang.srt.mem_cache.unified_radix_cache import NodeId, UnifiedRadixCache
 
-from cpcache.client.messages import StepResult
 from cpcache.client.outcomes import DecisionLog, Tally
 from cpcache.client.session import SchedulerSession
 from cpcache.errors import CacheError
@@ -46,8 +45,8 @@ from cpcache.integrations.sglang.layer_loads import LayerLoads
 from cpcache.integrations.sglang.pool import SharedPool
 from cpcache.integrations.sglang.quarantine import Quarantine
 from cpcache.integrations.sglang.reattach import AttachAgain, NotServingYet
-from cpcache.integrations.sglang.tier_events import SglangHashes, TierEvents
 from cpcache.integrations.sglang.timing import SchedulerTime
+from cpcache.integrations.sglang.tree_events import TreeEvents
 from cpcache.keys import chain, generation_seed, request_namespace_seed
 
 log = logging.getLogger(__name__)
@@ -89,16 +88,8 @@ class CpcacheRadixCache(UnifiedRadixCache):
         self._daemon_quiet = daemon_quiet
         self._session_epoch: int | None = daemon_session.epoch
         super().__init__(params)
-        # KV events of the host pool and storage (tier_events.py), on the rank
-        # whose tree records SGLang's own (one per DP replica; none without
-        # --kv-events-config).
-        self.tier_events: TierEvents | None = None
-        self._event_hashes: SglangHashes | None = None
-        self._event_errors = 0
-        if getattr(params, "enable_kv_cache_events", False) and not self.disable:
-            self.tier_events = TierEvents(storage)
-            self._event_hashes = SglangHashes(self.page_size, bool(getattr(params, "dynamo_kv_event_format", False)),
-                                              getattr(params, "kv_event_lora_names", None))
+        # KV events of the host pool and storage (tree_events.py).
+        self.tree_events = TreeEvents.of(params, self.page_size, storage, rank) if not self.disable else None
         self.daemon_session = daemon_session
         self._listen(daemon_session)
         self._built = True
@@ -121,8 +112,8 @@ class CpcacheRadixCache(UnifiedRadixCache):
         self.daemon_session = None
         self._host_hits.clear()
         self._release_write_locks()
-        if self.tier_events is not None:
-            self.tier_events.host_lost()
+        if self.tree_events is not None:
+            self.tree_events.tiers.host_lost()
 
     def _try_attach_again(self) -> None:
         """Every rank runs this at the same iteration; Attach is agreed, so
@@ -142,37 +133,21 @@ class CpcacheRadixCache(UnifiedRadixCache):
     # -- KV events of the tiers below ---------------------------------------------------
 
     def _listen(self, session: SchedulerSession) -> None:
-        if self.tier_events is not None:
-            session.listeners.append(self._follow_events)
-
-    def _follow_events(self, reply: StepResult) -> None:
-        assert self.tier_events is not None
-        try:
-            self.tier_events.follow(reply)
-        except Exception:  # noqa: BLE001 - events are advisory: a fault in them never fails a step
-            self._event_errors += 1
-            if self._event_errors == 1:
-                log.exception("cpcache: rank %d could not queue the KV events of a reply (counted from now)",
-                              self.rank)
+        if self.tree_events is not None:
+            self.tree_events.listen(session)
 
     def _name_pages(self, key: Any, hashes: list[bytes], first: int) -> list[bytes]:
-        """The pages `first`... of `key` (`hashes`, its page keys), named with
-        their tokens for the events they may enter a tier with: -> those pages."""
-        pages = hashes[first:]
-        if self.tier_events is None or self._event_hashes is None or not pages:
-            return pages
-        tokens = list(key.raw_token_ids()[: len(key)])
-        events = self._event_hashes.pages(tokens, getattr(key, "extra_key", None), getattr(key, "cache_salt", None),
-                                          first, storage_hashes=hashes if self._generation == 0 else None)
-        self.tier_events.name(pages, events)
-        return pages
+        """The pages `first`... of `key`, named for the events they may enter a tier with."""
+        if self.tree_events is not None:
+            self.tree_events.name_pages(key, hashes, first, self._generation)
+        return hashes[first:]
 
     def take_events(self) -> list:
         """SGLang's publisher's drain (each iteration, on the publishing rank):
         the device tree's events, then the host pool's and storage's."""
         events = list(super().take_events())
-        if self.tier_events is not None:
-            events += self.tier_events.take()
+        if self.tree_events is not None:
+            events += self.tree_events.tiers.take()
         return events
 
     # -- keys -------------------------------------------------------------------------
@@ -349,8 +324,8 @@ class CpcacheRadixCache(UnifiedRadixCache):
         pages = self._name_pages(key, hashes, first)
         op = session.prefetch(pages, (len(hashes) - first) * self.page_size, hashes[first - 1] if first else None,
                               rid=request.rid, hold=True)
-        if self.tier_events is not None:
-            self.tier_events.prefetching(op, pages)
+        if self.tree_events is not None:
+            self.tree_events.tiers.prefetching(op, pages)
 
     def is_backuped(self, node_id: NodeId) -> bool:
         # SGLang asks for a storage prefetch only past a node whose pages are
@@ -417,9 +392,8 @@ class CpcacheRadixCache(UnifiedRadixCache):
         if self.decisions is not None:
             log.info("cpcache: rank %d decision log: %d steps, digest %s; since the last attach %d steps, digest %s",
                      self.rank, len(self.decisions.entries), self.decisions.digest(), *self.decisions.session())
-        if self.tier_events is not None:
-            log.info("cpcache: rank %d KV events of the tiers below: %s (errors %d)", self.rank,
-                     " ".join(f"{k}={v}" for k, v in self.tier_events.counters().items()), self._event_errors)
+        if self.tree_events is not None:
+            self.tree_events.log_counts()
 
     def _log_given_back(self, tokens: int) -> None:
         if tokens:
@@ -442,8 +416,8 @@ class CpcacheRadixCache(UnifiedRadixCache):
         matched again (hashes chain from a new seed), alike on every rank."""
         self._generation += 1
         self._host_hits.clear()
-        if self.tier_events is not None:
-            self.tier_events.left_behind()
+        if self.tree_events is not None:
+            self.tree_events.tiers.left_behind()
         log.info("cpcache: rank %d left its stored pages behind (cleared storage tier)", self.rank)
         return True
 
@@ -496,6 +470,6 @@ class CpcacheRadixCache(UnifiedRadixCache):
         # SGLang clears its KV allocator right after this, held slots included:
         # they must not be freed a second time when the daemon is attached again.
         self._quarantined.forget()
-        if self.tier_events is not None:
-            self.tier_events.forget()  # SGLang's own AllBlocksCleared, queued next, says it
+        if self.tree_events is not None:
+            self.tree_events.tiers.forget()  # SGLang's own AllBlocksCleared, queued next, says it
         super().reset()
