@@ -55,24 +55,7 @@ def take_host_pool(address: str, ticket: str, timeout_s: float = 10.0) -> tuple[
     """The daemon's host pool, read-only, offered under `ticket` (its
     AttachReply's `host_pool_ticket`): -> (descriptor, the daemon's pid, as
     the kernel names the peer of the socket)."""
-    path = handover_path(address)
-    if path is None:
-        raise errors.InvalidArgument(f"the host pool is handed over on the daemon's unix socket; {address} is not one")
-    deadline = time.monotonic() + timeout_s
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(timeout_s)
-        try:
-            _connect(sock, path, deadline)
-            pid, _, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                            struct.calcsize("3i")))
-            sock.sendall(HOST_ASK + ticket.encode())
-            answer, fds, _, _ = socket.recv_fds(sock, 4096, 1)
-        except OSError as exc:
-            raise errors.Unavailable(f"cannot take the host pool on {path}: {exc}") from None
-    if answer != b"OK" or len(fds) != 1:
-        for fd in fds:
-            os.close(fd)
-        raise refusal(answer.decode(errors="replace") or "ERR UNAVAILABLE the daemon closed the exchange")
+    fds, pid = _ask(address, HOST_ASK + ticket.encode(), 1, "the host pool", timeout_s)
     return fds[0], pid
 
 
@@ -81,23 +64,33 @@ def take_identity(address: str, timeout_s: float = 10.0) -> tuple[int, int]:
     step-outcome ring read-only, or -1). A pidfd names the process itself:
     no pid is looked up, so none can have been reused, and it works across
     pid namespaces (the daemon in another container)."""
+    fds, _ = _ask(address, IDENTITY_ASK, 2, "the daemon's identity", timeout_s)
+    return fds[0], fds[1] if len(fds) > 1 else -1
+
+
+def _ask(address: str, message: bytes, most: int, what: str, timeout_s: float) -> tuple[list[int], int]:
+    """Send `message` on the daemon's `.pools` socket and take the answer's
+    descriptors (1 to `most`): -> (them, the daemon's pid as the kernel
+    names the peer; 0 out of this pid namespace's sight)."""
     path = handover_path(address)
     if path is None:
-        raise errors.InvalidArgument(f"a daemon's identity is handed over on its unix socket; {address} is not one")
+        raise errors.InvalidArgument(f"{what} is handed over on the daemon's unix socket; {address} is not one")
     deadline = time.monotonic() + timeout_s
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout_s)
         try:
             _connect(sock, path, deadline)
-            sock.sendall(IDENTITY_ASK)
-            answer, fds, _, _ = socket.recv_fds(sock, 4096, 2)
+            pid, _, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                            struct.calcsize("3i")))
+            sock.sendall(message)
+            answer, fds, _, _ = socket.recv_fds(sock, 4096, most)
         except OSError as exc:
-            raise errors.Unavailable(f"cannot take the daemon's identity on {path}: {exc}") from None
+            raise errors.Unavailable(f"cannot take {what} on {path}: {exc}") from None
     if answer != b"OK" or not fds:
         for fd in fds:
             os.close(fd)
         raise refusal(answer.decode(errors="replace") or "ERR UNAVAILABLE the daemon closed the exchange")
-    return fds[0], fds[1] if len(fds) > 1 else -1
+    return fds, pid
 
 
 _REFUSALS: dict[str, type[errors.CacheError]] = {
