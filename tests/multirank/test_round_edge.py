@@ -11,7 +11,6 @@ knowing its peers' sockets. The edge is made exact by fault injection
 (`fault_round_lost_after_complete`: the round completes on the rank, which
 then reports it timed out)."""
 
-import asyncio
 import contextlib
 import dataclasses
 import signal
@@ -19,12 +18,12 @@ import signal
 import pytest
 
 from cpcache import errors
-from cpcache.client import CacheRequests, Client, WriteRequest
+from cpcache.client import Client
 from cpcache.daemon.launcher import LocalDomain
 from cpcache.topology import Topology
-from cpcache.values import Reduce
 
-from .attacks.common import PAGE_HASHES, attach_all, close_all, make, spec
+from .attacks.common import attach_all, close_all, make, spec
+from .test_daemon_loss_agreed import step_both, write_step
 
 pytestmark = [pytest.mark.multirank, pytest.mark.timeout(240)]
 
@@ -51,17 +50,6 @@ async def three_ranks(run_dir, per_rank=None):
             await close_all(schedulers)
 
 
-def write_step(step):
-    return CacheRequests(writes=(WriteRequest(step, PAGE_HASHES[:2], [0, 1]),))
-
-
-async def step_all(blocking, step, epoch, requests=None):
-    """Step `step` on every rank at once: each rank's reply, or its error."""
-    return await asyncio.gather(
-        *(asyncio.to_thread(c.step, step, [(1, Reduce.MIN, 1)], requests, epoch) for c in blocking),
-        return_exceptions=True)
-
-
 def same_replies(outcomes):
     return not any(isinstance(o, BaseException) for o in outcomes) and len({o.wire for o in outcomes}) == 1
 
@@ -69,16 +57,16 @@ def same_replies(outcomes):
 async def test_a_round_one_rank_lost_at_the_edge_is_applied_there_as_its_peers_did(run_dir):
     async with three_ranks(run_dir, {0: {"fault_round_lost_after_complete": 3}}) as (domain, blocking, epoch):
         for step in (1, 2):
-            assert same_replies(await step_all(blocking, step, epoch))
+            assert same_replies(await step_both(blocking, step, epoch))
         # Step 3 opens a write-through: ranks 1 and 2 complete its round and
         # apply it; rank 0 completes it too, and reports it timed out.
-        outcomes = await step_all(blocking, 3, epoch, write_step(3))
+        outcomes = await step_both(blocking, 3, epoch, write_step(3))
         assert same_replies(outcomes), outcomes
         log = domain.logs[0].read_text(errors="replace")
         assert "fault injection: round 3 completed" in log
         assert f"round 3 {RECOVERED}" in log
         # The epoch ends: the next step fails on every rank.
-        outcomes = await step_all(blocking, 4, epoch)
+        outcomes = await step_both(blocking, 4, epoch)
         assert all(isinstance(o, errors.Unavailable) for o in outcomes), outcomes
         for rank in (1, 2):
             log = domain.logs[rank].read_text(errors="replace")
@@ -87,10 +75,10 @@ async def test_a_round_one_rank_lost_at_the_edge_is_applied_there_as_its_peers_d
 
 async def test_a_round_no_peer_completed_fails_on_every_rank_and_the_survivors_stop_asking(run_dir):
     async with three_ranks(run_dir) as (domain, blocking, epoch):
-        assert same_replies(await step_all(blocking, 1, epoch))
+        assert same_replies(await step_both(blocking, 1, epoch))
         domain.signal(2, signal.SIGKILL)
         await domain.wait_exit(2, 30)
-        outcomes = await step_all(blocking, 2, epoch, write_step(2))
+        outcomes = await step_both(blocking, 2, epoch, write_step(2))
         assert all(isinstance(o, errors.Unavailable) for o in outcomes), outcomes
         for rank in (0, 1):
             log = domain.logs[rank].read_text(errors="replace")
@@ -104,9 +92,9 @@ async def test_a_round_no_peer_completed_fails_on_every_rank_and_the_survivors_s
 
 async def test_a_round_whose_scheduler_is_late_on_one_rank_fails_without_waiting_out_the_ask(run_dir):
     async with three_ranks(run_dir) as (domain, blocking, epoch):
-        assert same_replies(await step_all(blocking, 1, epoch))
+        assert same_replies(await step_both(blocking, 1, epoch))
         # Rank 2's scheduler does not send step 2 until the others have failed it.
-        outcomes = await step_all(blocking[:2], 2, epoch)
+        outcomes = await step_both(blocking[:2], 2, epoch)
         assert all(isinstance(o, errors.Unavailable) for o in outcomes), outcomes
         for rank in (0, 1):
             log = domain.logs[rank].read_text(errors="replace")
@@ -114,5 +102,5 @@ async def test_a_round_whose_scheduler_is_late_on_one_rank_fails_without_waiting
             # it any more, so the survivors stop asking at once.
             assert f"round 2: {NONE_COMPLETED}" in log, domain.log_tail(rank, 40)
             assert NOBODY_TOLD not in log and RECOVERED not in log
-        late = await step_all(blocking[2:], 2, epoch)
+        late = await step_both(blocking[2:], 2, epoch)
         assert isinstance(late[0], errors.Unavailable), late
