@@ -27,6 +27,7 @@ import torch
 
 from cpcache import host_layout
 from cpcache.cuda_devices import on_local_devices
+from cpcache.dataplane.host_memory import pin_in_place, shared_zeros
 from cpcache.dataplane.memfd import check_pool
 from cpcache.dataplane.regions import check as check_regions
 from cpcache.dataplane.regions import contiguous, pool_bytes, region_shape
@@ -255,14 +256,16 @@ class HostPool:
             raise InvalidArgument(f"host pool: pages must be >= 1, got {pages}")
         size = host_layout.host_bytes(geometry, pages, layout)
         pin = torch.cuda.is_available()
-        self.fd = -1  # a memfd the pool lies in, to share read-only with the scheduler (-1: none)
-        if pin:
+        # In a memfd (host_memory.py), shared read-only with the scheduler;
+        # on CUDA hosts pinned in place, else (the driver refuses) pinned
+        # memory of its own that no other process can map (fd -1).
+        self._mapping: mmap.mmap | None
+        self.fd, self._mapping = shared_zeros(size)
+        memory = torch.frombuffer(self._mapping, dtype=torch.uint8)
+        if pin and not pin_in_place(self, memory):
+            os.close(self.fd)
+            self.fd, self._mapping = -1, None
             memory = torch.zeros(size, dtype=torch.uint8, pin_memory=True)
-        else:
-            # In a memfd, so that a scheduler whose daemon died mid-load can
-            # map it and copy the layers not yet landed itself.
-            self.fd, self._mapping = _shared_zeros(size)
-            memory = torch.frombuffer(self._mapping, dtype=torch.uint8)
         self.pinned = pin
         self._memory = memory
         tensors = host_layout.part_tensors(memory, geometry, pages, layout)
@@ -357,26 +360,6 @@ class HostPool:
                 start = component * self.pages * run
                 columns.append((part._base + start, part._bytes.data[start : start + self.pages * run], run))
         return columns
-
-
-F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)  # Linux 5.1
-
-
-def _shared_zeros(size: int) -> tuple[int, mmap.mmap]:
-    """A zeroed memfd of `size` bytes, mapped: (fd, mapping)."""
-    size = max(1, size)
-    fd = os.memfd_create("cpcache-host-pool", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    try:
-        os.ftruncate(fd, size)
-        mapping = mmap.mmap(fd, size)
-        # Only this mapping may write: whoever is handed the memfd (the
-        # scheduler, read-only) can neither map it writable nor write it,
-        # even through a new open of /proc/PID/fd.
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE)
-        return fd, mapping
-    except BaseException:
-        os.close(fd)
-        raise
 
 
 def runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:

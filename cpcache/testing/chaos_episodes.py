@@ -19,8 +19,6 @@ from typing import Any
 from cpcache.testing.daemon_probe import open_labels
 from cpcache.testing.sglang_cpu.servers import Watched
 
-KINDS = ("daemon_sigkill", "daemon_sigterm", "daemon_sigstop", "scheduler_sigstop")
-
 # -- the server's log ------------------------------------------------------------------------
 
 PATTERNS = (
@@ -220,7 +218,7 @@ def analyse(faults: Sequence[Fault], events: Sequence[Event], ranks: int, began:
             "attach_failures": sum(e.attach_failures for e in mine),
         })
     by_open: Counter[str] = Counter()
-    by_kind_open: dict[str, Counter[str]] = {kind: Counter() for kind in KINDS}
+    by_kind_open: dict[str, Counter[str]] = {fault.kind: Counter() for fault in faults}
     for row in rows:
         if not row["missed"]:
             by_open.update(row["open"])

@@ -14,20 +14,7 @@ slowed (every copy waits uniform(0, --copy-delay-ms) ms, rank 1 twice as
 long; each layer of a load-back --layer-delay-ms), and storage calls too, so
 loads, writes and prefetches are open when a fault lands.
 
-Faults come one at a time, uniform(0.75, 1.25) x --fault-every-s seconds after
-the last one ended, each on a random rank, their kinds dealt from a shuffled
-deck (each kind once in every four faults):
-
-- `daemon_sigkill`: the rank's daemon is killed; the launcher starts it again;
-- `daemon_sigterm`: a graceful stop; the launcher starts it again;
-- `daemon_sigstop`: the daemon stopped for uniform(0.5, 2) x the agreement
-  timeout, then SIGCONT;
-- `scheduler_sigstop`: the rank's SGLang scheduler (`sglang::scheduler_..TPn`,
-  a child of the launch_server process) stopped for uniform(1.05, 1.3) x the
-  backend's `timeout_s`, then SIGCONT.
-
-Right before each, the victim's daemon is asked what it has open (Status and
-Stats: open questions, loads, writes, prefetches, backups).
+The faults, single and combined, are dealt as sglang_chaos_faults.py says.
 
 The server's log says when each rank fell back to the device tree and
 attached again, at which scheduler iteration (lines timed by SGLang's own
@@ -43,14 +30,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import random
 import re
-import signal
 import sys
 import threading
 import time
 import urllib.error
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
@@ -58,8 +43,6 @@ from cpcache.client import Client
 from cpcache.client.core import check_deadline
 from cpcache.errors import InvalidArgument
 from cpcache.testing.chaos_episodes import (
-    KINDS,
-    Fault,
     LineTimes,
     analyse,
     daemon_restarts,
@@ -67,137 +50,10 @@ from cpcache.testing.chaos_episodes import (
     still_fallen,
 )
 from cpcache.testing.daemon_probe import what_is_open
+from cpcache.testing.sglang_chaos_faults import KINDS, Injector, daemon_pid, scheduler_pids
 from cpcache.testing.sglang_cpu.servers import Watched, make_tiny_model
 from cpcache.testing.sglang_cpu.stacks import DOCS, SLOW_RANK, Shape, Stack, started, workload
 from cpcache.testing.sglang_soak import HttpTraffic, client_loop, run_reported
-
-# -- processes ----------------------------------------------------------------------------
-
-
-def _parent(pid: int) -> int | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[1])  # the command may hold spaces and parentheses
-
-
-def _argv(pid: int) -> list[str]:
-    try:
-        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return []
-    return [part for part in raw.decode(errors="replace").split("\0") if part]
-
-
-def children(pid: int) -> list[int]:
-    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit() and _parent(int(entry)) == pid]
-
-
-def descendants(pid: int) -> list[int]:
-    found, todo = [], [pid]
-    while todo:
-        for child in children(todo.pop()):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def scheduler_pids(server_pid: int) -> dict[int, int]:
-    """rank -> pid of the server's scheduler processes (their titles, set by
-    SGLang: `sglang::scheduler_TP0`, `sglang::scheduler_ATTN_CP1_TP1`)."""
-    found: dict[int, int] = {}
-    for pid in descendants(server_pid):
-        title = " ".join(_argv(pid)).strip()
-        if title.startswith("sglang::scheduler"):
-            rank = re.search(r"_TP(\d+)", title)
-            found[int(rank[1]) if rank else 0] = pid
-    return found
-
-
-def daemon_pid(launcher_pid: int, rank: int) -> int | None:
-    """The pid of `rank`'s current daemon process, a child of `cpcache launch`."""
-    for pid in children(launcher_pid):
-        argv = _argv(pid)
-        if "cpcache.daemon" in argv and "--rank" in argv and argv[argv.index("--rank") + 1:][:1] == [str(rank)]:
-            return pid
-    return None
-
-
-def _send(pid: int, sig: int) -> bool:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-# -- what a daemon has open ----------------------------------------------------------------
-
-
-# -- faults ---------------------------------------------------------------------------------
-
-
-
-class Injector(threading.Thread):
-    """The fault scheduler: one fault at a time until `until` (monotonic)
-    or `halt`, each after a random wait."""
-
-    def __init__(self, stack: Stack, *, seed: int, kinds: Sequence[str], every_s: float, agreement_s: float,
-                 timeout_s: float, until: float) -> None:
-        super().__init__(name="sglang-chaos-faults", daemon=True)
-        self.stack = stack
-        self.rng = random.Random(seed)
-        self.kinds = tuple(kinds)
-        self.every_s, self.agreement_s, self.timeout_s, self.until = every_s, agreement_s, timeout_s, until
-        self.halt = threading.Event()
-        self.faults: list[Fault] = []
-        self._deck: list[str] = []
-
-    def server_alive(self) -> bool:
-        process = self.stack.cpcache.process
-        return process is not None and process.proc.poll() is None
-
-    def run(self) -> None:
-        while not self.halt.wait(self.rng.uniform(0.75, 1.25) * self.every_s):
-            if time.monotonic() >= self.until or not self.server_alive():
-                return
-            if not self._deck:
-                self._deck = list(self.kinds)
-                self.rng.shuffle(self._deck)
-            self.inject(self._deck.pop(), self.rng.randrange(self.stack.ranks))
-
-    def inject(self, kind: str, rank: int) -> Fault:
-        seen = what_is_open(self.stack.daemons.socket(rank))
-        if kind == "scheduler_sigstop":
-            assert self.stack.cpcache.process is not None
-            pid = scheduler_pids(self.stack.cpcache.process.proc.pid).get(rank)
-        else:
-            assert self.stack.daemons.process is not None
-            pid = daemon_pid(self.stack.daemons.process.proc.pid, rank)
-        fault = Fault(len(self.faults) + 1, kind, rank, time.time(), seen, pid)
-        self.faults.append(fault)
-        if pid is None:
-            fault.missed = "no such process"
-            return fault
-        if kind in ("daemon_sigkill", "daemon_sigterm"):
-            fault.at = time.time()
-            if not _send(pid, signal.SIGKILL if kind == "daemon_sigkill" else signal.SIGTERM):
-                fault.missed = "gone before the signal"
-            return fault
-        span = (0.5, 2.0) if kind == "daemon_sigstop" else (1.05, 1.3)
-        scale = self.agreement_s if kind == "daemon_sigstop" else self.timeout_s
-        fault.pause_s = round(self.rng.uniform(*span) * scale, 2)
-        fault.at = time.time()
-        if not _send(pid, signal.SIGSTOP):
-            fault.missed = "gone before the signal"
-            return fault
-        try:
-            time.sleep(fault.pause_s)  # the fault itself: the process stays stopped this long
-        finally:
-            _send(pid, signal.SIGCONT)
-        return fault
-
 
 # -- the run --------------------------------------------------------------------------------
 

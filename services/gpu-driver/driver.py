@@ -10,7 +10,8 @@ limit inside an overall deadline of about 8 minutes:
    without one it stops here, within seconds;
 2. tests/gpu under pytest (IPC attach, pinned host pool, bit-exact movers
    for every layout, a two-process domain on one GPU, a CUDA graph replayed
-   while a daemon loads pages into its buffers); a skip counts as a failure;
+   while a daemon loads pages into its buffers, a load whose daemon is killed
+   or stuck mid-copy finished by the scheduler); a skip counts as a failure;
 3. device <-> host bandwidth of the movers against cudaMemcpyAsync of pinned
    memory (`cpcache bench movers --device-only`).
 
@@ -52,6 +53,8 @@ CHECKS = {
     "test_two_process_domain_on_one_gpu": "two_process_domain",
     "test_cuda_graph_": "cuda_graph",
     "test_overlapped_load_back_": "overlapped_load_back",
+    "test_a_load_whose_daemon_is_killed_mid_copy_on_a_gpu": "orphaned_load_finished",
+    "test_a_gpu_load_whose_daemon_is_stuck": "orphaned_load_finished",
 }
 
 PROBE = """

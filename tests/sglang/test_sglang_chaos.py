@@ -2,7 +2,9 @@
 runs it: a CP server (tp 2, attention CP 2) over `cpcache launch` daemons
 under cache-heavy traffic with slowed copies, and every few seconds a fault
 on a random rank (daemon SIGKILL, SIGTERM, SIGSTOP; scheduler SIGSTOP past
-the client deadline). The server stays up, every reply is right, nothing
+the client deadline), alone or two at once (a kill while the peer's daemon or
+scheduler is stopped, two daemons at once, a graceful stop while the domain
+forms again after a kill). The server stays up, every reply is right, nothing
 hangs, and after each fault every rank leaves the tiers at one iteration
 and comes back at one iteration (docs/design.md rule 12).
 
@@ -18,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from cpcache.testing.chaos_episodes import KINDS, Fault, analyse, episodes_of, events_of, still_fallen
+from cpcache.testing.chaos_episodes import Fault, analyse, episodes_of, events_of, still_fallen
+from cpcache.testing.sglang_chaos_faults import KINDS
 from cpcache.testing.sglang_cpu.servers import SGLANG_PYTHON
 
 CPCACHE = Path(sys.executable).parent / "cpcache"
@@ -109,5 +112,6 @@ def test_a_few_minutes_of_faults_on_a_cp_server_never_stop_it_nor_split_its_rank
     assert report["faults_fallback_differs"] == 0 and report["faults_reattach_differs"] == 0, \
         report["disagreements"]
     assert report["episodes_unfinished"] == 0
-    assert all(report["faults_by_kind"].get(kind, 0) >= 2 for kind in KINDS), report["faults_by_kind"]
+    # The deck deals every kind once before any twice: a few minutes deal each, single and combined.
+    assert all(report["faults_by_kind"].get(kind, 0) >= 1 for kind in KINDS), report["faults_by_kind"]
     assert run.returncode == 0, run.stderr[-3000:]

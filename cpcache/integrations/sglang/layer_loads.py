@@ -198,10 +198,14 @@ class LayerLoads:
         if not orphans.stop_daemon(STOP_WAIT_S if stop else 0.0):
             return False
         landed = self.signals.progress(load.slot, load.op)
-        orphans.copy(load.host_slots, load.device_pages, landed if landed > 0 else 0)
+        # On CUDA the board says a layer's copy was queued, not done: the dead
+        # daemon's queued copies ended with its context (before its exit,
+        # which the pidfd saw), whole or not, so every layer is copied again.
+        first = 0 if self._events is not None or landed < 0 else landed
+        orphans.copy(load.host_slots, load.device_pages, first)
         self._finished_here.add(load.op)
         log.warning("cpcache: finished load %d here (layers %d to %d, %d pages): its daemon died before copying "
-                    "them", load.op, max(landed, 0), self.num_layers - 1, len(load.device_pages))
+                    "them", load.op, first, self.num_layers - 1, len(load.device_pages))
         return True
 
     def reset(self) -> None:

@@ -19,11 +19,13 @@ so): no copy of a living daemon can land after it. A stuck daemon this
 scheduler may not signal (another user without the right to) is not
 finished for: the forward stops as before.
 
-On a CUDA host the host pool is pinned by the daemon and is not shared
-(`host_pool_ticket` is empty): finishing there needs the pool in a memfd
-registered with CUDA on both sides, and the dead process's queued copies
-drained (its context is torn down with it) before the scheduler's own copy
-runs on its stream.
+On a CUDA host the pool is the same memfd, pinned in place by the daemon
+(`dataplane/host_memory.py`; a daemon whose driver refuses that pins memory
+of its own, offers none, and a load it dies in the middle of stops the
+forward as before). The board there says a layer's copy was queued on the
+daemon's stream, not that it landed, so every layer of the load is copied
+again here, after the daemon's exit: its context, and every copy queued on
+it, ended with its process, before the pidfd said so.
 """
 
 from __future__ import annotations
