@@ -154,9 +154,9 @@ class Injector(threading.Thread):
             partner = self.rng.choice([r for r in range(self.stack.ranks) if r != rank])
             getattr(self, f"_{kind}")(fault, partner)
         elif kind == "scheduler_sigstop":
-            self._stop(fault, self._scheduler(rank), self._pause(SCHEDULER_STOP, self.timeout_s))
+            self._freeze(fault, self._scheduler(rank), self._pause(SCHEDULER_STOP, self.timeout_s))
         elif kind == "daemon_sigstop":
-            self._stop(fault, self._daemon(rank), self._pause(DAEMON_STOP, self.agreement_s))
+            self._freeze(fault, self._daemon(rank), self._pause(DAEMON_STOP, self.agreement_s))
         else:
             self._signal(fault, self._daemon(rank), signal.SIGKILL if kind == "daemon_sigkill" else signal.SIGTERM)
         return fault
@@ -228,7 +228,7 @@ class Injector(threading.Thread):
         if not _send(pid, sig):
             fault.missed = "gone before the signal"
 
-    def _stop(self, fault: Fault, pid: int | None, pause_s: float) -> None:
+    def _freeze(self, fault: Fault, pid: int | None, pause_s: float) -> None:
         fault.pause_s = pause_s
         self._signal(fault, pid, signal.SIGSTOP)
         if fault.missed or pid is None:
