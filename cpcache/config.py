@@ -28,6 +28,16 @@ KV_CP_SHARDINGS = ("cp_replicated", "cp_sharded")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 DRAIN_MARGIN_S = 1.0  # a stop's drain outlasts a step's round in flight by this much at least
+# A round that fails here waits for a peer's word that it completed it (for
+# min(agreement_timeout_s, this); rank/epochs.py WITNESS_WAIT_S), then reads
+# the peers' records once (up to this; agreement/witness.py READ_S).
+WITNESS_WAIT_S = 3.0
+WITNESS_READ_S = 2.0
+
+
+def round_bound_s(agreement_timeout_s: float) -> float:
+    """The longest a step's round may take to end, failing included."""
+    return agreement_timeout_s + min(agreement_timeout_s, WITNESS_WAIT_S) + WITNESS_READ_S
 
 T = TypeVar("T")
 
@@ -154,8 +164,9 @@ class DaemonConfig:
         10.0, "TCP: shortest client keepalive interval allowed (faster clients get GOAWAY too_many_pings).")
     heartbeat_interval_s: float = setting(0.1, "How often this daemon publishes its heartbeat.")
     drain_timeout_s: float = setting(0.0, "Longest shutdown waits for the steps taken and the calls in flight "
-                                     "(0: agreement_timeout_s + 1, also the least it may be: a step's round in "
-                                     "flight must end before the daemon stops answering).")
+                                     "(0: the least it may be, agreement_timeout_s + min(agreement_timeout_s, 3) + "
+                                     "3: a step's round in flight, failing included, must end before the daemon "
+                                     "stops answering).")
     host_pool_pages: int = setting(1024, "Pages in this daemon's host pool (the same on every rank).")
     host_pool_max_bytes: int = setting(64 << 30,
                                        "Largest host pool an Attach may size (pages x the client's page bytes).")
@@ -214,14 +225,16 @@ class DaemonConfig:
                      "keepalive_time_s", "keepalive_timeout_s", "keepalive_min_ping_interval_s"):
             if getattr(self, name) <= 0:
                 raise bad(name, "must be > 0")
-        if self.drain_timeout_s and not self.drain_timeout_s >= self.agreement_timeout_s + DRAIN_MARGIN_S:
+        least = round_bound_s(self.agreement_timeout_s) + DRAIN_MARGIN_S
+        if self.drain_timeout_s and not self.drain_timeout_s >= least:
             # A shorter drain stops answering while a step's round may still
             # complete with a late peer: its scheduler would be told
             # otherwise than the peer's (docs/design.md rule 12).
-            raise bad("drain_timeout_s", f"must be 0 (agreement_timeout_s + {DRAIN_MARGIN_S:g}) or at least "
-                      f"agreement_timeout_s ({self.agreement_timeout_s:g}) + {DRAIN_MARGIN_S:g} = "
-                      f"{self.agreement_timeout_s + DRAIN_MARGIN_S:g} s: a step's round in flight when the "
-                      "daemon is stopped must end before it stops answering")
+            raise bad("drain_timeout_s", f"must be 0 (the least) or at least {least:g} s: agreement_timeout_s "
+                      f"({self.agreement_timeout_s:g}), a failed round's wait for a peer's word "
+                      f"({min(self.agreement_timeout_s, WITNESS_WAIT_S):g}) and read of its record "
+                      f"({WITNESS_READ_S:g}), + {DRAIN_MARGIN_S:g}: a step's round in flight when the daemon "
+                      "is stopped must end before it stops answering")
         if self.heartbeat_interval_s * 3 >= self.agreement_timeout_s:
             raise bad("heartbeat_interval_s", "must be under a third of agreement_timeout_s")
         try:
@@ -275,7 +288,7 @@ class DaemonConfig:
 
     @property
     def drain_s(self) -> float:
-        return self.drain_timeout_s or self.agreement_timeout_s + DRAIN_MARGIN_S
+        return self.drain_timeout_s or round_bound_s(self.agreement_timeout_s) + DRAIN_MARGIN_S
 
     @classmethod
     def from_settings(cls, values: Mapping[str, Any]) -> DaemonConfig:

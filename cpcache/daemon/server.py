@@ -135,7 +135,11 @@ class Daemon:
     def _record_outcome(self, epoch: int, step: int, outcome: StepAnswer | CacheError) -> None:
         told = (pb.OutcomeReply(error=step_error(outcome)) if isinstance(outcome, CacheError)
                 else pb.OutcomeReply(reply=step_reply(outcome)))
-        self.outcomes.record(epoch, step, told.SerializeToString())
+        payload = told.SerializeToString()
+        if not self.outcomes.record(epoch, step, payload):
+            log.warning("step %d: its outcome (%d bytes) is larger than half the outcome ring and is not "
+                        "recorded; a scheduler that loses this daemon before the reply asks the peers", step,
+                        len(payload))
 
     def _take(self, ticket: str) -> tuple[int, int, int]:
         """A descriptor handed over on the `.pools` socket: -> (fd, uid, pid)."""

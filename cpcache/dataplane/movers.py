@@ -160,8 +160,12 @@ def host_to_device(tiers: Tiers, job: TransferJob) -> TransferResult:
 def _load_layer_by_layer(device: DevicePool, host: HostPool, job: TransferJob) -> None:
     """A load-back a forward may already be reading: all of layer 0's pages
     (every part of them), then layer 1's, ..., each layer published once its
-    copies are done (on a CUDA device: queued, and its event recorded after
-    them)."""
+    copies are done. On a CUDA device every layer is queued first, its event
+    recorded after its copies, then each is published once its event has
+    completed: the board says landed, never queued, so a scheduler whose
+    daemon dies mid-load trusts only layers that are there (it copies the
+    rest itself), and its forward never waits on an event a dead context
+    would not complete."""
     loaders = [_layer_loader(device_part, host_part, list(job.src), list(job.dst))
                for device_part, host_part in zip(device.parts, host.parts, strict=True)]
     slot, op = job.signal
@@ -180,6 +184,11 @@ def _load_layer_by_layer(device: DevicePool, host: HostPool, job: TransferJob) -
         if signals is not None:
             if signals.events is not None:
                 signals.events[slot - 1][layer].record(stream)
+            else:
+                signals.publish(slot, op, layer + 1)
+    if signals is not None and signals.events is not None:
+        for layer, event in enumerate(signals.events[slot - 1]):
+            event.synchronize()
             signals.publish(slot, op, layer + 1)
 
 

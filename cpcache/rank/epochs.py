@@ -41,7 +41,7 @@ from cpcache.agreement.engine import AgreementEngine, DivergenceExchange, Recove
 from cpcache.agreement.epochs import Epochs
 from cpcache.agreement.liveness import CONNECT_S, Heartbeat, diagnose, heartbeat_key
 from cpcache.agreement.witness import RoundWitness
-from cpcache.config import DaemonConfig
+from cpcache.config import WITNESS_WAIT_S, DaemonConfig
 from cpcache.errors import CacheError, PeerLost, Unavailable
 from cpcache.rank.assembly import CacheRuntime, carry_over
 from cpcache.rank.stepper import StepAnswer, Stepper
@@ -53,7 +53,6 @@ log = logging.getLogger("cpcached")
 CLOSE_S = 5.0  # the longest closing a storage backend may hold the exit
 EPOCHS_KEPT = 4  # ended epochs whose step outcomes are still answered
 JOIN_MIN_S = 10.0  # the least a gloo group's join waits once every rank of the epoch is there
-WITNESS_WAIT_S = 3.0  # the longest a failed round waits for a peer to say it completed it
 
 
 def _exit_after_round(dying_step: int, step: int) -> None:

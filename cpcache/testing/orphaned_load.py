@@ -25,14 +25,15 @@ LAYER_DELAY_MS = 400.0  # each layer of a load-back: a copy of 8 layers takes ov
 
 async def loaded_by_scheduler(run_dir: Path, fault: Callable[[LocalDomain], None], *, device: str = "cpu",
                               timeout_s: float = 30.0, split: bool = False, agreement_timeout_s: float = 10.0,
-                              **settings: object) -> tuple[int | None, list[bool]]:
+                              layer_delay_ms: float = LAYER_DELAY_MS, **settings: object
+                              ) -> tuple[int | None, list[bool]]:
     """Write pages through, open a load of them (`split`: two loads, the
     second queued behind the first), hit the daemon with `fault` once the
     first layer landed, then run a forward over the loads: -> the daemon's
     exit code, and per layer whether the forward read the pages written."""
     layers, attach = _pool(device)
     spec = DomainSpec(Topology(tp=1), run_dir, agreement_timeout_s=agreement_timeout_s,
-                      extra=dict(host_pool_pages=16, fault_copy_layer_delay_ms=LAYER_DELAY_MS, **settings))
+                      extra=dict(host_pool_pages=16, fault_copy_layer_delay_ms=layer_delay_ms, **settings))
     cuda = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else None
     async with LocalDomain(spec) as domain:
         loads = LayerLoads(GEOMETRY.layers, timeout_s=timeout_s, cuda_device=cuda, slots=4)

@@ -41,9 +41,11 @@ async def test_a_load_whose_daemon_is_stuck_past_its_deadline_is_finished_once_t
 
 async def test_loads_a_graceful_stop_gives_up_on_are_finished_by_the_scheduler(run_dir):
     """One copy thread, two loads (the second queued), a drain window far
-    shorter than the copies (the least a 1 s agreement timeout allows):
+    shorter than the copies (5 s, the least a 1 s agreement timeout allows,
+    against two loads of 8 layers at 0.8 s a layer):
     the stop gives the queued load up, and the scheduler finishes both once
     the daemon has exited."""
     exit_code, landed = await loaded_by_scheduler(run_dir, _term, split=True, io_threads=1,
-                                                   agreement_timeout_s=1.0, drain_timeout_s=2.0)
+                                                   agreement_timeout_s=1.0, drain_timeout_s=5.0,
+                                                   layer_delay_ms=800.0)
     assert exit_code == 0 and landed == [True] * GEOMETRY.layers

@@ -223,6 +223,31 @@ async def test_both_daemons_dying_around_one_step_leave_it_told_from_the_ring(ru
         assert await domain.wait_exit(0, 30) != 0
 
 
+async def test_a_step_with_an_outcome_of_hundreds_of_kib_is_told_from_the_ring_too(run_dir):
+    """As above, with a step whose answer is some hundred KiB (thousands of
+    questions answered; a step acking a large write lists every page as
+    much): the ring records outcomes of any size a step answers."""
+    votes = [(q, Reduce.MIN, q) for q in range(1, 20_001)]
+    async with attached_domain(run_dir, {0: {"fault_exit_after_round": 2}}) as (domain, blocking, epoch):
+        assert same_outcome(await step_both(blocking, 1, epoch))
+        assert blocking[0].hold_daemon()
+        killed = threading.Event()
+        recover = blocking[0]._recover
+
+        def after_the_kill(request, failure):
+            killed.wait(60)
+            return recover(request, failure)
+
+        blocking[0]._recover = after_the_kill
+        first = asyncio.ensure_future(asyncio.to_thread(blocking[0].step, 2, votes, None, epoch))
+        applied = await asyncio.to_thread(blocking[1].step, 2, votes, None, epoch)
+        assert len(applied.wire) > 64 * 1024
+        domain.signal(1, signal.SIGKILL)
+        await domain.wait_exit(1, 30)
+        killed.set()
+        assert (await first).wire == applied.wire
+
+
 async def test_an_attach_whose_answer_comes_after_the_deadline_is_retried_not_failed(run_dir):
     """Rank 0's daemon freezes once the domain agreed the Attach, for longer
     than rank 0's client deadline: the client sends the Attach again and is

@@ -198,10 +198,10 @@ class LayerLoads:
         if not orphans.stop_daemon(STOP_WAIT_S if stop else 0.0):
             return False
         landed = self.signals.progress(load.slot, load.op)
-        # On CUDA the board says a layer's copy was queued, not done: the dead
-        # daemon's queued copies ended with its context (before its exit,
-        # which the pidfd saw), whole or not, so every layer is copied again.
-        first = 0 if self._events is not None or landed < 0 else landed
+        # The board says landed (on CUDA too: the daemon publishes a layer once
+        # its event completed); a dead daemon's queued copies of the rest
+        # ended with its context, before the exit the pidfd saw.
+        first = max(landed, 0)
         orphans.copy(load.host_slots, load.device_pages, first)
         self._finished_here.add(load.op)
         log.warning("cpcache: finished load %d here (layers %d to %d, %d pages): its daemon died before copying "

@@ -22,10 +22,11 @@ finished for: the forward stops as before.
 On a CUDA host the pool is the same memfd, pinned in place by the daemon
 (`dataplane/host_memory.py`; a daemon whose driver refuses that pins memory
 of its own, offers none, and a load it dies in the middle of stops the
-forward as before). The board there says a layer's copy was queued on the
-daemon's stream, not that it landed, so every layer of the load is copied
-again here, after the daemon's exit: its context, and every copy queued on
-it, ended with its process, before the pidfd said so.
+forward as before). The daemon publishes a layer there once its copy's
+event has completed, so the board says landed, as on a CPU host: the
+forward waits only on events that completed, and the layers the board
+does not show are copied here after the daemon's exit (its context, and
+every copy queued on it, end with its process, before the pidfd says so).
 """
 
 from __future__ import annotations
