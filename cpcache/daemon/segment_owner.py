@@ -6,8 +6,9 @@ daemon mounts one and dies, the master expires its lease and unmounts the
 segment, and every page in it leaves the store; the writes of the peers that
 placed pages there fail (`TRANSFER_FAIL` to the dead daemon's port). So the
 daemons mount nothing (`storage_segment_bytes = 0`: they only put and get)
-and one segment owner per host holds the memory: Mooncake's own real client
-(`mooncake_client`, shipped in its wheel), which `cpcache launch` keeps for
+and one segment owner per host holds the memory: a Mooncake client of
+cpcache's own (below; Mooncake's split of a per-host real client that holds
+segments and light clients that use it), which `cpcache launch` keeps for
 as long as it runs and `cpcache segment-owner` runs as a service of its own
 (docs/operations.md). A daemon killed, restarted or stopped leaves the store
 as it was, and a re-formed domain starts warm from it.
