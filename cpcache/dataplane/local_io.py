@@ -212,7 +212,9 @@ class LocalIO:
         """A read of this fetch returned fewer pages than it asked for (a
         damaged page, a storage error): the pages after it never come."""
         progress = self._fetches.get(serial)
-        return progress is not None and any(d is not None and d < size for size, d in zip(progress.chunks, progress.done))
+        if progress is None:
+            return False
+        return any(d is not None and d < size for size, d in zip(progress.chunks, progress.done))
 
     def elapsed_s(self, serial: int) -> float:
         progress = self._fetches.get(serial)

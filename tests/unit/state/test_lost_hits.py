@@ -44,7 +44,8 @@ def test_every_page_asked_ends_in_one_place_and_the_places_add_up_to_what_was_as
     # 8: 4 asked, 3 found on both ranks (4 on one): a miss of 1; fetched 3 on rank 0, 1 on rank 1 then polled:
     #    1 accepted, 2 ended short, which rank 0 counts as a failed read (its read of page 6 failed).
     #    (The scripted ranks share one state: rank 0's runtime applies each round, and splits.)
-    c.step(CacheRequests(prefetches=(PrefetchRequest(7, pages(1, 2, 3), 48), PrefetchRequest(8, pages(4, 5, 6, 7), 64))))
+    c.step(CacheRequests(prefetches=(PrefetchRequest(7, pages(1, 2, 3), 48),
+                                     PrefetchRequest(8, pages(4, 5, 6, 7), 64))))
     c.answer("lookups", 1, 1)
     c.answer("lookups", 2, 4, 3)
     s = c.step()
