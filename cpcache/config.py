@@ -35,7 +35,10 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class CacheConfig:
     prefetch_policy: str = "best_effort"
-    prefetch_threshold_tokens: int = 256
+    # 0: every storage hit is read (docs/benchmarks.md, store-capacity-2026-12-06:
+    # no threshold up to 128 tokens changes the trace's hits; 256 lost 2 % of
+    # them, and every decode-offloaded answer shorter than 256 tokens).
+    prefetch_threshold_tokens: int = 0
     prefetch_timeout_base_s: float = 2.0
     prefetch_timeout_per_ki_token_s: float = 0.1
     prefetch_timeout_max_s: float = 30.0
@@ -189,7 +192,8 @@ class DaemonConfig:
                                    "When a prefetch may end: best_effort, wait_complete, timeout.",
                                    choices=PREFETCH_POLICIES)
     prefetch_threshold_tokens: int = setting(_CACHE.prefetch_threshold_tokens,
-                                             "Prefetches whose storage hit is below this are revoked.")
+                                             "Prefetches whose storage hit is below this are revoked (0: every "
+                                             "hit is read, a decode-offloaded answer of one page too).")
     prefetch_timeout_base_s: float = setting(_CACHE.prefetch_timeout_base_s, "timeout policy: base seconds.")
     prefetch_timeout_per_ki_token_s: float = setting(_CACHE.prefetch_timeout_per_ki_token_s,
                                                      "timeout policy: seconds per 1024 tokens.")
