@@ -8,7 +8,9 @@ Each rank's daemon counters add up (the pages prefetches asked for = storage
 hits + pages found resident + the lost pages by reason), and the storage
 tokens SGLang's own cache report gives the requests (`cached_tokens_details`,
 what `bench_serving --cache-report` sums) are the daemon's storage hits less
-those lost after they entered the host pool.
+those lost after they entered the host pool. How many prefetches ended
+short (pages read and thrown away) is printed, not asserted: it depends on
+how fast the host reads.
 """
 
 from __future__ import annotations
@@ -63,9 +65,10 @@ def test_lost_hit_counters_add_up_to_the_pages_asked_and_to_sglangs_cache_report
         lost = {r: s[f"lost_hit_pages_{r}"] for r in REASONS}
         assert s["prefetch_asked_pages"] == s["storage_hit_pages"] + s["prefetch_resident_pages"] + sum(
             lost.values()), (rank, s)
-        # Every page a prefetch ended with reached its request, but those evicted or not loaded meanwhile.
+        # Every page a prefetch brought reached its request, but those evicted or not loaded meanwhile
+        # (a page another operation had brought already is the host tier's).
         gone = s["lost_hit_pages_host_evicted"] + backend[rank]["device_full"] + backend[rank]["load_failed"]
-        assert report_storage == (s["storage_hit_pages"] + s["prefetch_resident_pages"] - gone) * PAGE, (rank, s)
+        assert report_storage == (s["storage_hit_pages"] - gone) * PAGE, (rank, s)
         assert backend[rank]["fallback"] == 0
     # The agreed counters are the same on every rank; only the split of what prefetches ended without is local.
     agreed = ("prefetch_asked_pages", "storage_hit_pages", *(f"lost_hit_pages_{r}" for r in REASONS[:4]))
