@@ -87,7 +87,7 @@ class Domain:
                       GEOMETRY.page_size, self.seed)
         _store(self.root, pages)
         reply = await self._step(CacheRequests(prefetches=(PrefetchRequest(
-            self.op, [bytes.fromhex(h) for h in pages], PAGES * GEOMETRY.page_size),)))
+            self.op, tuple(bytes.fromhex(h) for h in pages), PAGES * GEOMETRY.page_size),)))
         while self.op not in reply.prefetch_hits:
             reply = await self._step()
         hit, polled, began = reply.prefetch_hits[self.op], self.step, time.perf_counter()
