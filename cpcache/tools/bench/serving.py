@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -229,16 +230,16 @@ class Config:
         return {k: stats.get(k, 0) for k in DAEMON_COUNTERS}
 
     def backend_lost(self) -> dict[str, int] | None:
-        """Rank 0's backend side of the lost hits, as it logs them at a flush (None: no daemons)."""
-        from cpcache.integrations.sglang.lost_hits import parse
-
+        """Rank 0's backend side of the lost hits, as it logs them at a flush
+        (`integrations/sglang/lost_hits.py`; None: no daemons)."""
         process = self.server.process
         if self.daemons is None or process is None:
             return None
         count = len(self.server.log_lines(" lost hits: "))
         self.server.flush_cache()
         lines = process.wait_lines(" lost hits: ", count + TP, timeout_s=120)
-        return next(parse(line) for line in reversed(lines) if "cpcache: rank 0 lost hits" in line)
+        line = next(line for line in reversed(lines) if "cpcache: rank 0 lost hits" in line)
+        return {reason: int(n) for reason, n in re.findall(r"(\w+) (\d+) pages", line.partition(" lost hits: ")[2])}
 
     def stored_bytes(self) -> int | None:
         """What the store holds now (None: its master no longer answers)."""
