@@ -45,11 +45,15 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class CacheConfig:
     prefetch_policy: str = "best_effort"
-    prefetch_threshold_tokens: int = 256
+    # 0: every storage hit is read (docs/benchmarks.md, store-capacity-2026-12-06:
+    # no threshold up to 128 tokens changes the trace's hits; 256 lost 2 % of
+    # them, and every decode-offloaded answer shorter than 256 tokens).
+    prefetch_threshold_tokens: int = 0
     prefetch_timeout_base_s: float = 2.0
     prefetch_timeout_per_ki_token_s: float = 0.1
     prefetch_timeout_max_s: float = 30.0
     prefetch_hold_share: float = 0.5
+    prefetch_best_effort_wait_s: float = 0.05
     write_policy: str = "write_through"
     backup_window: int = 64  # backups asked about per round, from the head of the queue
 
@@ -60,6 +64,9 @@ class CacheConfig:
             raise InvalidArgument(f"setting write_policy: must be one of {', '.join(WRITE_POLICIES)}")
         if self.prefetch_threshold_tokens < 0 or self.backup_window < 1:
             raise InvalidArgument("setting prefetch_threshold_tokens must be >= 0 and backup_window >= 1")
+        if not self.prefetch_best_effort_wait_s >= 0.0:
+            raise InvalidArgument(f"setting prefetch_best_effort_wait_s: must be >= 0 "
+                                  f"(got {self.prefetch_best_effort_wait_s!r})")
         if not 0.0 <= self.prefetch_hold_share < 1.0:  # all of it held, write-throughs would find no room
             raise InvalidArgument(
                 f"setting prefetch_hold_share: must be >= 0 and < 1 (got {self.prefetch_hold_share!r})")
@@ -196,11 +203,15 @@ class DaemonConfig:
                                    "When a prefetch may end: best_effort, wait_complete, timeout.",
                                    choices=PREFETCH_POLICIES)
     prefetch_threshold_tokens: int = setting(_CACHE.prefetch_threshold_tokens,
-                                             "Prefetches whose storage hit is below this are revoked.")
+                                             "Prefetches whose storage hit is below this are revoked (0: every "
+                                             "hit is read, a decode-offloaded answer of one page too).")
     prefetch_timeout_base_s: float = setting(_CACHE.prefetch_timeout_base_s, "timeout policy: base seconds.")
     prefetch_timeout_per_ki_token_s: float = setting(_CACHE.prefetch_timeout_per_ki_token_s,
                                                      "timeout policy: seconds per 1024 tokens.")
     prefetch_timeout_max_s: float = setting(_CACHE.prefetch_timeout_max_s, "timeout policy: upper bound in seconds.")
+    prefetch_best_effort_wait_s: float = setting(
+        _CACHE.prefetch_best_effort_wait_s, "best_effort policy: longest a polled prefetch waits for reads under way, "
+        "from their start (0: it ends when polled, its unread pages read on and thrown away).")
     prefetch_hold_share: float = setting(
         _CACHE.prefetch_hold_share, "Share of the host pool that ended prefetches may keep from eviction until "
         "their request loads them (for a scheduler that asks to hold them); 0: none.")

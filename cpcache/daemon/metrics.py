@@ -293,6 +293,35 @@ def _rank_families(stats: RankStats, names: list[str], values: list[str]) -> Ite
                                   labels=names)
     evicted.add_metric(values, cache.state["host_pages_evicted"])
     yield from (hits, pages, moved, errors, refused, occupancy, held, expired, unloaded, evicted)
+    yield from _lost_hit_families(cache.state, names, values)
+
+
+LOST_PREFIX = "lost_hit_pages_"
+
+
+def _lost_hit_families(state: dict[str, int], names: list[str], values: list[str]) -> Iterator[Metric]:
+    """Where the pages prefetches asked for went (docs/operations.md, "Why a
+    hit was lost"): asked = storage hits + found resident + every reason but
+    host_evicted, which takes pages after they entered (a part of the hits)."""
+    asked = CounterMetricFamily("cpcache_prefetch_asked_pages",
+                                "Pages past the host pool that prefetches asked storage for", labels=names)
+    asked.add_metric(values, state["prefetch_asked_pages"])
+    resident = CounterMetricFamily("cpcache_prefetch_resident_pages",
+                                   "Pages a prefetch read that another operation had brought meanwhile",
+                                   labels=names)
+    resident.add_metric(values, state["prefetch_resident_pages"])
+    lost = CounterMetricFamily(
+        "cpcache_lost_hit_pages", "Pages a request could have hit below the device and did not, by reason: "
+        "storage_miss, below_threshold, host_full, revoked, prefetch_late, read_failed, host_evicted",
+        labels=names + ["reason"])
+    for key in sorted(k for k in state if k.startswith(LOST_PREFIX)):
+        lost.add_metric(values + [key.removeprefix(LOST_PREFIX)], state[key])
+    short = CounterMetricFamily("cpcache_prefetches_short",
+                                "Prefetches that ended before every page of their storage hit was read "
+                                "(their request computed the rest; the reads went on, and were thrown away)",
+                                labels=names)
+    short.add_metric(values, state["prefetches_short"])
+    yield from (asked, resident, lost, short)
 
 
 def _handover_families(stats: dict[str, int], names: list[str], values: list[str]) -> Iterator[Metric]:

@@ -208,6 +208,14 @@ class LocalIO:
             return True
         return self._clock() - progress.started > self._storage_timeout_s
 
+    def read_failed(self, serial: int) -> bool:
+        """A read of this fetch returned fewer pages than it asked for (a
+        damaged page, a storage error): the pages after it never come."""
+        progress = self._fetches.get(serial)
+        if progress is None:
+            return False
+        return any(d is not None and d < size for size, d in zip(progress.chunks, progress.done))
+
     def elapsed_s(self, serial: int) -> float:
         progress = self._fetches.get(serial)
         return self._clock() - progress.started if progress else 0.0

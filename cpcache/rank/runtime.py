@@ -54,6 +54,10 @@ class CacheRuntime:
 
     state: CacheState
     io: LocalIO
+    # The pages of prefetches that ended short (agreed), by this rank's
+    # reason: its read had not finished (late), or had failed (a damaged
+    # page, a storage error).
+    short_reads: dict[str, int] = field(default_factory=lambda: {"prefetch_late": 0, "read_failed": 0})
 
     @property
     def digest(self) -> int:
@@ -118,6 +122,8 @@ class CacheRuntime:
             raise
         applied.later += intents  # loads open only with their step's operations, above
         clock.lap("apply")
+        for serial, pages in state.ledger.take_short():  # before their progress is forgotten
+            self.short_reads["read_failed" if self.io.read_failed(serial) else "prefetch_late"] += pages
         self.io.forget(state.take_closed())
         applied.decided.merge(decisions)
         applied.decided.host_entered, applied.decided.host_left = state.ledger.index.take_changes()

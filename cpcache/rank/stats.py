@@ -119,6 +119,8 @@ class RankStats:
 def _cache_stats(runtime: CacheRuntime) -> CacheStats:
     storage = runtime.io.storage
     ledger = runtime.state.ledger
-    return CacheStats(dict(runtime.state.stats()), ledger.digest, dict(ledger.hit_pages),
+    state = dict(runtime.state.stats())
+    state.update({f"lost_hit_pages_{reason}": n for reason, n in runtime.short_reads.items()})
+    return CacheStats(state, ledger.digest, dict(ledger.hit_pages),
                       len(runtime.io.busy_slots()), runtime.io.transfer_counters(),
                       storage.counters() if storage is not None else {})

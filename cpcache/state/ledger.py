@@ -25,6 +25,11 @@ from cpcache.state.policies import prefetch_policy, write_policy
 from cpcache.state.questions import BackupOutcome, CopyOutcome
 
 Asked = list[tuple[QuestionKind, int]]
+# Why pages a prefetch asked for did not enter the host pool: not in storage;
+# a hit revoked below the threshold, for want of host room, or by the
+# scheduler; a hit whose prefetch ended before they were read (the rank
+# tells late reads from failed ones: `take_short`).
+LOST_REASONS = ("storage_miss", "below_threshold", "host_full", "revoked", "ended_short")
 
 
 @dataclass(frozen=True)
@@ -105,6 +110,15 @@ class Ledger:
         self.holds_taken = 0
         self.holds_expired = 0
         self.prefetched_evicted = 0  # prefetched pages evicted before any load read them
+        # Pages prefetches asked for, and why those that did not enter the
+        # host pool did not (`ops.prefetch`: LOST_REASONS); agreed, like the hits.
+        self.prefetch_asked = 0
+        self.prefetch_resident = 0  # read, but resident already by another operation: kept that copy
+        self.lost: dict[str, int] = dict.fromkeys(LOST_REASONS, 0)
+        self.prefetches_short = 0  # prefetches that ended before every page of their hit was read
+        # (serial, pages) of each prefetch that ended short, for this rank to
+        # tell a late read from a failed one (`take_short`).
+        self._short: list[tuple[int, int]] = []
         self.host_evicted = 0  # pages evicted from the host pool to make room
         self._next_serial = 1
 
@@ -135,6 +149,17 @@ class Ledger:
         self._closed.append(op.serial)
         if op_id is not None:
             del self.by_op_id[op_id]
+
+    def ended_short(self, serial: int, pages: int) -> None:
+        """A prefetch ended with `pages` of its hit unread."""
+        self.lost["ended_short"] += pages
+        self.prefetches_short += 1
+        self._short.append((serial, pages))
+
+    def take_short(self) -> list[tuple[int, int]]:
+        """The prefetches that ended short since the last call (each told once)."""
+        short, self._short = self._short, []
+        return short
 
     def take_closed(self) -> list[int]:
         """The serials closed since the last call (each told once)."""

@@ -223,4 +223,10 @@ class CacheState:
             "prefetch_holds_expired": ledger.holds_expired,
             "prefetched_pages_evicted_unloaded": ledger.prefetched_evicted,
             "host_pages_evicted": ledger.host_evicted,
+            "prefetch_asked_pages": ledger.prefetch_asked,
+            "prefetch_resident_pages": ledger.prefetch_resident,
+            "prefetches_short": ledger.prefetches_short,
+            "lost_hit_pages_host_evicted": ledger.prefetched_evicted,
+            # Pages of a prefetch that ended short: the rank splits them (`CacheRuntime.short_reads`).
+            **{f"lost_hit_pages_{reason}": n for reason, n in ledger.lost.items() if reason != "ended_short"},
         }

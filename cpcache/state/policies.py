@@ -14,8 +14,16 @@ class PrefetchPolicy:
 
 
 class BestEffort(PrefetchPolicy):
+    """End when polled, but give a read under way up to
+    `prefetch_best_effort_wait_s` from its start: a prefetch polled in the
+    round after its hit has rarely read anything yet, and ending it then
+    throws every read away while the request computes its pages."""
+
+    def __init__(self, config: CacheConfig) -> None:
+        self._wait_s = config.prefetch_best_effort_wait_s
+
     def may_end(self, complete: bool, elapsed_s: float, tokens: int) -> bool:
-        return True
+        return complete or elapsed_s >= self._wait_s
 
 
 class WaitComplete(PrefetchPolicy):
@@ -54,7 +62,9 @@ class WriteBack(WritePolicy):
 def prefetch_policy(config: CacheConfig) -> PrefetchPolicy:
     if config.prefetch_policy == "timeout":
         return Timeout(config)
-    return {"best_effort": BestEffort, "wait_complete": WaitComplete}[config.prefetch_policy]()
+    if config.prefetch_policy == "best_effort":
+        return BestEffort(config)
+    return WaitComplete()
 
 
 _WRITE_POLICY_CLASSES: dict[str, type[WritePolicy]] = {  # keyed by config.WRITE_POLICIES

@@ -211,8 +211,8 @@ async def test_single_purpose_steps_are_one_round_each(single, run_dir):
 
 
 async def test_a_storage_that_does_not_answer_is_an_agreed_miss_in_bounded_time(run_dir):
-    """Rank 1's storage takes seconds to answer a lookup; the prefetch is
-    decided (as a miss, revoked) after storage_timeout_s, the same on both ranks."""
+    """Rank 1's storage takes seconds to answer a lookup; the prefetch's hit
+    is decided (a miss: 0 pages) after storage_timeout_s, the same on both ranks."""
     spec = DomainSpec(Topology(tp=2), run_dir,
                       extra=dict(storage="file", storage_root=str(run_dir / "pages"), storage_timeout_s=0.5),
                       # seed 6: rank 1's first lookup is delayed 3.66 s
@@ -225,10 +225,10 @@ async def test_a_storage_that_does_not_answer_is_an_agreed_miss_in_bounded_time(
         prefetch = PrefetchRequest(1, [bytes(32)], GEOMETRY.page_size)
         reply = await step_all(clients, 1, CacheRequests(prefetches=(prefetch,)))
         step = 1
-        while 1 not in reply.prefetch_revoked:
+        while 1 not in reply.prefetch_hits:
             step += 1
             reply = await step_all(clients, step)
-        assert reply.prefetch_hits.get(1) == 0
+        assert reply.prefetch_hits[1] == 0
         assert time.monotonic() - started < 3.0  # well before rank 1's lookup returns
         for c in clients:
             await c.close()
@@ -257,12 +257,13 @@ async def test_killed_mooncake_master_gives_agreed_misses_and_failures(run_dir):
             step += 1
             await step_all(clients, step, CacheRequests(writes=(WriteRequest(2, after, [2, 3]),),
                                               prefetches=(PrefetchRequest(3, [bytes([3]) * 32], GEOMETRY.page_size),)))
-            revoked, backups = {}, {}
-            while 3 not in revoked or len(backups) < 1:
+            hits, backups = {}, {}
+            while 3 not in hits or len(backups) < 1:
                 step += 1
                 reply = await step_all(clients, step)  # identical on both ranks, every step
-                revoked.update(reply.prefetch_revoked)
+                hits.update(reply.prefetch_hits)
                 backups.update(reply.backups)
+            assert hits[3] == 0  # the store is gone: an agreed miss
             assert list(backups.values()) == [False]  # an agreed failure, not a hang
             assert (await clients[0].status()).state == "serving"
             for c in clients:

@@ -53,7 +53,8 @@ async def test_policies_agree_under_per_rank_faults(run_dir, storage, prefetch_p
         assert moved.get("host->storage", 0) > 0
     if write_policy == "write_through" and prefetch_policy != "best_effort":
         # The second pass comes back from storage. (best_effort ends a prefetch
-        # at the scheduler's first poll, with whatever has arrived by then.)
+        # at a poll once its reads had prefetch_best_effort_wait_s, with whatever
+        # has arrived by then.)
         assert report["hit_rate"]["storage"] > 0
         assert report["verified_pages"] > 0
 

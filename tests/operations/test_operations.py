@@ -21,7 +21,7 @@ from ruamel.yaml import YAML
 
 import cpcache
 from cpcache import errors
-from cpcache.client import AsyncClient, CacheRequests, LoadRequest, WriteRequest
+from cpcache.client import AsyncClient, CacheRequests, LoadRequest, PrefetchRequest, WriteRequest
 from cpcache.config import HOST_LAYOUTS, SETTINGS, DaemonConfig
 from cpcache.daemon import settings
 from cpcache.daemon.launcher import DomainSpec, LocalDomain
@@ -262,6 +262,10 @@ CPCACHE_FAMILIES = {
     "cpcache_prefetch_holds_expired_total": "counter",
     "cpcache_prefetched_pages_evicted_unloaded_total": "counter",
     "cpcache_host_pages_evicted_total": "counter",
+    "cpcache_prefetch_asked_pages_total": "counter",
+    "cpcache_prefetch_resident_pages_total": "counter",
+    "cpcache_lost_hit_pages_total": "counter",
+    "cpcache_prefetches_short_total": "counter",
     "cpcache_pool_handover_events_total": "counter",
     "cpcache_pool_tickets_held": "gauge",
     "grpc_server_started_total": "counter",
@@ -363,7 +367,15 @@ async def test_metrics_move_while_the_cache_works(run_dir):
                     step += 1
                     if 1 in (await client.step(step)).write_acks:
                         break
-                await client.step(step + 1, requests=CacheRequests(loads=(LoadRequest(2, pages, [3, 4, 5]),)))
+                step += 1
+                await client.step(step, requests=CacheRequests(loads=(LoadRequest(2, pages, [3, 4, 5]),)))
+                # A prefetch of 2 pages no storage holds: a lost hit of 2 pages, storage_miss.
+                step += 1
+                reply = await client.step(step, requests=CacheRequests(prefetches=(
+                    PrefetchRequest(3, [bytes([9]) * 32, bytes([10]) * 32], 32),)))
+                while 3 not in reply.prefetch_hits:
+                    step += 1
+                    reply = await client.step(step)
                 with pytest.raises(errors.FailedPrecondition):
                     await client.step(1)  # an old step with other content: counted as FAILED_PRECONDITION
             finally:
@@ -385,6 +397,9 @@ async def test_metrics_move_while_the_cache_works(run_dir):
     assert series(after, "cpcache_round_duration_seconds_count", **rank) >= step
     assert series(after, "cpcache_step_phase_seconds_count", phase="handler", **rank) >= step
     assert series(after, "cpcache_host_pages", state="used") == 3
+    assert series(after, "cpcache_prefetch_asked_pages_total", **rank) == 2
+    assert series(after, "cpcache_lost_hit_pages_total", reason="storage_miss", **rank) == 2
+    assert sum(v for k, v in after.items() if k.startswith("cpcache_lost_hit_pages_total{")) == 2
     step_call = dict(grpc_service="cpcache.v1.CacheDaemon", grpc_method="Step", grpc_type="unary")
     assert series(after, "grpc_server_handled_total", grpc_code="OK", **step_call) >= step
     assert series(after, "grpc_server_handled_total", grpc_code="FAILED_PRECONDITION", **step_call) == 1

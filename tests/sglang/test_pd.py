@@ -33,6 +33,8 @@ from pathlib import Path
 
 import pytest
 
+from cpcache.client import Client
+from cpcache.config import CacheConfig
 from cpcache.dataplane.storage import StorageBackend
 from cpcache.dataplane.storage.file import FileBackend
 from cpcache.domain_file import domain_config
@@ -129,6 +131,12 @@ def pd(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
     with contextlib.ExitStack() as running:
         if request.param == "plain":
             deployment = PdDeployment(work, model, **options)
+        elif request.param == "cpcache-file-defaults":
+            # The docs' recipe as printed: the daemons' own prefetch settings, no faults.
+            defaults = CacheConfig()
+            deployment = over_cpcache(work, model, tp=2, cp=2, daemon_settings=dict(
+                prefetch_policy=defaults.prefetch_policy, prefetch_threshold_tokens=defaults.prefetch_threshold_tokens,
+                prefetch_best_effort_wait_s=defaults.prefetch_best_effort_wait_s), **options)
         else:
             storage = None
             if request.param.endswith("mooncake"):
@@ -233,6 +241,36 @@ def test_the_next_turn_finds_the_previous_answer_in_storage_after_decode_offload
     # (Before any flush: a flush of the prefill server seeds its page chains
     # anew, which the decode server's offload does not follow.)
     assert got.cached >= offloaded > len(first) // PAGE * PAGE and got.storage > 0, got
+
+
+@pytest.mark.parametrize("pd", ["cpcache-file-defaults"], indirect=True)
+def test_with_the_daemons_defaults_the_previous_answer_is_found_and_every_page_read_is_used(pd: PdDeployment,
+                                                                                           reference: Reference):
+    """The docs' PD recipe with the daemons' defaults (threshold 0, best_effort
+    and its bounded wait): the previous answer, two pages, comes from storage,
+    and the daemons count what their prefetches read and threw away."""
+    assert pd.daemons is not None
+    for seed in (71, 72, 73):
+        (first, want_first), (second, want_second) = conversation(reference, seed)
+        got = pd.generate(first, ANSWER)
+        assert same_outputs(got, want_first), f"through the router {got}, a server without cache {want_first}"
+        offloaded = (len(first) + ANSWER - 1) // PAGE * PAGE
+        wait_offloaded(pd, (first + list(got.output_ids))[:offloaded])
+        got = pd.generate(second, ANSWER)
+        assert same_outputs(got, want_second), f"through the router {got}, a server without cache {want_second}"
+        assert got.cached >= offloaded > len(first) // PAGE * PAGE and got.storage > 0, got
+    stats = []
+    for rank in range(2):
+        with Client(pd.daemons.socket(rank), timeout_s=10) as daemon:
+            stats.append(daemon.stats())
+    short = [(s["prefetches_short"], s["lost_hit_pages_prefetch_late"] + s["lost_hit_pages_read_failed"])
+             for s in stats]
+    print(f"prefetches ended short, pages read and thrown away, per rank: {short}")
+    for s in stats:
+        assert s["prefetch_asked_pages"] == s["storage_hit_pages"] + s["prefetch_resident_pages"] + sum(
+            s[f"lost_hit_pages_{r}"] for r in ("storage_miss", "below_threshold", "host_full", "revoked",
+                                               "prefetch_late", "read_failed"))
+        assert s["lost_hit_pages_below_threshold"] == 0
 
 
 @pytest.mark.parametrize("pd", CPCACHE_PAIRS, indirect=True)

@@ -144,6 +144,10 @@ class FakeIO:
         job = self.jobs.get(serial)
         return float(self.now - job.started) if job else 0.0
 
+    def read_failed(self, serial: int) -> bool:
+        job = self.jobs.get(serial)
+        return job is not None and job.ended and job.done < job.size
+
     def _outcome(self, serial: int) -> CopyOutcome:
         job = self.jobs.get(serial)
         if job is None or not job.ended:

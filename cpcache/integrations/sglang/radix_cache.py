@@ -42,6 +42,7 @@ from cpcache.client.session import SchedulerSession
 from cpcache.errors import CacheError
 from cpcache.integrations.sglang.host_hits import HostHit, HostPoolView
 from cpcache.integrations.sglang.layer_loads import LayerLoads
+from cpcache.integrations.sglang.lost_hits import LostHits
 from cpcache.integrations.sglang.pool import SharedPool
 from cpcache.integrations.sglang.quarantine import Quarantine
 from cpcache.integrations.sglang.reattach import AttachAgain, NotServingYet
@@ -73,6 +74,7 @@ class CpcacheRadixCache(UnifiedRadixCache):
         self.storage_prefetch = storage_prefetch
         self.rank = rank
         self._host_hits: dict[str, HostHit] = {}
+        self.lost_hits = LostHits()
         self._loading = False  # inserting pages loaded from the host: they are there already
         self._locks = 0
         self.fallback_reason = ""
@@ -209,7 +211,10 @@ class CpcacheRadixCache(UnifiedRadixCache):
         """The host pages that follow SGLang's device match."""
         req = params.req
         session = self.daemon_session
-        if req is None or session is None or self.disable:
+        if req is None or self.disable:
+            return result
+        if session is None:
+            self.lost_hits.fell_back(req.rid, (len(params.key) - result.device_prefix_len) // self.page_size)
             return result
         self._host_hits.pop(req.rid, None)
         streaming = getattr(req, "session", None)  # SGLang's streaming session of the request, if any
@@ -260,6 +265,7 @@ class CpcacheRadixCache(UnifiedRadixCache):
             self.evict(EvictParams(num_tokens=tokens))
             slots = self.token_to_kv_pool_allocator.alloc(tokens)
         if slots is None:
+            self.lost_hits.lost("device_full", len(hit.pages))
             return 0, fallback  # no room: the request computes its prefix
         try:
             loaded = self._load(session, hit.pages, (slots[::ps] // ps).tolist())
@@ -268,6 +274,7 @@ class CpcacheRadixCache(UnifiedRadixCache):
             self._fall_back(exc)
             return 0, fallback
         if not loaded:
+            self.lost_hits.lost("load_failed", len(hit.pages))
             self.token_to_kv_pool_allocator.free(slots)  # an agreed failure: every copy has ended
             return 0, fallback
         prefix_tokens = hit.device_pages * ps
@@ -389,6 +396,7 @@ class CpcacheRadixCache(UnifiedRadixCache):
     def log_scheduler_time(self) -> None:
         current = [self.daemon_session.tally] if self.daemon_session is not None else []
         log.info("%s", self.clock.line(self.rank, [*self._past_tallies, *current]))
+        log.info("%s", self.lost_hits.line(self.rank))
         if self.decisions is not None:
             log.info("cpcache: rank %d decision log: %d steps, digest %s; since the last attach %d steps, digest %s",
                      self.rank, len(self.decisions.entries), self.decisions.digest(), *self.decisions.session())

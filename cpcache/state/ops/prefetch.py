@@ -61,6 +61,7 @@ def open_prefetch(ledger: Ledger, req: PrefetchRequest) -> list[Intent]:
     prefetch = Prefetch(ledger.serial(), req)
     ledger.add(prefetch, req.op_id)
     ledger.record("prefetch", prefetch.serial, req.op_id, req.pages)
+    ledger.prefetch_asked += len(req.pages)
     return [Lookup(prefetch.serial, tuple(req.pages), ledger.sharding)]
 
 
@@ -71,8 +72,11 @@ def poll(ledger: Ledger, op_id: int, step: int) -> None:
         ledger.record("poll", pf.serial)
 
 
-def revoke(ledger: Ledger, pf: Prefetch, why: str, decisions: Decisions) -> None:
+def revoke(ledger: Ledger, pf: Prefetch, why: str, decisions: Decisions, reason: str = "revoked") -> None:
+    """`reason`: what the pages of its hit are lost to (ledger.LOST_REASONS);
+    before its hit is agreed, every page it asked for."""
     _close(ledger, pf)
+    ledger.lost[reason] += len(pf.request.pages) if pf.hit == NOT_YET else pf.hit
     ledger.record("revoke", pf.serial)
     retire(ledger, pf.slots)  # back to the allocator once no rank reads into them
     decisions.prefetch_revoked.append((pf.request.op_id, why))
@@ -82,11 +86,13 @@ def _decide_hit(ledger: Ledger, pf: Prefetch, hit: int, decisions: Decisions) ->
     pf.hit = hit
     ledger.record("hit", pf.serial, hit)
     decisions.prefetch_hits.append((pf.request.op_id, hit))
+    ledger.lost["storage_miss"] += len(pf.request.pages) - hit
     if hit * ledger.page_size < ledger.config.prefetch_threshold_tokens:
-        revoke(ledger, pf, f"storage hit of {hit * ledger.page_size} tokens is below the threshold", decisions)
+        revoke(ledger, pf, f"storage hit of {hit * ledger.page_size} tokens is below the threshold", decisions,
+               "below_threshold")
         return []
     if not make_room(ledger, hit):
-        revoke(ledger, pf, f"host pool full: {hit} pages do not fit", decisions)
+        revoke(ledger, pf, f"host pool full: {hit} pages do not fit", decisions, "host_full")
         return []
     pf.slots = ledger.allocator.allocate(hit)
     ledger.record("fetch", pf.serial, tuple(pf.slots))
@@ -120,6 +126,9 @@ def _accept(ledger: Ledger, pf: Prefetch, done: int, decisions: Decisions) -> No
         entry.backed_up = True  # it came from storage
         entry.prefetched = True
     ledger.record("accept", pf.serial, len(brought))
+    ledger.prefetch_resident += len(given_up)
+    if done < pf.hit:  # the rest of its hit is read into retiring slots, and thrown away
+        ledger.ended_short(pf.serial, pf.hit - done)
     if pf.request.hold:  # every page that entered or was kept is resident
         prefetch_holds.hold(ledger, pf.request.op_id, list(pf.request.pages[: min(done, len(pf.slots))]))
     retire(ledger, given_up + list(pf.slots[done:]))  # once their reads end

@@ -258,7 +258,7 @@ def over_cpcache(work: Path, model: Path, tp: int = 1, cp: int = 1, host_pages: 
     `backend`: more daemon and backend settings; `options`: PdDeployment's."""
     daemons = Daemons(work / "run", tp=tp, cp=cp, settings=dict(
         **(storage or dict(storage="file", storage_root=str(work / "pages"))), host_pool_pages=host_pages,
-        prefetch_threshold_tokens=0, prefetch_policy="wait_complete", **(daemon_settings or {})))
+        prefetch_threshold_tokens=0, prefetch_policy="wait_complete") | (daemon_settings or {}))
     config = work / "sglang-cpcache.json"
     # One backend file for both servers: the decode server's store is the
     # domain's (daemon_config), under the prefill's model id.

@@ -123,7 +123,7 @@ class Stack:
             fault_copy_delay_ms=copy_delay_ms,
             # Every storage call is slowed too: prefetches are still open when
             # their request is aborted.
-            fault_storage_delay_ms=storage_delay_ms, **(daemon_settings or {})), per_rank=per_rank or {})
+            fault_storage_delay_ms=storage_delay_ms) | (daemon_settings or {}), per_rank=per_rank or {})
         config = work / "sglang-cpcache.json"
         backend = {"socket": str(work / "run" / "rank-{rank}.sock"), "model_id": "tiny",
                    "reattach_after_iterations": 32, "record_decisions": True, **(backend or {})}

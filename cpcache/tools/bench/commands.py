@@ -152,6 +152,11 @@ def _chaos(p: argparse.ArgumentParser) -> None:
     add_flags(p)
 
 
+def _late_prefetches(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--storage-delay-ms", type=float, default=20.0,
+                   help="each storage call waits uniform(0, this) ms on each rank first (default 20)")
+
+
 @dataclass(frozen=True)
 class Bench:
     help: str
@@ -167,6 +172,9 @@ BENCHES = {
     "chaos": Bench("real daemons and simulated schedulers under faults at random moments and in combination "
                    "(kills, stops, graceful stops, floods, deaths at exact moments), every rank's outcome compared "
                    "step by step", "cpcache.testing.chaos", (_seed,), _chaos),
+    "late-prefetches": Bench("best_effort prefetches that end before their pages are read, with "
+                             "prefetch_best_effort_wait_s at 0 and at its default, through real daemons",
+                             "cpcache.tools.bench.late_prefetches", (_repeat(2),), _late_prefetches),
     "load-back": Bench("the load-back, overlapped against blocking: a stand-in forward over a real daemon, or "
                        "TTFT of host hits through SGLang", "cpcache.testing.load_back",
                        (_repeat(5), _work_dir, _layer_delay), _load_back),

@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -228,6 +229,18 @@ class Config:
             stats = daemon.stats()
         return {k: stats.get(k, 0) for k in DAEMON_COUNTERS}
 
+    def backend_lost(self) -> dict[str, int] | None:
+        """Rank 0's backend side of the lost hits, as it logs them at a flush
+        (`integrations/sglang/lost_hits.py`; None: no daemons)."""
+        process = self.server.process
+        if self.daemons is None or process is None:
+            return None
+        count = len(self.server.log_lines(" lost hits: "))
+        self.server.flush_cache()
+        lines = process.wait_lines(" lost hits: ", count + TP, timeout_s=120)
+        line = next(line for line in reversed(lines) if "cpcache: rank 0 lost hits" in line)
+        return {reason: int(n) for reason, n in re.findall(r"(\w+) (\d+) pages", line.partition(" lost hits: ")[2])}
+
     def stored_bytes(self) -> int | None:
         """What the store holds now (None: its master no longer answers)."""
         if self.master is not None:
@@ -257,9 +270,13 @@ def bench_client(port: int, model: Path, trace: Path, out: Path, requests: int, 
     return json.loads(out.read_text().strip().splitlines()[-1])
 
 
-# What became of the pages a daemon was asked to hold: hits, and the two ways of losing them.
+# What became of the pages a daemon was asked to hold: hits, and the ways of losing them
+# (docs/operations.md, "Why a hit was lost": asked = storage hits + resident + the lost pages but host_evicted).
+LOST_REASONS = ("storage_miss", "below_threshold", "host_full", "revoked", "prefetch_late", "read_failed",
+                "host_evicted")
 DAEMON_COUNTERS = ("storage_hit_pages", "host_hit_pages", "prefetched_pages_evicted_unloaded",
-                   "writes_refused_host_full", "prefetch_holds_expired")
+                   "writes_refused_host_full", "prefetch_holds_expired", "prefetch_asked_pages",
+                   "prefetch_resident_pages", "prefetches_short", *(f"lost_hit_pages_{r}" for r in LOST_REASONS))
 FIGURES = ("completed", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_itl_ms", "median_itl_ms",
            "mean_tpot_ms", "request_throughput", "input_throughput", "output_throughput")
 
@@ -305,7 +322,7 @@ def run(work: Path, configs: tuple[str, ...] = CONFIGS, requests: int = REQUESTS
             row |= {"failed": requests - (result.get("completed") or 0), "cache": result.get("cache_report"),
                     "cpu_s": round(cpu, 1), "daemons_cpu_s": round(daemons_cpu, 1),
                     "stored_bytes": config.stored_bytes(), "healthy_s": round(healthy_s, 1),
-                    "daemon": config.daemon_counters(),
+                    "daemon": config.daemon_counters(), "backend_lost": config.backend_lost(),
                     "checks_equal": f"{len(checks) - len(wrong)}/{len(checks)}"}
             report["servers"][name] = row
             print(f"{name}: {json.dumps(row)}", file=sys.stderr, flush=True)

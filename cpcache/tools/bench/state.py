@@ -48,6 +48,9 @@ class _AllDone:
     def forget(self, closed_serials: list[int]) -> None:
         pass
 
+    def read_failed(self, serial: int) -> bool:
+        return False
+
     def exists(self, serial: int) -> int:
         return 0
 

@@ -83,17 +83,19 @@ POLICIES: dict[str, Admit] = {
 
 
 def replay(requests: list[list[bytes]], capacity: int, admit: Admit | None,
-           memory_pages: int = MEMORY_PAGES) -> dict[str, int]:
+           memory_pages: int = MEMORY_PAGES, threshold_tokens: int = 0) -> dict[str, int]:
     """Hit pages per tier over the trace; `capacity` 0: unbounded; `admit`
     None: the offline optimum (every page written, the one used again last
-    evicted: the bound no policy passes)."""
+    evicted: the bound no policy passes); `threshold_tokens`: a storage run
+    shorter than this is not read (`prefetch_threshold_tokens`), its pages
+    computed."""
     uses: dict[bytes, collections.deque[int]] = collections.defaultdict(collections.deque)
     for r, keys in enumerate(requests):
         for key in keys:
             uses[key].append(r)
     memory: OrderedDict[bytes, None] = OrderedDict()
     store: OrderedDict[bytes, None] = OrderedDict()
-    hits = {"pages": 0, "memory": 0, "storage": 0}
+    hits = {"pages": 0, "memory": 0, "storage": 0, "below_threshold": 0}
     for keys in requests:
         for key in keys:
             uses[key].popleft()
@@ -103,8 +105,12 @@ def replay(requests: list[list[bytes]], capacity: int, admit: Admit | None,
             in_memory += 1
         in_store = in_memory
         while in_store < len(keys) and keys[in_store] in store:
-            store.move_to_end(keys[in_store])
             in_store += 1
+        if (in_store - in_memory) * PAGE < threshold_tokens:
+            hits["below_threshold"] += in_store - in_memory
+            in_store = in_memory
+        for key in keys[in_memory:in_store]:
+            store.move_to_end(key)
         hits["memory"] += in_memory
         hits["storage"] += in_store - in_memory
         for key in keys:
@@ -140,7 +146,44 @@ def run(requests: int = REQUESTS) -> dict:
     baseline = next(r for r in rows if r["policy"] == "lru" and r["store"] == "a CP rank's share of it")
     for row in rows:
         row["hit_rate_vs_lru_at_a_share"] = row["hit_rate"] / baseline["hit_rate"]
-    return {"requests": requests, "memory_pages": MEMORY_PAGES, "rows": rows}
+    return {"requests": requests, "memory_pages": MEMORY_PAGES, "rows": rows, "capacity": capacity_rows(pages),
+            "thresholds": threshold_rows(pages)}
+
+
+CP_SIZES = (2, 4, 8)
+CAPACITY_BOUNDS = (BOUND_PAGES, 2 * BOUND_PAGES, 4 * BOUND_PAGES)
+THRESHOLDS = (0, 16, 32, 64, 128, 256)  # prefetch_threshold_tokens swept; 256 the old default
+
+
+def capacity_rows(pages: list[list[bytes]]) -> list[dict]:
+    """Equal storage bytes (`bound` pages of one CP rank's KV: serving's bound,
+    twice and four times it) at CP 2, 4 and 8: HiCache's file backend writes
+    each CP-replicated page once per CP rank, so it holds `bound / CP` pages;
+    cpcache writes it once per domain, `bound`."""
+    rows = []
+    for bound, cp in ((b, cp) for b in CAPACITY_BOUNDS for cp in CP_SIZES):
+        held = {"cpcache": bound, "hicache": bound // cp}
+        rates = {}
+        for stack, capacity in held.items():
+            hits = replay(pages, capacity, POLICIES["lru"])
+            rates[stack] = (hits["memory"] + hits["storage"]) / hits["pages"]
+            rates[f"{stack}_storage_tokens"] = hits["storage"] * PAGE
+        rows.append({"cp": cp, "storage_bytes_pages": bound, "cpcache_pages": held["cpcache"],
+                     "hicache_pages": held["hicache"], **rates, "ratio": rates["cpcache"] / rates["hicache"]})
+    return rows
+
+
+def threshold_rows(pages: list[list[bytes]]) -> list[dict]:
+    """The storage hits each `prefetch_threshold_tokens` gives up, unbounded and at the bound."""
+    rows = []
+    for store, capacity in (("unbounded", 0), ("the bound", BOUND_PAGES)):
+        for threshold in THRESHOLDS:
+            hits = replay(pages, capacity, POLICIES["lru"], threshold_tokens=threshold)
+            rows.append({"store": store, "threshold_tokens": threshold,
+                         "hit_rate": (hits["memory"] + hits["storage"]) / hits["pages"],
+                         "storage_tokens": hits["storage"] * PAGE,
+                         "storage_tokens_below_threshold": hits["below_threshold"] * PAGE})
+    return rows
 
 
 def text_report(report: dict) -> str:
@@ -149,6 +192,14 @@ def text_report(report: dict) -> str:
              "|---|---|---:|---:|---:|"]
     lines += [f"| {r['store']} ({r['capacity_pages'] or '-'} pages) | {r['policy']} | {100 * r['hit_rate']:.2f} | "
               f"{r['storage_tokens']:,} | {r['hit_rate_vs_lru_at_a_share']:.2f} |" for r in report["rows"]]
+    lines += ["", "Equal storage bytes (LRU):", "| CP | pages held, cpcache / HiCache | cpcache hit % | HiCache hit % "
+              "| ratio |", "|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['cp']} | {r['cpcache_pages']} / {r['hicache_pages']} | {100 * r['cpcache']:.2f} | "
+              f"{100 * r['hicache']:.2f} | {r['ratio']:.2f} |" for r in report["capacity"]]
+    lines += ["", "prefetch_threshold_tokens (LRU):", "| store | threshold | hit % | storage tokens | "
+              "given up |", "|---|---:|---:|---:|---:|"]
+    lines += [f"| {r['store']} | {r['threshold_tokens']} | {100 * r['hit_rate']:.2f} | {r['storage_tokens']:,} | "
+              f"{r['storage_tokens_below_threshold']:,} |" for r in report["thresholds"]]
     return "\n".join(lines)
 
 

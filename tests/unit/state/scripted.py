@@ -61,6 +61,7 @@ class ScriptedRank:
     fetched_pages: dict[int, int] = field(default_factory=dict)  # pages fetched so far, from the first
     fetches_ended: set[int] = field(default_factory=set)
     elapsed: dict[int, float] = field(default_factory=dict)
+    reads_failed: set[int] = field(default_factory=set)  # fetches a read of which returned short
     writes: dict[int, CopyOutcome] = field(default_factory=dict)
     loads: dict[int, CopyOutcome] = field(default_factory=dict)
     backups: dict[int, BackupOutcome] = field(default_factory=dict)
@@ -90,6 +91,9 @@ class ScriptedRank:
 
     def elapsed_s(self, serial: int) -> float:
         return self.elapsed.get(serial, 0.0)
+
+    def read_failed(self, serial: int) -> bool:
+        return serial in self.reads_failed
 
     def write_outcome(self, serial: int) -> CopyOutcome:
         return self.writes.get(serial, CopyOutcome.PENDING)
@@ -131,7 +135,9 @@ class _Pending:
 class ScriptedCache:
     def __init__(self, config: CacheConfig | None = None, host_pages: int = 4, ranks: int = 2, page_size: int = 16,
                  device_pages: int = 16, lag: int = 0) -> None:
-        self.state = CacheState(config or CacheConfig(prefetch_threshold_tokens=0), PageAllocator(host_pages),
+        # best_effort without its wait by default: a poll ends a prefetch then and there.
+        config = config or CacheConfig(prefetch_threshold_tokens=0, prefetch_best_effort_wait_s=0.0)
+        self.state = CacheState(config, PageAllocator(host_pages),
                                 SHARDING, page_size, device_pages)
         self.ranks = [ScriptedRank() for _ in range(ranks)]
         self.runtimes = [CacheRuntime(self.state, rank) for rank in self.ranks]  # type: ignore[arg-type]

@@ -176,6 +176,14 @@ def test_one_round_asks_every_open_operation_its_own_questions():
         "prefetch_holds_expired": 0,
         "prefetched_pages_evicted_unloaded": 0,
         "host_pages_evicted": 0,
+        "prefetch_asked_pages": 3,  # each prefetch's pages, counted as it opens
+        "prefetch_resident_pages": 0,
+        "prefetches_short": 0,
+        "lost_hit_pages_host_evicted": 0,
+        "lost_hit_pages_storage_miss": 0,  # prefetch 8's lookup found both pages; 7's has not answered
+        "lost_hit_pages_below_threshold": 0,
+        "lost_hit_pages_host_full": 0,
+        "lost_hit_pages_revoked": 0,
     }
     assert (c.state.match(list(pages(1, 2))), c.state.match(list(pages(2, 1))), c.state.match([])) == (1, 0, 0)
     assert s.digest == 0x168430cdc3531cfe
