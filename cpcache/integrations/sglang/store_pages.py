@@ -31,6 +31,7 @@ from cpcache.dataplane.storage.configured import open_storage
 from cpcache.errors import InvalidArgument
 from cpcache.geometry import KVGeometry
 from cpcache.integrations.sglang.pool import dtype_name
+from cpcache.integrations.sglang.store_calls import CallGuard
 from cpcache.keys import ShardingSpec
 
 STAGE_PAGES = 16  # pages one staging copy holds: a batch larger than this goes in parts
@@ -96,36 +97,44 @@ class StorePages:
         """How many pages, from the first, the store holds for this rank."""
         return self.backend.exists_prefix(self.keys(hashes))
 
-    def put(self, hashes: Sequence[str], slots: Sequence[int]) -> list[bool]:
+    def put(self, hashes: Sequence[str], slots: Sequence[int], guard: CallGuard | None = None) -> list[bool]:
         """Write each host slot's page under its hash. The caller chose this
         rank as the pages' writer (SGLang writes a replicated page from one
-        rank): every page given is written."""
+        rank): every page given is written. `guard`: once its caller gave
+        up, no host slot is read (the rest are not written)."""
         done = [False] * len(hashes)
         stage = self._put_stage
+        guard = guard or CallGuard()
         with stage.lock:
             for part in _parts(list(range(len(hashes))), len(stage.pages)):
-                for j, i in enumerate(part):
-                    stage.pages[j].copy_(self._stored_view(slots[i]))
+                with guard.host_slots() as waited:
+                    if not waited:
+                        return done
+                    for j, i in enumerate(part):
+                        stage.pages[j].copy_(self._stored_view(slots[i]))
                 written = self.backend.put_from(self.keys([hashes[i] for i in part]),
                                                 [stage.buffer(j) for j in range(len(part))])
                 for i, ok in zip(part, written):
                     done[i] = ok
         return done
 
-    def get(self, hashes: Sequence[str], slots: Sequence[int]) -> list[bool]:
+    def get(self, hashes: Sequence[str], slots: Sequence[int], guard: CallGuard | None = None) -> list[bool]:
         """Read each hash's page into its host slot; from the first miss on,
-        nothing more is read (a prefix is all a hit can use)."""
+        nothing more is read (a prefix is all a hit can use). `guard`: once
+        its caller gave up, no host slot is written."""
         done = [False] * len(hashes)
         stage = self._get_stage
+        guard = guard or CallGuard()
         with stage.lock:
             for part in _parts(list(range(len(hashes))), len(stage.pages)):
                 read = self.backend.get_into(self.keys([hashes[i] for i in part]),
                                              [stage.buffer(j) for j in range(len(part))])
-                for j, (i, ok) in enumerate(zip(part, read)):
-                    if not ok:
-                        return done
-                    self._stored_view(slots[i]).copy_(stage.pages[j])
-                    done[i] = True
+                with guard.host_slots() as waited:
+                    for j, (i, ok) in enumerate(zip(part, read)):
+                        if not (ok and waited):
+                            return done
+                        self._stored_view(slots[i]).copy_(stage.pages[j])
+                        done[i] = True
         return done
 
     def _stored_view(self, slot: int) -> torch.Tensor:
