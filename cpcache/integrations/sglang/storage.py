@@ -33,7 +33,6 @@ loads it, with a `DeprecationWarning` (CHANGELOG.md, "Deprecated").
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -43,14 +42,12 @@ from typing import Any
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
-from cpcache.config import FaultInjection
 from cpcache.deprecations import renamed_attributes
-from cpcache.domain_file import domain_config
 from cpcache.errors import CacheError, Unavailable
 from cpcache.integrations.sglang.pool import pool_name
 from cpcache.integrations.sglang.settings import Settings
 from cpcache.integrations.sglang.store_calls import BoundedCalls, CallGuard
-from cpcache.integrations.sglang.store_pages import StorePages, host_pool_geometry, page_slots
+from cpcache.integrations.sglang.store_pages import StorePages, client_config, host_pool_geometry, page_slots
 from cpcache.keys import ShardingSpec, tenant_of
 
 log = logging.getLogger(__name__)
@@ -76,13 +73,7 @@ class CpcacheStore(HiCacheStorage):
         if not self.settings.daemon_config:
             raise ValueError("cpcache: the store to write is the domain's: set daemon_config, the prefill "
                              "daemons' settings file, in the file CPCACHE_SGLANG_CONFIG names")
-        # The domain's store, as this process reaches it: no part of the
-        # store in its memory (its offload writes into the daemons'
-        # segments) and none of the daemons' fault injection.
-        config = domain_config(self.settings.daemon_config)
-        self.config = dataclasses.replace(config, faults=FaultInjection(), storage_segment_bytes=0,
-                                          storage_local_hostname=self.settings.store_hostname
-                                          or config.storage_local_hostname)
+        self.config = client_config(self.settings.daemon_config, self.settings.store_hostname)
         self.storage_config = storage_config
         self.calls = BoundedCalls(self.config.storage_timeout_s)
         self.pages: StorePages | None = None
