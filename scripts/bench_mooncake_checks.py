@@ -6,8 +6,8 @@ each page's K and V runs), all three in one process over one master.
 "Before" is the backend (`storage/mooncake.py`, `storage/framing.py`) as
 git revision `--before` has it, loaded beside this tree's; both register
 the same host pool. Each block of a page size puts 64 MiB of fresh pages on
-every side in a rotating order, reads them back in a rotating order, then
-empties the store; a ratio per block is SGLang's time over the side's
+every side in a rotating order and reads them back in a rotating order
+(every page stays stored: nothing is evicted, no put refused); a ratio per block is SGLang's time over the side's
 (below 1: slower than SGLang's), reported as the median over the blocks
 with its spread (`cpcache.testing.stats.block_summary`).
 
@@ -85,7 +85,8 @@ def page_size_rows(master: MooncakeMaster, before: type[MooncakeBackend], page_b
     host = HostPool(geometry, pages=n, layout="page_first_direct")
     pages = Tiers(host).host_buffers(list(range(n)))
     options = dict(master=master.master, metadata_server=master.metadata_server, buffers=[(host.address, host.nbytes)],
-                   global_segment_size=2 * BATCH_BYTES + (16 << 20), local_buffer_size=16 << 20,
+                   # the two segments hold every block's pages of the three sides
+                   global_segment_size=(3 * blocks + 2) * BATCH_BYTES // 2, local_buffer_size=16 << 20,
                    geometry_fingerprint=geometry.fingerprint())
     sides = {"before": before(**options), "after": MooncakeBackend(**options)}  # type: ignore[arg-type]
     raw = sides["after"]._store
@@ -116,7 +117,6 @@ def page_size_rows(master: MooncakeMaster, before: type[MooncakeBackend], page_b
                 shift = block % len(names)
                 for name in names[shift:] + names[:shift]:
                     times[op][name].append(timed(calls[name]))
-            raw.remove_all()  # every block writes fresh pages into an empty store
     finally:
         for backend in sides.values():
             backend.close()
