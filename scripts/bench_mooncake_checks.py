@@ -85,8 +85,9 @@ def page_size_rows(master: MooncakeMaster, before: type[MooncakeBackend], page_b
     host = HostPool(geometry, pages=n, layout="page_first_direct")
     pages = Tiers(host).host_buffers(list(range(n)))
     options = dict(master=master.master, metadata_server=master.metadata_server, buffers=[(host.address, host.nbytes)],
-                   # the two segments hold every block's pages of the three sides
-                   global_segment_size=(3 * blocks + 2) * BATCH_BYTES // 2, local_buffer_size=16 << 20,
+                   # either segment holds every block's pages of the three sides: the
+                   # store stays below its eviction watermark
+                   global_segment_size=(3 * blocks + 4) * BATCH_BYTES, local_buffer_size=16 << 20,
                    geometry_fingerprint=geometry.fingerprint())
     sides = {"before": before(**options), "after": MooncakeBackend(**options)}  # type: ignore[arg-type]
     raw = sides["after"]._store
