@@ -144,9 +144,10 @@ def page_size_rows(master: MooncakeMaster, before: type[MooncakeBackend], page_b
     runs = [page.views for page in pages]
     everything = list(range(n))
     work: dict[str, dict[str, Callable[[], object]]] = {
-            "put": {"sglang": sglang_put, "before": put("before"), "after": put("after")},
-            "get": {"sglang": sglang_get, "before": get("before"), "after": get("after")},
-            "hash": {"xxh3": lambda: digests(runs, everything)}}  # the checksums alone, on one thread
+        "put": {"sglang": sglang_put, "before": put("before"), "after": put("after")},
+        "get": {"sglang": sglang_get, "before": get("before"), "after": get("after")},
+        "hash": {"xxh3": lambda: digests(runs, everything)},  # the checksums alone, on one thread
+    }
     times: dict[str, dict[str, list[float]]] = {op: {side: [] for side in calls} for op, calls in work.items()}
     try:
         for block in range(blocks):
