@@ -196,7 +196,8 @@ class DaemonConfig:
         "127.0.0.1", "mooncake: the address other hosts reach this daemon's segment at (its host or container name).")
     storage_segment_bytes: int = setting(256 << 20, "mooncake: memory this rank contributes to the store.")
     storage_timeout_s: float = setting(10.0, "Longest a storage call may take: a lookup is then a miss, a Match "
-                                      "UNAVAILABLE.")
+                                      "UNAVAILABLE; a decode server's offload write (read from the domain's "
+                                      "file) a failed backup.")
     kv_cp_sharding: str = setting("cp_replicated", "How CP ranks hold a page: cp_replicated or cp_sharded.",
                                   choices=KV_CP_SHARDINGS)
     prefetch_policy: str = setting(_CACHE.prefetch_policy,

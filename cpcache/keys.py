@@ -49,12 +49,21 @@ def request_namespace_seed(extra_key: str | None, cache_salt: str | None) -> str
     return digest.hexdigest()
 
 
-def generation_seed(seed: str | None, generation: int) -> str | None:
-    """A chain seed for the `generation`-th cache flush: chains from it share
-    no page with chains from `seed` (generation 0 is `seed` itself)."""
+def generation_pages(pages: list[str], generation: int) -> list[str]:
+    """SGLang's page hashes `pages` as named after the `generation`-th cache
+    flush: each hash renamed on its own, so a process that has SGLang's
+    hashes and the generation (a decode server's offload) names a page as
+    the flushed prefill does, and no page of one generation is a page of
+    another (generation 0 is SGLang's hashes themselves)."""
     if generation == 0:
-        return seed
-    return hashlib.sha256(f"cpcache-flush:{seed or ''}:{generation}".encode()).hexdigest()
+        return pages
+    return [hashlib.sha256(f"cpcache-flush:{generation}:{page}".encode()).hexdigest() for page in pages]
+
+
+def flush_record(number: int) -> str:
+    """The page name of the `number`-th flush record a prefill server
+    publishes in its store (`integrations/sglang/flush_records.py`)."""
+    return hashlib.sha256(f"cpcache-flush-record:{number}".encode()).hexdigest()
 
 
 def tenant_of(model_id: str, geometry_fingerprint: int, model_dtype: str = "") -> str:

@@ -21,7 +21,7 @@ import numpy as np
 from cpcache import errors
 from cpcache.client import Client
 from cpcache.dataplane.storage import framing
-from cpcache.keys import chain, generation_seed
+from cpcache.keys import chain, generation_pages
 from cpcache.testing.sglang_cpu.servers import (
     CPU_HOST,
     Reply,
@@ -135,9 +135,9 @@ def wait_idle_checks(server: Server, ranks: int, idle_s: float, attempts: int = 
 
 
 def stored_pages(stack: Stack, tokens: list[int]) -> list[Path]:
-    # Every flush (a weight update's too) seeds the page chains anew.
+    # Every flush (a weight update's too) names the pages anew.
     generation = len(stack.cpcache.log_lines("cpcache: rank 0 flushed its cache"))
-    hashes = chain(tokens, PAGE, generation_seed(None, generation))
+    hashes = generation_pages(chain(tokens, PAGE, None), generation)
     # A page's object is `tenant.hash`, then its shard's suffix where the
     # page differs per rank (none for a replicated MLA latent).
     # Temp files of writes in flight are hidden (a leading dot): not pages.

@@ -6,7 +6,8 @@ refused; over a file store it writes pages the store then holds, and
 SGLang's own loader given the class's old name (`DaemonStorage`) builds
 it, with a DeprecationWarning;
 over a store that cannot be reached it opens nothing and every call is a
-miss, the server unharmed. The pages' bytes and keys are checked in
+miss, the server unharmed; over a Mooncake Store whose master is stopped
+each call comes back by its deadline (a backup thread goes on). The pages' bytes and keys are checked in
 tests/unit/integrations/test_store_pages.py; through a real decode server
 in test_pd.py."""
 
@@ -27,6 +28,7 @@ pytestmark = [
                        "`make setup` builds it"),
 ]
 WORKER = Path(__file__).resolve().parent / "decode_store_worker.py"
+STALL_WORKER = WORKER.with_name("decode_store_stall_worker.py")
 
 
 def run_worker(tmp_path: Path, daemon_toml: str) -> dict:
@@ -54,3 +56,17 @@ def test_the_decode_stores_refusals_its_writes_and_an_unreachable_store(tmp_path
 def test_a_store_that_cannot_be_reached_costs_the_offload_not_the_server(tmp_path: Path):
     out = run_worker(tmp_path, 'storage = "mooncake"\nstorage_master = "127.0.0.1:1"\n')
     assert out["store"] == {"written": [False, False], "found": 0, "open": False}
+
+
+def test_a_stopped_store_costs_the_backup_thread_one_deadline_not_a_stall():
+    """The master stopped (SIGSTOP) under an open store: the first write is
+    given up at storage_timeout_s, the calls behind it fail at once, and the
+    backup thread goes on; once the master runs again, writes land."""
+    out = run_sglang_worker(STALL_WORKER, {})
+    assert out["before"] == [True, True]
+    stopped = out["stopped"]
+    assert stopped == {"finished": True, "first write": [False, False], "second write": [False, False],
+                       "lookup": 0}, stopped
+    assert out["counts while stopped"] == {"timed_out": 1, "skipped": 2}
+    assert out["answered again"] is True
+    assert out["after"] == [True, True] and out["found after"] == 2

@@ -38,7 +38,7 @@ from cpcache.config import CacheConfig
 from cpcache.dataplane.storage import StorageBackend
 from cpcache.dataplane.storage.file import FileBackend
 from cpcache.domain_file import domain_config
-from cpcache.keys import chain
+from cpcache.keys import chain, generation_pages
 from cpcache.testing.mooncake_master import MooncakeMaster
 from cpcache.testing.sglang_cpu.pd import PdDeployment, over_cpcache
 from cpcache.testing.sglang_cpu.servers import (
@@ -197,12 +197,14 @@ def store_observer(pd: PdDeployment) -> tuple[StorageBackend, str, str]:
                            local_buffer_size=0), found[1], found[2]
 
 
-def wait_offloaded(pd: PdDeployment, tokens: list[int], timeout_s: float = 120.0) -> None:
-    """Until the store holds every page of `tokens`: the decode server's
-    offload writes them after the reply, and a next turn sent sooner would
-    find part of them."""
+def wait_offloaded(pd: PdDeployment, tokens: list[int], timeout_s: float = 120.0, generation: int = 0) -> None:
+    """Until the store holds every page of `tokens` (named as after the
+    prefill server's `generation`-th flush): the decode server's offload
+    writes them after the reply, and a next turn sent sooner would find
+    part of them."""
     store, tenant, suffix = store_observer(pd)
-    keys = [f"{tenant}.{h}_{suffix}" if suffix else f"{tenant}.{h}" for h in chain(tokens, PAGE, None)]
+    keys = [f"{tenant}.{h}_{suffix}" if suffix else f"{tenant}.{h}"
+            for h in generation_pages(chain(tokens, PAGE, None), generation)]
     deadline = time.monotonic() + timeout_s
     try:
         while (present := store.exists_prefix(keys)) < len(keys):
@@ -238,8 +240,29 @@ def test_the_next_turn_finds_the_previous_answer_in_storage_after_decode_offload
           f"storage {got.storage}); the prefill server computed {len(first) // PAGE * PAGE} of them")
     # The prefill server never computed the answer's KV: every cached token
     # past the first prompt's pages came from the decode server's offload.
-    # (Before any flush: a flush of the prefill server seeds its page chains
-    # anew, which the decode server's offload does not follow.)
+    assert got.cached >= offloaded > len(first) // PAGE * PAGE and got.storage > 0, got
+
+
+@pytest.mark.parametrize("pd", CPCACHE_PAIRS, indirect=True)
+def test_after_a_prefill_flush_the_next_turn_still_finds_the_decode_servers_offload(pd: PdDeployment,
+                                                                                    reference: Reference):
+    """The prefill server names its pages anew at a flush; its rank 0
+    publishes the generation in the store, and the decode server's offload
+    names the answer's pages by it."""
+    assert pd.prefill is not None and pd.prefill.process is not None
+    published = "published flush generation"
+    before = len(pd.prefill.process.wait_lines(published, 1, timeout_s=120))  # generation 0, at start
+    pd.prefill.flush_cache()
+    line = pd.prefill.process.wait_lines(published, before + 1, timeout_s=120)[-1]
+    found = re.search(published + r" (\d+)", line)
+    assert found and int(found[1]) >= 1, line
+    (first, want_first), (second, want_second) = conversation(reference, 73)
+    got = pd.generate(first, ANSWER)
+    assert same_outputs(got, want_first), f"through the router {got}, a server without cache {want_first}"
+    offloaded = (len(first) + ANSWER - 1) // PAGE * PAGE
+    wait_offloaded(pd, (first + list(got.output_ids))[:offloaded], generation=int(found[1]))
+    got = pd.generate(second, ANSWER)
+    assert same_outputs(got, want_second), f"through the router {got}, a server without cache {want_second}"
     assert got.cached >= offloaded > len(first) // PAGE * PAGE and got.storage > 0, got
 
 

@@ -69,14 +69,15 @@ def test_one_writer_per_replicated_page_and_balanced():
     assert all(s.writes(pages[0]) for s in sharded)
 
 
-def test_a_flush_generation_seeds_chains_that_share_no_page():
-    from cpcache.keys import chain, generation_seed
+def test_a_flush_generation_names_pages_that_no_other_generation_names():
+    from cpcache.keys import chain, flush_record, generation_pages
 
-    tokens = list(range(64))
-    assert generation_seed(None, 0) is None and generation_seed("ab" * 32, 0) == "ab" * 32
-    first, flushed = chain(tokens, 16, None), chain(tokens, 16, generation_seed(None, 1))
-    assert not set(first) & set(flushed)
-    assert chain(tokens, 16, generation_seed(None, 2)) != flushed
+    pages = chain(list(range(64)), 16, None)
+    assert generation_pages(pages, 0) == pages
+    generations = [generation_pages(pages, g) for g in range(4)]
+    assert len({page for named in generations for page in named}) == 4 * len(pages)
+    assert generation_pages(pages[2:], 3) == generations[3][2:]  # each page on its own: a suffix names alike
+    assert len({flush_record(n) for n in range(5)} | set(pages)) == 5 + len(pages)
 
 
 def test_a_backups_share_is_the_pages_this_rank_writes_under_their_keys():

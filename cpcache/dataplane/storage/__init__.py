@@ -42,7 +42,7 @@ class PageBuffer:
     that derives what the backends ask for (each run's address, its bytes,
     the page's size) once, here."""
 
-    __slots__ = ("parts", "views", "addresses", "nbytes")
+    __slots__ = ("parts", "views", "addresses", "sizes", "nbytes")
 
     def __init__(self, address: int, view: np.ndarray | memoryview,
                  rest: Sequence[tuple[int, np.ndarray | memoryview]] = ()) -> None:
@@ -61,7 +61,8 @@ class PageBuffer:
         self.parts = parts
         self.views = [view for _, view in parts]
         self.addresses = [address for address, _ in parts]
-        self.nbytes = sum(view.nbytes for view in self.views)
+        self.sizes = [view.nbytes for view in self.views]
+        self.nbytes = sum(self.sizes)
 
     def __repr__(self) -> str:
         return f"PageBuffer({[(hex(a), v.nbytes) for a, v in self.parts]})"

@@ -109,23 +109,49 @@ def in_spans(work: Callable[[list[T]], list[R]], items: list[T], workers: Execut
     return done
 
 
+def digests(payloads: Sequence[list[memoryview]], indices: Sequence[int]) -> list[int]:
+    """`checksum` of the pages at `indices`, with the least Python per page
+    (a batch of small pages costs its calls, not its bytes): a page of one
+    run is one call, of two runs (K and V) a hasher fed both."""
+    whole, hasher = xxhash.xxh3_64_intdigest, xxhash.xxh3_64
+    out = []
+    for i in indices:
+        runs = payloads[i]
+        if len(runs) == 1:
+            out.append(whole(runs[0]))
+            continue
+        state = hasher(runs[0])
+        for run in runs[1:]:
+            state.update(run)
+        out.append(state.intdigest())
+    return out
+
+
+def check_batch(headers: bytes | memoryview, payloads: Sequence[list[memoryview]], lengths: np.ndarray,
+                read_whole: np.ndarray, geometry: int, workers: Executor | None = None,
+                spans: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """check_page over a batch, at once: `headers` back to back, one per
+    payload (`lengths`: each payload's bytes; `read_whole`: whether its
+    object read in full, header and payload: one that did not is damaged,
+    unchecked). -> (valid, damaged): boolean masks; a page in neither is
+    foreign. The header fields of the whole batch are compared as arrays and
+    the checksums too; each page costs its hash alone (`digests`), hashed
+    in `spans` runs (`in_spans`)."""
+    records = np.frombuffer(headers, dtype=HEADER_RECORD, count=len(payloads))
+    ours = (records["magic"] == MAGIC) & (records["version"] == VERSION) & read_whole
+    foreign = ours & (records["geometry"] != geometry)
+    whole = np.flatnonzero(ours & ~foreign & (records["length"] == lengths))
+    hashed = in_spans(lambda run: digests(payloads, run), whole.tolist(), workers, spans)
+    valid = np.zeros(len(payloads), dtype=bool)
+    valid[whole] = np.asarray(hashed, dtype=np.uint64) == records["checksum"][whole]
+    return valid, ~valid & ~foreign
+
+
 def check_pages(headers: bytes, payloads: Sequence[list[memoryview]], lengths: Sequence[int],
                 read_whole: Sequence[bool], geometry: int, workers: Executor | None = None,
                 spans: int = 1) -> list[Verdict]:
-    """check_page over a batch: `headers` back to back, one per payload
-    (`lengths`: each payload's bytes; `read_whole`: whether its object read
-    in full, header and payload: one that did not is damaged, unchecked).
-    The header fields of the whole batch are compared at once; each page
-    then costs its checksum alone, hashed in `spans` runs (`in_spans`)."""
-    records = np.frombuffer(headers, dtype=HEADER_RECORD, count=len(payloads))
-    ours = (records["magic"] == MAGIC) & (records["version"] == VERSION) & np.asarray(read_whole, dtype=bool)
-    foreign = ours & (records["geometry"] != geometry)
-    whole = ours & ~foreign & (records["length"] == np.asarray(lengths, dtype=np.uint64))
-    digests = records["checksum"].tolist()
-
-    def matching(run: list[int]) -> list[int]:
-        return [i for i in run if checksum(payloads[i]) == digests[i]]
-
-    valid = set(in_spans(matching, np.flatnonzero(whole).tolist(), workers, spans))
-    return [Verdict.FOREIGN if is_foreign else Verdict.VALID if i in valid else Verdict.DAMAGED
-            for i, is_foreign in enumerate(foreign.tolist())]
+    """check_batch's verdicts, one per page."""
+    valid, damaged = check_batch(headers, payloads, np.asarray(lengths, dtype=np.uint64),
+                                 np.asarray(read_whole, dtype=bool), geometry, workers, spans)
+    return [Verdict.VALID if ok else Verdict.DAMAGED if bad else Verdict.FOREIGN
+            for ok, bad in zip(valid.tolist(), damaged.tolist())]

@@ -23,7 +23,7 @@ import numpy as np
 
 from cpcache.config import DaemonConfig
 from cpcache.dataplane.storage import PageBuffer, StorageBackend, register
-from cpcache.dataplane.storage.framing import HEADER, Verdict, check_pages, checksum, in_spans, pack_header_into
+from cpcache.dataplane.storage.framing import HEADER, check_batch, digests, in_spans, pack_header_into
 from cpcache.errors import InvalidArgument, Unavailable
 from cpcache.geometry import KVGeometry
 from cpcache.values import split_host_port
@@ -192,11 +192,9 @@ class MooncakeBackend(StorageBackend):
         """Put one part of a batch; `waits`: what is left of the batch's waits for room."""
         first = self._headers.offset(lease)
         address = self._headers.address + first
-        pointers, sizes = [], []
+        pointers, sizes = self._layout(address, pages)
         for i, (page, digest) in enumerate(zip(pages, self._checksums(pages))):
             pack_header_into(self._headers.view, first + i * HEADER.size, self._geometry, page.views, digest)
-            pointers.append([address + i * HEADER.size, *page.addresses])
-            sizes.append([HEADER.size, *(v.nbytes for v in page.views)])
         codes = self._store.batch_put_from_multi_buffers(keys, pointers, sizes)
         refused = [i for i, code in enumerate(codes) if code == NO_AVAILABLE_HANDLE]
         while refused:
@@ -219,8 +217,17 @@ class MooncakeBackend(StorageBackend):
 
     def _checksums(self, pages: list[PageBuffer]) -> list[int]:
         """Each page's XXH3, large pages hashed on the checking threads at once."""
-        return in_spans(lambda run: [checksum(page.views) for page in run], pages, self._checkers_for(pages),
+        runs = [page.views for page in pages]
+        return in_spans(lambda span: digests(runs, span), list(range(len(pages))), self._checkers_for(pages),
                         CHECK_THREADS)
+
+    @staticmethod
+    def _layout(address: int, pages: list[PageBuffer]) -> tuple[list[list[int]], list[list[int]]]:
+        """A multi-buffer call's pointers and sizes: each page's header (in
+        the arena from `address` on), then its runs."""
+        header = HEADER.size
+        return ([[address + i * header, *page.addresses] for i, page in enumerate(pages)],
+                [[header, *page.sizes] for page in pages])
 
     def _checkers_for(self, pages: list[PageBuffer]) -> ThreadPoolExecutor | None:
         """The checking threads for a batch of large pages; None: hash in turn."""
@@ -228,27 +235,23 @@ class MooncakeBackend(StorageBackend):
 
     def _get_part(self, lease: int, keys: list[str], pages: list[PageBuffer]) -> list[bool]:
         first = self._headers.offset(lease)
-        address = self._headers.address + first
-        pointers = [[address + i * HEADER.size, *page.addresses] for i, page in enumerate(pages)]
-        sizes = [[HEADER.size, *(v.nbytes for v in page.views)] for page in pages]
+        pointers, sizes = self._layout(self._headers.address + first, pages)
         got = self._store.batch_get_into_multi_buffers(keys, pointers, sizes)
         if len(got) != len(keys):
             return [False] * len(keys)  # not an answer per key: nothing of it is read
-        headers = self._headers.view[first : first + len(pages) * HEADER.size].tobytes()
-        lengths = [page.nbytes for page in pages]
-        verdicts = check_pages(headers, [page.views for page in pages], lengths,
-                               [n == HEADER.size + length for n, length in zip(got, lengths)], self._geometry,
-                               self._checkers_for(pages), CHECK_THREADS)
-        done = []
-        for key, n, verdict in zip(keys, got, verdicts):
-            if n < 0:
-                done.append(False)  # missing, or an object of another size
-                continue
-            if verdict is Verdict.DAMAGED:
-                removed = self._store.remove(key, True) == 0  # force: past the read lease
-                self._count("storage_damaged_pages_deleted", int(removed))
-            done.append(verdict is Verdict.VALID)
-        return done
+        # The whole batch checked at once (framing.check_batch): its header
+        # fields and checksums compared as arrays, each page costing its hash.
+        lengths = np.fromiter((page.nbytes for page in pages), dtype=np.uint64, count=len(pages))
+        read = np.asarray(got, dtype=np.int64)
+        valid, damaged = check_batch(self._headers.view[first : first + len(pages) * HEADER.size],
+                                     [page.views for page in pages], lengths,
+                                     read == lengths.astype(np.int64) + HEADER.size, self._geometry,
+                                     self._checkers_for(pages), CHECK_THREADS)
+        # A damaged object is removed (force: past the read lease) so the
+        # next backup rewrites it; a missing one (or of another size) is a miss.
+        for i in np.flatnonzero(damaged & (read >= 0)).tolist():
+            self._count("storage_damaged_pages_deleted", int(self._store.remove(keys[i], True) == 0))
+        return valid.tolist()
 
     def close(self) -> None:
         if not self._closed:

@@ -12,11 +12,14 @@ from cpcache.client import Client, DecisionLog, SchedulerSession
 from cpcache.client.daemon_process import HeldDaemon
 from cpcache.client.pools import take_host_pool
 from cpcache.errors import CacheError
+from cpcache.geometry import KVGeometry
 from cpcache.integrations.sglang import server_flags
+from cpcache.integrations.sglang.flush_records import Publisher
 from cpcache.integrations.sglang.layer_loads import STOP_WAIT_S, LayerLoads
 from cpcache.integrations.sglang.orphan_loads import OrphanLoads
 from cpcache.integrations.sglang.pool import SharedPool, check_in_place, layer_buffers, share_device_pool
 from cpcache.integrations.sglang.settings import Settings
+from cpcache.keys import tenant_of
 from cpcache.load_signals import SLOTS, LoadSignals
 from cpcache.topology import Topology
 
@@ -232,7 +235,29 @@ def build_cache(context: Any, settings: Settings | None = None) -> Any:
                              reattach_after=settings.reattach_after_iterations,
                              storage_prefetch=server_flags.storage_prefetch_enabled(context.server_args), rank=rank,
                              host_pages=attached.host_pages, decisions=decisions, layer_loads=layer_loads,
-                             daemon_quiet=daemon_quiet, storage=attached.storage)
+                             daemon_quiet=daemon_quiet, storage=attached.storage,
+                             flushes=flush_publisher(context.server_args, settings, rank, attached.storage, model,
+                                                     pool.geometry))
+
+
+def flush_publisher(server_args: Any, settings: Settings, rank: int, storage: str, model: tuple[str, str],
+                    geometry: KVGeometry) -> Publisher | None:
+    """A prefill server's rank 0 publishes its flush generation where the
+    decode servers' offload reads it (flush_records.py), in the store the
+    backend's `daemon_config` names; generation 0 at once."""
+    if rank != 0 or storage == "none" or getattr(server_args, "disaggregation_mode", "null") != "prefill":
+        return None
+    if not settings.daemon_config:
+        log.warning("cpcache: no daemon_config in the backend's settings: a decode server's offload cannot follow "
+                    "this prefill server's flushes (its pages are misses after the first)")
+        return None
+    from cpcache.integrations.sglang.store_pages import client_config, open_flush_records
+
+    tenant = tenant_of(model[0], geometry.fingerprint(), model[1])
+    publisher = Publisher(lambda: open_flush_records(client_config(settings.daemon_config, settings.store_hostname),
+                                                     geometry, tenant))
+    publisher.publish(0)
+    return publisher
 
 
 def peer_sockets(settings: Settings, topology: Topology, rank: int) -> list[str]:

@@ -40,15 +40,16 @@ from sglang.srt.mem_cache.unified_radix_cache import NodeId, UnifiedRadixCache
 from cpcache.client.outcomes import DecisionLog, Tally
 from cpcache.client.session import SchedulerSession
 from cpcache.errors import CacheError
+from cpcache.integrations.sglang.flush_records import Publisher
 from cpcache.integrations.sglang.host_hits import HostHit, HostPoolView
 from cpcache.integrations.sglang.layer_loads import LayerLoads
 from cpcache.integrations.sglang.lost_hits import LostHits
+from cpcache.integrations.sglang.page_names import PageNames
 from cpcache.integrations.sglang.pool import SharedPool
 from cpcache.integrations.sglang.quarantine import Quarantine
 from cpcache.integrations.sglang.reattach import AttachAgain, NotServingYet
 from cpcache.integrations.sglang.timing import SchedulerTime
 from cpcache.integrations.sglang.tree_events import TreeEvents
-from cpcache.keys import chain, generation_seed, request_namespace_seed
 
 log = logging.getLogger(__name__)
 __all__ = ["CpcacheRadixCache", "NotServingYet"]
@@ -59,7 +60,8 @@ class CpcacheRadixCache(UnifiedRadixCache):
                  attach_again: Callable[[], SchedulerSession] | None = None, reattach_after: int = 64,
                  storage_prefetch: bool = True, rank: int = 0, host_pages: int = 0,
                  decisions: DecisionLog | None = None, layer_loads: LayerLoads | None = None,
-                 daemon_quiet: Callable[[int | None], bool] | None = None, storage: str = "none") -> None:
+                 daemon_quiet: Callable[[int | None], bool] | None = None, storage: str = "none",
+                 flushes: Publisher | None = None) -> None:
         # Everything is set before the parent's constructor, which calls reset().
         self._built = False  # that reset() has nothing of cpcache's to flush yet
         # The rank's daemon (`self.session` is SGLang's own, its streaming sessions).
@@ -69,7 +71,7 @@ class CpcacheRadixCache(UnifiedRadixCache):
         self._quarantined = Quarantine()
         self.clock = SchedulerTime()
         self._past_tallies: list[Tally] = []  # of the sessions left behind (the logged line counts their steps)
-        self._generation = 0  # flushes since start: seeds the page hashes
+        self.names = PageNames(flushes)
         self.shared_pool = pool
         self.storage_prefetch = storage_prefetch
         self.rank = rank
@@ -141,7 +143,7 @@ class CpcacheRadixCache(UnifiedRadixCache):
     def _name_pages(self, key: Any, hashes: list[bytes], first: int) -> list[bytes]:
         """The pages `first`... of `key`, named for the events they may enter a tier with."""
         if self.tree_events is not None:
-            self.tree_events.name_pages(key, hashes, first, self._generation)
+            self.tree_events.name_pages(key, hashes, first, self.names.generation)
         return hashes[first:]
 
     def take_events(self) -> list:
@@ -155,16 +157,8 @@ class CpcacheRadixCache(UnifiedRadixCache):
     # -- keys -------------------------------------------------------------------------
 
     def page_hashes(self, key: Any) -> list[bytes]:
-        """SGLang's page hashes of `key` (full pages), seeded like SGLang seeds
-        a namespaced request's storage chain."""
-        if getattr(key, "is_bigram", False):
-            return []  # EAGLE bigram keys are not cached below the device
-        tokens = list(key.raw_token_ids()[: len(key)])
-        seed = request_namespace_seed(getattr(key, "extra_key", None), getattr(key, "cache_salt", None))
-        # After a flush (a weight update's among them) pages chain from a new
-        # seed: the host pool's and storage's older pages are never matched.
-        seed = generation_seed(seed, self._generation)
-        return [bytes.fromhex(h) for h in chain(tokens, self.page_size, seed)]
+        """The storage names of `key`'s full pages (page_names.py)."""
+        return self.names.of(key, self.page_size)
 
     # -- device -> host ---------------------------------------------------------------
 
@@ -422,7 +416,7 @@ class CpcacheRadixCache(UnifiedRadixCache):
     def clear_storage_backend(self) -> bool:
         """SGLang's /clear_hicache_storage: the pages stored so far are never
         matched again (hashes chain from a new seed), alike on every rank."""
-        self._generation += 1
+        self.names.flushed()
         self._host_hits.clear()
         if self.tree_events is not None:
             self.tree_events.tiers.left_behind()
@@ -445,7 +439,7 @@ class CpcacheRadixCache(UnifiedRadixCache):
         # SGLang flushes after a weight update too ("the cache the old weights
         # produced"): what the host pool and storage hold must not be matched
         # any more, as SGLang's own HiCache clears its host pool.
-        self._generation += 1
+        self.names.flushed()
         session = self.daemon_session
         if session is not None:
             self._host_hits.clear()

@@ -16,7 +16,8 @@ which is what `cpcache launch` and the systemd units number daemons by) and
 stored under it, and schedulers attached as another model never see them.
 `daemon_config` (relative to this file) and `store_hostname` are for a
 decode server with no daemon beneath it, whose KV offload writes the
-domain's store (`storage.CpcacheStore`).
+domain's store (`storage.CpcacheStore`), and for a prefill server's rank 0,
+which publishes its flush generation there (`flush_records.py`).
 """
 
 from __future__ import annotations

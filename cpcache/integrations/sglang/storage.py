@@ -21,7 +21,10 @@ is written. A store that cannot be reached costs the offload, not the
 decode server: while it cannot be opened every call is a miss, and it is
 tried again every `REOPEN_AFTER_S` (the first failure logged as an error,
 the next ones at debug level). Once open, a store that goes away fails the
-writes (SGLang logs them) until it is back.
+writes (SGLang logs them) until it is back. Every call, the opening
+included, is given up at the domain's `storage_timeout_s`
+(`store_calls.BoundedCalls`): a store that stops answering costs SGLang's
+backup thread that long once, then nothing until it answers again.
 
 SGLang imports this module only in its own processes: it subclasses
 SGLang's `HiCacheStorage`. Its name before 0.2.0, `DaemonStorage`, still
@@ -30,7 +33,6 @@ loads it, with a `DeprecationWarning` (CHANGELOG.md, "Deprecated").
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -40,13 +42,12 @@ from typing import Any
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
-from cpcache.config import FaultInjection
 from cpcache.deprecations import renamed_attributes
-from cpcache.domain_file import domain_config
 from cpcache.errors import CacheError, Unavailable
 from cpcache.integrations.sglang.pool import pool_name
 from cpcache.integrations.sglang.settings import Settings
-from cpcache.integrations.sglang.store_pages import StorePages, host_pool_geometry, page_slots
+from cpcache.integrations.sglang.store_calls import BoundedCalls, CallGuard
+from cpcache.integrations.sglang.store_pages import StorePages, client_config, host_pool_geometry, page_slots
 from cpcache.keys import ShardingSpec, tenant_of
 
 log = logging.getLogger(__name__)
@@ -72,14 +73,9 @@ class CpcacheStore(HiCacheStorage):
         if not self.settings.daemon_config:
             raise ValueError("cpcache: the store to write is the domain's: set daemon_config, the prefill "
                              "daemons' settings file, in the file CPCACHE_SGLANG_CONFIG names")
-        # The domain's store, as this process reaches it: no part of the
-        # store in its memory (its offload writes into the daemons'
-        # segments) and none of the daemons' fault injection.
-        config = domain_config(self.settings.daemon_config)
-        self.config = dataclasses.replace(config, faults=FaultInjection(), storage_segment_bytes=0,
-                                          storage_local_hostname=self.settings.store_hostname
-                                          or config.storage_local_hostname)
+        self.config = client_config(self.settings.daemon_config, self.settings.store_hostname)
         self.storage_config = storage_config
+        self.calls = BoundedCalls(self.config.storage_timeout_s)
         self.pages: StorePages | None = None
         self._opened: tuple[Any, ...] | None = None  # what `_open` needs, once SGLang registered its host pool
         self._lock = threading.Lock()
@@ -94,7 +90,7 @@ class CpcacheStore(HiCacheStorage):
             raise ValueError(f"cpcache: {exc}; serve the decode server's offload with --hicache-mem-layout "
                              "layer_first, page_first or page_first_direct") from None
         self._opened = (geometry, host, mem_pool_host.layout)
-        self._open()
+        self.calls.call("the store's opening", lambda _guard: self._store(), None)
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         """SGLang registers each part of a page as a host pool of its own
@@ -137,25 +133,34 @@ class CpcacheStore(HiCacheStorage):
             return self.pages
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
-        store = self._store()
-        return store.exists_prefix(keys) if store is not None else 0
+        def exists(_guard: CallGuard) -> int:
+            store = self._store()
+            return store.exists_prefix(keys) if store is not None else 0
+
+        return self.calls.call(f"a lookup of {len(keys)} pages", exists, 0)
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
-        store = self._store()
-        if store is None:
-            return [False] * len(keys)
-        return store.put(keys, page_slots(host_indices, len(keys), store.geometry.page_size))
+        def put(guard: CallGuard) -> list[bool]:
+            store = self._store()
+            if store is None:
+                return [False] * len(keys)
+            return store.put(keys, page_slots(host_indices, len(keys), store.geometry.page_size), guard)
+
+        return self.calls.call(f"a write of {len(keys)} pages", put, [False] * len(keys))
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
-        store = self._store()
-        if store is None:
-            return [False] * len(keys)
-        return store.get(keys, page_slots(host_indices, len(keys), store.geometry.page_size))
+        def get(guard: CallGuard) -> list[bool]:
+            store = self._store()
+            if store is None:
+                return [False] * len(keys)
+            return store.get(keys, page_slots(host_indices, len(keys), store.geometry.page_size), guard)
+
+        return self.calls.call(f"a read of {len(keys)} pages", get, [False] * len(keys))
 
     # SGLang's older, per-tensor interface: not taken with interface_v1.
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> None:
@@ -172,6 +177,9 @@ class CpcacheStore(HiCacheStorage):
         raise NotImplementedError("cpcache: the store is used through batch_set_v1 (interface_v1)")
 
     def close(self) -> None:
+        if self.calls.stalled:  # a call given up may still be in the store's client: leave it to the exit
+            log.warning("cpcache: the store is left open at close: a call given up on has not returned")
+            return
         with self._lock:
             if self.pages is not None:
                 self.pages.close()

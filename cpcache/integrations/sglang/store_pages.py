@@ -18,6 +18,7 @@ pool and host indices.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -25,13 +26,16 @@ from typing import Any
 import torch
 
 from cpcache import host_layout
-from cpcache.config import DaemonConfig
+from cpcache.config import DaemonConfig, FaultInjection
 from cpcache.dataplane.storage import PageBuffer, StorageBackend
 from cpcache.dataplane.storage.configured import open_storage
+from cpcache.domain_file import domain_config
 from cpcache.errors import InvalidArgument
 from cpcache.geometry import KVGeometry
+from cpcache.integrations.sglang.flush_records import FlushRecords, RecordPage
 from cpcache.integrations.sglang.pool import dtype_name
-from cpcache.keys import ShardingSpec
+from cpcache.integrations.sglang.store_calls import CallGuard
+from cpcache.keys import ShardingSpec, generation_pages
 
 STAGE_PAGES = 16  # pages one staging copy holds: a batch larger than this goes in parts
 
@@ -63,8 +67,9 @@ class StorePages:
     SGLang host pool's buffer, viewed in `layout` by `cpcache.host_layout`)."""
 
     def __init__(self, backend: StorageBackend, sharding: ShardingSpec, geometry: KVGeometry,
-                 host: torch.Tensor, layout: str, stages: tuple[_Stage, _Stage]) -> None:
+                 host: torch.Tensor, layout: str, stages: tuple[_Stage, _Stage], records: FlushRecords) -> None:
         self.backend = backend
+        self.records = records
         self.sharding = sharding
         self.geometry = geometry
         self.host = host
@@ -84,48 +89,60 @@ class StorePages:
             raise InvalidArgument(f"store: a host pool of shape {tuple(host.shape)} ({host.dtype}) is not the "
                                   f"{layout} layout of {geometry} (expected {expected})")
         stages = (_Stage(geometry, stage_pages), _Stage(geometry, stage_pages))
-        backend = open_storage(config, geometry, [stage.region for stage in stages])
+        record = RecordPage(geometry.page_bytes)
+        backend = open_storage(config, geometry, [*(stage.region for stage in stages), record.region])
         if backend is None:
             raise InvalidArgument("store: the domain's settings say storage = \"none\"; there is no store to use")
-        return StorePages(backend, sharding, geometry, host, layout, stages)
+        return StorePages(backend, sharding, geometry, host, layout, stages,
+                          FlushRecords(backend, sharding.tenant, record))
 
     def keys(self, hashes: Sequence[str]) -> list[str]:
-        return [self.sharding.storage_key(h) for h in hashes]
+        """The storage keys of SGLang's page hashes, named as the prefill
+        server names them after its newest published flush (flush_records.py)."""
+        return [self.sharding.storage_key(h) for h in generation_pages(list(hashes), self.records.latest())]
 
     def exists_prefix(self, hashes: Sequence[str]) -> int:
         """How many pages, from the first, the store holds for this rank."""
         return self.backend.exists_prefix(self.keys(hashes))
 
-    def put(self, hashes: Sequence[str], slots: Sequence[int]) -> list[bool]:
+    def put(self, hashes: Sequence[str], slots: Sequence[int], guard: CallGuard | None = None) -> list[bool]:
         """Write each host slot's page under its hash. The caller chose this
         rank as the pages' writer (SGLang writes a replicated page from one
-        rank): every page given is written."""
+        rank): every page given is written. `guard`: once its caller gave
+        up, no host slot is read (the rest are not written)."""
         done = [False] * len(hashes)
         stage = self._put_stage
+        guard = guard or CallGuard()
+        keys = self.keys(hashes)
         with stage.lock:
             for part in _parts(list(range(len(hashes))), len(stage.pages)):
-                for j, i in enumerate(part):
-                    stage.pages[j].copy_(self._stored_view(slots[i]))
-                written = self.backend.put_from(self.keys([hashes[i] for i in part]),
-                                                [stage.buffer(j) for j in range(len(part))])
+                with guard.host_slots() as waited:
+                    if not waited:
+                        return done
+                    for j, i in enumerate(part):
+                        stage.pages[j].copy_(self._stored_view(slots[i]))
+                written = self.backend.put_from([keys[i] for i in part], [stage.buffer(j) for j in range(len(part))])
                 for i, ok in zip(part, written):
                     done[i] = ok
         return done
 
-    def get(self, hashes: Sequence[str], slots: Sequence[int]) -> list[bool]:
+    def get(self, hashes: Sequence[str], slots: Sequence[int], guard: CallGuard | None = None) -> list[bool]:
         """Read each hash's page into its host slot; from the first miss on,
-        nothing more is read (a prefix is all a hit can use)."""
+        nothing more is read (a prefix is all a hit can use). `guard`: once
+        its caller gave up, no host slot is written."""
         done = [False] * len(hashes)
         stage = self._get_stage
+        guard = guard or CallGuard()
+        keys = self.keys(hashes)
         with stage.lock:
             for part in _parts(list(range(len(hashes))), len(stage.pages)):
-                read = self.backend.get_into(self.keys([hashes[i] for i in part]),
-                                             [stage.buffer(j) for j in range(len(part))])
-                for j, (i, ok) in enumerate(zip(part, read)):
-                    if not ok:
-                        return done
-                    self._stored_view(slots[i]).copy_(stage.pages[j])
-                    done[i] = True
+                read = self.backend.get_into([keys[i] for i in part], [stage.buffer(j) for j in range(len(part))])
+                with guard.host_slots() as waited:
+                    for j, (i, ok) in enumerate(zip(part, read)):
+                        if not (ok and waited):
+                            return done
+                        self._stored_view(slots[i]).copy_(stage.pages[j])
+                        done[i] = True
         return done
 
     def _stored_view(self, slot: int) -> torch.Tensor:
@@ -133,6 +150,26 @@ class StorePages:
 
     def close(self) -> None:
         self.backend.close()
+
+
+def client_config(domain_file: str, store_hostname: str = "") -> DaemonConfig:
+    """The domain's store as a process without a daemon reaches it: no part
+    of the store in its memory (its writes land in the daemons' segments),
+    none of the daemons' fault injection; `store_hostname`: its own address
+    (empty: the file's)."""
+    config = domain_config(domain_file)
+    return dataclasses.replace(config, faults=FaultInjection(), storage_segment_bytes=0,
+                               storage_local_hostname=store_hostname or config.storage_local_hostname)
+
+
+def open_flush_records(config: DaemonConfig, geometry: KVGeometry, tenant: str) -> FlushRecords:
+    """The flush records of `tenant` in the store `config` names (what a
+    prefill server publishes them through)."""
+    page = RecordPage(geometry.page_bytes)
+    backend = open_storage(config, geometry, [page.region])
+    if backend is None:
+        raise InvalidArgument("store: the domain's settings say storage = \"none\"; there is no store to use")
+    return FlushRecords(backend, tenant, page)
 
 
 def host_pool_geometry(host_pool: Any) -> tuple[KVGeometry, torch.Tensor]:

@@ -107,6 +107,8 @@ def _movers(p: argparse.ArgumentParser) -> None:
                    help="also SGLang's own HiCacheFile on the same pages (in SGLang's environment)")
     p.add_argument("--device-only", action="store_true", help="device <-> host alone, for every host layout "
                    "(no storage)")
+    p.add_argument("--mooncake-only", action="store_true", help="host <-> Mooncake Store alone (no device copies, "
+                   "no files)")
 
 
 def _state(p: argparse.ArgumentParser) -> None:

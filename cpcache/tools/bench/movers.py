@@ -16,7 +16,8 @@ the file movers, in SGLang's environment (`movers_sglang.py`).
 
 On a host without CUDA the device pool is a shared-memory file (as attached
 by an inference process there), so device <-> host is a memory copy.
-`--device-only`: device <-> host alone, for every host layout (the GPU check).
+`--device-only`: device <-> host alone, for every host layout (the GPU check);
+`--mooncake-only`: host <-> Mooncake Store alone.
 """
 
 from __future__ import annotations
@@ -186,7 +187,7 @@ def bench_device_host(page_bytes: int, tokens: int, blocks: int = REPEATS) -> li
 
 
 def bench_page_size(page_bytes: int, tokens: int, work: Path, master: MooncakeMaster | None,
-                    blocks: int = REPEATS) -> list[dict]:
+                    blocks: int = REPEATS, mooncake_only: bool = False) -> list[dict]:
     geometry = geometry_for(tokens)
     assert geometry.page_bytes == page_bytes
     n = max(8, BATCH_BYTES // page_bytes)
@@ -194,7 +195,7 @@ def bench_page_size(page_bytes: int, tokens: int, work: Path, master: MooncakeMa
     device = device_pool(geometry, n)
     host = HostPool(geometry, pages=n, layout="page_first_direct")
     pages = list(range(n))
-    out = device_host_entries(device, host, blocks)
+    out = [] if mooncake_only else device_host_entries(device, host, blocks)
 
     def entry(name: str, figures: dict) -> None:
         out.append({"mover": name, "page_bytes": page_bytes, **figures})
@@ -229,11 +230,13 @@ def bench_page_size(page_bytes: int, tokens: int, work: Path, master: MooncakeMa
 
     framed_put, framed_get = storage_baselines.framed_file(work / f"framed-{page_bytes}", geometry.fingerprint(),
                                                            buffers, fresh)
-    entry("host->file", compare(lambda: moved(transfers.submit((HOST, STORAGE), pages, fresh("mover")).result(), n),
-                                {"raw": raw_write, "framed": framed_put}))
-    entry("file->host", compare(
-        lambda: moved(transfers.submit((STORAGE, HOST), written["mover"][-1], pages).result(), n),
-        {"raw": raw_read, "framed": framed_get}))
+    if not mooncake_only:
+        entry("host->file", compare(
+            lambda: moved(transfers.submit((HOST, STORAGE), pages, fresh("mover")).result(), n),
+            {"raw": raw_write, "framed": framed_put}))
+        entry("file->host", compare(
+            lambda: moved(transfers.submit((STORAGE, HOST), written["mover"][-1], pages).result(), n),
+            {"raw": raw_read, "framed": framed_get}))
     transfers.close()
 
     if master is not None:
@@ -285,7 +288,8 @@ def bench_page_size(page_bytes: int, tokens: int, work: Path, master: MooncakeMa
     return out
 
 
-def run(with_mooncake: bool = True, blocks: int = REPEATS, device_only: bool = False) -> dict:
+def run(with_mooncake: bool = True, blocks: int = REPEATS, device_only: bool = False,
+        mooncake_only: bool = False) -> dict:
     movers: list[dict] = []
     if device_only:
         for page_bytes, tokens in PAGE_SIZES.items():
@@ -297,7 +301,7 @@ def run(with_mooncake: bool = True, blocks: int = REPEATS, device_only: bool = F
         master = MooncakeMaster(work / "master.log").__enter__() if with_mooncake else None
         try:
             for page_bytes, tokens in PAGE_SIZES.items():
-                movers += bench_page_size(page_bytes, tokens, work, master, blocks)
+                movers += bench_page_size(page_bytes, tokens, work, master, blocks, mooncake_only)
         finally:
             if master is not None:
                 master.stop()
@@ -326,8 +330,11 @@ def against_sglang(blocks: int) -> list[dict]:
 
 def main(args: argparse.Namespace) -> int:
     blocks = getattr(args, "repeat", REPEATS)
+    mooncake_only = getattr(args, "mooncake_only", False)
+    if mooncake_only and getattr(args, "no_mooncake", False):
+        raise SystemExit("bench movers: --mooncake-only and --no-mooncake leave nothing to measure")
     report = run(with_mooncake=not getattr(args, "no_mooncake", False), blocks=blocks,
-                 device_only=getattr(args, "device_only", False))
+                 device_only=getattr(args, "device_only", False), mooncake_only=mooncake_only)
     if getattr(args, "against", None) == "sglang":
         report["against_sglang"] = against_sglang(blocks)
     print(json.dumps(report) if args.json else json.dumps(report, indent=2))
