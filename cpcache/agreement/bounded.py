@@ -20,9 +20,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import threading
 from collections.abc import Callable
 from typing import TypeVar
+
+from cpcache.abandonable import on_daemon_thread
 
 T = TypeVar("T")
 
@@ -30,21 +31,6 @@ T = TypeVar("T")
 class StoreTimeout(RuntimeError):
     """The call did not answer within the deadline (a RuntimeError, as the
     store client's own failures are)."""
-
-
-def on_daemon_thread(fn: Callable[[], T], name: str = "bounded-call") -> concurrent.futures.Future[T]:
-    """Start `fn` on a daemon thread of its own; its outcome in a future."""
-    job: concurrent.futures.Future[T] = concurrent.futures.Future()
-    job.set_running_or_notify_cancel()  # running from now on: never cancelled, only abandoned
-
-    def run() -> None:
-        try:
-            job.set_result(fn())
-        except BaseException as exc:  # handed to whoever waits
-            job.set_exception(exc)
-
-    threading.Thread(target=run, name=name, daemon=True).start()
-    return job
 
 
 def _timed_out(what: str, timeout_s: float) -> StoreTimeout:

@@ -4,7 +4,7 @@ SGLang calls the storage backend from its backup thread and waits for the
 answer; a store that stops answering (a Mooncake master stopped, a hung
 mount) would stall that thread, and every backup behind it, for as long as
 the store stays away. So each call runs on a thread of its own
-(`cpcache.agreement.bounded`) and is given up at the domain's
+(`cpcache.abandonable`) and is given up at the domain's
 `storage_timeout_s`: a write given up is a failed backup, a lookup or a read
 a miss, logged. While a given-up call has not returned, the next calls fail
 at once, without waiting again; the first to return ends that.
@@ -26,7 +26,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
-from cpcache.agreement.bounded import on_daemon_thread
+from cpcache.abandonable import on_daemon_thread
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
