@@ -18,13 +18,15 @@ SGLANG_PIN ?= sglang==0.5.23
 # The server's own (sglang.launch_server: HTTP, grammar, metrics) come after
 # the cache code's; then what its prefill/decode disaggregation needs
 # (tests/sglang/test_pd.py): SGLang's router, and Mooncake's transfer engine,
-# its CPU build where there is no GPU (as $(STAMP) picks it for .venv).
+# its CPU build where there is no GPU (as $(STAMP) picks it for .venv); and
+# Shepherd Model Gateway with the servicer of SGLang's --smg-grpc-mode, for a
+# fleet behind a KV-aware gateway (tests/sglang/test_routing.py, `cpcache bench routing`).
 MOONCAKE_TE := $(if $(shell command -v nvidia-smi 2>/dev/null),mooncake-transfer-engine,mooncake-transfer-engine-non-cuda)
 SGLANG_PACKAGES := numpy orjson psutil pybase64 requests packaging pillow starlette msgspec pydantic pyzmq tqdm \
 	ipython aiohttp triton apache-tvm-ffi transformers dill sentencepiece compressed-tensors gguf openai \
 	partial-json-parser datasets \
 	jsonschema xgrammar soundfile fastapi uvicorn uvloop setproctitle python-multipart prometheus-client \
-	interegular einops xxhash sglang-router $(MOONCAKE_TE)
+	interegular einops xxhash sglang-router $(MOONCAKE_TE) smg smg-grpc-servicer smg-grpc-proto
 
 .PHONY: setup setup-sglang demo test test-fast test-sglang compose-test bench proto clean
 

@@ -101,6 +101,11 @@ def _serving(p: argparse.ArgumentParser) -> None:
                    help="the trace's arrival intervals times this (default 1.5; higher: less queueing)")
 
 
+def _routing(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--arms", help="which arms, comma-separated (default: events,events-x2,approx,approx-x2,"
+                   "round-robin)")
+
+
 def _movers(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-mooncake", action="store_true", help="skip Mooncake Store")
     p.add_argument("--against", choices=["sglang"],
@@ -185,6 +190,9 @@ BENCHES = {
                     "cpcache.tools.bench.movers", (_repeat(5),), _movers),
     "ranks": Bench("a round's cost against the number of ranks", "cpcache.tools.bench.ranks",
                    (_repeat(5), _steps), _ranks),
+    "routing": Bench("two SGLang servers over cpcache behind Shepherd Model Gateway: cache_aware on the KV events "
+                     "of every tier against its approximate tree and round robin (hits per tier, TTFT)",
+                     "cpcache.tools.bench.routing", (_repeat(2), _work_dir), _routing),
     "serving": Bench("SGLang's bench_serving on a scaled Mooncake trace against CP servers: radix, HiCache, "
                      "cpcache",
                      "cpcache.tools.bench.serving", (_work_dir, _trace_requests), _serving),

@@ -179,9 +179,13 @@ class PromptWaves:
                 for _ in range(self.waves)]
 
 
-def stream_generate(port: int, input_ids: list[int], new_tokens: int, timeout_s: float = 600.0) -> Stream:
-    body = {"input_ids": input_ids, "stream": True,
-            "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}}
+def stream_generate(port: int, input_ids: list[int], new_tokens: int, timeout_s: float = 600.0,
+                    model: str | None = None) -> Stream:
+    """`model`: the model the request names (a gateway routes by it)."""
+    body: dict = {"input_ids": input_ids, "stream": True,
+                  "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}}
+    if model is not None:
+        body["model"] = model
     request = urllib.request.Request(f"http://127.0.0.1:{port}/generate", json.dumps(body).encode(),
                                      {"content-type": "application/json"})
     stream = Stream(sent=time.perf_counter())
