@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from cpcache.testing.sglang_cpu.gateway import Fleet, Gateway, smg
+from cpcache.testing.sglang_cpu.gateway import INDEX_ONLY, Fleet, Gateway, smg
 from cpcache.testing.sglang_cpu.servers import SGLANG_PYTHON, make_tiny_model
 from cpcache.tools.bench.serving import add_tokenizer
 
@@ -38,9 +38,6 @@ DEVICE_TOKENS = 512  # 32 pages per server
 DOC = 160  # 10 pages
 CHECKED = 3  # documents asked again
 FILLERS = 24  # at most: documents sent until each checked document's server has turned its device pool over
-# The gateway's warm-up slice diverts one cache hit in eight to a worker it
-# finds thin: off, so every routing decision here is the index's.
-GATEWAY_FLAGS = ["--worker-warmup-secs", "0", "--worker-warmup-divert-every", "0"]
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +47,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Fleet, Gat
     servers = Fleet(work, model, events=True, device_tokens=DEVICE_TOKENS, host_pages=256, page_size=PAGE)
     try:
         servers.start()
-        gateway = Gateway(work, model, servers.urls(), "cache_aware", flags=GATEWAY_FLAGS)
+        gateway = Gateway(work, model, servers.urls(), "cache_aware", flags=INDEX_ONLY)
         try:
             yield servers, gateway.start()
         finally:

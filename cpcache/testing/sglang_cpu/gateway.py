@@ -39,7 +39,11 @@ from cpcache.testing.sglang_cpu.servers import (
 
 GRPC_FLAGS = ["--smg-grpc-mode", "--skip-server-warmup"]
 EVENTS_OFF = {"SMG_SGLANG_SERVICER_KV_EVENTS": "off"}
-GATEWAY_READY = "Activated"  # its worker registration's last step, once per registration
+# The gateway's warm-up slice diverts cache misses, and one cache hit in
+# eight, to a worker it finds new or thin: off, so that every decision is its
+# routing index's.
+INDEX_ONLY = ["--worker-warmup-secs", "0", "--worker-warmup-divert-every", "0"]
+GATEWAY_READY = "Activated"  # a worker's registration's last step, once per worker
 EVENTS_CONNECTED = "KV event stream connected"
 
 
@@ -164,7 +168,7 @@ class Gateway:
                 break
             self.process.stop()
         assert self.process is not None
-        self.process.wait_for(GATEWAY_READY, timeout_s)
+        self.process.wait_lines(GATEWAY_READY, len(self.urls), timeout_s)  # one line per worker
         if self.events:
             self.process.wait_lines(EVENTS_CONNECTED, len(self.urls), timeout_s)
         return self

@@ -104,6 +104,9 @@ def _serving(p: argparse.ArgumentParser) -> None:
 def _routing(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arms", help="which arms, comma-separated (default: events,events-x2,approx,approx-x2,"
                    "round-robin)")
+    p.add_argument("--gateway-warmup", action="store_true",
+                   help="leave the gateway's warm-up slice on (its default: misses and one hit in eight diverted "
+                   "to a worker it finds new or thin); off otherwise, so every decision is its routing index's")
 
 
 def _movers(p: argparse.ArgumentParser) -> None:

@@ -14,6 +14,10 @@ cpcache/testing/sglang_cpu/gateway.py). The arms:
 - `events-x2`, `approx-x2`: the same with two gateway replicas, requests
   alternating between them (each approximate tree knows only its own half).
 
+The gateway's warm-up slice (cache misses and one hit in eight diverted to
+a worker it finds new or thin) is off unless `--gateway-warmup`: every
+decision is then its routing index's.
+
 The workload is multi-turn conversations (CONVERSATIONS, each its own
 DOC-token document, then per turn a USER-token message and the ANSWER
 tokens streamed back; greedy). A round sends one turn of every
@@ -159,9 +163,8 @@ def run_arm(ports: list[int], model: str, convs: list[Conversation], block: int)
                     ids = prompt_of(doc, users, answers[c])
                     stream = stream_generate(ports[(c + turn) % len(ports)], ids, ANSWER, timeout_s=300.0,
                                              model=model)
-                    out = stream.output_ids[:stream.tokens]  # a gateway's last chunk repeats the last token
                     with lock:
-                        answers[c].append(out)
+                        answers[c].append(stream.output_ids)
                         records.append({"conversation": c, "turn": turn, "prompt_tokens": len(ids),
                                         "ttft_s": stream.ttft(), "cached": int(stream.meta.get("cached_tokens") or 0)})
                 except BaseException as exc:  # noqa: BLE001  (re-raised below, on the caller's thread)
@@ -178,11 +181,12 @@ def run_arm(ports: list[int], model: str, convs: list[Conversation], block: int)
     return records
 
 
-def measure(spec: Arm, fleet: Fleet, work: Path, convs: list[Conversation], block: int) -> dict:
+def measure(spec: Arm, fleet: Fleet, work: Path, convs: list[Conversation], block: int,
+            gateway_flags: list[str]) -> dict:
     from cpcache.testing.sglang_cpu.gateway import Gateway
 
     gateways = [Gateway(work, fleet.model, fleet.urls(), spec.policy, name=f"block{block}-{spec.name}-gw{g}",
-                        events=spec.events) for g in range(spec.gateways)]
+                        events=spec.events, flags=gateway_flags) for g in range(spec.gateways)]
     try:
         for g in gateways:
             g.start()
@@ -221,9 +225,11 @@ def groups_of(block: int, arms: tuple[str, ...]) -> list[tuple[bool, list[str]]]
     return out
 
 
-def run(repeat: int, keep: Path | None = None, arms: tuple[str, ...] = ARMS) -> dict:
-    from cpcache.testing.sglang_cpu.gateway import Fleet
+def run(repeat: int, keep: Path | None = None, arms: tuple[str, ...] = ARMS, warmup: bool = False) -> dict:
+    """`warmup`: the gateway's warm-up slice on (its default), else INDEX_ONLY."""
+    from cpcache.testing.sglang_cpu.gateway import INDEX_ONLY, Fleet
 
+    gateway_flags = [] if warmup else list(INDEX_ONLY)
     work = keep or Path(tempfile.mkdtemp(prefix="cpcache-bench-routing-"))
     work.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -240,15 +246,15 @@ def run(repeat: int, keep: Path | None = None, arms: tuple[str, ...] = ARMS) -> 
             try:
                 fleet.start()
                 for name in names:
-                    block[name] = measure(arm(name), fleet, place, convs, i)
+                    block[name] = measure(arm(name), fleet, place, convs, i, gateway_flags)
                     print(f"block {i} {name}: {block[name]}", file=sys.stderr, flush=True)
             finally:
                 fleet.stop()
         blocks.append(block)
-    return summarize(blocks, arms, time.monotonic() - started)
+    return summarize(blocks, arms, time.monotonic() - started, warmup)
 
 
-def summarize(blocks: list[dict[str, dict]], arms: tuple[str, ...], wall_s: float) -> dict:
+def summarize(blocks: list[dict[str, dict]], arms: tuple[str, ...], wall_s: float, warmup: bool = False) -> dict:
     names = [a for a in arms if all(a in b for b in blocks)]
     pairs = [(n, d) for n, d in (("events", "approx"), ("events", "round-robin"), ("events-x2", "approx-x2"),
                                  ("approx", "round-robin")) if n in names and d in names]
@@ -257,7 +263,8 @@ def summarize(blocks: list[dict[str, dict]], arms: tuple[str, ...], wall_s: floa
     return {
         "bench": "routing",
         "setup": {"servers": "2 x sglang.launch_server --smg-grpc-mode, tp 1, each over its own cpcache domain, "
-                  "one shared file store", "gateway": "smg launch (Shepherd Model Gateway)",
+                  "one shared file store", "gateway": "smg launch (Shepherd Model Gateway), its warm-up slice "
+                  + ("on (its default)" if warmup else "off (--worker-warmup-secs 0 --worker-warmup-divert-every 0)"),
                   "model": "random Qwen3 (2 layers, hidden 64, vocab 512), float32, SGLang's CPU path",
                   "page_size": PAGE, "device_tokens": DEVICE_TOKENS, "host_pages": HOST_PAGES,
                   "mode": "per block: the servers started with events, then without (order swapped every block); "
@@ -302,6 +309,6 @@ def main(args: argparse.Namespace) -> int:
     if unknown:
         print(f"cpcache bench routing: unknown arms {unknown}; choose among {', '.join(ARMS)}", file=sys.stderr)
         return 2
-    report = run(args.repeat, Path(args.work_dir) if args.work_dir else None, arms)
+    report = run(args.repeat, Path(args.work_dir) if args.work_dir else None, arms, args.gateway_warmup)
     print(json.dumps(report) if args.json else "\n".join(table(report)))
     return 0

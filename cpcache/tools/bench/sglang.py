@@ -97,10 +97,11 @@ class Stream:
         self.meta = meta or self.meta
         ids = list(chunk.get("output_ids") or [])
         tokens = int(meta.get("completion_tokens", len(self.output_ids) + len(ids)))
-        # SGLang streams either every token so far or only the new ones: keep the ids whole.
+        # SGLang streams either every token so far or only the new ones: keep
+        # the ids whole. A gateway's last chunk may repeat the last token.
         if len(ids) == tokens:
             self.output_ids = ids
-        else:
+        elif tokens > len(self.output_ids):
             self.output_ids.extend(ids)
         if not self.arrivals or tokens > self.arrivals[-1][1]:
             self.arrivals.append((at, tokens))

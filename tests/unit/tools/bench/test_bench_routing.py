@@ -56,6 +56,7 @@ def test_the_report_gives_ratios_per_block_and_renders():
     assert "events" in "\n".join(routing.table(report))
 
 
-def test_the_command_takes_its_arms():
+def test_the_command_takes_its_arms_and_the_gateways_warmup():
     args = cli.parser().parse_args(["bench", "routing", "--arms", "events,approx", "--repeat", "1", "--json"])
-    assert (args.arms, args.repeat) == ("events,approx", 1)
+    assert (args.arms, args.repeat, args.gateway_warmup) == ("events,approx", 1, False)
+    assert cli.parser().parse_args(["bench", "routing", "--gateway-warmup"]).gateway_warmup

@@ -53,6 +53,10 @@ def test_tpot_is_the_time_from_the_first_token_to_the_last_over_the_tokens_betwe
     for at, ids in [(1.0, [5]), (2.0, [5, 6]), (4.0, [5, 6, 7])]:  # every id so far in each chunk
         whole.add(at, {"output_ids": ids, "meta_info": {"completion_tokens": len(ids)}})
     assert whole.output_ids == [5, 6, 7] and whole.tpot() == pytest.approx(1.5)
+    gateway = Stream(sent=0.0)
+    for at, ids, n in [(1.0, [5], 1), (2.0, [6], 2), (2.1, [6], 2)]:  # a gateway's last chunk repeats the last id
+        gateway.add(at, {"output_ids": ids, "meta_info": {"completion_tokens": n}})
+    assert gateway.output_ids == [5, 6] and gateway.tokens == 2
     one = Stream(sent=0.0)
     one.add(1.0, {"output_ids": [5], "meta_info": {"completion_tokens": 1}})
     assert one.tpot() is None
