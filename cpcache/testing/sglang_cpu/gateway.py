@@ -80,10 +80,11 @@ class Replica:
         self.daemons.stop()
 
     def counters(self) -> dict[str, int]:
-        """Its daemon's counters (rank 0: the only rank)."""
+        """Its daemon's counters (rank 0: the only rank); a loaded host may
+        take the daemon many seconds to answer."""
         from cpcache.client import Client
 
-        with Client(self.daemons.socket(0), timeout_s=10) as daemon:
+        with Client(self.daemons.socket(0), timeout_s=60) as daemon:
             return dict(daemon.stats())
 
 
