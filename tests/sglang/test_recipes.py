@@ -38,7 +38,7 @@ from tests.sglang.stacks import References
 
 pytestmark = [
     pytest.mark.sglang,
-    pytest.mark.timeout(600),
+    pytest.mark.timeout(1200),
     pytest.mark.skipif(not SGLANG_PYTHON.exists(), reason=f"SGLang's environment is not built ({SGLANG_PYTHON}); "
                        "`make setup` builds it"),
 ]
@@ -143,7 +143,7 @@ def parsed(page: dict[str, str]) -> dict[str, list[dict]]:
 
 @pytest.mark.parametrize("name", ["cp", "dp", "replicas"])
 def test_a_recipe_starts_its_daemons_with_its_servers_sizes(name: str, page: dict[str, str], parsed: dict,
-                                                            references: References, tmp_path: Path):
+                                                            tmp_path: Path):
     block = page[name]
     launches = [c for c in commands(block) if c.kind == "cpcache launch"]
     servers = parsed[name]
@@ -157,7 +157,7 @@ def test_a_recipe_starts_its_daemons_with_its_servers_sizes(name: str, page: dic
     # Only the store and the daemons: what the recipe starts but its servers.
     without_servers = "\n".join(c.text + (" &" if c.background else "") for c in commands(block)
                                 if c.kind != "sglang.launch_server")
-    run = Run(tmp_path, without_servers, page["cpu-host"], substitutions(references, block))
+    run = Run(tmp_path, without_servers, page["cpu-host"], Substitutions({}, {}, TEST_FLAGS))
     try:
         run.start().wait_ready(timeout_s=120)
         for launch in launches:
