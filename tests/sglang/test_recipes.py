@@ -44,7 +44,7 @@ pytestmark = [
 ]
 
 TEST_FLAGS = " --skip-tokenizer-init --sleep-on-idle"
-# The README's launch line before 0.2.0, as it was printed (the storage class's old name).
+# The README's launch line before 0.2.0 (README.md at e7e0efc^), as it was printed: the storage class's old name.
 README_BEFORE_0_2_0 = """\
 cpcache launch --tp 2 --run-dir ./cpc-run --config daemons.toml &
 CPCACHE_SGLANG_CONFIG=sglang-cpcache.json python -m sglang.launch_server \\
