@@ -27,6 +27,7 @@ import json
 import re
 import shlex
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -174,37 +175,6 @@ def test_a_recipe_starts_its_daemons_with_its_servers_sizes(name: str, page: dic
         run.stop()
 
 
-def test_colocated_recipe_serves_and_the_readme_line_before_0_2_0_still_does(page: dict[str, str],
-                                                                               references: References,
-                                                                               tmp_path: Path):
-    block = page["colocated"]
-    subs = substitutions(references, block)
-    run = Run(tmp_path, block, page["cpu-host"], subs)
-    try:
-        run.start().wait_ready()
-        served_twice(subs.port(30000))
-        assert all(s.attached for s in attached_daemons(run, "cpc-run", 2))
-        # The old README's line over the same daemons: its `cpcache launch` is
-        # the recipe's; its server, the recipe's but for the storage class.
-        old = commands(README_BEFORE_0_2_0)
-        assert old[0] in commands(block), "the README's daemons before 0.2.0 are not the recipe's"
-        (recipe_server,) = run.of_kind("sglang.launch_server")
-        recipe_server.stop()
-        # It named no port: SGLang's default, a free one here.
-        again = Run(tmp_path, f"{old[1].text} --port {subs.port(30000)} &", page["cpu-host"], subs)
-        again.preamble = run.preamble
-        run.processes += again.start().processes
-        again.wait_ready()
-        reply = generate(subs.port(30000), PROMPT)
-        assert len(reply.output_ids) == 4 and reply.finish == "length", reply
-        (server,) = again.of_kind("sglang.launch_server")
-        warnings = server.lines_with(DEPRECATED)
-        assert warnings, f"no deprecation warning in the server's log:\n{server.tail()}"
-        assert all(s.attached for s in attached_daemons(run, "cpc-run", 2))
-    finally:
-        run.stop()
-
-
 def test_prefill_and_decode_apart_recipe_serves_through_its_router(page: dict[str, str], references: References,
                                                                    tmp_path: Path):
     block = page["pd"]
@@ -221,6 +191,48 @@ def test_prefill_and_decode_apart_recipe_serves_through_its_router(page: dict[st
         assert re.search(r"tenant \w+", opened[0]), opened
     finally:
         run.stop()
+
+
+@pytest.fixture(scope="module")
+def colocated(page: dict[str, str], references: References,
+              tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Run, Substitutions]]:
+    """The colocated recipe, running: its daemons serve both tests below (the
+    last servers of the module: a module's fixture ends with the module)."""
+    block = page["colocated"]
+    subs = substitutions(references, block)
+    run = Run(tmp_path_factory.mktemp("colocated"), block, page["cpu-host"], subs)
+    try:
+        yield run.start().wait_ready(), subs
+    finally:
+        run.stop()
+
+
+def test_colocated_recipe_serves_over_its_daemons(colocated: tuple[Run, Substitutions]):
+    run, subs = colocated
+    served_twice(subs.port(30000))
+    assert all(s.attached for s in attached_daemons(run, "cpc-run", 2))
+
+
+def test_the_readme_line_before_0_2_0_still_starts_a_server_and_says_the_name_is_deprecated(
+        page: dict[str, str], colocated: tuple[Run, Substitutions]):
+    """Its `cpcache launch` is the recipe's; its server, the recipe's but for
+    the storage class: started over the recipe's daemons in the recipe's
+    place."""
+    run, subs = colocated
+    old = commands(README_BEFORE_0_2_0)
+    assert old[0] in commands(page["colocated"]), "the README's daemons before 0.2.0 are not the recipe's"
+    for server in run.of_kind("sglang.launch_server"):
+        server.stop()
+    # It named no port: SGLang's default, a free one here.
+    again = Run(run.work, f"{old[1].text} --port {subs.port(30000)} &", page["cpu-host"], subs)
+    again.preamble = run.preamble
+    run.processes += again.start().processes
+    again.wait_ready()
+    reply = generate(subs.port(30000), PROMPT)
+    assert len(reply.output_ids) == 4 and reply.finish == "length", reply
+    (server,) = again.of_kind("sglang.launch_server")
+    assert server.lines_with(DEPRECATED), f"no deprecation warning in the server's log:\n{server.tail()}"
+    assert all(s.attached for s in attached_daemons(run, "cpc-run", 2))
 
 
 def test_recipe_commands_split_as_a_shell_runs_them():
