@@ -79,7 +79,7 @@ class DecisionLog:
 
     def begin_session(self) -> None:
         """An attach: a rank whose daemon died just after a round may lack that
-        round's reply (docs/sglang.md, "When the daemon is down"), so logs
+        round's reply (docs/sglang-backend.md, "A daemon lost"), so logs
         are also compared session by session."""
         self._session_start = len(self.entries)
 

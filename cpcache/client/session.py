@@ -17,7 +17,7 @@ iteration's step without waiting for it (this module). An asyncio
 scheduler, or a driver of several ranks, takes `next_step()`, sends it
 itself, and hands the reply to `follow`.
 
-Each SGLang call and its counterpart here: docs/sglang.md (the call table).
+Each SGLang call and its counterpart here: docs/sglang-backend.md (the call table).
 """
 
 from __future__ import annotations

@@ -79,15 +79,16 @@ def test_the_documented_sglang_command_is_the_one_the_suite_runs():
 
 
 def test_one_sglang_call_table():
-    """The table of what each SGLang call does lives in docs/sglang.md; the
-    docstrings that once repeated it point there."""
+    """The table of what each SGLang call does lives in docs/sglang-backend.md;
+    the docstrings that once repeated it point there."""
     import ast
 
-    assert "| `release_aborted_request(rid)` |" in (REPO / "docs" / "sglang.md").read_text()
+    assert "| `release_aborted_request(rid)` |" in (REPO / "docs" / "sglang-backend.md").read_text()
+    assert "release_aborted_request" not in (REPO / "docs" / "sglang.md").read_text()
     assert "release_aborted_request" not in (REPO / "README.md").read_text()
     for path in ("cpcache/integrations/sglang/radix_cache.py", "cpcache/client/session.py"):
         docstring = ast.get_docstring(ast.parse((REPO / path).read_text())) or ""
-        assert "docs/sglang.md" in docstring, f"{path}'s docstring does not point to docs/sglang.md"
+        assert "docs/sglang-backend.md" in docstring, f"{path}'s docstring does not point to docs/sglang-backend.md"
         assert "release_aborted_request" not in docstring, f"{path}'s docstring repeats the SGLang call table"
 
 

@@ -3,7 +3,7 @@
 SGLang keeps the device tree (match, insert, evict) exactly as it is; the
 rank's daemon is the host and storage tiers. Every decision that ranks must
 share comes from the daemon's agreed replies, never from a collective here.
-What each SGLang call does: docs/sglang.md (the call table).
+What each SGLang call does: docs/sglang-backend.md (the call table).
 
 Evicting a device node needs no copy: its pages were written through, so a
 later match finds them in the host pool and loads them back.

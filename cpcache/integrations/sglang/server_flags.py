@@ -19,9 +19,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from cpcache.deprecations import deprecated
+
 # The storage flag's extra config that names cpcache's daemon as the tier.
 STORAGE_EXTRA_CONFIG = {"backend_name": "cpcache", "module_path": "cpcache.integrations.sglang.storage",
                         "class_name": "CpcacheStore", "interface_v1": 1}
+# The storage class's names before 0.2.0 (old -> new): still loaded, with a warning.
+RENAMED_CLASSES = {"DaemonStorage": "CpcacheStore"}
+RENAMED_HINT = ' (give "class_name": "{new}" in --hicache-storage-backend-extra-config)'
 
 
 # Why a decode server cannot run over the backend (SGLang 0.5.23).
@@ -41,15 +46,30 @@ class UnsupportedServer(ValueError):
     """SGLang's server arguments ask for something the backend cannot do."""
 
 
-def _storage_named_cpcache(server_args: Any) -> bool:
+def _storage_extra_config(server_args: Any) -> dict:
     raw = getattr(server_args, "hicache_storage_backend_extra_config", None)
     if not raw:
-        return False
+        return {}
     try:
         extra = json.loads(raw) if isinstance(raw, str) else dict(raw)
     except (ValueError, TypeError):
-        return False
-    return isinstance(extra, dict) and extra.get("backend_name") == "cpcache"
+        return {}
+    return extra if isinstance(extra, dict) else {}
+
+
+def _storage_named_cpcache(server_args: Any) -> bool:
+    return _storage_extra_config(server_args).get("backend_name") == "cpcache"
+
+
+def warn_renamed_class(server_args: Any) -> None:
+    """A storage class named by its name before 0.2.0 still serves; say so.
+    (SGLang builds the class only on a decode server, where loading it by
+    the old name warns too: `storage.__getattr__`.)"""
+    old = _storage_extra_config(server_args).get("class_name")
+    if _storage_named_cpcache(server_args) and old in RENAMED_CLASSES:
+        module = STORAGE_EXTRA_CONFIG["module_path"]
+        new = RENAMED_CLASSES[old]
+        deprecated(f"cpcache: {module}.{old} is deprecated; it is now {module}.{new}{RENAMED_HINT.format(new=new)}")
 
 
 def storage_prefetch_enabled(server_args: Any) -> bool:
@@ -103,3 +123,4 @@ def check(context: Any) -> None:
         raise UnsupportedServer(f"cpcache: --hicache-host-memory-mode {mode} is not supported; the daemon's host "
                                 "pool is a cache tier (leave the flag at its default, cache)")
     storage_prefetch_enabled(server_args)
+    warn_renamed_class(server_args)

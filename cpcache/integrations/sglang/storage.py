@@ -45,6 +45,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 from cpcache.deprecations import renamed_attributes
 from cpcache.errors import CacheError, Unavailable
 from cpcache.integrations.sglang.pool import pool_name
+from cpcache.integrations.sglang.server_flags import RENAMED_CLASSES, RENAMED_HINT
 from cpcache.integrations.sglang.settings import Settings
 from cpcache.integrations.sglang.store_calls import BoundedCalls, CallGuard
 from cpcache.integrations.sglang.store_pages import StorePages, client_config, host_pool_geometry, page_slots
@@ -202,5 +203,4 @@ def _served_model() -> tuple[str, str]:
 # The class's name before 0.2.0, which an operator's
 # --hicache-storage-backend-extra-config may still give as its "class_name"
 # (SGLang's loader takes the class by getattr): it resolves, with a warning.
-__getattr__ = renamed_attributes(__name__, globals(), {"DaemonStorage": "CpcacheStore"},
-                                 hint=' (give "class_name": "{new}" in --hicache-storage-backend-extra-config)')
+__getattr__ = renamed_attributes(__name__, globals(), RENAMED_CLASSES, hint=RENAMED_HINT)

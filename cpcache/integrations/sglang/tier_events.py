@@ -1,6 +1,6 @@
 """KV events for the tiers cpcache holds below SGLang's device tree, in
-SGLang's own format and through its own publisher (docs/sglang.md, "Routing
-on what the tiers hold").
+SGLang's own format and through its own publisher (docs/sglang.md, "KV
+events").
 
 SGLang's scheduler publishes what its radix cache queues (`take_events`,
 drained at every iteration when `--kv-events-config` is set, on the one

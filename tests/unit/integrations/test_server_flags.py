@@ -3,6 +3,7 @@ SGLang's server arguments alone (no SGLang needed)."""
 
 from __future__ import annotations
 
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -36,3 +37,16 @@ def test_a_decode_server_is_refused_with_the_reason_and_the_way_to_share_its_pag
 def test_another_storage_backend_is_refused_naming_the_flag():
     with pytest.raises(UnsupportedServer, match="--hicache-storage-backend file"):
         server_flags.check(context(hicache_storage_backend="file"))
+
+
+def test_the_storage_class_named_by_its_name_before_0_2_0_serves_with_a_warning_naming_the_new_one(caplog):
+    """A server over the daemons never builds the storage class, so its
+    flags are where an old launch line's class name is seen."""
+    old = context(hicache_storage_backend_extra_config={**STORAGE_EXTRA_CONFIG, "class_name": "DaemonStorage"})
+    with pytest.warns(DeprecationWarning, match=r"storage\.DaemonStorage is deprecated; it is now "
+                      r"cpcache\.integrations\.sglang\.storage\.CpcacheStore \(give \"class_name\": \"CpcacheStore\""):
+        server_flags.check(old)
+    assert caplog.text.count("DaemonStorage is deprecated") == 1, caplog.text
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        server_flags.check(context())  # the new name: no warning
