@@ -21,7 +21,11 @@ Used by `cpcache bench routing` and tests/sglang/test_routing.py.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -174,9 +178,21 @@ class Gateway:
             self.process.wait_lines(EVENTS_CONNECTED, len(self.urls), timeout_s)
         return self
 
-    def stop(self) -> None:
-        if self.process is not None:
-            self.process.stop()
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """The gateway and its router: `smg launch` forks the router and
+        returns, so the router is stopped through the launcher's process
+        group, where it stays."""
+        if self.process is None:
+            return
+        self.process.stop()
+        group = self.process.proc.pid
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGTERM)
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                os.killpg(group, 0)  # raises once the group is empty
+                time.sleep(0.05)  # no event tells a process group's end
+            os.killpg(group, signal.SIGKILL)
 
     def post(self, path: str, body: dict | None = None, timeout_s: float = 120.0) -> Any:
         request = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", json.dumps(body or {}).encode(),
@@ -186,7 +202,7 @@ class Gateway:
         return json.loads(raw) if raw.strip()[:1] in (b"{", b"[") else {"text": raw.decode()}
 
     def flush_cache(self) -> None:
-        """Every worker's caches dropped (SGLang's flush: cpcache's tiers chain from a new seed)."""
+        """Every worker's caches dropped (SGLang's flush: cpcache's tiers name their pages anew)."""
         self.post("/flush_cache")
 
     def generate(self, input_ids: list[int], max_new_tokens: int = 4) -> dict:
