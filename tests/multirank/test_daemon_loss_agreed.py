@@ -196,12 +196,11 @@ async def test_a_peer_stopped_past_the_deadline_is_asked_again_until_it_tells(ru
             hasty.close()
 
 
-async def test_both_daemons_dying_around_one_step_leave_it_told_from_the_ring(run_dir):
-    """Rank 0's daemon dies between its round and its reply, and rank 1's
-    daemon, which answered rank 1, is killed before rank 0 can ask it: no
-    daemon can tell any more. Rank 0 reads the outcome its own daemon
-    recorded before answering (its step-outcome ring) and applies what rank 1
-    applied."""
+async def _told_from_the_ring(run_dir, votes, requests):
+    """Rank 0's daemon dies between step 2's round and its reply, and rank
+    1's daemon, which answered rank 1, is killed before rank 0 can ask it:
+    no daemon can tell any more. -> (rank 0's step 2, rank 1's), rank 0's
+    read from the outcome its own daemon recorded before answering."""
     async with attached_domain(run_dir, {0: {"fault_exit_after_round": 2}}) as (domain, blocking, epoch):
         assert same_outcome(await step_both(blocking, 1, epoch))
         assert blocking[0].hold_daemon()
@@ -213,39 +212,29 @@ async def test_both_daemons_dying_around_one_step_leave_it_told_from_the_ring(ru
             return recover(request, failure)
 
         blocking[0]._recover = after_the_kill
-        first = asyncio.ensure_future(asyncio.to_thread(blocking[0].step, 2, [(1, Reduce.MIN, 1)], write_step(2),
-                                                        epoch))
-        applied = await asyncio.to_thread(blocking[1].step, 2, [(1, Reduce.MIN, 1)], write_step(2), epoch)
+        first = asyncio.ensure_future(asyncio.to_thread(blocking[0].step, 2, votes, requests, epoch))
+        applied = await asyncio.to_thread(blocking[1].step, 2, votes, requests, epoch)
         domain.signal(1, signal.SIGKILL)
         await domain.wait_exit(1, 30)
         killed.set()
-        assert (await first).wire == applied.wire
+        told = await first
         assert await domain.wait_exit(0, 30) != 0
+        return told, applied
+
+
+async def test_both_daemons_dying_around_one_step_leave_it_told_from_the_ring(run_dir):
+    """Rank 0 applies what rank 1 applied, read from its own daemon's
+    step-outcome ring."""
+    told, applied = await _told_from_the_ring(run_dir, [(1, Reduce.MIN, 1)], write_step(2))
+    assert told.wire == applied.wire
 
 
 async def test_a_step_with_an_outcome_of_hundreds_of_kib_is_told_from_the_ring_too(run_dir):
     """As above, with a step whose answer is some hundred KiB (thousands of
     questions answered; a step acking a large write lists every page as
     much): the ring records outcomes of any size a step answers."""
-    votes = [(q, Reduce.MIN, q) for q in range(1, 20_001)]
-    async with attached_domain(run_dir, {0: {"fault_exit_after_round": 2}}) as (domain, blocking, epoch):
-        assert same_outcome(await step_both(blocking, 1, epoch))
-        assert blocking[0].hold_daemon()
-        killed = threading.Event()
-        recover = blocking[0]._recover
-
-        def after_the_kill(request, failure):
-            killed.wait(60)
-            return recover(request, failure)
-
-        blocking[0]._recover = after_the_kill
-        first = asyncio.ensure_future(asyncio.to_thread(blocking[0].step, 2, votes, None, epoch))
-        applied = await asyncio.to_thread(blocking[1].step, 2, votes, None, epoch)
-        assert len(applied.wire) > 64 * 1024
-        domain.signal(1, signal.SIGKILL)
-        await domain.wait_exit(1, 30)
-        killed.set()
-        assert (await first).wire == applied.wire
+    told, applied = await _told_from_the_ring(run_dir, [(q, Reduce.MIN, q) for q in range(1, 20_001)], None)
+    assert len(applied.wire) > 64 * 1024 and told.wire == applied.wire
 
 
 async def test_an_attach_whose_answer_comes_after_the_deadline_is_retried_not_failed(run_dir):
