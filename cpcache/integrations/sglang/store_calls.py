@@ -96,11 +96,13 @@ class BoundedCalls:
         log.warning("cpcache: the store did not answer %s within storage_timeout_s (%g s): counted as a miss "
                     "(a write: a failed backup); the next calls fail at once until it answers", what,
                     self.timeout_s)
-        job.add_done_callback(lambda _: self._returned(what))
+        job.add_done_callback(lambda done: self._returned(what, done))
         return miss
 
-    def _returned(self, what: str) -> None:
+    def _returned(self, what: str, job: concurrent.futures.Future) -> None:
         with self._answered:
             self._overdue -= 1
             self._answered.notify_all()
-        log.warning("cpcache: the store answered %s given up on; calls into it go on", what)
+        failure = job.exception()  # nobody waits for it any more: said here, or never
+        log.warning("cpcache: the store answered %s given up on%s; calls into it go on", what,
+                    f" (it failed: {failure!r})" if failure is not None else "")
