@@ -26,7 +26,7 @@ SGLANG_PACKAGES := numpy orjson psutil pybase64 requests packaging pillow starle
 	ipython aiohttp triton apache-tvm-ffi transformers dill sentencepiece compressed-tensors gguf openai \
 	partial-json-parser datasets \
 	jsonschema xgrammar soundfile fastapi uvicorn uvloop setproctitle python-multipart prometheus-client \
-	interegular einops xxhash sglang-router $(MOONCAKE_TE) smg smg-grpc-servicer smg-grpc-proto
+	interegular einops xxhash sglang-router $(MOONCAKE_TE) smg==1.13.0 smg-grpc-servicer==0.14.1 smg-grpc-proto==0.4.28
 
 .PHONY: setup setup-sglang demo test test-fast test-sglang compose-test bench proto clean
 

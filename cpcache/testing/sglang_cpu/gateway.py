@@ -22,9 +22,13 @@ Used by `cpcache bench routing` and tests/sglang/test_routing.py.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
+import logging
 import os
+import re
 import signal
+import subprocess
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -40,6 +44,8 @@ from cpcache.testing.sglang_cpu.servers import (
     free_port,
     sglang_interpreter,
 )
+
+log = logging.getLogger(__name__)
 
 GRPC_FLAGS = ["--smg-grpc-mode", "--skip-server-warmup"]
 EVENTS_OFF = {"SMG_SGLANG_SERVICER_KV_EVENTS": "off"}
@@ -60,6 +66,28 @@ def kv_events_flags(port: int) -> list[str]:
 def smg() -> str:
     """The gateway's command, installed beside SGLang's interpreter (`make setup`)."""
     return str(Path(sglang_interpreter()).parent / "smg")
+
+
+@functools.cache
+def launch_options() -> frozenset[str]:
+    """The options of `smg launch --help`: what this gateway's release knows."""
+    help_text = subprocess.run([smg(), "launch", "--help"], capture_output=True, text=True, timeout=60).stdout
+    return frozenset(re.findall(r"--[\w-]+", help_text))
+
+
+def known_to_gateway(flags: list[str]) -> list[str]:
+    """`flags` less the `--name value` pairs this release does not know
+    (each said in the log): a warm-up slice a release does not have
+    needs no turning off, and an unknown option stops `smg launch`."""
+    known, i = [], 0
+    while i < len(flags):
+        pair = flags[i:i + 2] if i + 1 < len(flags) and not flags[i + 1].startswith("--") else flags[i:i + 1]
+        if pair[0] in launch_options():
+            known += pair
+        else:
+            log.warning("smg launch does not know %s: left out", pair[0])
+        i += len(pair)
+    return known
 
 
 @dataclass
@@ -160,7 +188,7 @@ class Gateway:
     def argv(self) -> list[str]:
         return [smg(), "launch", "--worker-urls", *self.urls, "--policy", self.policy, "--host", "127.0.0.1",
                 "--port", str(self.port), "--prometheus-port", str(free_port()), "--model-path", str(self.model),
-                *self.flags]
+                *known_to_gateway(self.flags)]
 
     def start(self, timeout_s: float = 180.0, port_tries: int = 3) -> Gateway:
         """Until every worker is registered (and its event stream connected,
