@@ -118,6 +118,7 @@ class PdDeployment:
     bootstrap_port: int = 0
     ready_s: dict[str, float] = field(default_factory=dict)  # seconds from start to serving, per process
     daemons: Daemons | None = None  # cpcache's, beneath the prefill server: started first, stopped last
+    server_options: dict = field(default_factory=dict)  # more of Server's, for both (tokenizer, sleep_on_idle)
     _begun: dict[str, float] = field(default_factory=dict, init=False, repr=False)  # when each process started
 
     def _prefill_flags(self) -> list[str]:
@@ -136,10 +137,10 @@ class PdDeployment:
         self.bootstrap_port = free_port()
         self.prefill = Server("prefill", self.model, self.work, self._prefill_flags(), tp=self.prefill_tp,
                               cp=self.prefill_cp, page_size=self.page_size, device_tokens=self.device_tokens,
-                              env={**PD_ENV, **self.prefill_env})
+                              env={**PD_ENV, **self.prefill_env}, **self.server_options)
         self.decode = Server("decode", self.model, self.work, self._decode_flags(), tp=1,
                              page_size=self.page_size, device_tokens=self.device_tokens,
-                             env={**PD_ENV, **self.decode_env})
+                             env={**PD_ENV, **self.decode_env}, **self.server_options)
         self._begun["prefill"] = time.monotonic()
         self.prefill.start()
         self._begun["decode"] = time.monotonic()

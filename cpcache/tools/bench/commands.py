@@ -101,6 +101,16 @@ def _serving(p: argparse.ArgumentParser) -> None:
                    help="the trace's arrival intervals times this (default 1.5; higher: less queueing)")
 
 
+def _serving_pd(p: argparse.ArgumentParser) -> None:
+    from cpcache.tools.bench.serving_pd import CONFIGS, ROUNDS, SESSIONS, SLOWDOWN
+
+    p.add_argument("--configs", help=f"which pairs, comma-separated (default: {','.join(CONFIGS)})")
+    p.add_argument("--sessions", type=int, default=SESSIONS, help=f"sessions of the trace (default {SESSIONS})")
+    p.add_argument("--rounds", type=int, default=ROUNDS, help=f"turns per session (default {ROUNDS})")
+    p.add_argument("--slowdown", type=float, default=SLOWDOWN,
+                   help=f"the trace's arrival intervals times this (default {SLOWDOWN:g})")
+
+
 def _routing(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arms", help="which arms, comma-separated (default: events,events-x2,approx,approx-x2,"
                    "round-robin)")
@@ -199,6 +209,9 @@ BENCHES = {
     "serving": Bench("SGLang's bench_serving on a scaled Mooncake trace against CP servers: radix, HiCache, "
                      "cpcache",
                      "cpcache.tools.bench.serving", (_work_dir, _trace_requests), _serving),
+    "serving-pd": Bench("SGLang's bench_serving through SGLang's router in front of a PD pair (prefill tp 2 CP 2): "
+                        "radix, HiCache and cpcache on files and Mooncake Store, interleaved",
+                        "cpcache.tools.bench.serving_pd", (_repeat(2), _work_dir), _serving_pd),
     "sglang": Bench("SGLang servers on the CPU: TPOT with cpcache, HiCache and radix", "cpcache.tools.bench.sglang",
                     (_repeat(5), _work_dir), _sglang),
     "sglang-chaos": Bench("faults through sglang.launch_server: daemon kills, graceful stops, stops, scheduler "

@@ -54,7 +54,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cpcache.tools.bench.sglang import cpu_seconds, proc_stats
+from cpcache.tools.bench.sglang import cpu_seconds, descendants, proc_stats
 
 if TYPE_CHECKING:
     from cpcache.testing.sglang_cpu.servers import Daemons, Server
@@ -212,12 +212,12 @@ class Config:
 
     def cpu_seconds(self) -> tuple[float, float]:
         """The server's, its daemons' and its Mooncake master's, and of those the daemons' alone."""
-        watched = [self.server.process, self.daemons.process if self.daemons is not None else None]
-        groups = {os.getpgid(p.proc.pid) for p in watched if p is not None}
-        masters = {self.master.proc.pid} if self.master is not None and self.master.proc is not None else set()
         stats = proc_stats()
-        daemons = {os.getpgid(p.proc.pid) for p in watched[1:] if p is not None}
-        return cpu_seconds(stats, groups, masters), cpu_seconds(stats, daemons, set())
+        server = descendants(stats, {self.server.process.proc.pid}) if self.server.process else set()
+        launcher = self.daemons.process if self.daemons is not None else None
+        daemons = descendants(stats, {launcher.proc.pid}) if launcher is not None else set()
+        masters = {self.master.proc.pid} if self.master is not None and self.master.proc is not None else set()
+        return cpu_seconds(stats, set(), server | daemons | masters), cpu_seconds(stats, set(), daemons)
 
     def daemon_counters(self) -> dict[str, int] | None:
         """Rank 0's daemon counters of where its host pool's pages went (None: no daemons)."""
@@ -253,8 +253,12 @@ class Config:
         return sum(p.stat().st_size for p in self.store.rglob("*") if p.is_file())
 
 
-def bench_client(port: int, model: Path, trace: Path, out: Path, requests: int, slowdown: float) -> dict:
-    """SGLang's bench_serving over the trace: -> its result (the output file's last line)."""
+def bench_client(port: int, model: Path, trace: Path, out: Path, requests: int, slowdown: float, rounds: int = 1,
+                 details: bool = False) -> dict:
+    """SGLang's bench_serving over the trace, `rounds` turns per session
+    (each turn's prompt holding the ones before it and a stand-in answer),
+    with every request's own figures when `details`: -> its result (the
+    output file's last line)."""
     from cpcache.testing.sglang_cpu.servers import CPU_HOST, sglang_interpreter
 
     env = {**os.environ, "PYTHONPATH": str(CPU_HOST)}
@@ -262,9 +266,9 @@ def bench_client(port: int, model: Path, trace: Path, out: Path, requests: int, 
                            "--host", "127.0.0.1", "--port", str(port), "--model", str(model),
                            "--tokenizer", str(model), "--dataset-name", "mooncake", "--dataset-path", str(trace),
                            "--num-prompts", str(requests), "--mooncake-slowdown-factor", str(slowdown),
-                           "--mooncake-num-rounds", "1", "--cache-report", "--disable-tqdm",
-                           "--output-file", str(out)], capture_output=True, text=True, env=env, timeout=3600,
-                          check=False)
+                           "--mooncake-num-rounds", str(rounds), "--cache-report", "--disable-tqdm",
+                           *(["--output-details"] if details else []), "--output-file", str(out)],
+                          capture_output=True, text=True, env=env, timeout=3600, check=False)
     if done.returncode != 0 or not out.exists():
         raise RuntimeError(f"bench serving: sglang.bench_serving failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
     return json.loads(out.read_text().strip().splitlines()[-1])

@@ -146,6 +146,22 @@ def cpu_seconds(stats: Iterable[str], groups: set[int], pids: set[int]) -> float
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
+def descendants(stats: Iterable[str], roots: set[int]) -> set[int]:
+    """`roots` and every process below them, whatever their process group
+    (`cpcache launch` starts each daemon in a group of its own)."""
+    children: dict[int, list[int]] = {}
+    for text in stats:
+        fields = text.rsplit(")", 1)[1].split()  # from the state on: state, ppid, ...
+        children.setdefault(int(fields[1]), []).append(int(text.split(" ", 1)[0]))
+    found, todo = set(), list(roots)
+    while todo:
+        pid = todo.pop()
+        if pid not in found:
+            found.add(pid)
+            todo += children.get(pid, [])
+    return found
+
+
 def proc_stats() -> list[str]:
     out = []
     for entry in os.scandir("/proc"):

@@ -205,3 +205,14 @@ def test_the_cli_takes_the_benchs_flags(monkeypatch):
                      "--json"]) == 0
     (args,) = seen
     assert (args.repeat, args.requests, args.waves, args.new_tokens, args.json) == (2, 3, 1, 16, True)
+
+
+def test_descendants_follow_parents_across_process_groups():
+    def stat(pid: int, ppid: int, pgrp: int) -> str:
+        return f"{pid} (p {pid}) S {ppid} {pgrp} {pgrp} 0 -1 4194560 0 0 0 0 1 1 0 0 20 0 1 0 1 0 0"
+
+    # 20 launches 21 and 22 in groups of their own; 22 starts 23; 30 is another tree.
+    stats = [stat(20, 1, 20), stat(21, 20, 21), stat(22, 20, 22), stat(23, 22, 22), stat(30, 1, 30)]
+    assert sglang.descendants(stats, {20}) == {20, 21, 22, 23}
+    assert sglang.descendants(stats, {22, 30}) == {22, 23, 30}
+    assert sglang.descendants(stats, {99}) == {99}

@@ -1,0 +1,37 @@
+"""The pure parts of `cpcache bench serving-pd` (the pairs themselves run in the bench)."""
+
+import pytest
+
+from cpcache.tools.bench import serving_pd
+from cpcache.tools.bench.commands import BENCHES
+
+
+def test_a_requests_turn_is_its_place_in_its_session():
+    # Two sessions of three turns, in bench_serving's order: session by session.
+    ttfts = [1.0, 2.0, 4.0, 3.0, 2.0, 6.0]
+    figures = serving_pd.turn_ttfts(ttfts, rounds=3)
+    assert figures["ttft_first_mean_ms"] == pytest.approx(2000.0)
+    assert figures["ttft_later_mean_ms"] == pytest.approx(3500.0)
+    assert figures["ttft_later_median_ms"] == pytest.approx(3000.0)
+    assert "ttft_later_mean_ms" not in serving_pd.turn_ttfts([1.0, 2.0], rounds=1)
+
+
+def test_every_pair_leads_a_block_in_turn():
+    configs = serving_pd.CONFIGS
+    orders = [serving_pd.order_of(i, configs) for i in range(len(configs))]
+    assert [o[0] for o in orders] == list(configs)
+    assert all(sorted(o) == sorted(configs) for o in orders)
+
+
+def test_cpcache_is_compared_with_hicache_on_the_same_store_and_each_with_radix():
+    block = {c: {"ttft_later_mean_ms": 2.0, "ttft_first_mean_ms": 1.0, "mean_itl_ms": 1.0, "mean_tpot_ms": 1.0,
+                 "request_throughput": 1.0, "cpu_s": 1.0, "hit_rate_pct": 1.0} for c in serving_pd.CONFIGS}
+    block["cpcache-file"]["ttft_later_mean_ms"] = 1.0
+    report = serving_pd.summarize([block, block], serving_pd.CONFIGS, [], {})
+    assert report["ratios"]["cpcache-file / hicache-file"]["ttft_later_mean_ms"]["median"] == pytest.approx(0.5)
+    assert "cpcache-mooncake / hicache-mooncake" in report["ratios"] and "hicache-file / radix" in report["ratios"]
+    assert len(serving_pd.table(report)) == 2 + len(serving_pd.CONFIGS) + 3 + len(report["ratios"])
+
+
+def test_the_bench_is_a_subcommand():
+    assert BENCHES["serving-pd"].module == "cpcache.tools.bench.serving_pd"
