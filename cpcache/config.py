@@ -29,7 +29,7 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 DRAIN_MARGIN_S = 1.0  # a stop's drain outlasts a step's round in flight by this much at least
 # A round that fails here waits for a peer's word that it completed it (for
-# min(agreement_timeout_s, this); rank/epochs.py WITNESS_WAIT_S), then reads
+# min(agreement_timeout_s, this); rank/diagnosis.py WITNESS_WAIT_S), then reads
 # the peers' records once (up to this; agreement/witness.py READ_S).
 WITNESS_WAIT_S = 3.0
 WITNESS_READ_S = 2.0

@@ -3,7 +3,7 @@
 The lifecycle moves one way: STARTING -> JOINING -> SERVING -> DRAINING ->
 STOPPED (a stop while joining, or a rendezvous that failed, goes from
 JOINING to DRAINING). While SERVING, the rank's own standing in its domain
-(`rank.epochs.Standing`: serving, re-forming into a later epoch, broken)
+(`rank.standing.Standing`: serving, re-forming into a later epoch, broken)
 says whether it decides; health is SERVING only while both are. Signal
 handlers only set an event; a second signal forces exit.
 """
@@ -41,8 +41,8 @@ from cpcache.daemon.systemd import Notifier, extend_timeout_while
 from cpcache.daemon.wire import AttachAsk, DaemonStatus, step_error, step_reply
 from cpcache.errors import CacheError, Unavailable
 from cpcache.rank.attach import Attached
-from cpcache.rank.epochs import Standing
 from cpcache.rank.rank import Rank
+from cpcache.rank.standing import Standing
 from cpcache.rank.stepper import StepAnswer
 from cpcache.step_outcomes import OutcomeWriter
 from cpcache.v1 import daemon_pb2 as pb

@@ -25,7 +25,8 @@ from cpcache.errors import Unavailable
 from cpcache.geometry import KVGeometry
 from cpcache.keys import namespace_seed
 from cpcache.rank.assembly import CacheRuntime, check_host_budget, open_runtime, start_session
-from cpcache.rank.epochs import Formation, Held, close_storage
+from cpcache.rank.cache_closing import close_storage
+from cpcache.rank.epochs import Formation, Held
 from cpcache.rank.stepper import Stepper
 from cpcache.state import carryover
 from cpcache.state.machine import STATE_RULES

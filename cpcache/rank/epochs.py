@@ -23,34 +23,35 @@ import collections
 import contextlib
 import dataclasses
 import datetime
-import enum
 import functools
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 from torch.distributed import TCPStore
 
-from cpcache.agreement.bounded import StoreTimeout, bounded_async
+from cpcache.agreement.bounded import bounded_async
 from cpcache.agreement.collective import Reducer, Rendezvous, build_reducer, confirmation_reducer, host_store
-from cpcache.agreement.engine import AgreementEngine, DivergenceExchange, Recovered, RoundFaults, peer_lost
+from cpcache.agreement.engine import AgreementEngine, DivergenceExchange, Recovered, RoundFaults
 from cpcache.agreement.epochs import Epochs
-from cpcache.agreement.liveness import CONNECT_S, Heartbeat, diagnose, heartbeat_key
+from cpcache.agreement.liveness import Heartbeat
 from cpcache.agreement.witness import RoundWitness
-from cpcache.config import WITNESS_WAIT_S, DaemonConfig
+from cpcache.config import DaemonConfig
 from cpcache.errors import CacheError, PeerLost, Unavailable
 from cpcache.rank.assembly import CacheRuntime, carry_over
+from cpcache.rank.cache_closing import close_storage, finish_copies
+from cpcache.rank.diagnosis import diagnose_round
+from cpcache.rank.standing import RankHost, Standing
 from cpcache.rank.stepper import StepAnswer, Stepper
 from cpcache.state import carryover
 from cpcache.values import split_host_port
 
 log = logging.getLogger("cpcached")
 
-CLOSE_S = 5.0  # the longest closing a storage backend may hold the exit
 EPOCHS_KEPT = 4  # ended epochs whose step outcomes are still answered
 JOIN_MIN_S = 10.0  # the least a gloo group's join waits once every rank of the epoch is there
 
@@ -60,13 +61,6 @@ def _exit_after_round(dying_step: int, step: int) -> None:
     if step == dying_step:
         log.error("fault injection: exiting after the round of step %d, before answering it", step)
         os._exit(137)
-
-
-class Standing(enum.Enum):
-    FORMING = "forming"  # the domain has not formed yet
-    SERVING = "serving"
-    REFORMING = "reforming"  # the domain forms again in the next epoch
-    BROKEN = "broken"  # the engine failed: decisions are refused
 
 
 class Formed(NamedTuple):
@@ -85,42 +79,6 @@ class Held:
 
     runtime: CacheRuntime
     descriptor: dict[str, Any]
-
-
-class RankHost(Protocol):
-    """What the daemon running the rank offers it."""
-
-    stop_requested: asyncio.Event
-
-    def not_serving(self) -> str | None:
-        """Why the daemon takes no decisions now ("joining", "draining"), or None."""
-
-    def spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
-        """Run `coro` as a watched background task."""
-
-    async def standing_changed(self, standing: Standing, note: str) -> None:
-        """Tell health and the service manager (`note`: a status line, or "")."""
-
-
-async def close_storage(runtime: CacheRuntime, what: str) -> None:
-    """Close a cache's storage; one that hangs does not hold the caller."""
-    try:
-        await bounded_async(runtime.io.close, CLOSE_S, what)
-    except StoreTimeout:
-        log.warning("%s did not finish within %.0fs; going on without it", what, CLOSE_S)
-
-
-async def finish_copies(runtime: CacheRuntime, timeout_s: float) -> None:
-    """Let a cache's copies issued so far end, for up to `timeout_s`; say
-    what was left (`Transfers.finish_copies`)."""
-    timeout_s = max(0.0, timeout_s)
-    finished = await bounded_async(functools.partial(runtime.io.finish_copies, timeout_s), None, "finish-copies")
-    if finished.running or finished.cancelled:
-        log.warning("of %d copies between device and host, %d were still running after %.1fs (stuck: left to the "
-                    "exit) and %d not started were given up (their loads published failed)", finished.waited,
-                    finished.running, timeout_s, finished.cancelled)
-    elif finished.waited:
-        log.info("finished the %d copies between device and host issued before the stop", finished.waited)
 
 
 class Formation:
@@ -422,30 +380,9 @@ class Formation:
 
     def _diagnose(self, store: TCPStore | None, witness: RoundWitness | None, round_number: int,
                   exc: BaseException) -> PeerLost | Recovered:
-        """On the agreement thread, round `round_number` having failed here:
-        the peers that are missing, or the round as a peer completed it (it
-        asks its peers through the witness, for up to WITNESS_WAIT_S)."""
-        rdzv, config = self.rdzv, self.config
-        peers = tuple(r for r in self.domain.ranks if r != config.rank)
-        window = max(0.3, 3 * config.heartbeat_interval_s)
-        diagnosis = diagnose(rdzv, peers, round_number, window, store)
-        failure = peer_lost(round_number, exc, diagnosis)
-        if witness is None:
-            return failure
-        # Bounded well within a client's deadline margin past the round's
-        # timeout: a peer that completed the round publishes within a few
-        # heartbeats of the ask, and one still in it completes it nowhere.
-        wait_s = min(config.agreement_timeout_s, WITNESS_WAIT_S)
-        told = witness.recover(store, functools.partial(rdzv.connect, CONNECT_S), round_number,
-                               {r: heartbeat_key(rdzv, r) for r in diagnosis.stalled}, wait_s,
-                               config.heartbeat_interval_s, window)
-        if told is None:
-            return failure
-        rank, vector = told
-        return Recovered(rank, vector, PeerLost(
-            f"round {round_number} failed on rank {config.rank} ({str(exc).splitlines()[0][:200]}) after rank "
-            f"{rank} completed it: applied here as there, and epoch {rdzv.epoch} ends (no later round of it "
-            f"can complete)", ()))
+        """On the agreement thread: what round `round_number` failing here
+        means, in the current epoch (`diagnosis.diagnose_round`)."""
+        return diagnose_round(self.rdzv, self.config, self.domain.ranks, store, witness, round_number, exc)
 
     def _on_failure(self, failure: CacheError, engine: AgreementEngine) -> None:
         if engine is not self.engine or not self._serving():

@@ -27,8 +27,9 @@ from cpcache.errors import (
 )
 from cpcache.rank.assembly import CacheRuntime
 from cpcache.rank.attach import Attacher
-from cpcache.rank.epochs import Formation, RankHost, Standing
+from cpcache.rank.epochs import Formation
 from cpcache.rank.phases import StepPhases
+from cpcache.rank.standing import RankHost, Standing
 from cpcache.rank.stats import RankStats
 from cpcache.rank.stepper import StepAnswer, Stepper
 from cpcache.requests import CacheRequests, check_page_hashes

@@ -25,7 +25,7 @@ def test_the_default_drain_and_one_long_enough_are_taken():
 def test_the_drain_floor_counts_the_witness_as_the_agreement_waits_it():
     from cpcache.agreement import witness
     from cpcache.config import WITNESS_READ_S, round_bound_s
-    from cpcache.rank import epochs
+    from cpcache.rank import diagnosis
 
-    assert WITNESS_READ_S == witness.READ_S and epochs.WITNESS_WAIT_S == 3.0
+    assert WITNESS_READ_S == witness.READ_S and diagnosis.WITNESS_WAIT_S == 3.0
     assert round_bound_s(10.0) == 15.0 and round_bound_s(1.0) == 4.0
