@@ -11,13 +11,14 @@ once, on `_Face`, as an `_Rpc` over its builder, and is typed for each face
 Awaitable[StepResult]`).
 
 Every call has a deadline (`timeout_s`, 30 s unless told); a call that
-passes it raises `Unavailable`.
+passes it raises `Unavailable`. How a client reaches its daemon (the target,
+the channel's options, the least deadline): `connection.py`; the `Steps`
+stream an `AsyncClient` hands out: `step_stream.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import functools
 import inspect
@@ -40,56 +41,23 @@ from cpcache.client.calls import (
     step_call,
     wait_loads_call,
 )
+from cpcache.client.connection import CHANNEL_OPTIONS, DEFAULT_TIMEOUT_S, check_deadline, metadata_of, target_of
 from cpcache.client.daemon_process import HeldDaemon
 from cpcache.client.messages import StepResult
 from cpcache.client.recovery import StepRecovery, unanswered
-from cpcache.client.wire_errors import error_from, error_info
+from cpcache.client.step_stream import AsyncStepStream
+from cpcache.client.wire_errors import error_from
 from cpcache.requests import CacheRequests
 from cpcache.v1 import daemon_pb2 as pb
 from cpcache.v1 import daemon_pb2_grpc as pb_grpc
-from cpcache.values import CALL_LIMIT, MAX_MESSAGE_BYTES, STREAM_IDLE, Reduce
+from cpcache.values import MAX_MESSAGE_BYTES, Reduce
 
 T = TypeVar("T")
 P = ParamSpec("P")
 
-DEFAULT_TIMEOUT_S = 30.0
-# A client's deadline must exceed the daemons' agreement timeout by this much:
-# the time a living daemon may take past its round's timeout to answer.
-DEADLINE_MARGIN_S = 5.0
 # The longest a step whose daemon gave no answer waits for a daemon that may
 # still tell how it ended (a stopped peer): within SGLang's watchdog (300 s).
 OUTCOME_WAIT_S = 120.0
-
-# Reconnect quickly: the daemon is local and may be restarting.
-CHANNEL_OPTIONS = [
-    ("grpc.initial_reconnect_backoff_ms", 50),
-    ("grpc.min_reconnect_backoff_ms", 50),
-    ("grpc.max_reconnect_backoff_ms", 500),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", 2 * MAX_MESSAGE_BYTES),
-]
-
-
-def target_of(address: str) -> str:
-    """A socket path, `unix:PATH`, or `host:port`."""
-    if address.startswith(("unix:", "dns:", "ipv4:", "ipv6:")):
-        return address
-    if address.startswith("/") or address.endswith(".sock"):
-        return "unix:" + address
-    return address
-
-
-def _metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
-    return (("authorization", f"Bearer {token}"),) if token else None
-
-
-def check_deadline(timeout_s: float | None, agreement_timeout_s: float) -> None:
-    if timeout_s is not None and timeout_s <= agreement_timeout_s + DEADLINE_MARGIN_S:
-        raise errors.InvalidArgument(
-            f"the client's timeout_s ({timeout_s:g}) must exceed the daemons' agreement_timeout_s "
-            f"({agreement_timeout_s:g}) by more than {DEADLINE_MARGIN_S:g} s: a round waits that long for its "
-            "peers, and a step given up on sooner may be one the other ranks apply; raise timeout_s or lower "
-            "the daemons' --agreement-timeout")
 
 
 # -- the two faces ----------------------------------------------------------------------
@@ -162,7 +130,7 @@ class _Face:
             self._channel = self._grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.CacheDaemonStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
-        self._metadata = _metadata(token)
+        self._metadata = metadata_of(token)
         self._timeout_s = timeout_s
 
     def _method_for(self, call: Call[T]) -> tuple[Callable[..., Any], dict[str, Any]]:
@@ -238,94 +206,6 @@ class AsyncClient(_Face):
         finally:
             call.cancel()
         raise errors.Unavailable("the daemon closed its health stream before serving")
-
-
-class AsyncStepStream:
-    """`AsyncClient.step` over one `Steps` stream: the scheduler's fast path.
-    One step at a time, in order; each reply (or typed error) is exactly what
-    `step` would give. A failed step ends the stream; the next step opens a
-    new one. Each step has the client's deadline: past it the stream is
-    cancelled and the step raises `Unavailable` (its outcome is kept by the
-    daemon: send the same request again, by either call, to get it).
-
-    Two ends of a stream take no step and are not errors: the daemon closed
-    it while it waited for a step (`steps_idle_timeout_s`): the step goes
-    again on a new stream; the daemon has no stream to spare
-    (`max_steps_streams`): the step goes by `Step`."""
-
-    def __init__(self, client: AsyncClient) -> None:
-        self._client = client
-        self._call: Any = None
-        self._lock: asyncio.Lock | None = None  # made on first use, inside the loop
-
-    async def step(self, step: int, votes: Iterable[tuple[int, Reduce, int]] = (),
-                   requests: CacheRequests | None = None, epoch: int | None = None) -> StepResult:
-        """One scheduler iteration, as `AsyncClient.step`: -> StepResult."""
-        call = step_call(step, votes, requests, epoch)
-        _, kwargs = self._client._method_for(call)  # refuses an oversized request, unsent
-        if self._lock is None:
-            self._lock = asyncio.Lock()
-        async with self._lock:
-            for again in (False, True):
-                try:
-                    return await self._exchange(call, step, kwargs)
-                except grpc.aio.AioRpcError as exc:
-                    info = error_info(exc)
-                    reason = info.reason if info is not None else ""
-                    if reason == STREAM_IDLE and not again:
-                        continue  # closed while it waited: the step was not taken
-                    if reason == CALL_LIMIT and exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                        return await self._client._send(call)  # refused before it read the step
-                    raise error_from(exc) from None
-            raise AssertionError("unreachable")
-
-    async def _exchange(self, call: Call[StepResult], step: int, kwargs: dict[str, Any]) -> StepResult:
-        """The step on the stream, opened if there is none."""
-        if self._call is None:
-            self._call = self._client._stub.Steps(metadata=kwargs["metadata"])
-        stream = self._call
-        timer = None
-        timed_out = False
-        if kwargs["timeout"] is not None:
-            def expire() -> None:
-                nonlocal timed_out
-                timed_out = True
-                stream.cancel()
-            timer = asyncio.get_running_loop().call_later(kwargs["timeout"], expire)
-        try:
-            await stream.write(call.request)
-            reply = await stream.read()
-        except grpc.aio.AioRpcError:
-            self._call = None
-            raise
-        except asyncio.InvalidStateError:  # the stream had ended before the write: raise how it ended
-            self._call = None
-            code = await stream.code()
-            if code == grpc.StatusCode.OK:
-                raise errors.Unavailable("the daemon ended the step stream before the step") from None
-            raise grpc.aio.AioRpcError(code, await stream.initial_metadata(), await stream.trailing_metadata(),
-                                       await stream.details()) from None
-        except asyncio.CancelledError:
-            self._call = None
-            stream.cancel()
-            if timed_out:
-                raise errors.Unavailable(f"DEADLINE_EXCEEDED: step {step} had no reply within "
-                                         f"{kwargs['timeout']}s") from None
-            raise
-        finally:
-            if timer is not None:
-                timer.cancel()
-        if reply is grpc.aio.EOF:
-            self._call = None
-            raise errors.Unavailable("the daemon ended the step stream without a reply")
-        return call.read(reply)
-
-    async def close(self) -> None:
-        if self._call is not None:
-            call, self._call = self._call, None
-            with contextlib.suppress(grpc.aio.AioRpcError):
-                await call.done_writing()
-            call.cancel()
 
 
 class Client(_Face):

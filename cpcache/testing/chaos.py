@@ -60,7 +60,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cpcache.client import Client, SchedulerSession
-from cpcache.client.core import DEADLINE_MARGIN_S, OUTCOME_WAIT_S, check_deadline
+from cpcache.client.connection import DEADLINE_MARGIN_S, check_deadline
+from cpcache.client.core import OUTCOME_WAIT_S
 from cpcache.errors import CacheError, InvalidArgument
 from cpcache.testing.chaos_faults import COMBINED, KINDS, DomainHost, Injector
 from cpcache.topology import Topology

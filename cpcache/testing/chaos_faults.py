@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from cpcache.client.core import CHANNEL_OPTIONS, target_of
+from cpcache.client.connection import CHANNEL_OPTIONS, target_of
 from cpcache.errors import CacheError
 from cpcache.testing.daemon_probe import open_labels, what_is_open
 from cpcache.v1 import daemon_pb2 as pb

@@ -40,7 +40,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from cpcache.client import Client
-from cpcache.client.core import check_deadline
+from cpcache.client.connection import check_deadline
 from cpcache.errors import InvalidArgument
 from cpcache.testing.chaos_episodes import (
     LineTimes,
