@@ -1,4 +1,4 @@
-"""Device <-> host copies layer by layer (the movers' `_copy_layers`: one
+"""Device <-> host copies layer by layer (`_copy_layers` of `cpcache/dataplane/device_copies.py`: one
 gather / scatter per layer where the pages are scattered, one copy per
 layer per run of pages consecutive on both sides otherwise) against one
 strided copy per run over all layers at once (what the movers did before the
@@ -31,7 +31,7 @@ from functools import partial
 import torch
 
 from cpcache.dataplane import gather
-from cpcache.dataplane.movers import _copy_layers, _copy_runs
+from cpcache.dataplane.device_copies import _copy_layers, _copy_runs
 from cpcache.dataplane.pools import DevicePool, HostPool, runs
 from cpcache.geometry import KVGeometry
 

@@ -17,6 +17,11 @@ waits on them layer by layer, so they never queue behind write-throughs),
 write-throughs (device -> host), storage calls (a store that hangs delays
 only storage work). At shutdown the copies of both copy lanes are finished
 (`finish_copies`, bounded), storage work not started is cancelled.
+
+The movers themselves: `device_copies.py` (device <-> host) and
+`storage_copies.py` (host <-> storage); a job, its result and the tiers:
+`transfer_jobs.py` (`Tiers`, `TransferJob` and `TransferResult` are
+importable from here too, as the data plane's callers always have).
 """
 
 from __future__ import annotations
@@ -25,236 +30,24 @@ import concurrent.futures
 import itertools
 import logging
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
-import torch
-
-from cpcache.dataplane import gather
-from cpcache.dataplane.copy_faults import CopyFaultInjector, CopyFaults, LayerFaults
+from cpcache.dataplane.copy_faults import CopyFaultInjector, CopyFaults
+from cpcache.dataplane.device_copies import device_to_host, host_to_device
 from cpcache.dataplane.inflight import InFlight
-from cpcache.dataplane.pools import DevicePool, HostPool, runs
 from cpcache.dataplane.sessions import Session
-from cpcache.dataplane.storage import PageBuffer, StorageBackend
+from cpcache.dataplane.storage_copies import host_to_storage, storage_to_host
+from cpcache.dataplane.transfer_jobs import Tiers, TransferJob, TransferResult
 from cpcache.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 
 DEVICE, HOST, STORAGE = "device", "host", "storage"
-GPU_CYCLES_PER_MS = 1_500_000  # an injected device-side delay's clock: about 1.5 GHz
-
-
-@dataclass(frozen=True)
-class TransferJob:
-    """Pages to move, in order. `src` and `dst` are page indices in their
-    tier, or storage keys where the tier is storage."""
-
-    src: tuple
-    dst: tuple
-    job_id: int = 0
-    device: DevicePool | None = None  # the device pool, bound when the job was issued
-    # A load-back's slot in the device pool's load-signal board and the
-    # scheduler's op id for it ((0, 0): none): its layers are published there.
-    signal: tuple[int, int] = (0, 0)
-    layer_faults: LayerFaults | None = None  # injected per-layer delays and failures (tests only)
-
-
-@dataclass(frozen=True)
-class TransferResult:
-    job_id: int
-    success: bool
-    pages_done: int  # the longest prefix of the job's pages that completed
-
-
-def prefix_done(flags: list[bool]) -> int:
-    return next((i for i, ok in enumerate(flags) if not ok), len(flags))
-
-
-@dataclass
-class Tiers:
-    """What the movers move between. `device` is only the pool that jobs
-    issued without a session bind (tools and tests driving the movers
-    alone); a daemon's jobs bind their session's pool."""
-
-    host: HostPool
-    device: DevicePool | None = None
-    storage: StorageBackend | None = None
-
-    def host_buffers(self, slots: Iterable[int]) -> list[PageBuffer]:
-        return [PageBuffer.of_runs(self.host.page_parts(slot)) for slot in slots]
-
 
 T = TypeVar("T")
-
-
-def _device(job: TransferJob) -> DevicePool:
-    assert job.device is not None, "the job was issued without a device pool"
-    return job.device
-
-
-def _storage(tiers: Tiers) -> StorageBackend:
-    assert tiers.storage is not None, "no storage backend is configured"
-    return tiers.storage
-
-
-def _copy_layers(device: DevicePool, host: HostPool, host_pages: Iterable[int], device_pages: Iterable[int],
-                 to_device: bool) -> None:
-    """Every layer of every part of the pages (`DevicePool.parts`)."""
-    host_pages, device_pages = list(host_pages), list(device_pages)
-    for device_part, host_part in zip(device.parts, host.parts, strict=True):
-        _copy_part(device_part, host_part, host_pages, device_pages, to_device)
-
-
-def _copy_part(device: DevicePool, host: HostPool, host_pages: list[int], device_pages: list[int],
-               to_device: bool) -> None:
-    """Every layer of one part of the pages, by gather / scatter where they
-    are scattered (`gather.gathers`), run by run otherwise: the device
-    pool's layers lie wherever their creator put them."""
-    spans = runs(host_pages, device_pages)
-    if not gather.gathers(device.geometry, len(host_pages), len(spans), device_pages if to_device else host_pages):
-        _copy_runs(device, host, spans, to_device)
-        return
-    index = gather.PageIndex.of(device, host_pages, device_pages)
-    if not to_device:
-        gather.store(device, host, index)
-        return
-    for layer in range(device.geometry.layers):
-        gather.load_layer(device, host, index, layer)
-
-
-def _copy_runs(device: DevicePool, host: HostPool, spans: list[tuple[int, int, int]], to_device: bool) -> None:
-    """One copy per layer per run of pages consecutive on both sides."""
-    for h, d, n in spans:
-        host_view = host.page_view(h, n)  # [layers, components, n, page_size, heads, head_dim]
-        for layer in range(device.geometry.layers):
-            on_device = device.layer_pages(layer, d, n)
-            if to_device:
-                on_device.copy_(host_view[layer], non_blocking=True)
-            else:
-                host_view[layer].copy_(on_device, non_blocking=True)
-
-
-def device_to_host(tiers: Tiers, job: TransferJob) -> TransferResult:
-    device = _device(job)
-    try:
-        _copy_layers(device, tiers.host, job.dst, job.src, to_device=False)
-    finally:  # copies already queued must end before the slots count as idle
-        device.synchronize()
-    return TransferResult(job.job_id, True, len(job.src))
-
-
-def host_to_device(tiers: Tiers, job: TransferJob) -> TransferResult:
-    device = _device(job)
-    try:
-        if job.signal[0] or job.layer_faults is not None:
-            _load_layer_by_layer(device, tiers.host, job)
-        else:
-            _copy_layers(device, tiers.host, job.src, job.dst, to_device=True)
-    finally:  # copies already queued must end before the slots count as idle
-        device.synchronize()
-    return TransferResult(job.job_id, True, len(job.src))
-
-
-def _load_layer_by_layer(device: DevicePool, host: HostPool, job: TransferJob) -> None:
-    """A load-back a forward may already be reading: all of layer 0's pages
-    (every part of them), then layer 1's, ..., each layer published once its
-    copies are done. On a CUDA device every layer is queued first, its event
-    recorded after its copies, then each is published once its event has
-    completed: the board says landed, never queued, so a scheduler whose
-    daemon dies mid-load trusts only layers that are there (it copies the
-    rest itself), and its forward never waits on an event a dead context
-    would not complete."""
-    loaders = [_layer_loader(device_part, host_part, list(job.src), list(job.dst))
-               for device_part, host_part in zip(device.parts, host.parts, strict=True)]
-    slot, op = job.signal
-    signals = device.signals if slot else None
-    stream = torch.cuda.current_stream(device.layers[0].device) if device.is_cuda else None
-    for layer in range(device.geometry.layers):
-        if job.layer_faults is not None:
-            # On a CUDA device the injected delay runs on the copy stream:
-            # the layer is queued (and published) at once and lands later.
-            job.layer_faults.before_layer(layer, on_host=stream is None)
-            if stream is not None and job.layer_faults.delay_ms:
-                with torch.cuda.stream(stream):  # the pool's device and stream, not this thread's current ones
-                    torch.cuda._sleep(int(job.layer_faults.delay_ms * GPU_CYCLES_PER_MS))
-        for copy_layer in loaders:
-            copy_layer(layer)
-        if signals is not None:
-            if signals.events is not None:
-                signals.events[slot - 1][layer].record(stream)
-            else:
-                signals.publish(slot, op, layer + 1)
-    if signals is not None and signals.events is not None:
-        for layer, event in enumerate(signals.events[slot - 1]):
-            event.synchronize()
-            signals.publish(slot, op, layer + 1)
-
-
-def _layer_loader(device: DevicePool, host: HostPool, host_pages: list[int],
-                  device_pages: list[int]) -> Callable[[int], None]:
-    """What copies one layer of one part of a load: one gather / scatter
-    where the pages are scattered (`gather.gathers`), one copy per run
-    otherwise."""
-    spans = runs(host_pages, device_pages)
-    if gather.gathers(device.geometry, len(host_pages), len(spans), device_pages):
-        index = gather.PageIndex.of(device, host_pages, device_pages)
-        return lambda layer: gather.load_layer(device, host, index, layer)
-    views = [(host.page_view(h, n), d, n) for h, d, n in spans]
-
-    def copy_runs(layer: int) -> None:
-        for host_view, d, n in views:
-            device.layer_pages(layer, d, n).copy_(host_view[layer], non_blocking=True)
-
-    return copy_runs
-
-
-def _staged(tiers: Tiers, slots: list[int]) -> tuple[list[PageBuffer], torch.Tensor]:
-    """Contiguous bounce pages, as bytes, for a layout whose pages are scattered."""
-    page_bytes = tiers.host.geometry.page_bytes
-    stage = torch.empty((len(slots), page_bytes), dtype=torch.uint8)
-    flat = stage.numpy()
-    buffers = [PageBuffer(stage[i].data_ptr(), flat[i]) for i in range(len(slots))]
-    return buffers, stage
-
-
-def _stored_runs(host: HostPool, staged_page: torch.Tensor, slot: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(host view, staged view) of each part of a page, both as bytes in stored order."""
-    pairs, start = [], 0
-    for on_host in host.stored_bytes(slot):
-        size = on_host.numel()
-        pairs.append((on_host, staged_page[start : start + size].view(on_host.shape)))
-        start += size
-    return pairs
-
-
-def host_to_storage(tiers: Tiers, job: TransferJob) -> TransferResult:
-    slots, keys = list(job.src), list(job.dst)
-    if tiers.host.contiguous_pages:
-        done = _storage(tiers).put_from(keys, tiers.host_buffers(slots))
-    else:
-        buffers, stage = _staged(tiers, slots)
-        for i, slot in enumerate(slots):
-            for on_host, staged in _stored_runs(tiers.host, stage[i], slot):
-                staged.copy_(on_host)
-        done = _storage(tiers).put_from(keys, buffers)
-    n = prefix_done(done)
-    return TransferResult(job.job_id, n == len(keys), n)
-
-
-def storage_to_host(tiers: Tiers, job: TransferJob) -> TransferResult:
-    keys, slots = list(job.src), list(job.dst)
-    if tiers.host.contiguous_pages:
-        done = _storage(tiers).get_into(keys, tiers.host_buffers(slots))
-    else:
-        buffers, stage = _staged(tiers, slots)
-        done = _storage(tiers).get_into(keys, buffers)
-        for i, slot in enumerate(slots[: prefix_done(done)]):
-            for on_host, staged in _stored_runs(tiers.host, stage[i], slot):
-                on_host.copy_(staged)
-    n = prefix_done(done)
-    return TransferResult(job.job_id, n == len(keys), n)
 
 
 # (source tier, destination tier) -> mover
