@@ -1,4 +1,4 @@
-"""The chaos bench's reading of what the ranks recorded (cpcache/testing/chaos.py),
+"""The chaos bench's reading of what the ranks recorded (cpcache/testing/chaos_report.py),
 on made-up logs: a step one rank applied and another failed is a divergence,
 ranks failing alike is not, an attach try that attached some ranks only is
 one too; and detached ranks try again at the same absolute iterations."""
@@ -6,7 +6,9 @@ one too; and detached ranks try again at the same absolute iterations."""
 import argparse
 from types import SimpleNamespace
 
-from cpcache.testing.chaos import AttachTries, Entry, add_flags, compare, config_of, differences
+from cpcache.testing.chaos import add_flags, config_of
+from cpcache.testing.chaos_rank import AttachTries, Entry
+from cpcache.testing.chaos_report import compare, differences
 
 
 def ranks(*logs):
