@@ -29,7 +29,9 @@ bench_serving's per-request output, `--output-details`), ITL and TPOT,
 request and token throughput, hits per tier (its `--cache-report`), the
 CPU seconds of every process (the servers', the router's, the daemons' and
 the master's), the bytes the store holds, and a fixed check set answered
-equal to a tp 1 server without cache. Ratios per block, median over blocks.
+equal to a tp 1 server without cache. Per request: the CPU of every
+process, the daemons' alone, and the cpcache backend's own time on the
+prefill's rank 0 scheduler thread (what it logs at a flush). Ratios per block, median over blocks.
 
 The same model and trace as `cpcache bench serving` (a random Qwen3 with a
 word-level tokenizer; `--sleep-on-idle` on every server).
@@ -67,6 +69,7 @@ BOUND_PAGES = 6144
 DECODE_SEGMENT_SHARE = 8  # HiCache's decode server mounts 1/8 of a bounded Mooncake Store
 FIGURES = ("completed", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_itl_ms", "median_itl_ms",
            "mean_tpot_ms", "request_throughput", "input_throughput", "output_throughput")
+BACKEND_MARK = " backend: "  # the backend's time line, per rank at a flush (integrations/sglang/timing.py)
 TIERS = ("device_cached_tokens", "host_cached_tokens", "storage_cached_tokens")
 
 
@@ -190,6 +193,18 @@ class Pair:
     def generate(self, ids: list[int]) -> Reply:
         return self.pd.generate(ids)
 
+    def backend_time(self) -> dict | None:
+        """The cpcache backend's own time so far on the prefill's rank 0
+        scheduler thread, as it logs it at a flush (None: not over cpcache)."""
+        from cpcache.tools.bench.sglang_backend import backend_lines
+
+        prefill = self.pd.prefill
+        if self.pd.daemons is None or prefill is None or prefill.process is None:
+            return None
+        count = len(prefill.log_lines(BACKEND_MARK))
+        prefill.flush_cache()
+        return backend_lines(prefill.process.wait_lines(BACKEND_MARK, count + TP, timeout_s=120)).get(0)
+
 
 def measure(pair: Pair, model: Path, trace: Path, checks: list[list[int]], expected: list[Reply],
             sessions: int, rounds: int, slowdown: float) -> dict:
@@ -198,10 +213,12 @@ def measure(pair: Pair, model: Path, trace: Path, checks: list[list[int]], expec
 
     try:
         healthy_s = pair.start()
+        backend_before = pair.backend_time()
         before = pair.cpu_seconds()
         result = bench_client(pair.pd.router_port, model, trace, pair.work / "bench.jsonl", sessions, slowdown,
                               rounds=rounds, details=True)
         after = pair.cpu_seconds()
+        backend_after = pair.backend_time()
         answers = [pair.generate(ids) for ids in checks]
         stored = pair.stored_bytes()
     finally:
@@ -214,7 +231,23 @@ def measure(pair: Pair, model: Path, trace: Path, checks: list[list[int]], expec
             "cpu_s": round(sum(cpu.values()), 1), "cpu_by_process": cpu, "stored_bytes": stored,
             "healthy_s": round(healthy_s, 1),
             "checks_equal": sum(same_outputs(a, b) for a, b in zip(answers, expected))}
-    return row
+    return row | per_request(row, cpu, backend_before, backend_after)
+
+
+def per_request(row: dict, cpu: dict[str, float], before: dict | None, after: dict | None) -> dict:
+    """What a request cost: CPU ms of every process, and for cpcache the
+    backend's ms on the prefill's rank 0 scheduler thread (its hooks and
+    calls; of that, waiting on steps) and the daemons' CPU ms."""
+    done = row.get("completed") or 0
+    if not done:
+        return {}
+    out = {"cpu_ms_per_request": round(sum(cpu.values()) / done * 1e3, 1),
+           "daemons_cpu_ms_per_request": round(cpu.get("daemons", 0.0) / done * 1e3, 1)}
+    if before is not None and after is not None:
+        backend_s = (after["hook_s"] + after["calls_s"]) - (before["hook_s"] + before["calls_s"])
+        out["backend_ms_per_request"] = round(backend_s / done * 1e3, 2)
+        out["backend_step_ms_per_request"] = round((after["step_s"] - before["step_s"]) / done * 1e3, 2)
+    return out
 
 
 def order_of(block: int, configs: tuple[str, ...]) -> tuple[str, ...]:
@@ -253,6 +286,12 @@ def table(report: dict) -> list[str]:
                      f"{m('device_cached_tokens'):.0f} | {m('host_cached_tokens'):.0f} | "
                      f"{m('storage_cached_tokens'):.0f} | {m('stored_bytes') / 1e6:.0f} | {m('cpu_s'):.0f} | "
                      f"{m('checks_equal'):.0f} |")
+    lines += ["", "| pair | CPU ms per request | of it the daemons' | backend ms per request on the scheduler "
+              "thread | of it waiting on steps |", "|---|---:|---:|---:|---:|"]
+    for name, f in report["configs"].items():
+        cells = [f.get(k, {}).get("median") for k in ("cpu_ms_per_request", "daemons_cpu_ms_per_request",
+                                                       "backend_ms_per_request", "backend_step_ms_per_request")]
+        lines.append(f"| {name} | " + " | ".join("-" if c is None else f"{c:g}" for c in cells) + " |")
     lines += ["", "| ratio (median over blocks) | " + " | ".join(label for _, label in RATIOS) + " |",
               "|---|" + "---:|" * len(RATIOS)]
     for pair, figures in report["ratios"].items():
