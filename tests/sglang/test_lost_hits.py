@@ -16,7 +16,6 @@ how fast the host reads.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -26,12 +25,13 @@ from cpcache.integrations.sglang.lost_hits import parse
 from cpcache.testing.sglang_cpu.servers import SGLANG_PYTHON, make_tiny_model
 from cpcache.testing.sglang_cpu.stacks import PAGE, Shape, Stack, workload
 from tests.sglang.test_hit_rates import turns
+from tests.support.budget import beyond_budget
 
 pytestmark = [
     pytest.mark.sglang,
     # Its own tp 2 / CP 2 server for three minutes: beyond the suite's budget, run with
     # CPCACHE_SGLANG_MORE=1 (tests/multirank/test_lost_hits.py checks the counters on real daemons).
-    pytest.mark.skipif(not os.environ.get("CPCACHE_SGLANG_MORE"), reason="CPCACHE_SGLANG_MORE=1 runs it"),
+    beyond_budget,
     pytest.mark.timeout(1800),
     pytest.mark.skipif(not SGLANG_PYTHON.exists(), reason=f"SGLang's environment is not built ({SGLANG_PYTHON}); "
                        "`make setup` builds it"),

@@ -5,7 +5,8 @@ Mooncake's transfer engine over TCP on loopback) behind SGLang's router
 
 Every reply must equal, token for token and logprob for logprob, a
 `--disable-radix-cache` tp 1 server's without disaggregation (up for the
-whole module, paused between its answers). One deployment at a time:
+whole module, paused between its answers). One deployment at a time (the
+suite runs the Mooncake one; CPCACHE_SGLANG_MORE=1 every one):
 
 - a plain pair (prefill tp 1 with SGLang's radix cache);
 - the seed's shape: a prefill server at tp 2 and attention CP 2 over cpcache
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import re
 import subprocess
 import time
@@ -54,6 +54,7 @@ from cpcache.testing.sglang_cpu.servers import (
 )
 from cpcache.testing.sglang_cpu.stacks import DEVICE_TOKENS, PAGE, SLOW_RANK, Shape, prompt, workload
 from tests.sglang.stacks import kill_daemon_mid_run_and_come_back
+from tests.support.budget import more
 
 pytestmark = [
     pytest.mark.sglang,
@@ -64,14 +65,13 @@ pytestmark = [
 
 # The prefill server at tp 2, attention CP 2 over cpcache daemons, on file
 # storage and on Mooncake Store (the seed's shape); the decode server
-# offloads into the same store.
-CPCACHE_PAIRS = ["cpcache-file", "cpcache-mooncake"]
-# Beyond the suite's budget (a deployment more, a flush on each store), run with CPCACHE_SGLANG_MORE=1;
-# tests/sglang/test_recipes.py runs the docs' PD recipe with the daemons' defaults in the suite.
-MORE = bool(os.environ.get("CPCACHE_SGLANG_MORE"))
-FLUSH_PAIRS = CPCACHE_PAIRS if MORE else ["cpcache-file"]
-DEFAULTS_PAIRS = [pytest.param("cpcache-file-defaults", marks=pytest.mark.skipif(
-    not MORE, reason="CPCACHE_SGLANG_MORE=1 runs it"))]
+# offloads into the same store. Within the suite's budget: Mooncake Store
+# (the docs' PD recipe on files, at the daemons' defaults, runs in
+# tests/sglang/test_recipes.py); CPCACHE_SGLANG_MORE=1 adds the file
+# store, the daemons' defaults, and a plain pair (radix, no cpcache).
+CPCACHE_PAIRS = [more("cpcache-file", id="cpcache-file"), "cpcache-mooncake"]
+PLAIN_PAIRS = [more("plain", id="plain")]
+DEFAULTS_PAIRS = [more("cpcache-file-defaults", id="cpcache-file-defaults")]
 DECISION_LOG = re.compile(r"rank (\d+) decision log: (\d+ steps, digest \w+)")
 
 
@@ -178,7 +178,7 @@ def run_workload(pd: PdDeployment, reference: Reference) -> list[Reply]:
     return replies
 
 
-@pytest.mark.parametrize("pd", ["plain"], indirect=True)
+@pytest.mark.parametrize("pd", PLAIN_PAIRS, indirect=True)
 def test_a_plain_pd_pair_answers_as_a_server_without_cache(pd: PdDeployment, reference: Reference):
     replies = run_workload(pd, reference)
     # The prefill server's radix cache hits (the shared system prompt at
@@ -250,7 +250,7 @@ def test_the_next_turn_finds_the_previous_answer_in_storage_after_decode_offload
     assert got.cached >= offloaded > len(first) // PAGE * PAGE and got.storage > 0, got
 
 
-@pytest.mark.parametrize("pd", FLUSH_PAIRS, indirect=True)
+@pytest.mark.parametrize("pd", CPCACHE_PAIRS, indirect=True)
 def test_after_a_prefill_flush_the_next_turn_still_finds_the_decode_servers_offload(pd: PdDeployment,
                                                                                     reference: Reference):
     """The prefill server names its pages anew at a flush; its rank 0
