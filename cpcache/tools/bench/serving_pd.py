@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import statistics
 import sys
@@ -297,6 +298,36 @@ def table(report: dict) -> list[str]:
     for pair, figures in report["ratios"].items():
         lines.append(f"| {pair} | " + " | ".join(f"{figures[k]['median']:.2f}" for k, _ in RATIOS) + " |")
     return lines + [f"note: {n}" for n in report["notes"]]
+
+
+def run_tables(report: dict) -> list[dict]:
+    """The report's tables as benchmarks/runs/ holds them (medians over the blocks)."""
+    def m(f: dict, key: str) -> float:
+        return f.get(key, {}).get("median", float("nan"))
+
+    pairs = {"name": "pairs", "align": "lrrrrrrrrrr",
+             "columns": ["pair", "TTFT first turns mean ms", "later turns mean ms", "p99 ms", "ITL mean ms",
+                         "req/s", "hit %", "cached tokens (device / host / storage)", "stored MB",
+                         "CPU s (daemons)", "checks equal"],
+             "rows": [[name, f"{m(f, 'ttft_first_mean_ms'):.0f}", f"{m(f, 'ttft_later_mean_ms'):.0f}",
+                       f"{m(f, 'p99_ttft_ms'):.0f}", f"{m(f, 'mean_itl_ms'):.0f}", f"{m(f, 'request_throughput'):.2f}",
+                       f"{m(f, 'hit_rate_pct'):.1f}",
+                       f"{m(f, 'device_cached_tokens'):.0f} / {m(f, 'host_cached_tokens'):.0f} / "
+                       f"{m(f, 'storage_cached_tokens'):.0f}", f"{m(f, 'stored_bytes') / 1e6:.0f}",
+                       f"{m(f, 'cpu_s'):.0f} ({m(f, 'daemons_cpu_ms_per_request') * m(f, 'completed') / 1e3:.0f})",
+                       f"{m(f, 'checks_equal'):.0f}"] for name, f in report["configs"].items()]}
+    ratios = {"name": "ratios", "align": "l" + "r" * len(RATIOS),
+              "columns": ["pair, median over blocks (min-max)", *(label for _, label in RATIOS)],
+              "rows": [[pair, *(f"{r[k]['median']:.2f} ({r[k]['spread'].get('min', float('nan')):.2f}-"
+                                f"{r[k]['spread'].get('max', float('nan')):.2f})" for k, _ in RATIOS)]
+                       for pair, r in report["ratios"].items()]}
+    cost = {"name": "per request", "align": "lrrrr",
+            "columns": ["pair", "CPU ms per request", "of it the daemons'", "backend ms on the scheduler thread",
+                        "of it waiting on steps"],
+            "rows": [[name, *("-" if math.isnan(m(f, k)) else f"{m(f, k):g}"
+                              for k in ("cpu_ms_per_request", "daemons_cpu_ms_per_request", "backend_ms_per_request",
+                                        "backend_step_ms_per_request"))] for name, f in report["configs"].items()]}
+    return [pairs, ratios, cost]
 
 
 def run(work: Path, configs: tuple[str, ...], repeat: int, sessions: int, rounds: int, slowdown: float) -> dict:

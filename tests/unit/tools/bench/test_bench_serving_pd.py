@@ -38,3 +38,15 @@ def test_cpcache_is_compared_with_hicache_on_the_same_store_and_each_with_radix(
 
 def test_the_bench_is_a_subcommand():
     assert BENCHES["serving-pd"].module == "cpcache.tools.bench.serving_pd"
+
+
+def test_the_run_record_has_a_row_per_pair_and_per_ratio():
+    block = {c: {"ttft_later_mean_ms": 2.0, "ttft_first_mean_ms": 1.0, "mean_itl_ms": 1.0, "mean_tpot_ms": 1.0,
+                 "request_throughput": 1.0, "cpu_s": 1.0, "hit_rate_pct": 1.0, "completed": 10,
+                 "daemons_cpu_ms_per_request": 5.0} for c in ("cpcache-file", "hicache-file")}
+    report = serving_pd.summarize([block], ("cpcache-file", "hicache-file"), [], {})
+    pairs, ratios, cost = serving_pd.run_tables(report)
+    assert [r[0] for r in pairs["rows"]] == ["cpcache-file", "hicache-file"]
+    assert all(len(r) == len(pairs["columns"]) for r in pairs["rows"])
+    assert [r[0] for r in ratios["rows"]] == ["cpcache-file / hicache-file"]
+    assert cost["rows"][0][2] == "5" and cost["rows"][0][3] == "-"
