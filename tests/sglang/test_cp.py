@@ -186,8 +186,8 @@ def test_flush_cache_while_writes_are_in_flight_serves_no_wrong_bytes(stack: Sta
     flush_with_writes_in_flight_serves_no_wrong_bytes(stack)
 
 
-# On Mooncake Store (the seed's storage), each attention kind once: a kill on
-# file storage is the same kill (test_server.py has one at plain TP).
+# Each attention kind once: GQA on Mooncake Store (the seed's storage), MLA on
+# files (test_server.py has one at plain TP).
 KILLED_SHAPES = [shape for shape in EVERY_SHAPE
                  if shape.storage == "mooncake" or shape is MLA_ZIGZAG_FILE or shape in OPT_IN_SHAPES]
 

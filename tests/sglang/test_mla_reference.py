@@ -26,13 +26,9 @@ from cpcache.testing.sglang_cpu.servers import (
     same_outputs,
     sglang_interpreter,
 )
-from tests.support.budget import beyond_budget
 
-# The CPU kit's MLA against transformers: its result does not change with cpcache's code; beyond
-# the suite's budget.
 pytestmark = [
     pytest.mark.sglang,
-    beyond_budget,
     pytest.mark.timeout(600),
     pytest.mark.skipif(not SGLANG_PYTHON.exists(), reason=f"SGLang's environment is not built ({SGLANG_PYTHON}); "
                        "`make setup` builds it"),

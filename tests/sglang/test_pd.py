@@ -6,7 +6,7 @@ Mooncake's transfer engine over TCP on loopback) behind SGLang's router
 Every reply must equal, token for token and logprob for logprob, a
 `--disable-radix-cache` tp 1 server's without disaggregation (up for the
 whole module, paused between its answers). One deployment at a time (the
-suite runs the Mooncake one; CPCACHE_SGLANG_MORE=1 every one):
+suite runs the one on files; CPCACHE_SGLANG_MORE=1 every one):
 
 - a plain pair (prefill tp 1 with SGLang's radix cache);
 - the seed's shape: a prefill server at tp 2 and attention CP 2 over cpcache
@@ -65,11 +65,12 @@ pytestmark = [
 
 # The prefill server at tp 2, attention CP 2 over cpcache daemons, on file
 # storage and on Mooncake Store (the seed's shape); the decode server
-# offloads into the same store. Within the suite's budget: Mooncake Store
-# (the docs' PD recipe on files, at the daemons' defaults, runs in
-# tests/sglang/test_recipes.py); CPCACHE_SGLANG_MORE=1 adds the file
-# store, the daemons' defaults, and a plain pair (radix, no cpcache).
-CPCACHE_PAIRS = [more("cpcache-file", id="cpcache-file"), "cpcache-mooncake"]
+# offloads into the same store. Within the suite's budget: file storage
+# (the docs' PD recipe on Mooncake Store, at the daemons' defaults, runs in
+# tests/sglang/test_recipes.py); CPCACHE_SGLANG_MORE=1 adds Mooncake Store
+# with slowed I/O, the daemons' defaults on files, and a plain pair (radix,
+# no cpcache).
+CPCACHE_PAIRS = ["cpcache-file", more("cpcache-mooncake", id="cpcache-mooncake")]
 PLAIN_PAIRS = [more("plain", id="plain")]
 DEFAULTS_PAIRS = [more("cpcache-file-defaults", id="cpcache-file-defaults")]
 DECISION_LOG = re.compile(r"rank (\d+) decision log: (\d+ steps, digest \w+)")
@@ -356,6 +357,6 @@ class PdStack:
         return got
 
 
-@pytest.mark.parametrize("pd", ["cpcache-mooncake"], indirect=True)
+@pytest.mark.parametrize("pd", CPCACHE_PAIRS, indirect=True)
 def test_a_prefill_daemon_killed_mid_run_costs_the_tiers_not_the_pair(pd: PdDeployment, reference: Reference):
     kill_daemon_mid_run_and_come_back(PdStack(pd, reference), seed=30)  # type: ignore[arg-type]

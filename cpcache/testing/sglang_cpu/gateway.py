@@ -70,24 +70,29 @@ def smg() -> str:
 
 @functools.cache
 def launch_options() -> frozenset[str]:
-    """The options of `smg launch --help`: what this gateway's release knows."""
-    help_text = subprocess.run([smg(), "launch", "--help"], capture_output=True, text=True, timeout=60).stdout
-    return frozenset(re.findall(r"--[\w-]+", help_text))
+    """The options of `smg launch --help`: what this gateway's release knows
+    (empty where its help could not be read)."""
+    done = subprocess.run([smg(), "launch", "--help"], capture_output=True, text=True, timeout=60, check=False)
+    return frozenset(re.findall(r"--[\w-]+", done.stdout)) if done.returncode == 0 else frozenset()
 
 
 def known_to_gateway(flags: list[str]) -> list[str]:
-    """`flags` less the `--name value` pairs this release does not know
-    (each said in the log): a warm-up slice a release does not have
-    needs no turning off, and an unknown option stops `smg launch`."""
-    known, i = [], 0
+    """`flags` less the warm-up options (INDEX_ONLY's, each `--name value`)
+    this release does not know, each said in the log: a release without a
+    warm-up slice needs none turned off. Any other flag is passed as given
+    (`make setup` pins the release the gateway's flags are written for)."""
+    known = launch_options()
+    optional = set(INDEX_ONLY[::2])
+    out, i = [], 0
     while i < len(flags):
-        pair = flags[i:i + 2] if i + 1 < len(flags) and not flags[i + 1].startswith("--") else flags[i:i + 1]
-        if pair[0] in launch_options():
-            known += pair
+        name = flags[i].split("=", 1)[0]
+        width = 2 if name in optional and "=" not in flags[i] else 1
+        if name in optional and known and name not in known:
+            log.warning("smg launch does not know %s: left out", name)
         else:
-            log.warning("smg launch does not know %s: left out", pair[0])
-        i += len(pair)
-    return known
+            out += flags[i:i + width]
+        i += width
+    return out
 
 
 @dataclass

@@ -35,6 +35,20 @@ prefill's rank 0 scheduler thread (what it logs at a flush). Ratios per block, m
 
 The same model and trace as `cpcache bench serving` (a random Qwen3 with a
 word-level tokenizer; `--sleep-on-idle` on every server).
+
+What SGLang's client makes of a session: it sends all its turns at the
+session's arrival, one right after the other, without waiting for answers,
+and each later turn holds a stand-in answer ("story" repeated), not the one
+generated. A later turn hits its earlier turns' prompt only once their
+prefill has run, and never what a decode server offloaded (its pages are
+of the generated answer): under this client the decode offload is a cost,
+not a hit. `cpcache bench sglang-pd` sends turns in sequence with the real
+answers.
+
+Where HiCache's decode offload fails, its pair runs without it from that
+block on (said in the report's notes, the work directory kept): the
+cpcache / HiCache ratios of the blocks before and after compare different
+decode servers.
 """
 
 from __future__ import annotations
@@ -80,13 +94,16 @@ def decode_flags() -> list[str]:
     return ["--max-total-tokens", str(DECODE_TOKENS), "--num-reserved-decode-tokens", str(OUTPUT)]
 
 
-def turn_ttfts(ttfts: list[float], rounds: int) -> dict[str, float]:
-    """Mean and median TTFT (ms) of the first turns and of the later ones:
-    bench_serving sends a session's turns one after the other in its order,
-    so request i is turn i % rounds."""
+def turn_ttfts(ttfts: list[float], rounds: int, errors: list[str] | None = None) -> dict[str, float]:
+    """Mean and median TTFT (ms) of the first turns and of the later ones,
+    over the requests that did not fail (`errors`, bench_serving's per
+    request: a failed one's TTFT is 0). Its output lists requests in the
+    order it made them, a session's turns in a row: request i is turn
+    i % rounds."""
     out: dict[str, float] = {}
-    for part, chosen in (("first", [t for i, t in enumerate(ttfts) if i % rounds == 0]),
-                         ("later", [t for i, t in enumerate(ttfts) if i % rounds])):
+    ok = [not (errors[i] if errors and i < len(errors) else "") for i in range(len(ttfts))]
+    for part, chosen in (("first", [t for i, t in enumerate(ttfts) if ok[i] and i % rounds == 0]),
+                         ("later", [t for i, t in enumerate(ttfts) if ok[i] and i % rounds])):
         if chosen:
             out[f"ttft_{part}_mean_ms"] = round(statistics.mean(chosen) * 1e3, 1)
             out[f"ttft_{part}_median_ms"] = round(statistics.median(chosen) * 1e3, 1)
@@ -163,10 +180,12 @@ class Pair:
         return self.pd.ready_s["all"]
 
     def stop(self) -> None:
-        if getattr(self, "pd", None) is not None:
-            self.pd.stop()
-        if self.master is not None:
-            self.master.stop()
+        try:
+            if getattr(self, "pd", None) is not None:
+                self.pd.stop()
+        finally:
+            if self.master is not None:
+                self.master.stop()
 
     def cpu_seconds(self) -> dict[str, float]:
         """CPU seconds so far of each part: the servers, the router, the daemons, the master."""
@@ -177,8 +196,8 @@ class Pair:
         stats = proc_stats()
         out = {name: cpu_seconds(stats, set(), descendants(stats, {p.proc.pid}))
                for name, p in parts.items() if p is not None}
-        if self.master is not None and self.master.proc is not None:
-            out["master"] = cpu_seconds(stats, set(), {self.master.proc.pid})
+        if self.master is not None:  # the master and its metadata server
+            out["master"] = cpu_seconds(stats, set(), set(self.master.pids()))
         return out
 
     def stored_bytes(self) -> int | None:
@@ -194,16 +213,18 @@ class Pair:
     def generate(self, ids: list[int]) -> Reply:
         return self.pd.generate(ids)
 
-    def backend_time(self) -> dict | None:
-        """The cpcache backend's own time so far on the prefill's rank 0
-        scheduler thread, as it logs it at a flush (None: not over cpcache)."""
+    def flush(self) -> dict | None:
+        """Flush the prefill server's cache (every pair alike); -> the cpcache
+        backend's own time so far on its rank 0 scheduler thread, as it logs
+        it at a flush (None: not over cpcache)."""
         from cpcache.tools.bench.sglang_backend import backend_lines
 
         prefill = self.pd.prefill
-        if self.pd.daemons is None or prefill is None or prefill.process is None:
-            return None
+        assert prefill is not None and prefill.process is not None
         count = len(prefill.log_lines(BACKEND_MARK))
         prefill.flush_cache()
+        if self.pd.daemons is None:
+            return None
         return backend_lines(prefill.process.wait_lines(BACKEND_MARK, count + TP, timeout_s=120)).get(0)
 
 
@@ -214,22 +235,23 @@ def measure(pair: Pair, model: Path, trace: Path, checks: list[list[int]], expec
 
     try:
         healthy_s = pair.start()
-        backend_before = pair.backend_time()
+        backend_before = pair.flush()
         before = pair.cpu_seconds()
         result = bench_client(pair.pd.router_port, model, trace, pair.work / "bench.jsonl", sessions, slowdown,
                               rounds=rounds, details=True)
         after = pair.cpu_seconds()
-        backend_after = pair.backend_time()
+        stored = pair.stored_bytes()  # before the flush, which cancels writes not yet under way
+        backend_after = pair.flush()
         answers = [pair.generate(ids) for ids in checks]
-        stored = pair.stored_bytes()
     finally:
         pair.stop()
     cache = result.get("cache_report") or {}
     cpu = {name: round(after[name] - before.get(name, 0.0), 1) for name in after}
-    row = {f: result.get(f) for f in FIGURES} | turn_ttfts(result.get("ttfts") or [], rounds)
+    row = {f: result.get(f) for f in FIGURES} | turn_ttfts(result.get("ttfts") or [], rounds, result.get("errors"))
     row |= {"failed": sessions * rounds - (result.get("completed") or 0),
             "hit_rate_pct": cache.get("cache_hit_rate_pct"), **{t: cache.get(t) or 0 for t in TIERS},
-            "cpu_s": round(sum(cpu.values()), 1), "cpu_by_process": cpu, "stored_bytes": stored,
+            "cpu_s": round(sum(cpu.values()), 1), "daemons_cpu_s": cpu.get("daemons", 0.0), "cpu_by_process": cpu,
+            "stored_bytes": stored,
             "healthy_s": round(healthy_s, 1),
             "checks_equal": sum(same_outputs(a, b) for a, b in zip(answers, expected))}
     return row | per_request(row, cpu, backend_before, backend_after)
@@ -238,7 +260,8 @@ def measure(pair: Pair, model: Path, trace: Path, checks: list[list[int]], expec
 def per_request(row: dict, cpu: dict[str, float], before: dict | None, after: dict | None) -> dict:
     """What a request cost: CPU ms of every process, and for cpcache the
     backend's ms on the prefill's rank 0 scheduler thread (its hooks and
-    calls; of that, waiting on steps) and the daemons' CPU ms."""
+    calls) and its steps' time (the flush's own drain included: it can
+    pass the hooks' time) and the daemons' CPU ms."""
     done = row.get("completed") or 0
     if not done:
         return {}
@@ -261,16 +284,22 @@ RATIOS = (("ttft_later_mean_ms", "TTFT later turns, mean"), ("ttft_first_mean_ms
           ("cpu_s", "CPU s"), ("hit_rate_pct", "hit rate"))
 
 
+def ratio(blocks: list[dict[str, dict]], key: str, num: str, den: str) -> dict:
+    """block_ratios over the blocks where both pairs have the figure."""
+    both = [b for b in blocks if b[num].get(key) is not None and b[den].get(key) is not None]
+    return block_ratios(both, key, num, den)
+
+
 def summarize(blocks: list[dict[str, dict]], configs: tuple[str, ...], notes: list[str], setup: dict) -> dict:
     done = [c for c in configs if all(c in b for b in blocks)]
-    numeric = [k for k, v in blocks[0][done[0]].items() if isinstance(v, (int, float))] if done else []
+    numeric = {c: sorted({k for b in blocks for k, v in b[c].items() if isinstance(v, (int, float))}) for c in done}
     pairs = [(f"cpcache-{s}", f"hicache-{s}") for s in ("file", "mooncake")] + [(c, "radix") for c in done
                                                                                 if c != "radix"]
-    ratios = {f"{num} / {den}": {key: block_ratios(blocks, key, num, den) for key, _ in RATIOS}
+    ratios = {f"{num} / {den}": {key: ratio(blocks, key, num, den) for key, _ in RATIOS}
               for num, den in pairs if num in done and den in done}
     return {"bench": "serving-pd", "setup": setup, "notes": notes, "ratios": ratios,
-            "configs": {c: {k: block_summary([b[c][k] for b in blocks if b[c].get(k) is not None], digits=1)
-                            for k in numeric} for c in done},
+            "configs": {c: {k: block_summary([b[c][k] for b in blocks if b[c].get(k) is not None], digits=2)
+                            for k in numeric[c]} for c in done},
             "blocks": blocks}
 
 
@@ -314,7 +343,7 @@ def run_tables(report: dict) -> list[dict]:
                        f"{m(f, 'hit_rate_pct'):.1f}",
                        f"{m(f, 'device_cached_tokens'):.0f} / {m(f, 'host_cached_tokens'):.0f} / "
                        f"{m(f, 'storage_cached_tokens'):.0f}", f"{m(f, 'stored_bytes') / 1e6:.0f}",
-                       f"{m(f, 'cpu_s'):.0f} ({m(f, 'daemons_cpu_ms_per_request') * m(f, 'completed') / 1e3:.0f})",
+                       f"{m(f, 'cpu_s'):.0f} ({m(f, 'daemons_cpu_s'):.0f})",
                        f"{m(f, 'checks_equal'):.0f}"] for name, f in report["configs"].items()]}
     ratios = {"name": "ratios", "align": "l" + "r" * len(RATIOS),
               "columns": ["pair, median over blocks (min-max)", *(label for _, label in RATIOS)],
@@ -385,6 +414,10 @@ def main(args: argparse.Namespace) -> int:
         print(f"cpcache bench serving-pd: unknown pairs {unknown}; known: {', '.join(CONFIGS)}", file=sys.stderr)
         return 2
     sessions = args.sessions
+    if args.rounds < 2:
+        print("cpcache bench serving-pd: --rounds must be at least 2 (the later turns are what it compares)",
+              file=sys.stderr)
+        return 2
     keep = Path(args.work_dir) if args.work_dir else None
     work = keep or Path(tempfile.mkdtemp(prefix="cpcache-bench-serving-pd-"))
     started = time.monotonic()
@@ -392,7 +425,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         report = run(work, configs, args.repeat, sessions, args.rounds, args.slowdown)
         report["wall_s"] = round(time.monotonic() - started, 1)
-        ok = True
+        ok = not report["notes"]  # a pair that fell back keeps its logs
     finally:
         if ok and keep is None:
             shutil.rmtree(work, ignore_errors=True)

@@ -50,3 +50,24 @@ def test_the_run_record_has_a_row_per_pair_and_per_ratio():
     assert all(len(r) == len(pairs["columns"]) for r in pairs["rows"])
     assert [r[0] for r in ratios["rows"]] == ["cpcache-file / hicache-file"]
     assert cost["rows"][0][2] == "5" and cost["rows"][0][3] == "-"
+
+
+def test_a_failed_request_counts_in_no_turn():
+    ttfts, errors = [1.0, 0.0, 3.0, 4.0], ["", "timed out", "", ""]
+    figures = serving_pd.turn_ttfts(ttfts, rounds=2, errors=errors)
+    assert figures["ttft_first_mean_ms"] == pytest.approx(2000.0)
+    assert figures["ttft_later_mean_ms"] == pytest.approx(4000.0)
+
+
+def test_figures_only_some_pairs_have_are_summarized_and_ratios_skip_blocks_without_them():
+    blocks = [{"radix": {"ttft_later_mean_ms": 2.0, "hit_rate_pct": None},
+               "cpcache-file": {"ttft_later_mean_ms": 1.0, "backend_ms_per_request": 0.25, "hit_rate_pct": 3.0}},
+              {"radix": {"ttft_later_mean_ms": 4.0, "hit_rate_pct": 1.0},
+               "cpcache-file": {"ttft_later_mean_ms": 1.0, "backend_ms_per_request": 0.75, "hit_rate_pct": 2.0}}]
+    report = serving_pd.summarize(blocks, ("radix", "cpcache-file"), [], {})
+    assert report["configs"]["cpcache-file"]["backend_ms_per_request"]["median"] == pytest.approx(0.5)
+    assert "backend_ms_per_request" not in report["configs"]["radix"]
+    ratios = report["ratios"]["cpcache-file / radix"]
+    assert ratios["ttft_later_mean_ms"]["blocks"] == [0.5, 0.25]
+    assert ratios["hit_rate_pct"]["blocks"] == [2.0]  # the block where radix had none is left out
+    assert ratios["mean_itl_ms"]["blocks"] == []
