@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING
 from cpcache.tools.bench.sglang import cpu_seconds, descendants, proc_stats
 
 if TYPE_CHECKING:
+    from cpcache.testing.mooncake_master import MooncakeMaster
     from cpcache.testing.sglang_cpu.servers import Daemons, Server
 
 CONFIGS = ("radix", "cpcache-host", "hicache-host", "cpcache-file", "hicache-file", "cpcache-file-bounded",
@@ -242,15 +243,20 @@ class Config:
         return {reason: int(n) for reason, n in re.findall(r"(\w+) (\d+) pages", line.partition(" lost hits: ")[2])}
 
     def stored_bytes(self) -> int | None:
-        """What the store holds now (None: its master no longer answers)."""
-        if self.master is not None:
-            try:
-                return int(self.master.metrics().get("master_allocated_bytes", 0))
-            except OSError:
-                return None
-        if self.store is None or not self.store.exists():
-            return 0
-        return sum(p.stat().st_size for p in self.store.rglob("*") if p.is_file())
+        return stored_bytes(self.master, self.store)
+
+
+def stored_bytes(master: MooncakeMaster | None, root: Path | None) -> int | None:
+    """What a store holds now: a Mooncake master's allocated bytes (None: it
+    no longer answers), else the files under `root` (0: none)."""
+    if master is not None:
+        try:
+            return int(master.metrics().get("master_allocated_bytes", 0))
+        except OSError:
+            return None
+    if root is None or not root.exists():
+        return 0
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
 
 
 def bench_client(port: int, model: Path, trace: Path, out: Path, requests: int, slowdown: float, rounds: int = 1,

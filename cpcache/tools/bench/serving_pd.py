@@ -65,7 +65,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cpcache.testing.stats import block_summary
-from cpcache.tools.bench.serving import TRACE, add_tokenizer, bench_client, check_prompts, page_bytes, scaled_trace
+from cpcache.tools.bench.serving import (
+    TRACE,
+    add_tokenizer,
+    bench_client,
+    check_prompts,
+    page_bytes,
+    scaled_trace,
+    stored_bytes,
+)
 from cpcache.tools.bench.sglang import block_ratios, cpu_seconds, descendants, proc_stats
 
 if TYPE_CHECKING:
@@ -201,14 +209,7 @@ class Pair:
         return out
 
     def stored_bytes(self) -> int | None:
-        if self.master is not None:
-            try:
-                return int(self.master.metrics().get("master_allocated_bytes", 0))
-            except OSError:
-                return None
-        if self.root is None or not self.root.exists():
-            return 0
-        return sum(p.stat().st_size for p in self.root.rglob("*") if p.is_file())
+        return stored_bytes(self.master, self.root)
 
     def generate(self, ids: list[int]) -> Reply:
         return self.pd.generate(ids)

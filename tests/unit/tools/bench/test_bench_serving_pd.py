@@ -71,3 +71,13 @@ def test_figures_only_some_pairs_have_are_summarized_and_ratios_skip_blocks_with
     assert ratios["ttft_later_mean_ms"]["blocks"] == [0.5, 0.25]
     assert ratios["hit_rate_pct"]["blocks"] == [2.0]  # the block where radix had none is left out
     assert ratios["mean_itl_ms"]["blocks"] == []
+
+
+def test_a_file_store_holds_the_bytes_of_its_files(tmp_path):
+    from cpcache.tools.bench.serving import stored_bytes
+
+    assert stored_bytes(None, tmp_path / "absent") == 0 and stored_bytes(None, None) == 0
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "page").write_bytes(b"x" * 100)
+    (tmp_path / "page").write_bytes(b"y" * 28)
+    assert stored_bytes(None, tmp_path) == 128
