@@ -15,6 +15,13 @@ HICACHE_FLAGS = ["--enable-hierarchical-cache", "--hicache-io-backend", "direct"
 HICACHE_ENV = {"CPCACHE_TEST_HICACHE_CPU": "1"}
 
 
+def hicache_host_flags(host_pages: int, page_size: int, device_tokens: int) -> list[str]:
+    """HICACHE_FLAGS with a host pool of `host_pages` pages (SGLang sizes it
+    as a ratio of the device pool), as many as a cpcache host pool's."""
+    ratio = HICACHE_FLAGS.index("--hicache-ratio") + 1
+    return [*HICACHE_FLAGS[:ratio], f"{host_pages * page_size / device_tokens:g}", *HICACHE_FLAGS[ratio + 1:]]
+
+
 def hicache_file_storage_flags(root: Path) -> list[str]:
     """SGLang's own storage tier below its HiCache: its `file` backend (one
     file per page and rank under `root`; under attention CP, one per CP rank

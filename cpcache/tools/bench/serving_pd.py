@@ -141,13 +141,14 @@ class Pair:
             HICACHE_ENV,
             HICACHE_FLAGS,
             hicache_file_storage_flags,
+            hicache_host_flags,
             hicache_mooncake_flags,
         )
         from cpcache.testing.sglang_cpu.pd import PdDeployment, over_cpcache
 
         bound = BOUND_PAGES * page_bytes()
         options: dict[str, Any] = dict(page_size=PAGE, device_tokens=DEVICE_TOKENS, decode_flags=decode_flags(),
-                       server_options=dict(tokenizer=True, sleep_on_idle=True))
+                                       server_options=dict(tokenizer=True, sleep_on_idle=True))
         if self.name == "radix":
             return PdDeployment(self.work, model, prefill_tp=TP, prefill_cp=CP, **options)
         if self.name.startswith("cpcache"):
@@ -158,15 +159,15 @@ class Pair:
                                storage_segment_bytes=bound // TP)
             return over_cpcache(self.work, model, tp=TP, cp=CP, host_pages=HOST_PAGES, storage=storage,
                                 decode_offload=decode_offload, **options)
-        ratio = HICACHE_FLAGS.index("--hicache-ratio") + 1  # the host pool: HOST_PAGES pages, as cpcache's
-        host = [*HICACHE_FLAGS[:ratio], f"{HOST_PAGES * PAGE / DEVICE_TOKENS:g}", *HICACHE_FLAGS[ratio + 1:]]
+        host = hicache_host_flags(HOST_PAGES, PAGE, DEVICE_TOKENS)  # as many host pages as cpcache's
         if self.master is not None:
             # The decode server's offload into the same store mounts a share
             # of it (SGLang's client puts a page at its start, failing without
             # a segment of its own); the prefill's TP ranks mount the rest.
             decode_share = bound // DECODE_SEGMENT_SHARE if decode_offload else 0
             prefill = hicache_mooncake_flags(self.master.master, self.master.metadata_server, bound - decode_share)
-            prefill[prefill.index("--hicache-ratio") + 1] = host[ratio]
+            ratio = prefill.index("--hicache-ratio") + 1
+            prefill[ratio] = host[ratio]
             decode_storage = hicache_mooncake_flags(self.master.master, self.master.metadata_server, decode_share)
             decode_storage = decode_storage[len(HICACHE_FLAGS):]
             layout = "page_first_direct"

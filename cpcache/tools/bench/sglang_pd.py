@@ -144,7 +144,7 @@ def make_model(path: Path) -> Path:
 
 
 def deployment(name: str, work: Path, model: Path, decode_offload: bool = True) -> PdDeployment:
-    from cpcache.testing.sglang_cpu.hicache import HICACHE_ENV, HICACHE_FLAGS, hicache_file_storage_flags
+    from cpcache.testing.sglang_cpu.hicache import HICACHE_ENV, hicache_file_storage_flags, hicache_host_flags
     from cpcache.testing.sglang_cpu.pd import PdDeployment, over_cpcache
 
     decode_flags = list(DECODE_FLAGS)
@@ -156,8 +156,7 @@ def deployment(name: str, work: Path, model: Path, decode_offload: bool = True) 
                             storage=dict(storage="file", storage_root=str(work / "pages")), page_size=PAGE,
                             device_tokens=DEVICE_TOKENS, decode_flags=decode_flags)
     root = work / "hicache-pages"
-    ratio = HICACHE_FLAGS.index("--hicache-ratio") + 1  # the host pool: HOST_PAGES pages, as cpcache's
-    flags = [*HICACHE_FLAGS[:ratio], f"{HOST_PAGES * PAGE / DEVICE_TOKENS:g}", *HICACHE_FLAGS[ratio + 1:]]
+    flags = hicache_host_flags(HOST_PAGES, PAGE, DEVICE_TOKENS)  # as many host pages as cpcache's
     if decode_offload:  # SGLang's own offload of the decode server's pages, into the prefill's storage
         decode_flags += ["--disaggregation-decode-enable-offload-kvcache", "--hicache-storage-backend",
                          "file", "--hicache-storage-backend-extra-config",

@@ -81,3 +81,11 @@ def test_a_file_store_holds_the_bytes_of_its_files(tmp_path):
     (tmp_path / "a" / "page").write_bytes(b"x" * 100)
     (tmp_path / "page").write_bytes(b"y" * 28)
     assert stored_bytes(None, tmp_path) == 128
+
+
+def test_hicache_gets_as_many_host_pages_as_cpcache():
+    from cpcache.testing.sglang_cpu.hicache import HICACHE_FLAGS, hicache_host_flags
+
+    flags = hicache_host_flags(host_pages=96, page_size=16, device_tokens=1024)
+    assert flags[flags.index("--hicache-ratio") + 1] == "1.5"
+    assert len(flags) == len(HICACHE_FLAGS) and HICACHE_FLAGS[HICACHE_FLAGS.index("--hicache-ratio") + 1] == "2"
