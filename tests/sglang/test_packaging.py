@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
+from cpcache.testing.sglang_cpu.gateway import INDEX_ONLY, smg
 from tests.sglang.test_backend import SGLANG_PYTHON
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,3 +40,15 @@ def test_installed_in_sglangs_environment_cpcache_leaves_its_torch_alone():
     # What the integration imports loads there without the daemon's packages.
     subprocess.run([str(SGLANG_PYTHON), "-c", "import cpcache.client.session, cpcache.integrations.sglang.timing"],
                    check=True, timeout=60)
+
+
+@pytest.mark.sglang
+@pytest.mark.skipif(not SGLANG_PYTHON.exists(), reason="SGLang's environment is not built; `make setup` builds it")
+def test_the_gateway_the_kit_starts_is_shepherd_model_gateway_whichever_package_owns_the_smg_script():
+    # SGLang's router package installs an `smg` script too (its own router,
+    # without the gateway's options); the kit runs smg's module instead.
+    command = smg()
+    assert command[1:] == ["-m", "smg"]
+    help_text = subprocess.run([*command, "launch", "--help"], capture_output=True, text=True, timeout=60,
+                               check=True).stdout
+    assert all(flag in help_text for flag in INDEX_ONLY[::2]), help_text[-2000:]

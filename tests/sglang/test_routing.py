@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from cpcache.testing.sglang_cpu.gateway import INDEX_ONLY, Fleet, Gateway, smg
+from cpcache.testing.sglang_cpu.gateway import INDEX_ONLY, Fleet, Gateway, smg_installed
 from cpcache.testing.sglang_cpu.servers import SGLANG_PYTHON, make_tiny_model
 from cpcache.tools.bench.serving import add_tokenizer
 
@@ -29,7 +28,7 @@ pytestmark = [
     pytest.mark.timeout(480),
     pytest.mark.skipif(not SGLANG_PYTHON.exists(), reason=f"SGLang's environment is not built ({SGLANG_PYTHON}); "
                        "`make setup` builds it"),
-    pytest.mark.skipif(SGLANG_PYTHON.exists() and not Path(smg()).exists(),
+    pytest.mark.skipif(SGLANG_PYTHON.exists() and not smg_installed(),
                        reason="Shepherd Model Gateway (smg) is not installed in SGLang's environment: `make setup`"),
 ]
 

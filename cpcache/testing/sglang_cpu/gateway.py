@@ -24,9 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import logging
 import os
-import re
 import signal
 import subprocess
 import time
@@ -45,8 +43,6 @@ from cpcache.testing.sglang_cpu.servers import (
     sglang_interpreter,
 )
 
-log = logging.getLogger(__name__)
-
 GRPC_FLAGS = ["--smg-grpc-mode", "--skip-server-warmup"]
 EVENTS_OFF = {"SMG_SGLANG_SERVICER_KV_EVENTS": "off"}
 # The gateway's warm-up slice diverts cache misses, and one cache hit in
@@ -63,36 +59,18 @@ def kv_events_flags(port: int) -> list[str]:
     return ["--kv-events-config", json.dumps(config)]
 
 
-def smg() -> str:
-    """The gateway's command, installed beside SGLang's interpreter (`make setup`)."""
-    return str(Path(sglang_interpreter()).parent / "smg")
+def smg() -> list[str]:
+    """The gateway's command: smg's own module in SGLang's interpreter
+    (`make setup`). Not the `smg` script: SGLang's router package installs
+    one of that name too, and whichever package went in last owns it."""
+    return [sglang_interpreter(), "-m", "smg"]
 
 
 @functools.cache
-def launch_options() -> frozenset[str]:
-    """The options of `smg launch --help`: what this gateway's release knows
-    (empty where its help could not be read)."""
-    done = subprocess.run([smg(), "launch", "--help"], capture_output=True, text=True, timeout=60, check=False)
-    return frozenset(re.findall(r"--[\w-]+", done.stdout)) if done.returncode == 0 else frozenset()
-
-
-def known_to_gateway(flags: list[str]) -> list[str]:
-    """`flags` less the warm-up options (INDEX_ONLY's, each `--name value`)
-    this release does not know, each said in the log: a release without a
-    warm-up slice needs none turned off. Any other flag is passed as given
-    (`make setup` pins the release the gateway's flags are written for)."""
-    known = launch_options()
-    optional = set(INDEX_ONLY[::2])
-    out, i = [], 0
-    while i < len(flags):
-        name = flags[i].split("=", 1)[0]
-        width = 2 if name in optional and "=" not in flags[i] else 1
-        if name in optional and known and name not in known:
-            log.warning("smg launch does not know %s: left out", name)
-        else:
-            out += flags[i:i + width]
-        i += width
-    return out
+def smg_installed() -> bool:
+    """Whether SGLang's environment has the gateway (`make setup` installs it)."""
+    probe = subprocess.run([*smg()[:1], "-c", "import smg.cli"], capture_output=True, timeout=60, check=False)
+    return probe.returncode == 0
 
 
 @dataclass
@@ -191,9 +169,9 @@ class Gateway:
     process: Watched | None = None
 
     def argv(self) -> list[str]:
-        return [smg(), "launch", "--worker-urls", *self.urls, "--policy", self.policy, "--host", "127.0.0.1",
+        return [*smg(), "launch", "--worker-urls", *self.urls, "--policy", self.policy, "--host", "127.0.0.1",
                 "--port", str(self.port), "--prometheus-port", str(free_port()), "--model-path", str(self.model),
-                *known_to_gateway(self.flags)]
+                *self.flags]
 
     def start(self, timeout_s: float = 180.0, port_tries: int = 3) -> Gateway:
         """Until every worker is registered (and its event stream connected,
