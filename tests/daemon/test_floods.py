@@ -363,15 +363,26 @@ class StreamFlood:
         """`n` Health.Watch streams; returns once `admitted` of them answered.
         Those past its connection's limit wait in its transport, or are
         refused by the daemon's HTTP/2 (REFUSED_STREAM: UNAVAILABLE) when
-        they reach it before the streams it ended are gone there."""
+        they reach it before the streams it ended are gone there: each of
+        those is sent again, as a client would."""
         for _ in range(n):
-            call = self.health.Watch(health_pb2.HealthCheckRequest(service=""))
-            self.calls.append(call)
-            self.tasks.append(asyncio.ensure_future(self._watch(call)))
+            self._start_watch()
         failed = lambda: [e for e in self.watch_errors if e.code() != grpc.StatusCode.UNAVAILABLE]  # noqa: E731
+        resent = 0
         async with self.watched:
-            await asyncio.wait_for(self.watched.wait_for(lambda: self.watching >= admitted or failed()), 60)
+            while self.watching < admitted and not failed():
+                unavailable = sum(e.code() == grpc.StatusCode.UNAVAILABLE for e in self.watch_errors)
+                for _ in range(unavailable - resent):
+                    self._start_watch()
+                resent = unavailable
+                assert resent <= 10 * n, f"{resent} watches refused, {self.watching} of {admitted} answered"
+                await asyncio.wait_for(self.watched.wait(), 60)
         assert not failed(), failed()[0]
+
+    def _start_watch(self) -> None:
+        call = self.health.Watch(health_pb2.HealthCheckRequest(service=""))
+        self.calls.append(call)
+        self.tasks.append(asyncio.ensure_future(self._watch(call)))
 
     async def _read(self, call) -> None:
         try:
@@ -477,15 +488,16 @@ async def test_a_flooder_is_refused_naming_the_setting_and_holds_one_connections
         refusal = flood.errors[0]
         assert refusal.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "setting max_steps_streams" in refusal.details(), refusal.details()
+        # Past its share (RESOURCE_EXHAUSTED), or past its connection's limit, by
+        # gRPC's HTTP/2 (REFUSED_STREAM: UNAVAILABLE): every stream past the share ends.
+        await flood.refusals(FLOOD_STREAMS - CONFIG.max_steps_streams)
         await flood.watches(2 * CONFIG.max_calls_per_connection,
                             admitted=CONFIG.max_calls_per_connection - CONFIG.max_steps_streams)
         async with AsyncClient(domain.sockets[0]) as other:
             held = await other.stats()
         assert held["rpc_steps_streams_open"] == CONFIG.max_steps_streams
         assert held["rpc_calls_open"] == CONFIG.max_calls_per_connection + 1  # + that Stats
-        # Past its share (RESOURCE_EXHAUSTED), or past its connection's limit, by
-        # gRPC's HTTP/2 (REFUSED_STREAM: UNAVAILABLE), and nothing else.
-        await flood.refusals(FLOOD_STREAMS - CONFIG.max_steps_streams)
+        # Those, and nothing else.
         codes = collections.Counter(e.code() for e in flood.errors)
         assert set(codes) <= {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE}, codes
         assert held["rpc_refused_max_steps_streams"] <= codes[grpc.StatusCode.RESOURCE_EXHAUSTED]
