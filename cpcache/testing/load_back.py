@@ -41,20 +41,22 @@ MODES = ("overlapped", "blocking")
 
 @contextlib.contextmanager
 def servers(work: Path, model: Path, layer_delay_ms: float = LAYER_DELAY_MS,
-            reference: Reference | None = None) -> Iterator[dict[str, Stack]]:
-    """Both cpcache servers, started: -> {mode: its stack}; the overlapped
-    one holds the reference server (`reference`: one started elsewhere, of
-    `model` at SHAPE's TP, instead of its own)."""
-    for mode in MODES:
-        (work / mode).mkdir(parents=True, exist_ok=True)
+            reference: Reference | None = None, modes: tuple[str, ...] = MODES) -> Iterator[dict[str, Stack]]:
+    """The cpcache servers of `modes` (both by default), started: -> {mode:
+    its stack}; the overlapped one holds the reference server (`reference`:
+    one started elsewhere, of `model` at SHAPE's TP, instead of its own)."""
     # Both sleep when idle (--sleep-on-idle): the one not being measured
     # would otherwise spin a core beside the one that is.
     slowed = dict(daemon_settings=dict(fault_copy_layer_delay_ms=layer_delay_ms), copy_delay_ms=0.0,
                   storage_delay_ms=0.0, per_rank={}, sleep_on_idle=True)
-    with started(work / "overlapped", model, SHAPE, reference=reference, **slowed) as overlapped, \
-            started(work / "blocking", model, SHAPE, backend={"load_back": "blocking"}, with_reference=False,
-                    **slowed) as blocking:
-        yield {"overlapped": overlapped, "blocking": blocking}
+    own = {"overlapped": dict(reference=reference), "blocking": dict(backend={"load_back": "blocking"},
+                                                                     with_reference=False)}
+    with contextlib.ExitStack() as running:
+        stacks = {}
+        for mode in modes:
+            (work / mode).mkdir(parents=True, exist_ok=True)
+            stacks[mode] = running.enter_context(started(work / mode, model, SHAPE, **own[mode], **slowed))
+        yield stacks
 
 
 def host_hits(stack: Stack, reference: Stack, system: list[int], docs: list[list[int]], turn: int) -> list[Reply]:

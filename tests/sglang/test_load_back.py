@@ -1,11 +1,11 @@
 """The overlapped load-back through `sglang.launch_server` at tp 2: a host
 hit's forward starts once the load's round opened it, each layer waiting
 for its own copy (the daemons' copies slowed layer by layer), with outputs
-equal to a `--disable-radix-cache` server's; TTFT of host hits against the
-blocking load-back (`"load_back": "blocking"`), a short run of
-`cpcache bench load-back` with every answer checked; and a copy that fails
-mid-load stops the server loudly, never answering from KV that is not
-there.
+equal to a `--disable-radix-cache` server's; a copy that fails mid-load
+stops the server loudly, never answering from KV that is not there; and,
+with CPCACHE_SGLANG_MORE=1, TTFT of host hits against the blocking
+load-back (`"load_back": "blocking"`), a short run of `cpcache bench
+load-back` with every answer checked.
 
 Runs alone with `pytest -m sglang tests/sglang/test_load_back.py`.
 """
@@ -21,6 +21,7 @@ from cpcache.testing import load_back
 from cpcache.testing.sglang_cpu.servers import SGLANG_PYTHON, Reply
 from cpcache.testing.sglang_cpu.stacks import Reference, prompt, started, workload
 from tests.sglang.stacks import References
+from tests.support.budget import beyond_budget
 
 pytestmark = [
     pytest.mark.sglang,
@@ -38,16 +39,25 @@ def reference(references: References) -> Iterator[Reference]:
 
 
 def test_host_hits_start_their_forward_before_the_copy_ends_and_answer_alike(tmp_path_factory, reference: Reference):
-    with load_back.servers(tmp_path_factory.mktemp("load-back"), reference.server.model,
-                           reference=reference) as stacks:
+    with load_back.servers(tmp_path_factory.mktemp("load-back"), reference.server.model, reference=reference,
+                           modes=("overlapped",)) as stacks:
         overlapped = stacks["overlapped"]
         system, docs = workload(seed=5, docs=load_back.DOCS)
         for d, doc in enumerate(docs):
             overlapped.check(prompt(system, doc, 0, d))
         again = [overlapped.check(prompt(system, docs[d], 1, d)) for d in (0, 1)]
         assert sum(r.host for r in again) > 0, f"no host hit: {again}"  # loaded overlapped, answered alike
-        # One block of the measurement (`cpcache bench load-back` runs the
-        # long one): host hits both ways, every answer checked against the reference.
+        assert overlapped.cpcache.process is not None
+        assert not overlapped.cpcache.process.lines_with("LoadBackFailed")
+
+
+# The blocking load-back serves host hits in tests/sglang/test_server.py.
+@beyond_budget
+def test_one_block_of_the_load_back_measurement_hits_the_host_both_ways(tmp_path_factory, reference: Reference):
+    with load_back.servers(tmp_path_factory.mktemp("load-back-both"), reference.server.model,
+                           reference=reference) as stacks:
+        # `cpcache bench load-back` runs the long one: host hits both ways,
+        # every answer checked against the reference.
         report = load_back.measure(stacks, blocks=1)
         print("load-back TTFT:", json.dumps(report))
         assert all(report["host_hit_requests"].values()), report
