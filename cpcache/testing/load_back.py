@@ -29,6 +29,7 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import astuple
 from pathlib import Path
+from typing import Any
 
 from cpcache.testing.sglang_cpu.servers import Reply, make_tiny_model, same_outputs
 from cpcache.testing.sglang_cpu.stacks import Reference, Shape, Stack, prompt, started, workload
@@ -49,8 +50,8 @@ def servers(work: Path, model: Path, layer_delay_ms: float = LAYER_DELAY_MS,
     # would otherwise spin a core beside the one that is.
     slowed = dict(daemon_settings=dict(fault_copy_layer_delay_ms=layer_delay_ms), copy_delay_ms=0.0,
                   storage_delay_ms=0.0, per_rank={}, sleep_on_idle=True)
-    own = {"overlapped": dict(reference=reference), "blocking": dict(backend={"load_back": "blocking"},
-                                                                     with_reference=False)}
+    own: dict[str, dict[str, Any]] = {"overlapped": dict(reference=reference),
+                                      "blocking": dict(backend={"load_back": "blocking"}, with_reference=False)}
     with contextlib.ExitStack() as running:
         stacks = {}
         for mode in modes:
