@@ -11,7 +11,7 @@ from the host pool. The time to first token of those host hits (SGLang's
 own e2e latency of a one-token request) is taken per server, the servers
 alternating first from block to block; figures are medians over blocks.
 `cpcache bench load-back --sglang` prints them; tests/sglang/test_load_back.py
-runs a short one and checks the answers. Without `--sglang` the bench
+runs a short one and checks the answers (with CPCACHE_SGLANG_MORE=1). Without `--sglang` the bench
 measures the mechanism alone, a stand-in forward over a real daemon
 (`layer_overlap.py`).
 """
@@ -43,9 +43,12 @@ MODES = ("overlapped", "blocking")
 @contextlib.contextmanager
 def servers(work: Path, model: Path, layer_delay_ms: float = LAYER_DELAY_MS,
             reference: Reference | None = None, modes: tuple[str, ...] = MODES) -> Iterator[dict[str, Stack]]:
-    """The cpcache servers of `modes` (both by default), started: -> {mode:
-    its stack}; the overlapped one holds the reference server (`reference`:
-    one started elsewhere, of `model` at SHAPE's TP, instead of its own)."""
+    """The cpcache servers of `modes` (both by default; `measure` needs
+    both), started: -> {mode: its stack}; the overlapped one holds the
+    reference server (`reference`: one started elsewhere, of `model` at
+    SHAPE's TP, instead of its own)."""
+    if "overlapped" not in modes or not set(modes) <= set(MODES):
+        raise ValueError(f"modes are overlapped (which holds the reference) and blocking; got {modes}")
     # Both sleep when idle (--sleep-on-idle): the one not being measured
     # would otherwise spin a core beside the one that is.
     slowed = dict(daemon_settings=dict(fault_copy_layer_delay_ms=layer_delay_ms), copy_delay_ms=0.0,

@@ -375,8 +375,13 @@ class StreamFlood:
                 for _ in range(unavailable - resent):
                     self._start_watch()
                 resent = unavailable
-                assert resent <= 10 * n, f"{resent} watches refused, {self.watching} of {admitted} answered"
-                await asyncio.wait_for(self.watched.wait(), 60)
+                told = f"{self.watching} of {admitted} answered, {resent} refused" + \
+                    (f" (last: {self.watch_errors[-1].details()})" if self.watch_errors else "")
+                assert resent <= 10 * n, told
+                try:
+                    await asyncio.wait_for(self.watched.wait(), 60)
+                except TimeoutError:
+                    raise AssertionError(f"nothing answered nor refused in 60 s: {told}") from None
         assert not failed(), failed()[0]
 
     def _start_watch(self) -> None:

@@ -33,7 +33,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def reference(references: References) -> Iterator[Reference]:
-    """Both tests' reference server (the session's, of SHAPE's model)."""
+    """The file's reference server (the session's, of SHAPE's model)."""
     with references.use(load_back.SHAPE) as reference:
         yield reference
 

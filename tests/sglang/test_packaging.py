@@ -48,7 +48,7 @@ def test_the_gateway_the_kit_starts_is_shepherd_model_gateway_whichever_package_
     # SGLang's router package installs an `smg` script too (its own router,
     # without the gateway's options); the kit runs smg's module instead.
     command = smg()
-    assert command[1:] == ["-m", "smg"]
+    assert command[1:] == ["-P", "-m", "smg"]
     help_text = subprocess.run([*command, "launch", "--help"], capture_output=True, text=True, timeout=60,
                                check=True).stdout
     assert all(flag in help_text for flag in INDEX_ONLY[::2]), help_text[-2000:]

@@ -61,9 +61,10 @@ def kv_events_flags(port: int) -> list[str]:
 
 def smg() -> list[str]:
     """The gateway's command: smg's own module in SGLang's interpreter
-    (`make setup`). Not the `smg` script: SGLang's router package installs
-    one of that name too, and whichever package went in last owns it."""
-    return [sglang_interpreter(), "-m", "smg"]
+    (`make setup`; `-P`: not a module of the working directory). Not the
+    `smg` script: SGLang's router package installs one of that name too, and
+    whichever package went in last owns it."""
+    return [sglang_interpreter(), "-P", "-m", "smg"]
 
 
 @functools.cache
