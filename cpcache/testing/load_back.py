@@ -11,9 +11,9 @@ from the host pool. The time to first token of those host hits (SGLang's
 own e2e latency of a one-token request) is taken per server, the servers
 alternating first from block to block; figures are medians over blocks.
 `cpcache bench load-back --sglang` prints them; tests/sglang/test_load_back.py
-runs a short one and checks the answers (with CPCACHE_SGLANG_MORE=1). Without `--sglang` the bench
-measures the mechanism alone, a stand-in forward over a real daemon
-(`layer_overlap.py`).
+runs a short one and checks the answers (with CPCACHE_SGLANG_MORE=1).
+Without `--sglang` the bench measures the mechanism alone, a stand-in
+forward over a real daemon (`layer_overlap.py`).
 """
 
 from __future__ import annotations

@@ -70,7 +70,8 @@ def smg() -> list[str]:
 @functools.cache
 def smg_installed() -> bool:
     """Whether SGLang's environment has the gateway (`make setup` installs it)."""
-    probe = subprocess.run([*smg()[:1], "-c", "import smg.cli"], capture_output=True, timeout=60, check=False)
+    probe = subprocess.run([sglang_interpreter(), "-c", "import smg.cli"], capture_output=True, timeout=60,
+                           check=False)
     return probe.returncode == 0
 
 

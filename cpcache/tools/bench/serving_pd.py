@@ -166,8 +166,7 @@ class Pair:
             # a segment of its own); the prefill's TP ranks mount the rest.
             decode_share = bound // DECODE_SEGMENT_SHARE if decode_offload else 0
             prefill = hicache_mooncake_flags(self.master.master, self.master.metadata_server, bound - decode_share)
-            ratio = prefill.index("--hicache-ratio") + 1
-            prefill[ratio] = host[ratio]
+            prefill[prefill.index("--hicache-ratio") + 1] = host[host.index("--hicache-ratio") + 1]
             decode_storage = hicache_mooncake_flags(self.master.master, self.master.metadata_server, decode_share)
             decode_storage = decode_storage[len(HICACHE_FLAGS):]
             layout = "page_first_direct"
