@@ -21,15 +21,10 @@ import urllib.request
 from pathlib import Path
 
 from cpcache.errors import Unavailable
+from cpcache.testing.ports import free_port
 
 READY_LINE = "Master admin server started"
 HOST = "127.0.0.1"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def master_binary() -> str:
@@ -69,7 +64,7 @@ class MooncakeMaster:
         raise Unavailable(f"mooncake_master did not start; see {self.log_path}")
 
     def _start(self) -> bool:
-        self.rpc_port, self.http_port, self.metrics_port = _free_port(), _free_port(), _free_port()
+        self.rpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
         self.metadata_proc = subprocess.Popen(
             [sys.executable, "-m", "mooncake.http_metadata_server", f"--host={HOST}", f"--port={self.http_port}",
              "--log-level=WARNING"],

@@ -15,6 +15,7 @@ from cpcache import errors
 from cpcache.client import AsyncClient, messages
 from cpcache.daemon.launcher import DomainSpec, LocalDomain
 from cpcache.daemon.server import ExitCode
+from cpcache.testing.ports import free_port
 from cpcache.topology import Topology
 from cpcache.v1 import daemon_pb2 as pb
 from cpcache.v1 import daemon_pb2_grpc as pb_grpc
@@ -150,10 +151,7 @@ def test_bad_setting_is_named(run_dir):
 async def test_tcp_listener_requires_the_token(run_dir):
     token_file = run_dir / "token"
     token_file.write_text("s3cret\n")
-    port_probe = __import__("socket").socket()
-    port_probe.bind(("127.0.0.1", 0))
-    port = port_probe.getsockname()[1]
-    port_probe.close()
+    port = free_port()
     spec = DomainSpec(Topology(tp=1), run_dir, extra=dict(listen_tcp=f"127.0.0.1:{port}", token_file=str(token_file)))
     async with LocalDomain(spec):
         async with AsyncClient(f"127.0.0.1:{port}") as anonymous:

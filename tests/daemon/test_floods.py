@@ -33,6 +33,7 @@ from cpcache.daemon.launcher import DomainSpec, LocalDomain
 from cpcache.daemon.server import ExitCode
 from cpcache.dataplane.pools import DevicePool
 from cpcache.geometry import KVGeometry
+from cpcache.testing.ports import free_port
 from cpcache.topology import Topology
 from cpcache.v1 import daemon_pb2 as pb
 from cpcache.v1 import daemon_pb2_grpc as pb_grpc
@@ -285,14 +286,6 @@ def rank_config(shared_dir: Path, port: int) -> Path:
                       f'rendezvous = "127.0.0.1:{port}"\ndeployment = "group-test"\n')
     config.chmod(0o644)
     return config
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @needs_root

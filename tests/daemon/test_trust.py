@@ -24,6 +24,7 @@ from cpcache.dataplane import memfd, regions
 from cpcache.dataplane.pools import DevicePool
 from cpcache.errors import InvalidArgument
 from cpcache.geometry import KVGeometry, Region
+from cpcache.testing.ports import free_port
 from cpcache.topology import Topology
 from cpcache.v1 import daemon_pb2 as pb
 from cpcache.v1 import daemon_pb2_grpc as pb_grpc
@@ -36,12 +37,6 @@ GEOMETRY = KVGeometry(layers=2, kv_kind="mha", heads=1, head_dim=16, dtype="bflo
 def run_cpcached(*flags, timeout=30):
     return subprocess.run([sys.executable, "-m", "cpcache.daemon", *flags], capture_output=True, text=True,
                           timeout=timeout)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 async def attach(client, run_dir, model_id="m"):

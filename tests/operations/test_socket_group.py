@@ -31,6 +31,7 @@ from ruamel.yaml import YAML
 from cpcache.client import Client
 from cpcache.daemon.listeners import closed_to_group, warn_if_closed_to_group
 from cpcache.daemon.server import ExitCode
+from cpcache.testing.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 SERVICES = REPO / "services" / "cpcached"
@@ -238,14 +239,6 @@ def prepare_runtime_dir(path: Path, mode: int, uid: int, gid: int) -> None:
     for root, dirs, files in os.walk(path):
         for entry in [root, *(os.path.join(root, n) for n in dirs + files)]:
             os.chown(entry, uid, gid, follow_symlinks=False)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def group_ids(names: list[str]) -> list[int]:

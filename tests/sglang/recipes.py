@@ -23,6 +23,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cpcache.testing.ports import free_port
 from cpcache.testing.sglang_cpu.servers import NO_CRASH_DIAGNOSTICS, SGLANG_PYTHON, Watched
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -106,9 +107,7 @@ class Substitutions:
 
     def port(self, page_port: int) -> int:
         if page_port not in self.ports:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                self.ports[page_port] = s.getsockname()[1]
+            self.ports[page_port] = free_port()
         return self.ports[page_port]
 
     def apply(self, text: str) -> str:

@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 
 from cpcache.client import Client
-from cpcache.testing.sglang_cpu.servers import SGLANG_PYTHON, Watched, free_port, make_tiny_model
+from cpcache.testing.ports import free_port
+from cpcache.testing.sglang_cpu.servers import SGLANG_PYTHON, Watched, make_tiny_model
 from cpcache.testing.sglang_cpu.stacks import Shape, Stack, prompt, started, workload
 
 pytestmark = [

@@ -33,13 +33,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cpcache.testing.ports import free_port
 from cpcache.testing.sglang_cpu.servers import (
     CPCACHE_FLAGS,
     Daemons,
     Server,
     Watched,
     bind_failed,
-    free_port,
     sglang_interpreter,
 )
 
@@ -129,13 +129,9 @@ class Fleet:
             backend = self.work / f"{name}.json"
             backend.write_text(json.dumps({"socket": str(run / "rank-{rank}.sock"), "model_id": "fleet"}))
             env = {"CPCACHE_SGLANG_CONFIG": str(backend), **({} if self.events else EVENTS_OFF)}
-            # The gRPC server listens on --port; SGLang checks --grpc-port, which
-            # it takes for --port + 10000 when not given (past 65535 for a high port).
-            port = free_port()
-            flags = [*CPCACHE_FLAGS, *GRPC_FLAGS, "--grpc-port", str(port),
-                     *(kv_events_flags(free_port()) if self.events else [])]
+            flags = [*CPCACHE_FLAGS, *GRPC_FLAGS, *(kv_events_flags(free_port()) if self.events else [])]
             server = Server(name, self.model, self.work, flags, tp=1, page_size=self.page_size,
-                            device_tokens=self.device_tokens, env=env, tokenizer=True, sleep_on_idle=True, port=port)
+                            device_tokens=self.device_tokens, env=env, tokenizer=True, sleep_on_idle=True)
             self.replicas.append(Replica(name, server, daemons))
 
     def start(self, timeout_s: float = 600.0) -> Fleet:

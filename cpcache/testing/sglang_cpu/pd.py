@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from cpcache.integrations.sglang.server_flags import STORAGE_EXTRA_CONFIG
+from cpcache.testing.ports import free_port
 from cpcache.testing.sglang_cpu.hicache import HICACHE_ENV
 from cpcache.testing.sglang_cpu.servers import (
     CPCACHE_FLAGS,
@@ -63,7 +64,6 @@ from cpcache.testing.sglang_cpu.servers import (
     Server,
     Watched,
     bind_failed,
-    free_port,
     sglang_interpreter,
 )
 

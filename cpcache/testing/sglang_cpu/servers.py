@@ -25,7 +25,6 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -37,6 +36,7 @@ from pathlib import Path
 
 from cpcache.errors import Unavailable
 from cpcache.integrations.sglang.server_flags import STORAGE_EXTRA_CONFIG
+from cpcache.testing.ports import free_port
 
 
 def sglang_python() -> Path:
@@ -92,19 +92,14 @@ READY = "The server is fired up and ready to roll"
 # takes it for a crash: SGLang then sleeps 5 s before looking for py-spy and
 # CUDA core dumps, at every stop. There is nothing to diagnose here.
 NO_CRASH_DIAGNOSTICS = {"SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0"}
-# A port taken before the server bound it: its HTTP port (uvicorn), or the
-# port its ranks meet on (torch's TCPStore), which SGLang picks by itself.
-BIND_FAILED = ("error while attempting to bind on address", "EADDRINUSE")
+# A port taken before the server bound it: its HTTP port (uvicorn), its gRPC
+# port (in gRPC mode), or the port its ranks meet on (torch's TCPStore),
+# which SGLang picks by itself.
+BIND_FAILED = ("error while attempting to bind on address", "EADDRINUSE", "Failed to bind to address")
 
 
 def bind_failed(output: str) -> bool:
     return any(marker in output for marker in BIND_FAILED)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # Tiny random models per family (no tokenizer: requests send ids). Llama
@@ -327,6 +322,9 @@ class Server:
         return [sglang_interpreter(), "-m", "sglang.launch_server", "--model-path", str(self.model),
                 *cpu_flags, "--tp", str(self.tp), "--page-size", str(self.page_size),
                 "--max-total-tokens", str(self.device_tokens), "--host", "127.0.0.1", "--port", str(self.port),
+                # In gRPC mode the server listens on --port, but SGLang checks
+                # --grpc-port, which it takes for --port + 10000 when not given.
+                *(["--grpc-port", str(self.port)] if "--smg-grpc-mode" in self.flags else []),
                 *(["--attn-cp-size", str(self.cp)] if self.cp > 1 else []),
                 *(["--enable-dp-attention", "--dp", str(self.dp)] if self.dp > 1 else []),
                 *(["--sleep-on-idle"] if self.sleep_on_idle else []), *self.flags]
