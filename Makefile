@@ -64,7 +64,7 @@ demo: $(STAMP)
 test: setup
 	$(PY) -m ruff check cpcache tests services/gpu-driver
 	$(PY) -m mypy
-	scripts/test-lanes.sh $(PY)  # SGLang's servers beside the rest; each lane names its slowest tests
+	$(PY) -m pytest --durations=25  # the slowest, to keep the suite's time in view
 
 # The in-process tests (tests/unit: no daemon process, no SGLang server), for
 # the edit-test loop: about half a minute.

@@ -3,7 +3,7 @@ error lines, the project's frames and the end of its report, and the tests
 past the suite's time limit: printed last by `.ci/run`, so that the end of
 CI's output (often all that is kept of it) names what failed and why.
 
-    python scripts/ci_failures.py REPORT.xml... [--lines N]
+    python scripts/ci_failures.py REPORT.xml [--lines N]
 """
 
 from __future__ import annotations
@@ -59,30 +59,21 @@ def time_limit_s() -> float:
     return float(options.get("test_limit_s", 0))
 
 
-def read(report: Path) -> ET.Element | None:
-    if not report.exists():
-        print(f"ci: no test report at {report}: `make test` failed before pytest wrote it "
-              "(setup, ruff or mypy: see above), or pytest was killed")
-        return None
-    try:
-        return ET.parse(report).getroot()
-    except ET.ParseError as exc:
-        print(f"ci: the test report {report} cannot be read ({exc}): pytest did not finish writing it")
-        return None
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("reports", type=Path, nargs="+", help="one per test lane")
+    parser.add_argument("report", type=Path)
     parser.add_argument("--lines", type=int, default=25, help="telling lines of each report to print (default 25)")
     args = parser.parse_args(argv)
-    found: list[tuple[str, str, str]] = []
-    slow: list[tuple[str, float]] = []
-    for report in args.reports:
-        root = read(report)
-        if root is not None:
-            found += failures(root)
-            slow += past_limit(root, time_limit_s())
+    if not args.report.exists():
+        print(f"ci: no test report at {args.report}: `make test` failed before pytest wrote it "
+              "(setup, ruff or mypy: see above), or pytest was killed")
+        return 0
+    try:
+        root = ET.parse(args.report).getroot()
+    except ET.ParseError as exc:
+        print(f"ci: the test report {args.report} cannot be read ({exc}): pytest did not finish writing it")
+        return 0
+    found, slow = failures(root), past_limit(root, time_limit_s())
     print(f"ci: {len(found)} test(s) failed or errored, {len(slow)} past the time limit")
     for test, outcome, text in found:
         print(f"--- {outcome.upper()} {test}")

@@ -47,8 +47,8 @@ def test_a_failed_run_ends_naming_each_failed_and_errored_test_with_its_reason(t
     assert "test_passes" not in recap
 
 
-def recap_of(*reports: Path) -> str:
-    return subprocess.run([sys.executable, str(REPO / "scripts" / "ci_failures.py"), *map(str, reports)],
+def recap_of(report: Path) -> str:
+    return subprocess.run([sys.executable, str(REPO / "scripts" / "ci_failures.py"), str(report)],
                           capture_output=True, text=True, timeout=30, check=True).stdout
 
 
@@ -67,12 +67,3 @@ def test_a_missing_or_cut_report_is_said_not_a_traceback(tmp_path: Path):
     cut = tmp_path / "cut.xml"
     cut.write_text('<testsuites><testsuite><testcase classname="a" name=')
     assert "cannot be read" in recap_of(cut)
-
-
-def test_every_lanes_report_is_read_though_one_is_missing(tmp_path: Path):
-    slow = tmp_path / "sglang.xml"
-    slow.write_text('<testsuites><testsuite><testcase classname="tests.sglang.test_slow" name="test_slow" '
-                    'time="4000.5"/></testsuite></testsuites>')
-    recap = recap_of(tmp_path / "others.xml", slow)
-    assert "no test report at" in recap and "others.xml" in recap
-    assert recap.strip().splitlines()[-1] == "ci: PAST THE TIME LIMIT (4000 s) tests.sglang.test_slow::test_slow"
