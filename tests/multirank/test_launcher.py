@@ -231,6 +231,7 @@ def test_a_second_ctrl_c_makes_the_daemons_exit_now(run_dir, tmp_path):
             if "press Ctrl-C" in line:
                 break
         assert socket is not None
+        asyncio.run(wait_serving(socket))  # a socket bound is not yet a daemon answering on it
         geometry = KVGeometry(layers=4, kv_kind="mha", heads=2, head_dim=16, dtype="float16", page_size=4)
         pool = DevicePool.create_sealed(geometry, 16)
         pool.tensor.view(torch.int16).random_()

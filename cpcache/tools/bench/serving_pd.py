@@ -56,6 +56,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import shutil
 import statistics
 import sys
@@ -94,12 +95,22 @@ FIGURES = ("completed", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_i
            "mean_tpot_ms", "request_throughput", "input_throughput", "output_throughput")
 BACKEND_MARK = " backend: "  # the backend's time line, per rank at a flush (integrations/sglang/timing.py)
 TIERS = ("device_cached_tokens", "host_cached_tokens", "storage_cached_tokens")
+# SGLang's decode log line, every `--decode-log-interval` (40) decode iterations.
+DECODE_LINE = re.compile(r"Decode batch( \[\d+\])?, #running-req: (\d+),")
 
 
 def decode_flags() -> list[str]:
     """Both pairs' decode server: a pool for the longest turns of the
     sessions at once, OUTPUT tokens reserved per request."""
     return ["--max-total-tokens", str(DECODE_TOKENS), "--num-reserved-decode-tokens", str(OUTPUT)]
+
+
+def decode_batch_mean(lines: list[str]) -> float | None:
+    """The decode server's mean running requests over its decode log lines:
+    ITL grows with the batch a decode iteration serves, so a pair that
+    prefills sooner (more turns decoding at once) shows a longer ITL."""
+    sizes = [int(m[2]) for line in lines if (m := DECODE_LINE.search(line))]
+    return round(statistics.fmean(sizes), 2) if sizes else None
 
 
 def turn_ttfts(ttfts: list[float], rounds: int, errors: list[str] | None = None) -> dict[str, float]:
@@ -214,6 +225,11 @@ class Pair:
     def generate(self, ids: list[int]) -> Reply:
         return self.pd.generate(ids)
 
+    def decode_lines(self) -> list[str]:
+        """The decode server's decode log lines so far."""
+        decode = self.pd.decode
+        return decode.log_lines("Decode batch") if decode is not None and decode.process is not None else []
+
     def flush(self) -> dict | None:
         """Flush the prefill server's cache (every pair alike); -> the cpcache
         backend's own time so far on its rank 0 scheduler thread, as it logs
@@ -238,9 +254,11 @@ def measure(pair: Pair, model: Path, trace: Path, checks: list[list[int]], expec
         healthy_s = pair.start()
         backend_before = pair.flush()
         before = pair.cpu_seconds()
+        decode_logged = len(pair.decode_lines())
         result = bench_client(pair.pd.router_port, model, trace, pair.work / "bench.jsonl", sessions, slowdown,
                               rounds=rounds, details=True)
         after = pair.cpu_seconds()
+        decode_batch = decode_batch_mean(pair.decode_lines()[decode_logged:])
         stored = pair.stored_bytes()  # before the flush, which cancels writes not yet under way
         backend_after = pair.flush()
         answers = [pair.generate(ids) for ids in checks]
@@ -251,6 +269,7 @@ def measure(pair: Pair, model: Path, trace: Path, checks: list[list[int]], expec
     row = {f: result.get(f) for f in FIGURES} | turn_ttfts(result.get("ttfts") or [], rounds, result.get("errors"))
     row |= {"failed": sessions * rounds - (result.get("completed") or 0),
             "hit_rate_pct": cache.get("cache_hit_rate_pct"), **{t: cache.get(t) or 0 for t in TIERS},
+            "decode_batch_mean": decode_batch,
             "cpu_s": round(sum(cpu.values()), 1), "daemons_cpu_s": cpu.get("daemons", 0.0), "cpu_by_process": cpu,
             "stored_bytes": stored,
             "healthy_s": round(healthy_s, 1),
@@ -281,7 +300,7 @@ def order_of(block: int, configs: tuple[str, ...]) -> tuple[str, ...]:
 
 
 RATIOS = (("ttft_later_mean_ms", "TTFT later turns, mean"), ("ttft_first_mean_ms", "TTFT first turns, mean"),
-          ("mean_itl_ms", "ITL mean"), ("mean_tpot_ms", "TPOT mean"), ("request_throughput", "request throughput"),
+          ("mean_itl_ms", "ITL mean"), ("mean_tpot_ms", "TPOT mean"), ("decode_batch_mean", "decode batch"), ("request_throughput", "request throughput"),
           ("cpu_s", "CPU s"), ("hit_rate_pct", "hit rate"))
 
 

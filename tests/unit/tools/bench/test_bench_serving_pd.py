@@ -89,3 +89,11 @@ def test_hicache_gets_as_many_host_pages_as_cpcache():
     flags = hicache_host_flags(host_pages=96, page_size=16, device_tokens=1024)
     assert flags[flags.index("--hicache-ratio") + 1] == "1.5"
     assert len(flags) == len(HICACHE_FLAGS) and HICACHE_FLAGS[HICACHE_FLAGS.index("--hicache-ratio") + 1] == "2"
+
+
+def test_the_decode_batch_is_the_mean_of_the_decode_servers_log_lines():
+    lines = ["[2026-12-07 06:00:01] Decode batch, #running-req: 3, #token: 96, token usage: 0.01, ",
+             "[2026-12-07 06:00:02] Prefill batch, #new-seq: 1, #new-token: 16",
+             "[2026-12-07 06:00:03] Decode batch [812], #running-req: 6, #token: 190, token usage: 0.02, "]
+    assert serving_pd.decode_batch_mean(lines) == pytest.approx(4.5)
+    assert serving_pd.decode_batch_mean(lines[1:2]) is None
