@@ -300,8 +300,8 @@ def order_of(block: int, configs: tuple[str, ...]) -> tuple[str, ...]:
 
 
 RATIOS = (("ttft_later_mean_ms", "TTFT later turns, mean"), ("ttft_first_mean_ms", "TTFT first turns, mean"),
-          ("mean_itl_ms", "ITL mean"), ("mean_tpot_ms", "TPOT mean"), ("decode_batch_mean", "decode batch"), ("request_throughput", "request throughput"),
-          ("cpu_s", "CPU s"), ("hit_rate_pct", "hit rate"))
+          ("mean_itl_ms", "ITL mean"), ("mean_tpot_ms", "TPOT mean"), ("decode_batch_mean", "decode batch"),
+          ("request_throughput", "request throughput"), ("cpu_s", "CPU s"), ("hit_rate_pct", "hit rate"))
 
 
 def ratio(blocks: list[dict[str, dict]], key: str, num: str, den: str) -> dict:
