@@ -108,7 +108,9 @@ def decode_flags() -> list[str]:
 def decode_batch_mean(lines: list[str]) -> float | None:
     """The decode server's mean running requests over its decode log lines:
     ITL grows with the batch a decode iteration serves, so a pair that
-    prefills sooner (more turns decoding at once) shows a longer ITL."""
+    prefills sooner (more turns decoding at once) shows a longer ITL. A
+    line comes every 40 decode iterations: a block of this bench gives a
+    few (`decode_batch_lines` says how many)."""
     sizes = [int(m[2]) for line in lines if (m := DECODE_LINE.search(line))]
     return round(statistics.fmean(sizes), 2) if sizes else None
 
@@ -258,7 +260,7 @@ def measure(pair: Pair, model: Path, trace: Path, checks: list[list[int]], expec
         result = bench_client(pair.pd.router_port, model, trace, pair.work / "bench.jsonl", sessions, slowdown,
                               rounds=rounds, details=True)
         after = pair.cpu_seconds()
-        decode_batch = decode_batch_mean(pair.decode_lines()[decode_logged:])
+        decode_lines = pair.decode_lines()[decode_logged:]
         stored = pair.stored_bytes()  # before the flush, which cancels writes not yet under way
         backend_after = pair.flush()
         answers = [pair.generate(ids) for ids in checks]
@@ -269,7 +271,8 @@ def measure(pair: Pair, model: Path, trace: Path, checks: list[list[int]], expec
     row = {f: result.get(f) for f in FIGURES} | turn_ttfts(result.get("ttfts") or [], rounds, result.get("errors"))
     row |= {"failed": sessions * rounds - (result.get("completed") or 0),
             "hit_rate_pct": cache.get("cache_hit_rate_pct"), **{t: cache.get(t) or 0 for t in TIERS},
-            "decode_batch_mean": decode_batch,
+            "decode_batch_mean": decode_batch_mean(decode_lines),
+            "decode_batch_lines": sum(bool(DECODE_LINE.search(line)) for line in decode_lines),
             "cpu_s": round(sum(cpu.values()), 1), "daemons_cpu_s": cpu.get("daemons", 0.0), "cpu_by_process": cpu,
             "stored_bytes": stored,
             "healthy_s": round(healthy_s, 1),
@@ -324,15 +327,16 @@ def summarize(blocks: list[dict[str, dict]], configs: tuple[str, ...], notes: li
 
 
 def table(report: dict) -> list[str]:
-    lines = ["| pair | TTFT first mean | later mean | later median | p99 | ITL mean | TPOT mean | req/s | hit % "
-             "| device | host | storage | stored MB | CPU s | checks |", "|---|" + "---:|" * 15]
+    lines = ["| pair | TTFT first mean | later mean | later median | p99 | ITL mean | TPOT mean | decode batch | req/s "
+             "| hit % | device | host | storage | stored MB | CPU s | checks |", "|---|" + "---:|" * 16]
     for name, f in report["configs"].items():
         def m(key: str, f: dict = f) -> float:
             return f.get(key, {}).get("median", float("nan"))
 
         lines.append(f"| {name} | {m('ttft_first_mean_ms'):.0f} | {m('ttft_later_mean_ms'):.0f} | "
                      f"{m('ttft_later_median_ms'):.0f} | {m('p99_ttft_ms'):.0f} | {m('mean_itl_ms'):.1f} | "
-                     f"{m('mean_tpot_ms'):.1f} | {m('request_throughput'):.2f} | {m('hit_rate_pct'):.1f} | "
+                     f"{m('mean_tpot_ms'):.1f} | {m('decode_batch_mean'):.2f} | {m('request_throughput'):.2f} | "
+                     f"{m('hit_rate_pct'):.1f} | "
                      f"{m('device_cached_tokens'):.0f} | {m('host_cached_tokens'):.0f} | "
                      f"{m('storage_cached_tokens'):.0f} | {m('stored_bytes') / 1e6:.0f} | {m('cpu_s'):.0f} | "
                      f"{m('checks_equal'):.0f} |")
@@ -354,12 +358,13 @@ def run_tables(report: dict) -> list[dict]:
     def m(f: dict, key: str) -> float:
         return f.get(key, {}).get("median", float("nan"))
 
-    pairs = {"name": "pairs", "align": "lrrrrrrrrrr",
+    pairs = {"name": "pairs", "align": "lrrrrrrrrrrr",
              "columns": ["pair", "TTFT first turns mean ms", "later turns mean ms", "p99 ms", "ITL mean ms",
-                         "req/s", "hit %", "cached tokens (device / host / storage)", "stored MB",
+                         "decode batch", "req/s", "hit %", "cached tokens (device / host / storage)", "stored MB",
                          "CPU s (daemons)", "checks equal"],
              "rows": [[name, f"{m(f, 'ttft_first_mean_ms'):.0f}", f"{m(f, 'ttft_later_mean_ms'):.0f}",
-                       f"{m(f, 'p99_ttft_ms'):.0f}", f"{m(f, 'mean_itl_ms'):.0f}", f"{m(f, 'request_throughput'):.2f}",
+                       f"{m(f, 'p99_ttft_ms'):.0f}", f"{m(f, 'mean_itl_ms'):.0f}", f"{m(f, 'decode_batch_mean'):.2f}",
+                       f"{m(f, 'request_throughput'):.2f}",
                        f"{m(f, 'hit_rate_pct'):.1f}",
                        f"{m(f, 'device_cached_tokens'):.0f} / {m(f, 'host_cached_tokens'):.0f} / "
                        f"{m(f, 'storage_cached_tokens'):.0f}", f"{m(f, 'stored_bytes') / 1e6:.0f}",
