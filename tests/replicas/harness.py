@@ -255,14 +255,18 @@ class Domain:
     def open_prefetch_ids(self) -> list[int]:
         return sorted(op.request.op_id for op in self.lead.ledger.open_ops.values() if isinstance(op, Prefetch))
 
-    def settle_all(self, max_steps: int = 40) -> int:
+    def settle_all(self, max_steps: int = 200) -> int:
         """Complete every I/O and step (polling every open prefetch) until no
-        operation is open. Returns the steps it took."""
+        operation is open. Returns the steps it took. Backups queued behind a
+        window of one, each copy a few ticks and its round `lag` steps late,
+        take tens of steps: the bound tells a wedged operation from those."""
         for rep in self.replicas:
             rep.io.end_all()
-        for i in range(max_steps):
+        for i in range(max_steps + 1):
             if not self.lead.ledger.open_ops and not any(p.requests.opened() for p in self.pipeline):
                 return i
+            if i == max_steps:
+                break
             self.step(CacheRequests(prefetch_polls=tuple(self.open_prefetch_ids())) if i % 2 == 0 else CacheRequests())
         raise InvariantViolation(f"operations still open after {max_steps} idle steps with all I/O ended: "
                                  f"{[op.label() for op in self.lead.ledger.open_ops.values()]}")
