@@ -22,7 +22,7 @@ import threading
 from pathlib import Path
 
 from cpcache.testing.sglang_cpu.hicache import HICACHE_ENV, HICACHE_FLAGS, hicache_file_storage_flags
-from cpcache.testing.sglang_cpu.servers import Reply, Server, make_tiny_model
+from cpcache.testing.sglang_cpu.servers import Reply, Server, make_tiny_model, start_paused
 from cpcache.testing.sglang_cpu.stacks import DEVICE_TOKENS, PAGE, Shape, Stack
 
 SESSIONS = 6
@@ -68,12 +68,7 @@ def main(work: Path) -> dict[str, list[list[int]]]:
     cached: dict[str, list[list[int]]] = {}
     try:
         stack.daemons.start()
-        for server in servers.values():
-            server.start()
-        for server in servers.values():
-            server.wait_ready()
-            assert server.process is not None
-            server.process.pause()
+        start_paused(servers.values())
         for name, server in servers.items():
             assert server.process is not None
             server.process.resume()

@@ -36,6 +36,7 @@ from cpcache.testing.sglang_cpu.servers import (
     Server,
     make_tiny_model,
     same_outputs,
+    start_paused,
 )
 from cpcache.testing.sglang_cpu.stacks import DEVICE_TOKENS, HOST_PAGES, PAGE, Shape, Stack, prompt, workload
 from tests.support.budget import MORE
@@ -95,12 +96,7 @@ def test_cpcache_hits_at_least_what_sglangs_hicache_with_file_storage_hits_under
     seconds = {name: 0.0 for name in servers}
     try:
         stack.daemons.start()
-        for server in servers.values():
-            server.start()
-        for server in servers.values():
-            server.wait_ready()
-            assert server.process is not None
-            server.process.pause()
+        start_paused(servers.values())
         system, docs = workload(seed=7)
         prompts = turns(system, docs)
         for ids in prompts:  # every server sees the workload in the same order, each alone on the machine

@@ -412,6 +412,18 @@ class Server:
             self.process.stop()
 
 
+def start_paused(servers: Iterable[Server], timeout_s: float = 300.0) -> None:
+    """Start `servers` together, then pause each once it serves (SIGSTOP):
+    a caller measuring them one at a time resumes one, the others off the CPU."""
+    started = list(servers)
+    for server in started:
+        server.start()
+    for server in started:
+        server.wait_ready(timeout_s)
+        assert server.process is not None
+        server.process.pause()
+
+
 @dataclass(frozen=True)
 class Reply:
     output_ids: tuple[int, ...]

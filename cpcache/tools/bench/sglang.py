@@ -266,17 +266,12 @@ class Bench:
         }
 
     def start(self) -> float:
-        from cpcache.testing.sglang_cpu.servers import make_tiny_model
+        from cpcache.testing.sglang_cpu.servers import make_tiny_model, start_paused
 
         started = time.monotonic()
         make_tiny_model(self.model)
         self.daemons.start()
-        for server in self.servers.values():
-            server.start()
-        for server in self.servers.values():
-            server.wait_ready(timeout_s=900)
-            assert server.process is not None
-            server.process.pause()
+        start_paused(self.servers.values(), timeout_s=900)
         return time.monotonic() - started
 
     def stop(self) -> None:
