@@ -43,6 +43,7 @@ from tests.sglang.stacks import (
     stored_pages,
     wait_no_io,
 )
+from tests.support.budget import MORE
 
 pytestmark = [
     pytest.mark.sglang,
@@ -58,7 +59,9 @@ CP_ZIGZAG_MOONCAKE = Shape("qwen3", tp=2, cp=2, zigzag=True, storage="mooncake")
 # latent per token, the same on every rank (attention TP 1), so one storage
 # object per page. Without prefill CP, and on Mooncake Store, with
 # CPCACHE_SGLANG_MORE=1 (tests/support/budget.py): each differs from a shape
-# the suite runs by one thing the others cover.
+# the suite runs by one thing the others cover. So does Qwen3 on files
+# without prefill CP (CP_FILE), which the hit-rate, attach-fault, soak and
+# chaos tests serve too.
 MLA_ZIGZAG_FILE = Shape("deepseek_v2", tp=2, cp=2, zigzag=True, storage="file")
 MLA_FILE = Shape("deepseek_v2", tp=2, cp=2, storage="file")
 MLA_ZIGZAG_MOONCAKE = Shape("deepseek_v2", tp=2, cp=2, zigzag=True, storage="mooncake")
@@ -73,9 +76,9 @@ CP_MOE_ZIGZAG = Shape("qwen3_moe", tp=2, cp=2, zigzag=True, storage="file")
 CP_TP4 = Shape("qwen3", tp=4, cp=2, zigzag=True, storage="file")
 MLA_TP4 = Shape("deepseek_v2", tp=4, cp=2, zigzag=True, storage="file")
 OPT_IN = {"CPCACHE_SGLANG_QWEN3_MOE": [CP_MOE_ZIGZAG], "CPCACHE_SGLANG_TP4": [CP_TP4, MLA_TP4],
-          "CPCACHE_SGLANG_MORE": [MLA_FILE, MLA_ZIGZAG_MOONCAKE]}
+          "CPCACHE_SGLANG_MORE": [CP_FILE, MLA_FILE, MLA_ZIGZAG_MOONCAKE]}
 OPT_IN_SHAPES = [shape for shapes in OPT_IN.values() for shape in shapes]
-EVERY_SHAPE = [CP_FILE, CP_ZIGZAG_MOONCAKE, MLA_ZIGZAG_FILE,
+EVERY_SHAPE = [CP_ZIGZAG_MOONCAKE, MLA_ZIGZAG_FILE,
                *(shape for variable, shapes in OPT_IN.items() if os.environ.get(variable) for shape in shapes)]
 FILE_SHAPES = [shape for shape in EVERY_SHAPE if shape.storage == "file"]
 
@@ -176,20 +179,26 @@ def test_a_wrong_page_from_storage_breaks_the_match_negative_control(stack: Stac
     a_wrong_stored_page_breaks_the_match(stack)
 
 
-@by_shape(CP_FILE)
+# Under the seed's shape (prefill CP, Mooncake Store); test_server.py has
+# both on files at plain TP.
+SEED_SHAPES = [shape for shape in EVERY_SHAPE if shape is CP_ZIGZAG_MOONCAKE or shape is CP_FILE]
+
+
+@by_shape(*SEED_SHAPES)
 def test_requests_aborted_during_their_prefetch_are_revoked_on_every_rank(stack: Stack):
     requests_aborted_during_their_prefetch_are_revoked_on_every_rank(stack)
 
 
-@by_shape(CP_FILE)
+@by_shape(*SEED_SHAPES)
 def test_flush_cache_while_writes_are_in_flight_serves_no_wrong_bytes(stack: Stack):
     flush_with_writes_in_flight_serves_no_wrong_bytes(stack)
 
 
-# Each attention kind once: GQA on Mooncake Store (the seed's storage), MLA on
-# files (test_server.py has one at plain TP).
+# GQA on Mooncake Store (the seed's storage). MLA's daemon killed under
+# attention DP is test_dp_attention.py's, under prefill CP here with
+# CPCACHE_SGLANG_MORE=1; test_server.py kills one at plain TP.
 KILLED_SHAPES = [shape for shape in EVERY_SHAPE
-                 if shape.storage == "mooncake" or shape is MLA_ZIGZAG_FILE or shape in OPT_IN_SHAPES]
+                 if shape.storage == "mooncake" or shape in OPT_IN_SHAPES or MORE and shape is MLA_ZIGZAG_FILE]
 
 
 @by_shape(*KILLED_SHAPES)

@@ -3,7 +3,7 @@
 (host memory twice the device pool, its `file` storage tier beneath), its
 plain radix cache (with CPCACHE_SGLANG_MORE=1), and cpcache (a host pool of the same pages, file
 storage beneath, over `cpcache launch --tp 2 --cp 2` daemons), every reply
-checked against a tp 1 server without cache.
+checked against a tp 1 server without cache (the session's).
 
 The workload is a multi-turn one with a shared system prompt: documents that
 overflow the device pool and the host pool come back in later turns. Each
@@ -34,11 +34,20 @@ from cpcache.testing.sglang_cpu.servers import (
     SGLANG_PYTHON,
     Reply,
     Server,
-    make_tiny_model,
     same_outputs,
     start_paused,
 )
-from cpcache.testing.sglang_cpu.stacks import DEVICE_TOKENS, HOST_PAGES, PAGE, Shape, Stack, prompt, workload
+from cpcache.testing.sglang_cpu.stacks import (
+    DEVICE_TOKENS,
+    HOST_PAGES,
+    PAGE,
+    Reference,
+    Shape,
+    Stack,
+    prompt,
+    workload,
+)
+from tests.sglang.stacks import References
 from tests.support.budget import MORE
 
 pytestmark = [
@@ -76,17 +85,23 @@ def stored_bytes(root: Path) -> int:
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
 
 
-def test_cpcache_hits_at_least_what_sglangs_hicache_with_file_storage_hits_under_cp(tmp_path: Path):
-    model = make_tiny_model(tmp_path / "qwen3", SHAPE.family)
+def test_cpcache_hits_at_least_what_sglangs_hicache_with_file_storage_hits_under_cp(tmp_path: Path,
+                                                                                   references: References):
+    with references.use(SHAPE) as reference:
+        measure(tmp_path, references.model(SHAPE.family), reference)
+
+
+def measure(tmp_path: Path, model: Path, reference: Reference) -> None:
     # cpcache's stack without I/O faults: a measurement, not a perturbation.
-    stack = Stack(tmp_path, model, SHAPE, copy_delay_ms=0.0, storage_delay_ms=0.0, per_rank={}, sleep_on_idle=True)
+    # The reference is the session's (it sleeps when idle).
+    stack = Stack(tmp_path, model, SHAPE, copy_delay_ms=0.0, storage_delay_ms=0.0, per_rank={}, sleep_on_idle=True,
+                  reference=reference)
     common = dict(model=model, work=tmp_path, tp=SHAPE.tp, cp=SHAPE.cp, page_size=PAGE, device_tokens=DEVICE_TOKENS,
                   sleep_on_idle=True)
     hicache_root = tmp_path / "hicache-pages"
     # SGLang's plain radix cache beside them with CPCACHE_SGLANG_MORE=1 (a
     # server more than the suite's budget holds).
     servers: dict[str, Server] = {
-        "reference": stack.plain,
         **({"radix": Server("radix", flags=[], **common)} if MORE else {}),
         "hicache": Server("hicache", flags=[*HICACHE_FLAGS, *hicache_file_storage_flags(hicache_root)],
                           env=HICACHE_ENV, **common),
@@ -99,6 +114,9 @@ def test_cpcache_hits_at_least_what_sglangs_hicache_with_file_storage_hits_under
         start_paused(servers.values())
         system, docs = workload(seed=7)
         prompts = turns(system, docs)
+        assert stack.plain is not None
+        stack.plain.wait_ready()
+        expected = [stack.reference(ids) for ids in prompts]
         for ids in prompts:  # every server sees the workload in the same order, each alone on the machine
             for name, server in servers.items():
                 assert server.process is not None
@@ -117,10 +135,9 @@ def test_cpcache_hits_at_least_what_sglangs_hicache_with_file_storage_hits_under
     fell = stack.cpcache.process.lines_with("fell back to the device tree")
     assert not fell, f"cpcache left its daemons during the measurement: {fell}"
     for name, got in replies.items():
-        wrong = [i for i, (a, b) in enumerate(zip(got, replies["reference"])) if not same_outputs(a, b)]
+        wrong = [i for i, (a, b) in enumerate(zip(got, expected)) if not same_outputs(a, b)]
         assert not wrong, f"{name}: requests {wrong} answered unlike a server without cache"
-    report: dict[str, dict] = {name: summary(got, prompts, seconds[name]) for name, got in replies.items()
-                               if name != "reference"}
+    report: dict[str, dict] = {name: summary(got, prompts, seconds[name]) for name, got in replies.items()}
     report["hicache"]["stored_bytes"] = stored_bytes(hicache_root)
     report["cpcache"]["stored_bytes"] = stored_bytes(stack.storage)
     report["workload"] = {"requests": len(prompts), "prompt_tokens": sum(len(p) for p in prompts),

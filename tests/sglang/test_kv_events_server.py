@@ -23,8 +23,9 @@ import pytest
 
 from cpcache.client import Client
 from cpcache.testing.ports import free_port
-from cpcache.testing.sglang_cpu.servers import SGLANG_PYTHON, Watched, make_tiny_model
+from cpcache.testing.sglang_cpu.servers import SGLANG_PYTHON, Watched
 from cpcache.testing.sglang_cpu.stacks import Shape, Stack, prompt, started, workload
+from tests.sglang.stacks import References
 
 pytestmark = [
     pytest.mark.sglang,
@@ -64,9 +65,9 @@ class Stream:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory):
+def served(tmp_path_factory: pytest.TempPathFactory, references: References):
     work = tmp_path_factory.mktemp("kv-events")
-    model = make_tiny_model(work / "tiny-llama")
+    model = references.model(SHAPE.family)  # the session's, made once
     port, replay = free_port(), free_port()
     config = json.dumps({"publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{port}", "bind": True,
                          "replay_endpoint": f"tcp://127.0.0.1:{replay}", "topic": "kv-events"})

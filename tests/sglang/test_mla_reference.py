@@ -22,10 +22,10 @@ from cpcache.testing.sglang_cpu.servers import (
     SGLANG_PYTHON,
     Reply,
     Server,
-    make_tiny_model,
     same_outputs,
     sglang_interpreter,
 )
+from tests.sglang.stacks import References
 
 pytestmark = [
     pytest.mark.sglang,
@@ -52,8 +52,8 @@ print(json.dumps(replies))
 """
 
 
-def test_mla_in_torch_native_answers_what_transformers_computes(tmp_path: Path):
-    model = make_tiny_model(tmp_path / "deepseek_v2", "deepseek_v2")
+def test_mla_in_torch_native_answers_what_transformers_computes(tmp_path: Path, references: References):
+    model = references.model("deepseek_v2")  # the session's (seeded): the one the MLA stacks serve
     done = subprocess.run([sglang_interpreter(), "-c", TRANSFORMERS, str(model),
                            json.dumps(list(zip(PROMPTS, NEW_TOKENS)))],
                           capture_output=True, text=True, timeout=300, check=True)

@@ -4,8 +4,8 @@ Mooncake's transfer engine over TCP on loopback) behind SGLang's router
 (cpcache/testing/sglang_cpu/pd.py), with a tiny random Qwen3.
 
 Every reply must equal, token for token and logprob for logprob, a
-`--disable-radix-cache` tp 1 server's without disaggregation (up for the
-whole module, paused between its answers). One deployment at a time (the
+`--disable-radix-cache` tp 1 server's without disaggregation (the
+session's, of the same seeded model). One deployment at a time (the
 suite runs the one on files; CPCACHE_SGLANG_MORE=1 every one):
 
 - a plain pair (prefill tp 1 with SGLang's radix cache);
@@ -43,17 +43,15 @@ from cpcache.keys import chain, generation_pages
 from cpcache.testing.mooncake_master import MooncakeMaster
 from cpcache.testing.sglang_cpu.pd import PdDeployment, over_cpcache
 from cpcache.testing.sglang_cpu.servers import (
-    PLAIN_FLAGS,
     SGLANG_PYTHON,
     Daemons,
     Reply,
     Server,
-    make_tiny_model,
     same_outputs,
     sglang_interpreter,
 )
 from cpcache.testing.sglang_cpu.stacks import DEVICE_TOKENS, PAGE, SLOW_RANK, Shape, prompt, workload
-from tests.sglang.stacks import kill_daemon_mid_run_and_come_back
+from tests.sglang.stacks import References, kill_daemon_mid_run_and_come_back
 from tests.support.budget import more
 
 pytestmark = [
@@ -86,19 +84,18 @@ def requests() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def model(references: References) -> Path:
     found = subprocess.run([sglang_interpreter(), "-c", "import importlib.util as u, sys; "
                             "sys.exit(not (u.find_spec('sglang_router') and u.find_spec('mooncake')))"], timeout=60)
     if found.returncode != 0:
         pytest.skip(f"SGLang's environment ({SGLANG_PYTHON}) has no sglang-router or Mooncake transfer engine: "
                     "`make setup` installs them")
-    return make_tiny_model(tmp_path_factory.mktemp("pd-model") / "tiny-qwen3", "qwen3")
+    return references.model("qwen3")
 
 
 class Reference:
-    """A `--disable-radix-cache` tp 1 server without disaggregation, up for
-    the whole module and paused (SIGSTOP) between its answers: an idle
-    SGLang server's loops spin, and would take a core from the PD pair."""
+    """The session's tp 1 Qwen3 server without cache (tests/sglang/stacks.py
+    References: it sleeps when idle), and its replies by prompt and length."""
 
     def __init__(self, server: Server) -> None:
         self.server = server
@@ -107,26 +104,15 @@ class Reference:
     def reply(self, ids: list[int], max_new_tokens: int = 4) -> Reply:
         key = (tuple(ids), max_new_tokens)
         if key not in self.replies:
-            assert self.server.process is not None
-            self.server.process.resume()
-            try:
-                self.replies[key] = self.server.generate(ids, max_new_tokens)
-            finally:
-                self.server.process.pause()
+            self.replies[key] = self.server.generate(ids, max_new_tokens)
         return self.replies[key]
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory, model: Path) -> Iterator[Reference]:
-    work = tmp_path_factory.mktemp("pd-reference")
-    server = Server("reference", model, work, PLAIN_FLAGS, tp=1, page_size=PAGE, device_tokens=DEVICE_TOKENS)
-    try:
-        server.start().wait_ready()
-        assert server.process is not None
-        server.process.pause()
-        yield Reference(server)
-    finally:
-        server.stop()
+def reference(references: References, model: Path) -> Iterator[Reference]:
+    with references.use(Shape("qwen3", tp=2, cp=2)) as shared:
+        shared.server.wait_ready()
+        yield Reference(shared.server)
 
 
 @pytest.fixture(scope="module")

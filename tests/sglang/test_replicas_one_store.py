@@ -33,10 +33,10 @@ from cpcache.testing.sglang_cpu.servers import (
     SGLANG_PYTHON,
     Reply,
     Server,
-    make_tiny_model,
     same_outputs,
 )
 from cpcache.testing.sglang_cpu.stacks import DEVICE_TOKENS, PAGE, SYSTEM, Shape, Stack, prompt, workload
+from tests.sglang.stacks import References
 
 pytestmark = [
     pytest.mark.sglang,
@@ -128,21 +128,19 @@ def answers(started: tuple[Server, float], prompts: list[list[int]]) -> list[Rep
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
+def store(tmp_path_factory: pytest.TempPathFactory, references: References) -> Iterator[Store]:
     work = tmp_path_factory.mktemp("replicas")
-    model = make_tiny_model(work / "qwen3", "qwen3")
+    model = references.model("qwen3")  # the session's, and its tp 1 reference
     system, docs = workload(seed=11, docs=DOCS)
     prompts = [prompt(system, doc, 0, d) for d, doc in enumerate(docs)]
     with contextlib.ExitStack() as stacks:
         master = stacks.enter_context(MooncakeMaster(work / "mooncake-master.log"))
         storage = dict(storage="mooncake", storage_master=master.master,
                        storage_metadata_server=master.metadata_server, storage_segment_bytes=64 << 20)
-        plain = reference(work, model, "reference")
-        stacks.callback(plain[0].stop)
+        plain = stacks.enter_context(references.use(Shape("qwen3", tp=1)))
         shared = Store(work, model, storage, prompts, [], stacks)
-        a = shared.replica("a", tp=2, cp=2)  # starts while the reference does
-        shared.expected = answers(plain, prompts)
-        plain[0].stop()  # every reply the module compares with is known: its CPU goes to the others
+        a = shared.replica("a", tp=2, cp=2)  # starts while the reference does, if it was not up
+        shared.expected = answers((plain.server, time.monotonic()), prompts)
         for ids, want in zip(prompts, shared.expected):
             got = a.cpcache.generate(ids)
             assert same_outputs(got, want), f"A answered {got}, a server without cache {want}"
