@@ -57,6 +57,9 @@ def run_sglang_worker(worker: Path, env: dict[str, str] | None = None, timeout_s
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+IDLE_KEPT = 3  # idle reference servers kept up: one per family the suite compares with (about 2 GiB each)
+
+
 class References:
     """The session's tiny models (one per family: seeded, so every one of a
     family is the same) and its reference servers, one per family and
@@ -64,10 +67,12 @@ class References:
     without cache answers a prompt the same whoever asked before, and its
     replies are kept for the next stack of that model.
 
-    An idle reference costs memory, not CPU (it sleeps when idle), so the
-    last one used stays up for the next module that wants it; asking for
-    another stops those no stack is using. A reference found exited is
-    started again (its replies kept)."""
+    An idle reference costs memory, not CPU (it sleeps when idle), so up to
+    IDLE_KEPT idle ones stay up for the next module that wants one (the
+    suite's modules take turns between families: each started once); past
+    that, asking for another kind stops the least recently used idle ones.
+    One in use is never stopped. A reference found exited is started again
+    (its replies kept)."""
 
     def __init__(self, work: Path) -> None:
         self.work = work
@@ -86,21 +91,28 @@ class References:
         """The reference for stacks of `shape` (started, perhaps not yet
         serving: `Stack.start` waits for it), held while the block runs."""
         key = (shape.family, shape.reference_tp)
-        for other in [k for k in self.running if k != key and not self.users.get(k)]:
-            self.running.pop(other).server.stop()
-        reference = self.running.get(key)
+        self._stop_idle(IDLE_KEPT - 1, but=key)  # room for this one when it is idle again
+        reference = self.running.pop(key, None)  # put back last: the most recently asked for
         process = reference.server.process if reference is not None else None
         if reference is None or process is None or process.proc.poll() is not None:
             if reference is not None:
                 reference.server.stop()
             family, tp = key
             server = reference_server(f"reference-{family}-tp{tp}", self.model(family), self.work, family, tp)
-            reference = self.running[key] = Reference(server.start(), family, self.replies.setdefault(key, {}))
+            reference = Reference(server.start(), family, self.replies.setdefault(key, {}))
+        self.running[key] = reference
         self.users[key] = self.users.get(key, 0) + 1
         try:
             yield reference
         finally:
             self.users[key] -= 1
+            self._stop_idle(IDLE_KEPT)
+
+    def _stop_idle(self, keep: int, but: tuple[str, int] | None = None) -> None:
+        """Stop the idle references past the `keep` most recently asked for (`but` aside)."""
+        idle = [k for k in self.running if k != but and not self.users.get(k)]  # least recently asked first
+        for key in idle[: max(0, len(idle) - keep)]:
+            self.running.pop(key).server.stop()
 
     def stop(self) -> None:
         for reference in self.running.values():

@@ -1,9 +1,9 @@
 """The session's reference servers (tests/sglang/stacks.py References),
 without SGLang: stand-in servers that record their starts and stops. One
-start per model family and TP while stacks use it; an idle one stays up for
-the next user of the same kind, and is stopped when another kind is asked
-for; one in use is never stopped; one found exited is started again, its
-replies kept."""
+start per model family and TP while stacks use it; idle ones stay up (up to
+IDLE_KEPT) for the next user of their kind, the least recently asked for
+stopped past that; one in use is never stopped; one found exited is started
+again, its replies kept."""
 
 from __future__ import annotations
 
@@ -55,6 +55,7 @@ def pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 
 QWEN_CP, QWEN_CP_ZIGZAG = Shape("qwen3", tp=2, cp=2), Shape("qwen3", tp=2, cp=2, zigzag=True, storage="mooncake")
 MLA_CP, LLAMA = Shape("deepseek_v2", tp=2, cp=2), Shape("llama", tp=2)
+MOE_CP = Shape("qwen3_moe", tp=2, cp=2)
 
 
 def test_stacks_of_one_family_and_tp_share_one_reference_and_its_replies(pool):
@@ -67,18 +68,26 @@ def test_stacks_of_one_family_and_tp_share_one_reference_and_its_replies(pool):
     assert first.server.model == references.model("qwen3") == references.work / "qwen3"
 
 
-def test_another_kind_stops_the_idle_one_never_one_in_use(pool):
+def test_idle_ones_stay_up_to_the_kept_number_then_the_least_recently_used_stops_never_one_in_use(pool):
     references, log = pool
+    assert stacks.IDLE_KEPT == 3
     with references.use(QWEN_CP):
         with references.use(LLAMA):  # both in use: both up
             pass
         assert log == ["start reference-qwen3-tp1", "start reference-llama-tp2"]
-    with references.use(MLA_CP):  # neither in use now: both stopped first
+    with references.use(MLA_CP):  # three kinds, two idle: all stay up
         pass
-    assert sorted(log[2:4]) == ["stop reference-llama-tp2", "stop reference-qwen3-tp1"]
-    assert log[4:] == ["start reference-deepseek_v2-tp1"]
+    with references.use(QWEN_CP):  # back to the first: no start
+        pass
+    assert log[2:] == ["start reference-deepseek_v2-tp1"]
+    with references.use(MOE_CP):  # a fourth: the least recently asked for idle one (llama) stops first
+        with references.use(LLAMA):  # again, while the fourth is in use: two in use, two idle
+            pass
+        assert log[3:] == ["stop reference-llama-tp2", "start reference-qwen3_moe-tp1", "start reference-llama-tp2"]
+    # Four idle once the fourth is given back: the least recently asked for stops.
+    assert log[6:] == ["stop reference-deepseek_v2-tp1"]
     references.stop()
-    assert log[-1] == "stop reference-deepseek_v2-tp1"
+    assert sorted(log[7:]) == ["stop reference-llama-tp2", "stop reference-qwen3-tp1", "stop reference-qwen3_moe-tp1"]
 
 
 def test_a_reference_found_exited_starts_again_with_its_replies(pool):
