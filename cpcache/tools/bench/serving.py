@@ -29,6 +29,10 @@ cache report (hit rate, device / host / storage tokens); beside them the
 CPU seconds the server's processes (and cpcache's daemons) spent, the bytes
 each store holds at the end, and a fixed check set of prompts answered
 equal to a tp 1 server without cache (tokens, and logprobs within 1e-4).
+After the trace each server gets a decode-only burst (DECODE_ONLY: short
+random prompts, long answers, sent at once): its ITL beside the trace's
+(where prefills are admitted beside decodes) tells a decode step's own
+cost from what prefills beside it add.
 
 Every server runs with SGLang's `--sleep-on-idle` unless `--spin-when-idle`:
 an idle SGLang scheduler otherwise polls in a loop, a core per server at
@@ -80,6 +84,9 @@ _DATASET_WORDS = ["[UNK]", "[EOS]", *"0123456789", "hi", "story", "Round", "Tell
 # Every id the model can answer is a word (the client times a token from its text).
 WORDS = [*_DATASET_WORDS, *(f"w{i}" for i in range(len(_DATASET_WORDS), 512))]
 CHECKS = 6  # the fixed check set: prompts answered by every server and the reference
+# After the trace, a decode-only burst: its ITL beside the trace's (prefills
+# admitted beside decodes) tells what a cache costs a decode step alone.
+DECODE_ONLY = {"requests": 8, "input_len": 32, "output_len": 64}
 
 
 def scaled_trace(source: Path, out: Path, requests: int = REQUESTS, blocks: int = BLOCKS,
@@ -265,15 +272,29 @@ def bench_client(port: int, model: Path, trace: Path, out: Path, requests: int, 
     (each turn's prompt holding the ones before it and a stand-in answer),
     with every request's own figures when `details`: -> its result (the
     output file's last line)."""
+    return _bench_serving(port, model, out, ["--dataset-name", "mooncake", "--dataset-path", str(trace),
+                                             "--num-prompts", str(requests), "--mooncake-slowdown-factor",
+                                             str(slowdown), "--mooncake-num-rounds", str(rounds), "--cache-report",
+                                             *(["--output-details"] if details else [])])
+
+
+def decode_only_client(port: int, model: Path, out: Path) -> dict:
+    """DECODE_ONLY's requests sent at once: short prompts of random ids and
+    long answers, so that past their first steps every step of the server
+    decodes, no prefill beside it: -> bench_serving's result."""
+    return _bench_serving(port, model, out, [
+        "--dataset-name", "random-ids", "--num-prompts", str(DECODE_ONLY["requests"]),
+        "--random-input-len", str(DECODE_ONLY["input_len"]), "--random-output-len", str(DECODE_ONLY["output_len"]),
+        "--random-range-ratio", "1", "--request-rate", "inf", "--seed", "7"])
+
+
+def _bench_serving(port: int, model: Path, out: Path, workload: list[str]) -> dict:
     from cpcache.testing.sglang_cpu.servers import CPU_HOST, sglang_interpreter
 
     env = {**os.environ, "PYTHONPATH": str(CPU_HOST)}
     done = subprocess.run([sglang_interpreter(), "-m", "sglang.bench_serving", "--backend", "sglang",
                            "--host", "127.0.0.1", "--port", str(port), "--model", str(model),
-                           "--tokenizer", str(model), "--dataset-name", "mooncake", "--dataset-path", str(trace),
-                           "--num-prompts", str(requests), "--mooncake-slowdown-factor", str(slowdown),
-                           "--mooncake-num-rounds", str(rounds), "--cache-report", "--disable-tqdm",
-                           *(["--output-details"] if details else []), "--output-file", str(out)],
+                           "--tokenizer", str(model), *workload, "--disable-tqdm", "--output-file", str(out)],
                           capture_output=True, text=True, env=env, timeout=3600, check=False)
     if done.returncode != 0 or not out.exists():
         raise RuntimeError(f"bench serving: sglang.bench_serving failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
@@ -289,6 +310,7 @@ DAEMON_COUNTERS = ("storage_hit_pages", "host_hit_pages", "prefetched_pages_evic
                    "prefetch_resident_pages", "prefetches_short", *(f"lost_hit_pages_{r}" for r in LOST_REASONS))
 FIGURES = ("completed", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_itl_ms", "median_itl_ms",
            "mean_tpot_ms", "request_throughput", "input_throughput", "output_throughput")
+DECODE_FIGURES = ("completed", "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "mean_tpot_ms", "output_throughput")
 
 
 def check_prompts(trace: Path) -> list[list[int]]:
@@ -326,6 +348,7 @@ def run(work: Path, configs: tuple[str, ...] = CONFIGS, requests: int = REQUESTS
             result = bench_client(config.server.port, model, trace, work / f"{name}-bench.jsonl", requests, slowdown)
             cpu_after, daemons_after = config.cpu_seconds()
             cpu, daemons_cpu = cpu_after - cpu_before, daemons_after - daemons_before
+            decode = decode_only_client(config.server.port, model, work / f"{name}-decode-only.jsonl")
             answers = [config.server.generate(ids) for ids in checks]
             wrong = [i for i, (a, b) in enumerate(zip(answers, expected)) if not same_outputs(a, b)]
             row = {f: result.get(f) for f in FIGURES}
@@ -333,7 +356,8 @@ def run(work: Path, configs: tuple[str, ...] = CONFIGS, requests: int = REQUESTS
                     "cpu_s": round(cpu, 1), "daemons_cpu_s": round(daemons_cpu, 1),
                     "stored_bytes": config.stored_bytes(), "healthy_s": round(healthy_s, 1),
                     "daemon": config.daemon_counters(), "backend_lost": config.backend_lost(),
-                    "checks_equal": f"{len(checks) - len(wrong)}/{len(checks)}"}
+                    "checks_equal": f"{len(checks) - len(wrong)}/{len(checks)}",
+                    "decode_only": {f: decode.get(f) for f in DECODE_FIGURES}}
             report["servers"][name] = row
             print(f"{name}: {json.dumps(row)}", file=sys.stderr, flush=True)
         finally:
@@ -342,13 +366,14 @@ def run(work: Path, configs: tuple[str, ...] = CONFIGS, requests: int = REQUESTS
 
 
 def table(report: dict) -> list[str]:
-    lines = ["| server | done | TTFT mean | median | p99 | ITL mean | TPOT mean | in tok/s | hit % | device | host "
-             "| storage | stored MB | CPU s (daemons) | checks |", "|---|" + "---:|" * 14]
+    lines = ["| server | done | TTFT mean | median | p99 | ITL mean | decode-only ITL | TPOT mean | in tok/s | hit % "
+             "| device | host | storage | stored MB | CPU s (daemons) | checks |", "|---|" + "---:|" * 15]
     for name, r in report["servers"].items():
         c = r.get("cache") or {}
         stored = "-" if r["stored_bytes"] is None else f"{r['stored_bytes'] / 1e6:.1f}"
         lines.append(f"| {name} | {r['completed']} | {r['mean_ttft_ms']:.0f} | {r['median_ttft_ms']:.0f} | "
-                     f"{r['p99_ttft_ms']:.0f} | {r['mean_itl_ms']:.1f} | {r.get('mean_tpot_ms') or 0:.1f} | "
+                     f"{r['p99_ttft_ms']:.0f} | {r['mean_itl_ms']:.1f} | "
+                     f"{(r.get('decode_only') or {}).get('mean_itl_ms') or 0:.1f} | {r.get('mean_tpot_ms') or 0:.1f} | "
                      f"{r['input_throughput']:.0f} | "
                      f"{c.get('cache_hit_rate_pct', 0):.2f} | {c.get('device_cached_tokens') or 0} | "
                      f"{c.get('host_cached_tokens') or 0} | {c.get('storage_cached_tokens') or 0} | "

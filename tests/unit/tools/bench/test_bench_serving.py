@@ -1,0 +1,26 @@
+"""The pure parts of `cpcache bench serving` (the servers themselves run in the bench)."""
+
+from cpcache.tools.bench import serving
+
+
+def row(itl: float, decode_only: dict | None) -> dict:
+    return {"completed": 10, "mean_ttft_ms": 100.0, "median_ttft_ms": 90.0, "p99_ttft_ms": 300.0, "mean_itl_ms": itl,
+            "mean_tpot_ms": itl, "input_throughput": 500.0, "cache": {"cache_hit_rate_pct": 40.0},
+            "stored_bytes": None, "cpu_s": 12.0, "daemons_cpu_s": 1.0, "checks_equal": "6/6",
+            "decode_only": decode_only}
+
+
+def test_the_decode_only_itl_stands_beside_the_traces():
+    lines = serving.table({"servers": {"radix": row(20.0, {"mean_itl_ms": 12.5}), "old": row(21.0, None)}})
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    cells = [c.strip() for c in lines[2].strip("|").split("|")]
+    assert header[header.index("ITL mean") + 1] == "decode-only ITL"
+    assert cells[header.index("ITL mean")] == "20.0" and cells[header.index("decode-only ITL")] == "12.5"
+    assert len(cells) == len(header) == lines[1].count("|") - 1
+    # A report from before the burst (no decode_only) still renders.
+    assert [c.strip() for c in lines[3].strip("|").split("|")][header.index("decode-only ITL")] == "0.0"
+
+
+def test_the_burst_decodes_more_than_it_prefills_and_arrives_at_once():
+    assert serving.DECODE_ONLY["output_len"] >= 2 * serving.DECODE_ONLY["input_len"]
+    assert serving.DECODE_ONLY["requests"] > 1
