@@ -2,8 +2,10 @@
 servers at `--tp 2 --attn-cp-size 2` (attention TP 1: both CP ranks hold the
 same KV) over `cpcache launch --tp 2 --cp 2` daemons, with tiny random Qwen3
 (grouped KV heads) and DeepSeek-V2 (multi-head latent attention, MoE)
-models, prefill CP (zigzag) on and off, file storage and Mooncake Store (a
-real mooncake_master on loopback).
+models. In the suite: Qwen3 under prefill CP (zigzag) on Mooncake Store (a
+real mooncake_master on loopback, the seed's shape) and DeepSeek-V2 under
+prefill CP on files; prefill CP off, and each model on the other store,
+with CPCACHE_SGLANG_MORE=1.
 
 Every reply must equal a tp 1 server's without cache, token for token and
 logprob for logprob; hits come from the device, the host pool and storage;
@@ -60,8 +62,9 @@ CP_ZIGZAG_MOONCAKE = Shape("qwen3", tp=2, cp=2, zigzag=True, storage="mooncake")
 # object per page. Without prefill CP, and on Mooncake Store, with
 # CPCACHE_SGLANG_MORE=1 (tests/support/budget.py): each differs from a shape
 # the suite runs by one thing the others cover. So does Qwen3 on files
-# without prefill CP (CP_FILE), which the hit-rate, attach-fault, soak and
-# chaos tests serve too.
+# without prefill CP (CP_FILE): the hit-rate, attach-fault, soak and chaos
+# tests serve that shape; its pages written once per page under GQA are
+# what test_replicas_one_store.py's tp 1 replica reads back.
 MLA_ZIGZAG_FILE = Shape("deepseek_v2", tp=2, cp=2, zigzag=True, storage="file")
 MLA_FILE = Shape("deepseek_v2", tp=2, cp=2, storage="file")
 MLA_ZIGZAG_MOONCAKE = Shape("deepseek_v2", tp=2, cp=2, zigzag=True, storage="mooncake")

@@ -22,8 +22,9 @@ import pytest
 
 from cpcache.client import Client
 from cpcache.integrations.sglang.lost_hits import parse
-from cpcache.testing.sglang_cpu.servers import SGLANG_PYTHON, make_tiny_model
+from cpcache.testing.sglang_cpu.servers import SGLANG_PYTHON
 from cpcache.testing.sglang_cpu.stacks import PAGE, Shape, Stack, workload
+from tests.sglang.stacks import References
 from tests.sglang.test_hit_rates import turns
 from tests.support.budget import beyond_budget
 
@@ -41,8 +42,9 @@ SHAPE = Shape("qwen3", tp=2, cp=2, storage="file")
 REASONS = ("storage_miss", "below_threshold", "host_full", "revoked", "prefetch_late", "read_failed")
 
 
-def test_lost_hit_counters_add_up_to_the_pages_asked_and_to_sglangs_cache_report(tmp_path: Path):
-    model = make_tiny_model(tmp_path / "qwen3", SHAPE.family)
+def test_lost_hit_counters_add_up_to_the_pages_asked_and_to_sglangs_cache_report(tmp_path: Path,
+                                                                                 references: References):
+    model = references.model(SHAPE.family)
     # The daemons' defaults for how a prefetch ends; no I/O faults: a measurement.
     stack = Stack(tmp_path, model, SHAPE, copy_delay_ms=0.0, storage_delay_ms=0.0, per_rank={}, with_reference=False,
                   sleep_on_idle=True, daemon_settings=dict(prefetch_policy="best_effort"))

@@ -140,7 +140,8 @@ def store(tmp_path_factory: pytest.TempPathFactory, references: References) -> I
         plain = stacks.enter_context(references.use(Shape("qwen3", tp=1)))
         shared = Store(work, model, storage, prompts, [], stacks)
         a = shared.replica("a", tp=2, cp=2)  # starts while the reference does, if it was not up
-        shared.expected = answers((plain.server, time.monotonic()), prompts)
+        reference = plain.server.wait_ready()
+        shared.expected = [reference.generate(ids) for ids in prompts]
         for ids, want in zip(prompts, shared.expected):
             got = a.cpcache.generate(ids)
             assert same_outputs(got, want), f"A answered {got}, a server without cache {want}"

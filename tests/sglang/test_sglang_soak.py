@@ -1,4 +1,4 @@
-"""`cpcache bench sglang-soak` for a few minutes, through the CLI as a user
+"""`cpcache bench sglang-soak` for a minute, through the CLI as a user
 runs it: a CP server (tp 2, attention CP 2) over cpcache daemons under
 cache-heavy traffic, I/O perturbed per rank (one rank slower, a share of its
 storage reads failing). Every reply checked, no hang, no divergence."""
@@ -24,7 +24,7 @@ pytestmark = [
 CPCACHE = Path(sys.executable).parent / "cpcache"
 
 
-def test_a_few_minutes_of_cache_heavy_traffic_on_a_cp_server_serve_every_reply_right(tmp_path: Path):
+def test_a_minute_of_cache_heavy_traffic_on_a_cp_server_serves_every_reply_right(tmp_path: Path):
     # A minute in the suite; docs/benchmarks.md's soaks run 30.
     run = subprocess.run([str(CPCACHE), "bench", "sglang-soak", "--minutes", "1", "--json",
                           "--work-dir", str(tmp_path)], capture_output=True, text=True, timeout=1100)

@@ -17,10 +17,22 @@ def test_the_decode_only_itl_stands_beside_the_traces():
     assert header[header.index("ITL mean") + 1] == "decode-only ITL"
     assert cells[header.index("ITL mean")] == "20.0" and cells[header.index("decode-only ITL")] == "12.5"
     assert len(cells) == len(header) == lines[1].count("|") - 1
-    # A report from before the burst (no decode_only) still renders.
-    assert [c.strip() for c in lines[3].strip("|").split("|")][header.index("decode-only ITL")] == "0.0"
+    # A report from before the burst (no decode_only), or a burst that failed, shows none.
+    assert [c.strip() for c in lines[3].strip("|").split("|")][header.index("decode-only ITL")] == "-"
+    assert serving.decode_itl(row(20.0, {"error": "bench_serving failed"})) == "-"
 
 
 def test_the_burst_decodes_more_than_it_prefills_and_arrives_at_once():
     assert serving.DECODE_ONLY["output_len"] >= 2 * serving.DECODE_ONLY["input_len"]
     assert serving.DECODE_ONLY["requests"] > 1
+
+
+def test_a_burst_that_cannot_run_says_why_and_one_short_of_requests_counts_them(monkeypatch, tmp_path):
+    def failing(port, model, out):
+        raise RuntimeError("bench serving: sglang.bench_serving failed: connection refused")
+
+    monkeypatch.setattr(serving, "decode_only_client", failing)
+    assert "connection refused" in serving.decode_only(1, tmp_path, tmp_path / "out.jsonl")["error"]
+    monkeypatch.setattr(serving, "decode_only_client", lambda port, model, out: {"completed": 6, "mean_itl_ms": 9.0})
+    figures = serving.decode_only(1, tmp_path, tmp_path / "out.jsonl")
+    assert figures["failed"] == serving.DECODE_ONLY["requests"] - 6 and figures["mean_itl_ms"] == 9.0
