@@ -2,7 +2,7 @@
 
 import pytest
 
-from cpcache.tools.bench import serving_pd
+from cpcache.tools.bench import serving_pd, serving_pd_report
 from cpcache.tools.bench.commands import BENCHES
 
 
@@ -27,10 +27,10 @@ def test_cpcache_is_compared_with_hicache_on_the_same_store_and_each_with_radix(
     block = {c: {"ttft_later_mean_ms": 2.0, "ttft_first_mean_ms": 1.0, "mean_itl_ms": 1.0, "mean_tpot_ms": 1.0,
                  "request_throughput": 1.0, "cpu_s": 1.0, "hit_rate_pct": 1.0} for c in serving_pd.CONFIGS}
     block["cpcache-file"]["ttft_later_mean_ms"] = 1.0
-    report = serving_pd.summarize([block, block], serving_pd.CONFIGS, [], {})
+    report = serving_pd_report.summarize([block, block], serving_pd.CONFIGS, [], {})
     assert report["ratios"]["cpcache-file / hicache-file"]["ttft_later_mean_ms"]["median"] == pytest.approx(0.5)
     assert "cpcache-mooncake / hicache-mooncake" in report["ratios"] and "hicache-file / radix" in report["ratios"]
-    lines = serving_pd.table(report)
+    lines = serving_pd_report.table(report)
     # Each pair a row of figures and one of its cost per request; each ratio a row.
     assert all(sum(line.startswith(f"| {c} |") for line in lines) == 2 for c in serving_pd.CONFIGS)
     assert all(sum(line.startswith(f"| {r} |") for line in lines) == 1 for r in report["ratios"])
@@ -44,8 +44,8 @@ def test_the_run_record_has_a_row_per_pair_and_per_ratio():
     block = {c: {"ttft_later_mean_ms": 2.0, "ttft_first_mean_ms": 1.0, "mean_itl_ms": 1.0, "mean_tpot_ms": 1.0,
                  "request_throughput": 1.0, "cpu_s": 1.0, "hit_rate_pct": 1.0, "completed": 10,
                  "daemons_cpu_ms_per_request": 5.0} for c in ("cpcache-file", "hicache-file")}
-    report = serving_pd.summarize([block], ("cpcache-file", "hicache-file"), [], {})
-    pairs, ratios, cost = serving_pd.run_tables(report)
+    report = serving_pd_report.summarize([block], ("cpcache-file", "hicache-file"), [], {})
+    pairs, ratios, cost = serving_pd_report.run_tables(report)
     assert [r[0] for r in pairs["rows"]] == ["cpcache-file", "hicache-file"]
     assert all(len(r) == len(pairs["columns"]) for r in pairs["rows"])
     assert [r[0] for r in ratios["rows"]] == ["cpcache-file / hicache-file"]
@@ -64,7 +64,7 @@ def test_figures_only_some_pairs_have_are_summarized_and_ratios_skip_blocks_with
                "cpcache-file": {"ttft_later_mean_ms": 1.0, "backend_ms_per_request": 0.25, "hit_rate_pct": 3.0}},
               {"radix": {"ttft_later_mean_ms": 4.0, "hit_rate_pct": 1.0},
                "cpcache-file": {"ttft_later_mean_ms": 1.0, "backend_ms_per_request": 0.75, "hit_rate_pct": 2.0}}]
-    report = serving_pd.summarize(blocks, ("radix", "cpcache-file"), [], {})
+    report = serving_pd_report.summarize(blocks, ("radix", "cpcache-file"), [], {})
     assert report["configs"]["cpcache-file"]["backend_ms_per_request"]["median"] == pytest.approx(0.5)
     assert "backend_ms_per_request" not in report["configs"]["radix"]
     ratios = report["ratios"]["cpcache-file / radix"]
