@@ -32,7 +32,10 @@ SGLANG_PACKAGES := numpy orjson psutil pybase64 requests packaging pillow starle
 
 # `make demo` needs only the project's environment; `make test` builds
 # SGLang's too, for the suites that run SGLang (tests/sglang).
-setup: $(STAMP) $(SGLANG_STAMP)
+# The two environments are built side by side: each install is mostly one
+# pip process on one core.
+setup:
+	@$(MAKE) --no-print-directory -j2 $(STAMP) $(SGLANG_STAMP)
 
 setup-sglang: $(SGLANG_STAMP)
 
