@@ -1,4 +1,7 @@
 # The two commands: `make demo` and `make test`. Both set up first.
+# Two jobs at once: `setup` builds the two environments side by side (each
+# install is mostly one pip process on one core).
+MAKEFLAGS += --jobs=2
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -32,10 +35,7 @@ SGLANG_PACKAGES := numpy orjson psutil pybase64 requests packaging pillow starle
 
 # `make demo` needs only the project's environment; `make test` builds
 # SGLang's too, for the suites that run SGLang (tests/sglang).
-# The two environments are built side by side: each install is mostly one
-# pip process on one core.
-setup:
-	@$(MAKE) --no-print-directory -j2 $(STAMP) $(SGLANG_STAMP)
+setup: $(STAMP) $(SGLANG_STAMP)
 
 setup-sglang: $(SGLANG_STAMP)
 

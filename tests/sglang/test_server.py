@@ -10,9 +10,11 @@ system prompt, documents that overflow the device pool and, with a small
 host pool, the host pool too) is sent to a cpcache server and to a
 `--disable-radix-cache` server; every reply must match, token for token and
 logprob for logprob. A page planted in storage (a valid frame around wrong
-bytes) must break that match: the check sees wrong KV. Then the cache is
-flushed while writes are queued, and a daemon is killed while loads, writes
-and prefetches are in flight: the server keeps answering correctly (and
+bytes) must break that match: the check sees wrong KV. Then (with
+CPCACHE_SGLANG_MORE=1; test_cp.py runs both under the seed's shape) the
+cache is flushed while writes are queued and requests are aborted during
+their prefetch; and a daemon is killed while loads, writes and prefetches
+are in flight: the server keeps answering correctly (and
 passes SGLang's own idle leak check while the daemon is dead), both ranks
 leave the daemon at the same iteration, and come back to it at the same
 iteration once the launcher has restarted it.
@@ -37,6 +39,7 @@ from tests.sglang.stacks import (
     requests_aborted_during_their_prefetch_are_revoked_on_every_rank,
     stack_of,
 )
+from tests.support.budget import beyond_budget
 
 pytestmark = [
     pytest.mark.sglang,
@@ -97,6 +100,9 @@ def test_outputs_equal_a_server_without_cache_and_hits_come_from_every_tier(stac
           f"{sum(r.device for r in second)}/{sum(r.host for r in second)}/{sum(r.storage for r in second)}")
 
 
+# The flush and the abort run under the seed's shape in the suite (test_cp.py:
+# prefill CP, Mooncake Store); at plain TP on files with CPCACHE_SGLANG_MORE=1.
+@beyond_budget
 def test_flush_cache_while_writes_are_queued_serves_no_wrong_bytes(stack: Stack):
     flush_with_writes_in_flight_serves_no_wrong_bytes(stack)
 
@@ -116,9 +122,12 @@ def test_a_wrong_page_from_storage_breaks_the_match_negative_control(stack: Stac
     a_wrong_stored_page_breaks_the_match(stack)
 
 
+@beyond_budget
 def test_requests_aborted_during_their_prefetch_are_revoked_on_every_rank(stack: Stack):
     requests_aborted_during_their_prefetch_are_revoked_on_every_rank(stack)
 
 
 def test_a_daemon_killed_mid_run_leaves_the_server_serving_and_every_slot_comes_back(stack: Stack):
-    kill_daemon_mid_run_and_come_back(stack, seed=3)
+    # Seeds 13 to 17: none of them is a workload an earlier test of this
+    # stack stored (the negative control's seed 4 left wrong pages in storage).
+    kill_daemon_mid_run_and_come_back(stack, seed=13)
