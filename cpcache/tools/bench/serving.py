@@ -29,8 +29,8 @@ cache report (hit rate, device / host / storage tokens); beside them the
 CPU seconds the server's processes (and cpcache's daemons) spent, the bytes
 each store holds at the end, and a fixed check set of prompts answered
 equal to a tp 1 server without cache (tokens, and logprobs within 1e-4).
-After the trace each server gets a decode-only burst (DECODE_ONLY: short
-random prompts, long answers, sent at once): its ITL beside the trace's
+After the trace each server gets decode-only bursts (DECODE_ONLY: short
+random prompts, long answers, sent at once, three bursts in a row; medians): its ITL beside the trace's
 (where prefills are admitted beside decodes) tells a decode step's own
 cost from what prefills beside it add.
 
@@ -51,6 +51,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -86,7 +87,7 @@ WORDS = [*_DATASET_WORDS, *(f"w{i}" for i in range(len(_DATASET_WORDS), 512))]
 CHECKS = 6  # the fixed check set: prompts answered by every server and the reference
 # After the trace, a decode-only burst: its ITL beside the trace's (prefills
 # admitted beside decodes) tells what a cache costs a decode step alone.
-DECODE_ONLY = {"requests": 8, "input_len": 32, "output_len": 64}
+DECODE_ONLY = {"requests": 8, "input_len": 32, "output_len": 64, "bursts": 3}
 
 
 def scaled_trace(source: Path, out: Path, requests: int = REQUESTS, blocks: int = BLOCKS,
@@ -289,14 +290,20 @@ def decode_only_client(port: int, model: Path, out: Path) -> dict:
 
 
 def decode_only(port: int, model: Path, out: Path) -> dict:
-    """The decode-only burst's figures, with its failed requests; a burst
-    that could not run says why and leaves the trace's figures standing."""
-    try:
-        result = decode_only_client(port, model, out)
-    except (RuntimeError, subprocess.TimeoutExpired, ValueError) as exc:
-        return {"error": str(exc)[-500:]}
-    return {**{f: result.get(f) for f in DECODE_FIGURES},
-            "failed": DECODE_ONLY["requests"] - (result.get("completed") or 0)}
+    """The decode-only bursts' figures (DECODE_ONLY["bursts"] of them, one
+    after the other: each figure the median over the bursts, and each
+    burst's mean ITL), with their failed requests; a burst that could not
+    run says why and leaves the trace's figures standing."""
+    results = []
+    for burst in range(DECODE_ONLY["bursts"]):
+        try:
+            results.append(decode_only_client(port, model, out.with_suffix(f".{burst}.jsonl")))
+        except (RuntimeError, subprocess.TimeoutExpired, ValueError) as exc:
+            return {"error": str(exc)[-500:], "bursts_done": burst}
+    figures = {f: statistics.median(r[f] for r in results) if all(r.get(f) is not None for r in results) else None
+               for f in DECODE_FIGURES}
+    return {**figures, "bursts_mean_itl_ms": [r.get("mean_itl_ms") for r in results],
+            "failed": DECODE_ONLY["requests"] * len(results) - sum(r.get("completed") or 0 for r in results)}
 
 
 def _bench_serving(port: int, model: Path, out: Path, workload: list[str]) -> dict:

@@ -32,7 +32,13 @@ def test_a_burst_that_cannot_run_says_why_and_one_short_of_requests_counts_them(
         raise RuntimeError("bench serving: sglang.bench_serving failed: connection refused")
 
     monkeypatch.setattr(serving, "decode_only_client", failing)
-    assert "connection refused" in serving.decode_only(1, tmp_path, tmp_path / "out.jsonl")["error"]
-    monkeypatch.setattr(serving, "decode_only_client", lambda port, model, out: {"completed": 6, "mean_itl_ms": 9.0})
+    failed = serving.decode_only(1, tmp_path, tmp_path / "out.jsonl")
+    assert "connection refused" in failed["error"] and failed["bursts_done"] == 0
+    itls = iter([9.0, 30.0, 10.0])
+    monkeypatch.setattr(serving, "decode_only_client",
+                        lambda port, model, out: {"completed": 6, "mean_itl_ms": next(itls)})
     figures = serving.decode_only(1, tmp_path, tmp_path / "out.jsonl")
-    assert figures["failed"] == serving.DECODE_ONLY["requests"] - 6 and figures["mean_itl_ms"] == 9.0
+    bursts = serving.DECODE_ONLY["bursts"]
+    assert bursts == 3 and figures["bursts_mean_itl_ms"] == [9.0, 30.0, 10.0]
+    assert figures["mean_itl_ms"] == 10.0  # the median: one slow burst does not make the figure
+    assert figures["failed"] == (serving.DECODE_ONLY["requests"] - 6) * bursts
