@@ -67,12 +67,13 @@ class References:
     without cache answers a prompt the same whoever asked before, and its
     replies are kept for the next stack of that model.
 
-    An idle reference costs memory, not CPU (it sleeps when idle), so up to
-    IDLE_KEPT idle ones stay up for the next module that wants one (the
-    suite's modules take turns between families: each started once); past
-    that, asking for another kind stops the least recently used idle ones.
-    One in use is never stopped. A reference found exited is started again
-    (its replies kept)."""
+    An idle reference costs memory, not CPU: no stack using it, it is
+    paused (SIGSTOP; asleep, an idle SGLang server still polls), and it is
+    resumed when one asks for it again. So up to IDLE_KEPT idle ones stay
+    up for the next module that wants one (the suite's modules take turns
+    between families: each started once); past that, asking for another
+    kind stops the least recently used idle ones. One in use is never
+    stopped. A reference found exited is started again (its replies kept)."""
 
     def __init__(self, work: Path) -> None:
         self.work = work
@@ -100,12 +101,16 @@ class References:
             family, tp = key
             server = reference_server(f"reference-{family}-tp{tp}", self.model(family), self.work, family, tp)
             reference = Reference(server.start(), family, self.replies.setdefault(key, {}))
+        elif not self.users.get(key):
+            process.resume()
         self.running[key] = reference
         self.users[key] = self.users.get(key, 0) + 1
         try:
             yield reference
         finally:
             self.users[key] -= 1
+            if not self.users[key] and reference.server.process is not None:
+                reference.server.process.pause()
             self._stop_idle(IDLE_KEPT)
 
     def _stop_idle(self, keep: int, but: tuple[str, int] | None = None) -> None:

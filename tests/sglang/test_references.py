@@ -3,7 +3,7 @@ without SGLang: stand-in servers that record their starts and stops. One
 start per model family and TP while stacks use it; idle ones stay up (up to
 IDLE_KEPT) for the next user of their kind, the least recently asked for
 stopped past that; one in use is never stopped; one found exited is started
-again, its replies kept."""
+again, its replies kept; an idle one is paused, and resumed when asked for."""
 
 from __future__ import annotations
 
@@ -28,6 +28,13 @@ class Running:
 class Process:
     def __init__(self) -> None:
         self.proc: Running | Exited = Running()
+        self.paused = False
+
+    def pause(self) -> None:
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
 
 
 class FakeServer:
@@ -98,3 +105,17 @@ def test_a_reference_found_exited_starts_again_with_its_replies(pool):
     with references.use(QWEN_CP) as again:
         assert again is not first and again.replies == {(3,): "kept"}
     assert log == ["start reference-qwen3-tp1", "stop reference-qwen3-tp1", "start reference-qwen3-tp1"]
+
+
+def test_an_idle_reference_is_paused_and_resumed_when_asked_for_again(pool):
+    references, log = pool
+    with references.use(QWEN_CP) as first:
+        assert not first.server.process.paused
+        with references.use(QWEN_CP_ZIGZAG):  # a second user: still running when the first leaves
+            pass
+        assert not first.server.process.paused
+    assert first.server.process.paused  # nobody uses it: no CPU
+    with references.use(QWEN_CP_ZIGZAG) as again:
+        assert again is first and not again.server.process.paused
+    assert log == ["start reference-qwen3-tp1"]
+
