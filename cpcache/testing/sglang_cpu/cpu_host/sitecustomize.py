@@ -19,6 +19,11 @@ import os
 import gpu_stubs
 
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+# torch.compile here compiles C++ with the host's compiler in every
+# process's first forward (SGLang compiles its vocabulary-parallel mask at
+# tp > 1): 17 s of each tp 2 server's start on this 2-core host, for integer
+# ops eager torch computes bit for bit alike. TORCHDYNAMO_DISABLE=0 keeps it.
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 gpu_stubs.install()
 
 # Opt-in patches of SGLang modules (beside this file, so on the same
