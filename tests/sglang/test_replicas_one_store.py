@@ -85,17 +85,26 @@ class Store:
         """A cpcache server over daemons of its own, on the shared store.
         Its daemons stay up until the module ends (each holds a segment of the
         store, with the pages placed there); stop its server when done."""
-        (self.work / name).mkdir()
-        stack = Stack(self.work / name, self.model, Shape("qwen3", tp=tp, cp=cp, storage="mooncake"), self.storage,
-                      copy_delay_ms=0.0, storage_delay_ms=0.0, backend={"model_id": model_id}, with_reference=False)
-        stack.cpcache.name = name
-        stack.cpcache.flags = [*stack.cpcache.flags, *(flags or [])]
-        self.stacks.callback(stack.stop)
-        began = time.monotonic()
-        stack.start()
-        self.healthy_s[name] = time.monotonic() - began
-        self.replicas[name] = stack
-        return stack
+        return self.replicas_at_once((name, tp, cp, flags or [], model_id))[0]
+
+    def replicas_at_once(self, *specs: tuple[str, int, int, list[str], str]) -> list[Stack]:
+        """`replica` for each (name, tp, cp, flags, model id), all started
+        side by side: a replica reads the store only when asked."""
+        began, started = time.monotonic(), []
+        for name, tp, cp, flags, model_id in specs:
+            (self.work / name).mkdir()
+            stack = Stack(self.work / name, self.model, Shape("qwen3", tp=tp, cp=cp, storage="mooncake"),
+                          self.storage, copy_delay_ms=0.0, storage_delay_ms=0.0, backend={"model_id": model_id},
+                          with_reference=False)
+            stack.cpcache.name = name
+            stack.cpcache.flags = [*stack.cpcache.flags, *flags]
+            self.stacks.callback(stack.stop)
+            started.append(stack.launch())
+            self.replicas[name] = stack
+        for (name, *_), stack in zip(specs, started):
+            stack.wait_ready()
+            self.healthy_s[name] = time.monotonic() - began
+        return started
 
     def stored(self, name: str) -> list[int]:
         """Per prompt, how many of its pages the store holds under the keys
@@ -180,12 +189,12 @@ def test_a_server_attached_under_another_model_id_gets_no_storage_hit(store: Sto
     other.cpcache.stop()
 
 
-def misses_everything(store: Store, name: str, flags: list[str], dtypes: str) -> None:
-    """A replica of `flags` (attached with `dtypes`, its log says) over the
+def misses_everything(store: Store, name: str, dtypes: str) -> None:
+    """Replica `name` (attached with `dtypes`, its log says) over the
     store: no storage or host hit, and its daemon read no page from the
     store (so every reply is the server's own computation: nothing cached
     under other dtypes reached its KV)."""
-    replica = store.replica(name, tp=1, flags=flags)
+    replica = store.replicas[name]
     attached = replica.cpcache.log_lines("cpcache: rank 0 attached")
     assert attached and dtypes in attached[0], attached
     replies = [replica.cpcache.generate(ids) for ids in store.prompts]
@@ -205,7 +214,9 @@ def test_another_kv_dtype_then_another_model_dtype_get_no_storage_hit(store: Sto
     float32 KV: misses. Then a bfloat16 model (its KV bfloat16 too: the
     same KV geometry as the first's, so only the model dtype in the tenant
     keeps them apart) over the store holding both: misses."""
+    # Both start at once; the second is asked only once the first's pages are stored.
+    store.replicas_at_once(("kv-bf16", 1, 1, KV_BF16, "tiny"), ("model-bf16", 1, 1, MODEL_BF16, "tiny"))
     assert all(store.stored("a")), "A's pages are not in the store any more"
-    misses_everything(store, "kv-bf16", KV_BF16, "model dtype float32, KV bfloat16")
+    misses_everything(store, "kv-bf16", "model dtype float32, KV bfloat16")
     assert all(store.stored("kv-bf16")), "the bfloat16 KV of the float32 model is not in the store any more"
-    misses_everything(store, "model-bf16", MODEL_BF16, "model dtype bfloat16, KV bfloat16")
+    misses_everything(store, "model-bf16", "model dtype bfloat16, KV bfloat16")

@@ -26,6 +26,7 @@ takes to build and launch the batch is not the daemon's to answer for.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from cpcache.integrations.sglang.orphan_loads import OrphanLoads
+from cpcache.integrations.sglang.timing import SchedulerTime
 from cpcache.load_signals import SLOTS, LoadSignals
 
 if TYPE_CHECKING:
@@ -67,6 +69,7 @@ class LayerLoads:
         self._batches: dict[int, list[OpenLoad]] = {}  # batch index -> its loads not yet decided
         # Finishes a load whose daemon died (None: the host pool is not shared).
         self.orphans: OrphanLoads | None = None
+        self.clock: SchedulerTime | None = None  # counts the forward's waits (the backend's, once attached)
         self._finished_here: set[int] = set()  # loads this scheduler copied itself
         self._deadlines: dict[int, float] = {}  # batch index -> when its loads' time runs out (time.monotonic)
         self._next_index = 0
@@ -143,6 +146,10 @@ class LayerLoads:
         loads = self._batches.get(self.consumer_index)
         if not loads:
             return
+        with self.clock.load_wait() if self.clock is not None else contextlib.nullcontext():
+            self._wait_layer(loads, layer)
+
+    def _wait_layer(self, loads: list[OpenLoad], layer: int) -> None:
         # One deadline for the whole load, fixed at the batch's first wait.
         deadline = self._deadlines.setdefault(self.consumer_index, time.monotonic() + self._timeout_s)
         for load in loads:

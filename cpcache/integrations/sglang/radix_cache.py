@@ -90,6 +90,8 @@ class CpcacheRadixCache(StoragePrefetching):
         self.decisions = decisions
         # The overlapped load-back (None: blocking): layer_loads.py.
         self.layer_loads = layer_loads
+        if layer_loads is not None:
+            layer_loads.clock = self.clock
         # Makes sure the daemon of a session (by its epoch) writes nothing
         # more into device slots: -> whether it is so (backend.py).
         self._daemon_quiet = daemon_quiet
@@ -168,7 +170,7 @@ class CpcacheRadixCache(StoragePrefetching):
     def insert(self, params: InsertParams) -> InsertResult:
         result = super().insert(params)
         if self.daemon_session is not None and not self._loading and not self.disable:
-            with self.clock.call():
+            with self.clock.call("insert"):
                 self._write_through(self.daemon_session, params.key, result.prefix_len)
         return result
 
@@ -201,7 +203,7 @@ class CpcacheRadixCache(StoragePrefetching):
 
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         result = super().match_prefix(params)
-        with self.clock.call():
+        with self.clock.call("match"):
             return self._match_host(params, result)
 
     def _match_host(self, params: MatchPrefixParams, result: MatchResult) -> MatchResult:
@@ -241,7 +243,7 @@ class CpcacheRadixCache(StoragePrefetching):
         )
 
     def init_load_back(self, params: InitLoadBackParams) -> tuple[int, NodeId]:
-        with self.clock.call():
+        with self.clock.call("load_back"):
             loaded = self._load_back(params)
             if loaded[0] and params.req is not None and self.daemon_session is not None:
                 self.daemon_session.release_hold(params.req.rid)  # its load is sent: its pages are referenced

@@ -41,7 +41,7 @@ class StoragePrefetching(UnifiedRadixCache):
                               cache_salt: str | None = None, storage_hit_end: int | None = None) -> None:
         if self.daemon_session is None or not self.storage_prefetch:
             return
-        with self.clock.call():
+        with self.clock.call("prefetch"):
             self._prefetch(self.daemon_session, request, new_input_tokens, matched_prefix_tokens, extra_key, cache_salt)
 
     def _prefetch(self, session: SchedulerSession, request: Any, new_input_tokens: list[int],
@@ -74,7 +74,7 @@ class StoragePrefetching(UnifiedRadixCache):
         session = self.daemon_session
         if session is None:
             return True
-        with self.clock.call():
+        with self.clock.call("progress"):
             ended = session.prefetch_ended(handle.rid)
             if ended:
                 self.prefetch_loaded_tokens_by_reqid[handle] = session.take_prefetched(handle.rid) * self.page_size

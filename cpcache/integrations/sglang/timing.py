@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cpcache.client.outcomes import Tally
 
@@ -32,15 +32,35 @@ class SchedulerTime:
     calls_s: float = 0.0  # cpcache's part of the other calls: match_prefix, insert, init_load_back, prefetches
     idle: int = 0  # iterations whose hook neither took a reply nor sent a step
     idle_s: float = 0.0  # the hook's time in those
+    kinds: dict[str, list[float]] = field(default_factory=dict)  # call kind -> [seconds, calls]
+    load_wait_s: float = 0.0  # the forward's waits for its load-backs' layers (overlapped loads)
+    load_waits: int = 0  # layer waits of a forward that read a load-back
 
     @contextlib.contextmanager
-    def call(self) -> Iterator[None]:
-        """Time cpcache's part of one of SGLang's calls."""
+    def call(self, kind: str) -> Iterator[None]:
+        """Time cpcache's part of one of SGLang's calls (`kind`: which, as
+        the line names it: match, insert, load_back, prefetch, progress)."""
         started = time.perf_counter()
         try:
             yield
         finally:
-            self.calls_s += time.perf_counter() - started
+            seconds = time.perf_counter() - started
+            self.calls_s += seconds
+            spent = self.kinds.get(kind)
+            if spent is None:
+                spent = self.kinds[kind] = [0.0, 0]
+            spent[0] += seconds
+            spent[1] += 1
+
+    @contextlib.contextmanager
+    def load_wait(self) -> Iterator[None]:
+        """Time one wait of the forward for a layer of its load-backs."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.load_wait_s += time.perf_counter() - started
+            self.load_waits += 1
 
     @contextlib.contextmanager
     def hook(self) -> Iterator[Iteration]:
@@ -73,4 +93,9 @@ class SchedulerTime:
         return (f"cpcache: rank {rank} backend: {self.iterations} iterations, mean {mean_us:.3f} us per iteration "
                 f"on the scheduler thread (hook {self.hook_s:.6f} s, other calls {self.calls_s:.6f} s), "
                 f"{steps} steps, {step_s:.6f} s in steps; {self.idle} idle iterations "
-                f"(no step taken or sent), {self.idle_s:.6f} s in their hook")
+                f"(no step taken or sent), {self.idle_s:.6f} s in their hook; calls {self._kinds_text()}; "
+                f"loads waited {self.load_wait_s:.6f} s in {self.load_waits} layer waits")
+
+    def _kinds_text(self) -> str:
+        spent = sorted(self.kinds.items())
+        return ", ".join(f"{kind} {seconds:.6f} s x {calls}" for kind, (seconds, calls) in spent) or "none"

@@ -84,11 +84,12 @@ class Replica:
     daemons: Daemons
 
     def start(self) -> Replica:
-        self.daemons.start()
+        self.daemons.launch()
         self.server.start()
         return self
 
     def wait_ready(self, timeout_s: float = 600.0) -> Replica:
+        self.daemons.wait_ready(timeout_s)
         self.server.wait_ready(timeout_s)
         return self
 

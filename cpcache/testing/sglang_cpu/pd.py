@@ -133,7 +133,7 @@ class PdDeployment:
         """Start both servers (their ranks load at once); `wait_ready` starts
         the router once they serve."""
         if self.daemons is not None:
-            self.daemons.start()
+            self.daemons.launch()  # the prefill's schedulers wait for them at their attach
         self.bootstrap_port = free_port()
         self.prefill = Server("prefill", self.model, self.work, self._prefill_flags(), tp=self.prefill_tp,
                               cp=self.prefill_cp, page_size=self.page_size, device_tokens=self.device_tokens,
@@ -174,6 +174,8 @@ class PdDeployment:
         /health answering. `ready_s` records each one's seconds from its
         start to serving, and the whole deployment's ("all")."""
         assert self.prefill is not None and self.decode is not None
+        if self.daemons is not None:
+            self.daemons.wait_ready(timeout_s)
         self._settle(self.prefill, self._prefill_flags, timeout_s)
         self._settle(self.decode, self._decode_flags, timeout_s)
         for _ in range(3):

@@ -137,6 +137,18 @@ MLA_ENV = {"CPCACHE_TEST_MLA_TORCH_NATIVE": "1"}
 _FAMILY_ENV = {"deepseek_v2": MLA_ENV}
 
 
+def model_modules_env(model: Path) -> dict[str, str]:
+    """Only the SGLang model module of `model`'s type imported by its
+    server's processes (`cpu_host/sitecustomize.py`): SGLang imports every
+    one of its 200-odd model modules in each scheduler, 2 s of a start here.
+    Nothing for a model without a config naming its type."""
+    try:
+        model_type = json.loads((model / "config.json").read_text())["model_type"]
+    except (OSError, ValueError, KeyError):
+        return {}
+    return {"CPCACHE_TEST_MODEL_MODULES": str(model_type)}
+
+
 def family_env(family: str) -> dict[str, str]:
     """What every SGLang server of a model of `family` needs in its environment here."""
     return dict(_FAMILY_ENV.get(family, {}))
@@ -262,6 +274,12 @@ class Daemons:
         return self.run_dir.parent / f"{self.run_dir.name}.toml"
 
     def start(self, timeout_s: float = 120.0) -> Daemons:
+        return self.launch().wait_ready(timeout_s)
+
+    def launch(self) -> Daemons:
+        """Start the launcher, not waiting for its daemons: a server started
+        meanwhile waits for them at its attach (`start_timeout_s`), while both
+        import and load."""
         config = self.config
 
         def table(settings: dict) -> str:
@@ -272,6 +290,10 @@ class Daemons:
                                 "--dp", str(self.dp), "--run-dir", str(self.run_dir), "--config", str(config),
                                 "--agreement-timeout", "10"],
                                self.run_dir.parent / f"{self.run_dir.name}.log", ["press Ctrl-C"])
+        return self
+
+    def wait_ready(self, timeout_s: float = 120.0) -> Daemons:
+        assert self.process is not None, "wait_ready before launch"
         self.process.wait_for("press Ctrl-C", timeout_s)
         return self
 
@@ -335,7 +357,7 @@ class Server:
         # (a worktree under test) is the cpcache that SGLang's processes import.
         path = os.pathsep.join(p for p in (str(CPU_HOST), os.environ.get("PYTHONPATH", "")) if p)
         env = {"PYTHONPATH": path, "SGLANG_USE_CPU_ENGINE": "1", **NO_CRASH_DIAGNOSTICS,
-               **(DP_ATTENTION_ENV if self.dp > 1 else {}), **self.env}
+               **(DP_ATTENTION_ENV if self.dp > 1 else {}), **model_modules_env(self.model), **self.env}
         if self.tp > 1:
             env.setdefault("SGLANG_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1))
                                                                   for i in range(self.tp)))

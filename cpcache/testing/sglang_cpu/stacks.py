@@ -40,6 +40,7 @@ SYSTEM = 64
 DOC = 256
 DOCS = 10  # more than the host pool holds: the first ones live in storage only
 SLOW_RANK = 1  # its copies and storage calls take twice as long as the others'
+START_S = 300.0  # for the daemons, starting beside their server (as long as a server's start may take)
 
 
 @dataclass(frozen=True)
@@ -151,10 +152,19 @@ class Stack:
         self.expected: dict[tuple[int, ...], Reply] = reference.replies if reference is not None else {}
 
     def start(self) -> Stack:
-        self.daemons.start()
+        return self.launch().wait_ready()
+
+    def launch(self) -> Stack:
+        """Start every process, waiting for none (`wait_ready` does): stacks
+        launched together start side by side."""
+        self.daemons.launch()
         if self.plain is not None and self.owns_reference:
             self.plain.start()
         self.cpcache.start()
+        return self
+
+    def wait_ready(self) -> Stack:
+        self.daemons.wait_ready(START_S)
         if self.plain is not None:
             self.plain.wait_ready()
         self.cpcache.wait_ready()

@@ -59,7 +59,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cpcache.tools.bench.sglang import cpu_seconds, descendants, proc_stats
+from cpcache.tools.bench.serving_breakdown import backend_by_rank, per_request, role_cpu
+from cpcache.tools.bench.serving_breakdown import table as breakdown_table
 
 if TYPE_CHECKING:
     from cpcache.testing.mooncake_master import MooncakeMaster
@@ -219,14 +220,13 @@ class Config:
         if self.master is not None:
             self.master.stop()
 
-    def cpu_seconds(self) -> tuple[float, float]:
-        """The server's, its daemons' and its Mooncake master's, and of those the daemons' alone."""
-        stats = proc_stats()
-        server = descendants(stats, {self.server.process.proc.pid}) if self.server.process else set()
+    def cpu_by_role(self) -> dict[str, float]:
+        """CPU seconds so far of the server's schedulers, the rest of the
+        server, its daemons and its Mooncake master (serving_breakdown.py)."""
         launcher = self.daemons.process if self.daemons is not None else None
-        daemons = descendants(stats, {launcher.proc.pid}) if launcher is not None else set()
-        masters = {self.master.proc.pid} if self.master is not None and self.master.proc is not None else set()
-        return cpu_seconds(stats, set(), server | daemons | masters), cpu_seconds(stats, set(), daemons)
+        return role_cpu(self.server.process.proc.pid if self.server.process else None,
+                        launcher.proc.pid if launcher is not None else None,
+                        self.master.proc.pid if self.master is not None and self.master.proc is not None else None)
 
     def daemon_counters(self) -> dict[str, int] | None:
         """Rank 0's daemon counters of where its host pool's pages went (None: no daemons)."""
@@ -238,17 +238,21 @@ class Config:
             stats = daemon.stats()
         return {k: stats.get(k, 0) for k in DAEMON_COUNTERS}
 
-    def backend_lost(self) -> dict[str, int] | None:
-        """Rank 0's backend side of the lost hits, as it logs them at a flush
-        (`integrations/sglang/lost_hits.py`; None: no daemons)."""
+    def flush_lines(self) -> tuple[dict[str, int], dict[int, dict]] | None:
+        """Flush the server's cache; a cpcache server's ranks log then:
+        -> rank 0's backend side of the lost hits (`integrations/sglang/lost_hits.py`)
+        and every rank's backend time (serving_breakdown.py); None: no daemons."""
         process = self.server.process
         if self.daemons is None or process is None:
+            if process is not None:
+                self.server.flush_cache()
             return None
         count = len(self.server.log_lines(" lost hits: "))
         self.server.flush_cache()
         lines = process.wait_lines(" lost hits: ", count + TP, timeout_s=120)
         line = next(line for line in reversed(lines) if "cpcache: rank 0 lost hits" in line)
-        return {reason: int(n) for reason, n in re.findall(r"(\w+) (\d+) pages", line.partition(" lost hits: ")[2])}
+        lost = {reason: int(n) for reason, n in re.findall(r"(\w+) (\d+) pages", line.partition(" lost hits: ")[2])}
+        return lost, backend_by_rank(self.server.log_lines(" backend: "))
 
     def stored_bytes(self) -> int | None:
         return stored_bytes(self.master, self.store)
@@ -362,17 +366,27 @@ def run(work: Path, configs: tuple[str, ...] = CONFIGS, requests: int = REQUESTS
         config = Config(name, work, model, policy, sleep_on_idle)
         try:
             healthy_s = config.start()
-            cpu_before, daemons_before = config.cpu_seconds()
+            # Every server flushed alike at its start; a cpcache server's
+            # backend line then is where the breakdown's window begins.
+            flushed = config.flush_lines()
+            cpu_before = config.cpu_by_role()
             result = bench_client(config.server.port, model, trace, work / f"{name}-bench.jsonl", requests, slowdown)
-            cpu_after, daemons_after = config.cpu_seconds()
-            cpu, daemons_cpu = cpu_after - cpu_before, daemons_after - daemons_before
+            cpu_after = config.cpu_by_role()
             answers = [config.server.generate(ids) for ids in checks]
             wrong = [i for i, (a, b) in enumerate(zip(answers, expected)) if not same_outputs(a, b)]
             row = {f: result.get(f) for f in FIGURES}
-            row |= {"failed": requests - (result.get("completed") or 0), "cache": result.get("cache_report"),
-                    "cpu_s": round(cpu, 1), "daemons_cpu_s": round(daemons_cpu, 1),
-                    "stored_bytes": config.stored_bytes(), "healthy_s": round(healthy_s, 1),
-                    "daemon": config.daemon_counters(), "backend_lost": config.backend_lost(),
+            completed = result.get("completed") or 0
+            cpu_end = config.cpu_by_role()
+            stored, counters, after = config.stored_bytes(), config.daemon_counters(), config.flush_lines()
+            row |= {"failed": requests - completed, "cache": result.get("cache_report"),
+                    "cpu_s": round(sum(cpu_after.values()) - sum(cpu_before.values()), 1),
+                    "daemons_cpu_s": round(cpu_after["daemons"] - cpu_before["daemons"], 1),
+                    "stored_bytes": stored, "healthy_s": round(healthy_s, 1), "daemon": counters,
+                    "backend_lost": after[0] if after else None,
+                    # From the flush at the start to the one at the end: the
+                    # trace's requests, bench_serving's warmup one, the checks.
+                    "per_request": per_request(cpu_before, cpu_end, requests + 1 + len(checks),
+                                               flushed[1] if flushed else None, after[1] if after else None),
                     "checks_equal": f"{len(checks) - len(wrong)}/{len(checks)}"}
             # Last, after every figure of the trace was read: the burst's pages
             # would count in the stores and the daemons' counters.
@@ -419,5 +433,5 @@ def main(args: argparse.Namespace) -> int:
     else:
         with tempfile.TemporaryDirectory(prefix="cpc-serving-") as tmp:
             report = run(Path(tmp), configs, requests, slowdown, policy, sleep_on_idle)
-    print(json.dumps(report) if args.json else "\n".join(table(report)))
+    print(json.dumps(report) if args.json else "\n".join([*table(report), "", *breakdown_table(report)]))
     return 0
