@@ -95,7 +95,7 @@ class Store:
             (self.work / name).mkdir()
             stack = Stack(self.work / name, self.model, Shape("qwen3", tp=tp, cp=cp, storage="mooncake"),
                           self.storage, copy_delay_ms=0.0, storage_delay_ms=0.0, backend={"model_id": model_id},
-                          with_reference=False)
+                          with_reference=False, sleep_on_idle=True)  # one waiting to be asked spins no core
             stack.cpcache.name = name
             stack.cpcache.flags = [*stack.cpcache.flags, *flags]
             self.stacks.callback(stack.stop)

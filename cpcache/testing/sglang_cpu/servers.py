@@ -138,15 +138,16 @@ _FAMILY_ENV = {"deepseek_v2": MLA_ENV}
 
 
 def model_modules_env(model: Path) -> dict[str, str]:
-    """Only the SGLang model module of `model`'s type imported by its
-    server's processes (`cpu_host/sitecustomize.py`): SGLang imports every
-    one of its 200-odd model modules in each scheduler, 2 s of a start here.
-    Nothing for a model without a config naming its type."""
+    """Only the SGLang model modules of `model`'s architectures imported by
+    its server's processes (`cpu_host/model_modules.py`): about 2 s of a
+    start here. Nothing for a model without a config naming them."""
     try:
-        model_type = json.loads((model / "config.json").read_text())["model_type"]
+        architectures = json.loads((model / "config.json").read_text())["architectures"]
     except (OSError, ValueError, KeyError):
         return {}
-    return {"CPCACHE_TEST_MODEL_MODULES": str(model_type)}
+    if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
+        return {}
+    return {"CPCACHE_TEST_MODEL_ARCHS": ",".join(architectures)}
 
 
 def family_env(family: str) -> dict[str, str]:

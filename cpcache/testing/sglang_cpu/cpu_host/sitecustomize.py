@@ -25,28 +25,13 @@ os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 # ops eager torch computes bit for bit alike. TORCHDYNAMO_DISABLE=0 keeps it.
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
+# Opt-in: only the model modules a server needs imported (model_modules.py;
+# the test kit's servers set it; spawned schedulers inherit the result).
+if os.environ.get("CPCACHE_TEST_MODEL_ARCHS") and "SGLANG_DISABLED_MODEL_ARCHS" not in os.environ:
+    import model_modules
 
+    model_modules.install(os.environ["CPCACHE_TEST_MODEL_ARCHS"])
 
-def _only_model_modules(wanted: str) -> None:
-    """SGLANG_DISABLED_MODEL_ARCHS naming every SGLang model module but
-    `wanted` (comma-separated): SGLang's registry imports each one in every
-    scheduler, about 2 s of each start here, for the one model it serves."""
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.find_spec("sglang")  # locates the package, imports nothing of it
-    if spec is None or not spec.submodule_search_locations:
-        return
-    models = Path(next(iter(spec.submodule_search_locations))) / "srt" / "models"
-    keep = {name.strip() for name in wanted.split(",")}
-    names = sorted(p.stem for p in models.glob("*.py") if p.stem not in keep and not p.stem.startswith("_"))
-    if keep <= {p.stem for p in models.glob("*.py")}:  # a type with no module of its name: import them all
-        os.environ["SGLANG_DISABLED_MODEL_ARCHS"] = ",".join(names)
-
-
-# Opt-in (the test kit's servers set it from their model's type).
-if os.environ.get("CPCACHE_TEST_MODEL_MODULES") and "SGLANG_DISABLED_MODEL_ARCHS" not in os.environ:
-    _only_model_modules(os.environ["CPCACHE_TEST_MODEL_MODULES"])
 gpu_stubs.install()
 
 # Opt-in patches of SGLang modules (beside this file, so on the same
