@@ -3,12 +3,13 @@ backend's line by call (as the SGLang backend writes it) read back, the
 difference of two per request, the CPU of each role, and the table. The
 servers it reads run in `cpcache bench serving`, not here."""
 
-import os
+import subprocess
+import sys
 
 import pytest
 
 from cpcache.integrations.sglang.timing import SchedulerTime
-from cpcache.tools.bench.serving_breakdown import ROLES, backend_by_rank, per_request, role_cpu, table
+from cpcache.tools.bench.serving_breakdown import ROLES, backend_by_rank, is_scheduler, per_request, role_cpu, table
 
 
 def timed(clock: SchedulerTime, kind: str, times: int) -> None:
@@ -48,7 +49,29 @@ def test_a_server_without_a_backend_gets_its_cpu_only_and_a_dash_in_the_table():
     assert len(lines) == 3 and lines[2].startswith("| radix | 0.00 | 1000.00 |") and lines[2].endswith("| - |")
 
 
+# Burns a tenth of a second of CPU, says so, then waits for its stdin to close.
+BUSY = "import sys, time\nt = time.process_time()\nwhile time.process_time() - t < 0.1: pass\nprint(1, flush=True)\n" \
+       "sys.stdin.read()"
+
+
+def busy(title: str | None) -> subprocess.Popen:
+    """A process that has spent some CPU and waits, titled `title` (as SGLang titles a scheduler) if given."""
+    argv = ["bash", "-c", f'exec -a {title} "$0" -c "$1"', sys.executable, BUSY] if title else \
+        [sys.executable, "-c", BUSY]
+    process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert process.stdout is not None and process.stdout.readline() == "1\n"
+    return process
+
+
 def test_the_cpu_of_a_process_tree_is_split_into_schedulers_and_the_rest():
-    mine = role_cpu(os.getpid(), None, None)
-    assert mine["schedulers"] == 0.0 and mine["server_rest"] > 0.0  # pytest is no SGLang scheduler
-    assert mine["daemons"] == mine["master"] == 0.0
+    scheduler, other = busy("sglang::scheduler_TP0"), busy(None)
+    try:
+        assert is_scheduler(scheduler.pid) and not is_scheduler(other.pid)
+        titled = role_cpu(scheduler.pid, None, None)
+        assert titled["schedulers"] > 0.0 and titled["server_rest"] == 0.0
+        plain = role_cpu(other.pid, None, other.pid)  # a server process, and as the master too
+        assert plain["schedulers"] == 0.0 and plain["server_rest"] > 0.0 and plain["master"] == plain["server_rest"]
+        assert plain["daemons"] == 0.0
+    finally:
+        for process in (scheduler, other):
+            process.communicate("", timeout=30)
