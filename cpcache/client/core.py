@@ -53,6 +53,7 @@ from cpcache.v1 import daemon_pb2_grpc as pb_grpc
 from cpcache.values import MAX_MESSAGE_BYTES, Reduce
 
 T = TypeVar("T")
+KEEPER_RETRY_S = 1.0  # how often an ended event keeper is opened again (`Client._keep_event_thread`)
 P = ParamSpec("P")
 
 # The longest a step whose daemon gave no answer waits for a daemon that may
@@ -230,6 +231,8 @@ class Client(_Face):
         self._peer_addresses = tuple(peers)
         self._rank, self._outcome_wait_s = rank, outcome_wait_s
         self._held: HeldDaemon | None = None  # the daemon as last attached: its outcome ring
+        self._event_keeper: Any = None  # an open call that keeps the channel's event thread (step_later)
+        self._keeper_again_at = 0.0
         self._peer_clients: list[Client] | None = None
         self._token, self._credentials = token, credentials
 
@@ -321,6 +324,7 @@ class Client(_Face):
         reply (raising as `step` would). The round runs meanwhile."""
         call = step_call(step, votes, requests, epoch)
         method, kwargs = self._method_for(call)
+        self._keep_event_thread()
         future = method.future(call.request, **kwargs)  # type: ignore[attr-defined]  # a grpc multi-callable
 
         def reply() -> StepResult:
@@ -332,6 +336,25 @@ class Client(_Face):
                 raise error_from(exc) from None
 
         return reply
+
+    def _keep_event_thread(self) -> None:
+        """Keep one call open on the channel while steps go by `step_later`.
+        gRPC's blocking channel takes the events of its `future` calls on a
+        thread it starts when a call begins with none in flight and ends when
+        the last ends: with one step in flight at a time, a new OS thread per
+        step, which a loaded host schedules milliseconds late, on the
+        scheduler's own thread. A health Watch left open (answered once, then
+        quiet until the status changes; one of `max_concurrent_rpcs`) keeps
+        that thread. One that ended (the daemon went away, or refused it) is
+        opened again at most every KEEPER_RETRY_S."""
+        keeper = self._event_keeper
+        if keeper is not None and not keeper.done():
+            return
+        now = time.monotonic()
+        if now < self._keeper_again_at:
+            return
+        self._keeper_again_at = now + KEEPER_RETRY_S
+        self._event_keeper = self._health.Watch(health_pb2.HealthCheckRequest(service=""), metadata=self._metadata)
 
     def _recover(self, request: pb.StepRequest, failure: grpc.RpcError) -> pb.StepReply:
         timeout_s = self._timeout_s or DEFAULT_TIMEOUT_S
@@ -362,6 +385,8 @@ class Client(_Face):
         self.close()
 
     def close(self) -> None:
+        if self._event_keeper is not None:
+            self._event_keeper.cancel()
         self._channel.close()
         for peer in self._peer_clients or ():
             peer.close()

@@ -17,6 +17,7 @@ class Tally:
 
     steps: int = 0  # replies followed
     step_seconds: float = 0.0  # in the session's own sends and waits (perf_counter), whoever called them
+    reply_wait_seconds: float = 0.0  # of those, waiting for a step's reply (its round, the call's way back)
     writes: int = 0  # write-throughs (device -> host) a step carried
     written_pages: int = 0
     write_acks: int = 0

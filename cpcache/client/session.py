@@ -95,7 +95,10 @@ class SchedulerSession(SessionOperations):
             return None
         receive, self._in_flight = self._in_flight, None
         with self._timed():
-            return self.follow(receive())
+            started = time.perf_counter()
+            reply = receive()
+            self.tally.reply_wait_seconds += time.perf_counter() - started
+            return self.follow(reply)
 
     def flush(self) -> StepResult:
         """One step, waited for (after the one in flight)."""

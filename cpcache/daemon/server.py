@@ -23,7 +23,6 @@ from collections.abc import Coroutine, Iterator
 from typing import Any
 
 import grpc
-from grpc_health.v1 import _async as health_async
 
 import cpcache
 from cpcache.agreement.bounded import bounded_async
@@ -32,6 +31,7 @@ from cpcache.daemon import metrics
 from cpcache.daemon.call_limits import CallCounts
 from cpcache.daemon.device_pools import open_device
 from cpcache.daemon.grpc_server import new_server, set_health
+from cpcache.daemon.health import DrainingHealth
 from cpcache.daemon.listeners import release_unix, start_listeners
 from cpcache.daemon.metrics import DaemonCollector
 from cpcache.daemon.pool_handover import SUFFIX as POOLS_SUFFIX
@@ -83,7 +83,7 @@ class Daemon:
         self.metrics = DaemonCollector(self)
         self.metrics_port = 0
         self.calls = CallCounts()  # every listener's call shares, as counted
-        self._health = health_async.HealthServicer()
+        self._health = DrainingHealth()
         self._servers: list[grpc.aio.Server] = []
         self._pools: PoolHandover | None = None
         self._idle = asyncio.Event()

@@ -7,8 +7,10 @@ the forward reading the load reads it whole, and never LoadBackFailed."""
 import signal
 import time
 
+import grpc
 import pytest
 import torch
+from grpc_health.v1 import health_pb2
 
 from cpcache.client import Client, SchedulerSession
 from cpcache.daemon.launcher import DomainSpec, LocalDomain
@@ -65,3 +67,23 @@ async def test_sigterm_finishes_the_open_load_backs_then_exits(run_dir):
                 assert torch.equal(_rows(pool, target), expected), target
             assert await domain.wait_exit(0, 60) == 0
     assert "copies between device and host issued before the stop" in domain.log_tail(0, lines=200)
+
+
+async def test_sigterm_ends_a_stepping_clients_open_watch_with_not_serving(run_dir):
+    """A blocking client that steps keeps a health Watch open (it keeps the
+    channel's event thread). The draining daemon tells it NOT_SERVING and
+    ends it, rather than leaving the server's stop to cancel it after its
+    grace, and exits 0."""
+    async with LocalDomain(DomainSpec(Topology(tp=1), run_dir, extra=dict(host_pool_pages=4))) as domain:
+        pool = DevicePool.create_sealed(GEOMETRY, DEVICE_PAGES)
+        with Client(domain.sockets[0], timeout_s=20) as client:
+            client.attach("m", GEOMETRY, DEVICE_PAGES, pool_fd=pool.fd)
+            session = SchedulerSession(client)
+            session.flush()
+            watch = client._event_keeper
+            assert watch is not None and not watch.done()
+            domain.signal(0, signal.SIGTERM)
+            statuses = [reply.status for reply in watch]  # until the daemon ends it
+            assert statuses[-1] == health_pb2.HealthCheckResponse.NOT_SERVING, statuses
+            assert watch.code() == grpc.StatusCode.OK, (watch.code(), watch.details())
+            assert await domain.wait_exit(0, 60) == 0

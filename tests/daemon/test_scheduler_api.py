@@ -1,6 +1,8 @@
 """The scheduler-side session over a real daemon: write-through, ack, load
 back, prefetch from storage and release, one flush per iteration."""
 
+import threading
+
 import pytest
 
 from cpcache.client import Client, SchedulerSession
@@ -72,3 +74,31 @@ async def test_a_scheduler_iteration_maps_to_one_flush(run_dir):
             cache.release("req-3")  # never sent: dropped
             assert cache.flush().prefetch_revoked == {}
             assert cache.tally.write_acks == 2 and cache.tally.load_acks == 1 and cache.tally.prefetch_done >= 1
+
+
+def _thread_names() -> set[str]:
+    """The threads alive now, by name (each new one gets a new name: "Thread-N (...)")."""
+    return {t.name for t in threading.enumerate()}
+
+
+async def test_steps_one_at_a_time_keep_one_event_thread(run_dir):
+    """A step sent at one iteration and taken at the next (`step_later`)
+    reuses one event thread of the channel: gRPC would otherwise start one
+    per step (its thread ends whenever no call is in flight), an OS thread
+    a loaded host schedules late, on the scheduler's own thread."""
+    async with LocalDomain(DomainSpec(Topology(tp=1), run_dir, extra=dict(host_pool_pages=4))) as domain:
+        pool = DevicePool.create_sealed(GEOMETRY, 4)
+        before = _thread_names()
+        with Client(domain.sockets[0], timeout_s=30) as client:
+            client.attach("m", GEOMETRY, 4, pool_fd=pool.fd)
+            cache = SchedulerSession(client)
+            seen: set[str] = set()
+            for _ in range(30):  # as `iterate` does: sent at one iteration, taken at the next
+                step, requests = cache.next_step()
+                receive = client.step_later(step, requests=requests, epoch=cache.epoch)
+                seen |= _thread_names() - before  # while the step is in flight
+                cache.follow(receive())
+            assert cache.tally.steps == 30
+            assert len(seen) == 1, seen
+            stats = client.stats()
+        assert stats["rpc_calls_open"] >= 1  # the call that keeps it (and this Stats)

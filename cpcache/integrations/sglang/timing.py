@@ -88,11 +88,13 @@ class SchedulerTime:
         tallies = list(sessions)
         steps = sum(t.steps for t in tallies)
         step_s = sum(t.step_seconds for t in tallies)
+        wait_s = sum(t.reply_wait_seconds for t in tallies)
         total = self.hook_s + self.calls_s
         mean_us = total / self.iterations * 1e6 if self.iterations else 0.0
         return (f"cpcache: rank {rank} backend: {self.iterations} iterations, mean {mean_us:.3f} us per iteration "
                 f"on the scheduler thread (hook {self.hook_s:.6f} s, other calls {self.calls_s:.6f} s), "
-                f"{steps} steps, {step_s:.6f} s in steps; {self.idle} idle iterations "
+                f"{steps} steps, {step_s:.6f} s in steps ({wait_s:.6f} s waiting for replies); "
+                f"{self.idle} idle iterations "
                 f"(no step taken or sent), {self.idle_s:.6f} s in their hook; calls {self._kinds_text()}; "
                 f"loads waited {self.load_wait_s:.6f} s in {self.load_waits} layer waits")
 

@@ -208,7 +208,7 @@ BENCHES = {
                      "cpcache.tools.bench.routing", (_repeat(2), _work_dir), _routing),
     "serving": Bench("SGLang's bench_serving on a scaled Mooncake trace against CP servers: radix, HiCache, "
                      "cpcache",
-                     "cpcache.tools.bench.serving", (_work_dir, _trace_requests), _serving),
+                     "cpcache.tools.bench.serving", (_repeat(1), _work_dir, _trace_requests), _serving),
     "serving-pd": Bench("SGLang's bench_serving through SGLang's router in front of a PD pair (prefill tp 2 CP 2): "
                         "radix, HiCache and cpcache on files and Mooncake Store, interleaved",
                         "cpcache.tools.bench.serving_pd", (_repeat(2), _work_dir), _serving_pd),

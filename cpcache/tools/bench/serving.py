@@ -143,7 +143,8 @@ class Config:
         same timeout (SGLang's defaults) under `timeout`."""
         from cpcache.testing.mooncake_master import MooncakeMaster
 
-        self.name = name
+        self.name, self.work = name, work
+        work.mkdir(parents=True, exist_ok=True)
         self.store = work / f"{name}-pages" if "file" in name else None
         self.daemons: Daemons | None = None
         self.master = MooncakeMaster(work / f"{name}-master.log").start() if "mooncake" in name else None
@@ -342,8 +343,10 @@ def check_prompts(trace: Path) -> list[list[int]]:
 
 
 def run(work: Path, configs: tuple[str, ...] = CONFIGS, requests: int = REQUESTS, slowdown: float = SLOWDOWN,
-        policy: str = POLICY, sleep_on_idle: bool = True) -> dict:
-    from cpcache.testing.sglang_cpu.servers import PLAIN_FLAGS, Server, same_outputs
+        policy: str = POLICY, sleep_on_idle: bool = True, repeat: int = 1) -> dict:
+    """`repeat` blocks of every server, their order rotated each block
+    (ratios then per block: `report["ratios"]`)."""
+    from cpcache.testing.sglang_cpu.servers import PLAIN_FLAGS, Server
     from cpcache.tools.bench.sglang_pd import MODEL, make_model
 
     model = add_tokenizer(make_model(work / "model"))
@@ -361,41 +364,114 @@ def run(work: Path, configs: tuple[str, ...] = CONFIGS, requests: int = REQUESTS
         "model": f"random Qwen3 {MODEL}, float32, SGLang's CPU path", "page_size": PAGE,
         "device_pages": DEVICE_TOKENS // PAGE, "host_pages": HOST_PAGES, "prefetch_policy": policy,
         "idle_schedulers": "sleep (--sleep-on-idle)" if sleep_on_idle else "spin (SGLang's default)",
-        "bounded_store_bytes": BOUND_PAGES * page_bytes()}}
-    for name in configs:
-        config = Config(name, work, model, policy, sleep_on_idle)
-        try:
-            healthy_s = config.start()
-            # Every server flushed alike at its start; a cpcache server's
-            # backend line then is where the breakdown's window begins.
-            flushed = config.flush_lines()
-            cpu_before = config.cpu_by_role()
-            result = bench_client(config.server.port, model, trace, work / f"{name}-bench.jsonl", requests, slowdown)
-            cpu_after = config.cpu_by_role()
-            answers = [config.server.generate(ids) for ids in checks]
-            wrong = [i for i, (a, b) in enumerate(zip(answers, expected)) if not same_outputs(a, b)]
-            row = {f: result.get(f) for f in FIGURES}
-            completed = result.get("completed") or 0
-            cpu_end = config.cpu_by_role()
-            stored, counters, after = config.stored_bytes(), config.daemon_counters(), config.flush_lines()
-            row |= {"failed": requests - completed, "cache": result.get("cache_report"),
-                    "cpu_s": round(sum(cpu_after.values()) - sum(cpu_before.values()), 1),
-                    "daemons_cpu_s": round(cpu_after["daemons"] - cpu_before["daemons"], 1),
-                    "stored_bytes": stored, "healthy_s": round(healthy_s, 1), "daemon": counters,
-                    "backend_lost": after[0] if after else None,
-                    # From the flush at the start to the one at the end: the
-                    # trace's requests, bench_serving's warmup one, the checks.
-                    "per_request": per_request(cpu_before, cpu_end, requests + 1 + len(checks),
-                                               flushed[1] if flushed else None, after[1] if after else None),
-                    "checks_equal": f"{len(checks) - len(wrong)}/{len(checks)}"}
-            # Last, after every figure of the trace was read: the burst's pages
-            # would count in the stores and the daemons' counters.
-            row["decode_only"] = decode_only(config.server.port, model, work / f"{name}-decode-only.jsonl")
-            report["servers"][name] = row
-            print(f"{name}: {json.dumps(row)}", file=sys.stderr, flush=True)
-        finally:
-            config.stop()
+        "bounded_store_bytes": BOUND_PAGES * page_bytes(), "blocks": repeat,
+        "order": "rotated every block" if repeat > 1 else "as given"}}
+    blocks: list[dict[str, dict]] = []
+    for block in range(repeat):
+        rows: dict[str, dict] = {}
+        for name in order_of(block, configs):
+            rows[name] = measure(Config(name, work / f"block{block}" if repeat > 1 else work, model, policy,
+                                        sleep_on_idle), model, trace, checks, expected, requests, slowdown)
+            # Each block's rows under their own names (the first block's as they are).
+            report["servers"][name if block == 0 else f"{name}@{block}"] = rows[name]
+            print(f"{name} (block {block}): {json.dumps(rows[name])}", file=sys.stderr, flush=True)
+        blocks.append(rows)
+    if repeat > 1:
+        report["ratios"] = ratios(blocks, configs)
     return report
+
+
+def measure(config: Config, model: Path, trace: Path, checks: list[list[int]], expected: list, requests: int,
+            slowdown: float) -> dict:
+    """One server through the trace, its check set and its decode-only
+    bursts, stopped at the end: -> its row of the report."""
+    from cpcache.testing.sglang_cpu.servers import same_outputs
+
+    name, work = config.name, config.work
+    try:
+        healthy_s = config.start()
+        # Every server flushed alike at its start; a cpcache server's
+        # backend line then is where the breakdown's window begins.
+        flushed = config.flush_lines()
+        cpu_before = config.cpu_by_role()
+        result = bench_client(config.server.port, model, trace, work / f"{name}-bench.jsonl", requests, slowdown)
+        cpu_after = config.cpu_by_role()
+        answers = [config.server.generate(ids) for ids in checks]
+        wrong = [i for i, (a, b) in enumerate(zip(answers, expected)) if not same_outputs(a, b)]
+        row = {f: result.get(f) for f in FIGURES}
+        completed = result.get("completed") or 0
+        cpu_end = config.cpu_by_role()
+        stored, counters, after = config.stored_bytes(), config.daemon_counters(), config.flush_lines()
+        row |= {"failed": requests - completed, "cache": result.get("cache_report"),
+                "cpu_s": round(sum(cpu_after.values()) - sum(cpu_before.values()), 1),
+                "daemons_cpu_s": round(cpu_after["daemons"] - cpu_before["daemons"], 1),
+                "stored_bytes": stored, "healthy_s": round(healthy_s, 1), "daemon": counters,
+                "backend_lost": after[0] if after else None,
+                # From the flush at the start to the one at the end: the
+                # trace's requests, bench_serving's warmup one, the checks.
+                "per_request": per_request(cpu_before, cpu_end, requests + 1 + len(checks),
+                                           flushed[1] if flushed else None, after[1] if after else None),
+                "checks_equal": f"{len(checks) - len(wrong)}/{len(checks)}"}
+        # Last, after every figure of the trace was read: the burst's pages
+        # would count in the stores and the daemons' counters.
+        row["decode_only"] = decode_only(config.server.port, model, work / f"{name}-decode-only.jsonl")
+        return row
+    finally:
+        config.stop()
+
+
+def order_of(block: int, configs: tuple[str, ...]) -> tuple[str, ...]:
+    """The servers' order in block `block`: rotated every block, so that no
+    server always runs first (the first server of a run is measured slower)."""
+    k = block % len(configs)
+    return configs[k:] + configs[:k]
+
+
+# The figures compared pair by pair, block by block (`--repeat`).
+RATIO_FIGURES = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_itl_ms", "hit_rate_pct", "cpu_s",
+                 "schedulers_cpu_ms", "decode_only_itl_ms")
+
+
+def _figure(row: dict, key: str) -> float | None:
+    if key == "hit_rate_pct":
+        return (row.get("cache") or {}).get("cache_hit_rate_pct")
+    if key == "schedulers_cpu_ms":
+        return ((row.get("per_request") or {}).get("cpu_ms") or {}).get("schedulers")
+    if key == "decode_only_itl_ms":
+        return (row.get("decode_only") or {}).get("median_itl_ms")
+    return row.get(key)
+
+
+def ratios(blocks: list[dict[str, dict]], configs: tuple[str, ...]) -> dict:
+    """cpcache over HiCache on the same tier, and each over radix: per block,
+    then the median and spread over the blocks (`block_summary`)."""
+    from cpcache.testing.stats import block_summary
+
+    pairs = [(c, "hicache" + c.removeprefix("cpcache")) for c in configs if c.startswith("cpcache")]
+    pairs += [(c, "radix") for c in configs if c != "radix"]
+    out: dict = {}
+    for num, den in pairs:
+        if num not in configs or den not in configs:
+            continue
+        figures = {}
+        for key in RATIO_FIGURES:
+            values = [(_figure(b[num], key), _figure(b[den], key)) for b in blocks]
+            figures[key] = block_summary([n / d for n, d in values if n is not None and d])
+        out[f"{num} / {den}"] = figures
+    return out
+
+
+def ratio_table(report: dict) -> list[str]:
+    """The pairs' ratios, median over the blocks [min, max]."""
+    if not report.get("ratios"):
+        return []
+    lines = ["| ratio, median over blocks [min-max] | " + " | ".join(RATIO_FIGURES) + " |",
+             "|---|" + "---:|" * len(RATIO_FIGURES)]
+    for pair, figures in report["ratios"].items():
+        cells = [f"{f['median']:.2f} [{f['spread'].get('min', float('nan')):.2f}-"
+                 f"{f['spread'].get('max', float('nan')):.2f}]" for f in (figures[k] for k in RATIO_FIGURES)]
+        lines.append(f"| {pair} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def table(report: dict) -> list[str]:
@@ -427,11 +503,13 @@ def main(args: argparse.Namespace) -> int:
     slowdown = getattr(args, "slowdown", None) or SLOWDOWN
     policy = getattr(args, "prefetch_policy", None) or POLICY
     sleep_on_idle = not getattr(args, "spin_when_idle", False)
+    repeat = getattr(args, "repeat", None) or 1
     if keep:
         Path(keep).mkdir(parents=True, exist_ok=True)
-        report = run(Path(keep), configs, requests, slowdown, policy, sleep_on_idle)
+        report = run(Path(keep), configs, requests, slowdown, policy, sleep_on_idle, repeat)
     else:
         with tempfile.TemporaryDirectory(prefix="cpc-serving-") as tmp:
-            report = run(Path(tmp), configs, requests, slowdown, policy, sleep_on_idle)
-    print(json.dumps(report) if args.json else "\n".join([*table(report), "", *breakdown_table(report)]))
+            report = run(Path(tmp), configs, requests, slowdown, policy, sleep_on_idle, repeat)
+    print(json.dumps(report) if args.json else "\n".join([*table(report), "", *breakdown_table(report), "",
+                                                            *ratio_table(report)]))
     return 0

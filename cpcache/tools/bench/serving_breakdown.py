@@ -24,6 +24,7 @@ ROLES = ("schedulers", "server_rest", "daemons", "master")
 SCHEDULER_TITLE = b"sglang::scheduler"  # SGLang's process title of a scheduler (setproctitle)
 CALL = re.compile(r"(?P<kind>\w+) (?P<seconds>[\d.]+) s x (?P<calls>\d+)")
 LOAD_WAITS = re.compile(r"loads waited (?P<seconds>[\d.]+) s in (?P<waits>\d+) layer waits")
+REPLY_WAITS = re.compile(r"s in steps \((?P<seconds>[\d.]+) s waiting for replies\)")
 
 
 def is_scheduler(pid: int) -> bool:
@@ -51,9 +52,10 @@ def call_times(line: str) -> dict:
     forward's load waits (absent from a backend that logs none)."""
     calls_part = line.partition("; calls ")[2].partition("; loads waited")[0]
     kinds = {m["kind"]: [float(m["seconds"]), int(m["calls"])] for m in CALL.finditer(calls_part)}
-    waits = LOAD_WAITS.search(line)
+    waits, replies = LOAD_WAITS.search(line), REPLY_WAITS.search(line)
     return {"kinds": kinds, "load_wait_s": float(waits["seconds"]) if waits else 0.0,
-            "load_waits": int(waits["waits"]) if waits else 0}
+            "load_waits": int(waits["waits"]) if waits else 0,
+            "reply_wait_s": float(replies["seconds"]) if replies else 0.0}
 
 
 def backend_by_rank(lines: Iterable[str]) -> dict[int, dict]:
@@ -74,8 +76,11 @@ def per_request(cpu_before: dict[str, float], cpu_after: dict[str, float], reque
     n = max(requests, 1)
     out: dict = {"cpu_ms": {role: round((cpu_after[role] - cpu_before[role]) / n * 1e3, 2) for role in ROLES}}
     if backend_before is not None and backend_after is not None and 0 in backend_after:
-        before, after = backend_before.get(0, {"hook_s": 0.0, "kinds": {}, "load_wait_s": 0.0}), backend_after[0]
+        before = backend_before.get(0, {"hook_s": 0.0, "kinds": {}, "load_wait_s": 0.0, "reply_wait_s": 0.0})
+        after = backend_after[0]
         spent = {"hook": after["hook_s"] - before["hook_s"],
+                 # of the hook's and the calls' steps, waiting for their replies
+                 "reply_waits": after.get("reply_wait_s", 0.0) - before.get("reply_wait_s", 0.0),
                  **{kind: seconds - before["kinds"].get(kind, [0.0, 0])[0]
                     for kind, (seconds, _calls) in after["kinds"].items()},
                  "load_waits": after["load_wait_s"] - before["load_wait_s"]}
@@ -85,7 +90,7 @@ def per_request(cpu_before: dict[str, float], cpu_after: dict[str, float], reque
 
 def table(report: dict) -> list[str]:
     """The per-request breakdown, one row per server (ms per request)."""
-    kinds = ("hook", "match", "insert", "load_back", "prefetch", "progress", "load_waits")
+    kinds = ("hook", "reply_waits", "match", "insert", "load_back", "prefetch", "progress", "load_waits")
     lines = ["| server | schedulers CPU | rest of server CPU | daemons CPU | master CPU | "
              + " | ".join(f"rank 0 {k}" for k in kinds) + " |", "|---|" + "---:|" * (4 + len(kinds))]
     for name, row in report["servers"].items():

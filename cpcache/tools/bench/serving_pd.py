@@ -69,6 +69,7 @@ from cpcache.tools.bench.serving import (
     add_tokenizer,
     bench_client,
     check_prompts,
+    order_of,
     page_bytes,
     scaled_trace,
     stored_bytes,
@@ -294,11 +295,6 @@ def per_request(row: dict, cpu: dict[str, float], before: dict | None, after: di
         out["backend_ms_per_request"] = round(backend_s / done * 1e3, 2)
         out["backend_step_ms_per_request"] = round((after["step_s"] - before["step_s"]) / done * 1e3, 2)
     return out
-
-
-def order_of(block: int, configs: tuple[str, ...]) -> tuple[str, ...]:
-    k = block % len(configs)
-    return configs[k:] + configs[:k]
 
 
 def run(work: Path, configs: tuple[str, ...], repeat: int, sessions: int, rounds: int, slowdown: float) -> dict:

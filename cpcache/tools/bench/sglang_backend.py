@@ -17,7 +17,8 @@ from cpcache.testing.stats import block_summary
 BACKEND_LINE = re.compile(
     r"cpcache: rank (?P<rank>\d+) backend: (?P<iterations>\d+) iterations, mean [\d.]+ us per iteration on the "
     r"scheduler thread \(hook (?P<hook_s>[\d.]+) s, other calls (?P<calls_s>[\d.]+) s\), (?P<steps>\d+) steps, "
-    r"(?P<step_s>[\d.]+) s in steps(; (?P<idle>\d+) idle iterations \(no step taken or sent\), "
+    r"(?P<step_s>[\d.]+) s in steps( \([\d.]+ s waiting for replies\))?"
+    r"(; (?P<idle>\d+) idle iterations \(no step taken or sent\), "
     r"(?P<idle_s>[\d.]+) s in their hook)?")
 FIGURES = ("iterations", "hook_s", "calls_s", "steps", "step_s", "idle", "idle_s")
 BACKEND_NOTE = ("the cpcache backend's own time on each rank's scheduler thread between /flush_cache calls "

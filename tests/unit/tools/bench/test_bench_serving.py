@@ -42,3 +42,28 @@ def test_a_burst_that_cannot_run_says_why_and_one_short_of_requests_counts_them(
     assert bursts == 3 and figures["bursts_mean_itl_ms"] == [9.0, 30.0, 10.0]
     assert figures["mean_itl_ms"] == 10.0  # the median: one slow burst does not make the figure
     assert figures["failed"] == (serving.DECODE_ONLY["requests"] - 6) * bursts
+
+
+def test_repeated_blocks_rotate_the_order_and_compare_pairs_block_by_block():
+    configs = ("cpcache-file", "hicache-file", "radix")
+    orders = [serving.order_of(b, configs) for b in range(4)]
+    assert [o[0] for o in orders] == ["cpcache-file", "hicache-file", "radix", "cpcache-file"]
+    assert all(sorted(o) == sorted(configs) for o in orders)
+
+    def at(ttft: float, hit: float, schedulers: float) -> dict:
+        return {**row(20.0, {"median_itl_ms": 10.0}), "mean_ttft_ms": ttft, "cache": {"cache_hit_rate_pct": hit},
+                "per_request": {"cpu_ms": {"schedulers": schedulers}}}
+
+    blocks = [{"cpcache-file": at(90.0, 40.0, 100.0), "hicache-file": at(100.0, 40.0, 100.0),
+               "radix": at(200.0, 10.0, 150.0)},
+              {"cpcache-file": at(120.0, 40.0, 110.0), "hicache-file": at(100.0, 40.0, 100.0),
+               "radix": at(200.0, 10.0, 150.0)}]
+    found = serving.ratios(blocks, configs)
+    assert set(found) == {"cpcache-file / hicache-file", "cpcache-file / radix", "hicache-file / radix"}
+    pair = found["cpcache-file / hicache-file"]
+    assert pair["mean_ttft_ms"]["blocks"] == [0.9, 1.2] and pair["mean_ttft_ms"]["median"] == 1.05
+    assert pair["hit_rate_pct"]["median"] == 1.0 and pair["schedulers_cpu_ms"]["blocks"] == [1.0, 1.1]
+    assert found["hicache-file / radix"]["hit_rate_pct"]["median"] == 4.0
+    lines = serving.ratio_table({"ratios": found})
+    assert lines[2].startswith("| cpcache-file / hicache-file | 1.05 [0.90-1.20] |")
+    assert serving.ratio_table({"servers": {}}) == []

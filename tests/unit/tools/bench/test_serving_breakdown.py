@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from cpcache.client.outcomes import Tally
 from cpcache.integrations.sglang.timing import SchedulerTime
 from cpcache.tools.bench.serving_breakdown import ROLES, backend_by_rank, is_scheduler, per_request, role_cpu, table
 
@@ -29,7 +30,8 @@ def test_each_call_kind_and_the_load_waits_are_logged_and_read_back_per_request(
     with clock.hook():
         pass
     assert clock.calls_s == pytest.approx(sum(seconds for seconds, _ in clock.kinds.values()))
-    after = backend_by_rank([f"[2026-12-07 13:00:00 TP1] {clock.line(1)}", f"[TP0] {clock.line(0)}"])
+    steps = Tally(steps=4, step_seconds=0.5, reply_wait_seconds=0.25)  # of the steps' time, waiting for replies
+    after = backend_by_rank([f"[2026-12-07 13:00:00 TP1] {clock.line(1)}", f"[TP0] {clock.line(0, [steps])}"])
     assert sorted(after) == [0, 1]
     assert {k: calls for k, (_, calls) in after[0]["kinds"].items()} == {"match": 3, "load_back": 2}
     assert after[0]["load_waits"] == 1
@@ -37,7 +39,8 @@ def test_each_call_kind_and_the_load_waits_are_logged_and_read_back_per_request(
     spent = per_request(zero, {**zero, "schedulers": 2.0, "daemons": 0.5}, 100, before, after)
     assert spent["cpu_ms"] == {"schedulers": 20.0, "server_rest": 0.0, "daemons": 5.0, "master": 0.0}
     backend = spent["rank0_backend_ms"]
-    assert set(backend) == {"hook", "match", "load_back", "load_waits"}
+    assert set(backend) == {"hook", "reply_waits", "match", "load_back", "load_waits"}
+    assert backend["reply_waits"] == 2.5
     assert all(ms >= 0 for ms in backend.values())
 
 
