@@ -19,8 +19,10 @@ host layout (`HostPool`), so daemons of different layouts share pages.
 
 from __future__ import annotations
 
+import array
 import functools
 import hashlib
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -81,21 +83,39 @@ def tenant_of(model_id: str, geometry_fingerprint: int, model_dtype: str = "") -
 def page_hash(tokens: Sequence[int], prior: str | None) -> str:
     """SGLang's ``get_hash_str``: sha256 over the prior hash's bytes, then each
     token as 4 bytes little endian (unsigned)."""
-    hasher = hashlib.sha256()
-    if prior:
-        hasher.update(bytes.fromhex(prior))
-    for token in tokens:
-        hasher.update(int(token).to_bytes(4, byteorder="little", signed=False))
-    return hasher.hexdigest()
+    return _page_hash(token_bytes(tokens), prior)
 
 
 def chain(tokens: Sequence[int], page_size: int, seed: str | None) -> list[str]:
     """Hashes of every full page of `tokens`, each chained on the last."""
+    data = memoryview(token_bytes(tokens))
+    width = 4 * page_size
     hashes, prior = [], seed
-    for start in range(0, len(tokens) - page_size + 1, page_size):
-        prior = page_hash(tokens[start : start + page_size], prior)
+    for start in range(0, len(data) - width + 1, width):
+        prior = _page_hash(data[start : start + width], prior)
         hashes.append(prior)
     return hashes
+
+
+def token_bytes(tokens: Sequence[int]) -> bytes:
+    """Each token as 4 bytes little endian, unsigned: one conversion for the
+    whole sequence (a token outside 0 .. 2**32 - 1 raises OverflowError, as
+    `int.to_bytes` does)."""
+    packed = array.array("I", tokens)  # "I" is 4 bytes wherever cpcache runs (checked at import)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def _page_hash(data: bytes | memoryview, prior: str | None) -> str:
+    hasher = hashlib.sha256()
+    if prior:
+        hasher.update(bytes.fromhex(prior))
+    hasher.update(data)
+    return hasher.hexdigest()
+
+
+assert array.array("I").itemsize == 4, "a token is hashed as 4 bytes"
 
 
 @dataclass(frozen=True)

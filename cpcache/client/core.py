@@ -295,6 +295,7 @@ class Client(_Face):
         old, self._held = self._held, held
         if old is not None:
             old.close()
+        self._drop_event_keeper()  # it may be the attached daemon's predecessor's, ended unseen
         return held is not None
 
     def identify(self, instance: int = 0) -> HeldDaemon:
@@ -345,16 +346,26 @@ class Client(_Face):
         step, which a loaded host schedules milliseconds late, on the
         scheduler's own thread. A health Watch left open (answered once, then
         quiet until the status changes; one of `max_concurrent_rpcs`) keeps
-        that thread. One that ended (the daemon went away, or refused it) is
-        opened again at most every KEEPER_RETRY_S."""
+        that thread. One that ended (the daemon was killed, or refused it) is
+        opened again at most every KEEPER_RETRY_S. One the daemon ended at
+        its drain does not show as ended (its last messages are never read),
+        and keeps the thread all the same; every attach drops it, so the
+        daemon attached is the one that holds the next.
+        """
         keeper = self._event_keeper
         if keeper is not None and not keeper.done():
-            return
+            return  # open, or ended by a daemon gone away unseen: `hold_daemon` drops it at the next attach
         now = time.monotonic()
         if now < self._keeper_again_at:
             return
         self._keeper_again_at = now + KEEPER_RETRY_S
         self._event_keeper = self._health.Watch(health_pb2.HealthCheckRequest(service=""), metadata=self._metadata)
+
+    def _drop_event_keeper(self) -> None:
+        keeper, self._event_keeper = self._event_keeper, None
+        self._keeper_again_at = 0.0
+        if keeper is not None:
+            keeper.cancel()
 
     def _recover(self, request: pb.StepRequest, failure: grpc.RpcError) -> pb.StepReply:
         timeout_s = self._timeout_s or DEFAULT_TIMEOUT_S
@@ -385,8 +396,7 @@ class Client(_Face):
         self.close()
 
     def close(self) -> None:
-        if self._event_keeper is not None:
-            self._event_keeper.cancel()
+        self._drop_event_keeper()
         self._channel.close()
         for peer in self._peer_clients or ():
             peer.close()

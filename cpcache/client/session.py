@@ -95,10 +95,7 @@ class SchedulerSession(SessionOperations):
             return None
         receive, self._in_flight = self._in_flight, None
         with self._timed():
-            started = time.perf_counter()
-            reply = receive()
-            self.tally.reply_wait_seconds += time.perf_counter() - started
-            return self.follow(reply)
+            return self.follow(self._receive(receive))
 
     def flush(self) -> StepResult:
         """One step, waited for (after the one in flight)."""
@@ -107,7 +104,15 @@ class SchedulerSession(SessionOperations):
             self._send()
             receive, self._in_flight = self._in_flight, None
             assert receive is not None
-            return self.follow(receive())
+            return self.follow(self._receive(receive))
+
+    def _receive(self, receive: Callable[[], StepResult]) -> StepResult:
+        """A step's reply, its wait counted (a wait that raised too)."""
+        started = time.perf_counter()
+        try:
+            return receive()
+        finally:
+            self.tally.reply_wait_seconds += time.perf_counter() - started
 
     def _send(self) -> None:
         assert self.client is not None, "a session without a client: its caller sends each step (next_step)"

@@ -1,7 +1,9 @@
 """The standard health service, except that its Watch streams end once the
 daemon begins to drain (after telling NOT_SERVING). A stream left open
 would hold the server's stop for its whole grace; cpcache's blocking client
-keeps one open while it steps (`Client._keep_event_thread`)."""
+keeps one open while it steps (`Client._keep_event_thread`). Its Watch is the
+stock one's loop, on the stock servicer's fields: tests/daemon/test_graceful_stop.py
+holds it to the installed grpc_health."""
 
 from __future__ import annotations
 

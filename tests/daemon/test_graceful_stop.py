@@ -10,7 +10,7 @@ import time
 import grpc
 import pytest
 import torch
-from grpc_health.v1 import health_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cpcache.client import Client, SchedulerSession
 from cpcache.daemon.launcher import DomainSpec, LocalDomain
@@ -69,21 +69,30 @@ async def test_sigterm_finishes_the_open_load_backs_then_exits(run_dir):
     assert "copies between device and host issued before the stop" in domain.log_tail(0, lines=200)
 
 
-async def test_sigterm_ends_a_stepping_clients_open_watch_with_not_serving(run_dir):
+async def test_a_graceful_restart_ends_the_watches_and_the_next_attach_keeps_a_new_one(run_dir):
     """A blocking client that steps keeps a health Watch open (it keeps the
-    channel's event thread). The draining daemon tells it NOT_SERVING and
-    ends it, rather than leaving the server's stop to cancel it after its
-    grace, and exits 0."""
+    channel's event thread), and never reads it. The draining daemon tells
+    its Watches NOT_SERVING and ends them (rather than leaving the server's
+    stop to cancel them after its grace), and exits 0; once it is back, the
+    client's next attach drops the old Watch, whose end it never saw, and
+    its next step opens one on the daemon that came back."""
     async with LocalDomain(DomainSpec(Topology(tp=1), run_dir, extra=dict(host_pool_pages=4))) as domain:
         pool = DevicePool.create_sealed(GEOMETRY, DEVICE_PAGES)
         with Client(domain.sockets[0], timeout_s=20) as client:
             client.attach("m", GEOMETRY, DEVICE_PAGES, pool_fd=pool.fd)
-            session = SchedulerSession(client)
-            session.flush()
-            watch = client._event_keeper
-            assert watch is not None and not watch.done()
-            domain.signal(0, signal.SIGTERM)
-            statuses = [reply.status for reply in watch]  # until the daemon ends it
-            assert statuses[-1] == health_pb2.HealthCheckResponse.NOT_SERVING, statuses
-            assert watch.code() == grpc.StatusCode.OK, (watch.code(), watch.details())
+            SchedulerSession(client).flush()
+            kept = client._event_keeper
+            assert kept is not None and not kept.done()
+            request = health_pb2.HealthCheckRequest(service="")
+            with grpc.insecure_channel(f"unix:{domain.sockets[0]}") as channel:
+                watch = health_pb2_grpc.HealthStub(channel).Watch(request)
+                assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+                domain.signal(0, signal.SIGTERM)
+                assert [reply.status for reply in watch] == [health_pb2.HealthCheckResponse.NOT_SERVING]
+                assert watch.code() == grpc.StatusCode.OK, (watch.code(), watch.details())
             assert await domain.wait_exit(0, 60) == 0
+            await domain.restart(0, 60)
+            client.attach("m", GEOMETRY, DEVICE_PAGES, pool_fd=pool.fd)
+            SchedulerSession(client).flush()
+            assert client._event_keeper is not kept and not client._event_keeper.done()
+            assert client.stats()["rpc_calls_open"] == 2  # the new Watch, and this Stats

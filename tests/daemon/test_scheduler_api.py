@@ -74,6 +74,8 @@ async def test_a_scheduler_iteration_maps_to_one_flush(run_dir):
             cache.release("req-3")  # never sent: dropped
             assert cache.flush().prefetch_revoked == {}
             assert cache.tally.write_acks == 2 and cache.tally.load_acks == 1 and cache.tally.prefetch_done >= 1
+            # Of the steps' time, the waits for their replies (each flush waits for its own).
+            assert 0 < cache.tally.reply_wait_seconds < cache.tally.step_seconds
 
 
 def _thread_names() -> set[str]:
@@ -101,4 +103,4 @@ async def test_steps_one_at_a_time_keep_one_event_thread(run_dir):
             assert cache.tally.steps == 30
             assert len(seen) == 1, seen
             stats = client.stats()
-        assert stats["rpc_calls_open"] >= 1  # the call that keeps it (and this Stats)
+        assert stats["rpc_calls_open"] == 2  # the Watch that keeps it, and this Stats

@@ -136,3 +136,13 @@ def test_the_host_layout_is_not_in_a_storage_key_and_sharding_is():
     assert ShardingSpec(tp_rank=0, tp_size=2, tenant=tenant).storage_key(page) != tp1.storage_key(page)
     assert ShardingSpec(cp="cp_sharded", cp_rank=0, cp_size=2, tenant=tenant).storage_key(page) != \
         tp1.storage_key(page)
+
+
+def test_a_token_outside_four_unsigned_bytes_is_refused_and_arrays_hash_as_lists():
+    for bad in (-1, 2**32):
+        with pytest.raises(OverflowError):
+            page_hash([1, bad], None)
+        with pytest.raises(OverflowError):
+            chain([1, 2, bad, 4], 2, None)
+    tokens = [(i * 7919) % 151936 for i in range(40)]
+    assert chain(tuple(tokens), 8, None) == chain(tokens, 8, None) == reference_chain(tokens, 8, None)

@@ -421,10 +421,13 @@ def measure(config: Config, model: Path, trace: Path, checks: list[list[int]], e
 
 
 def order_of(block: int, configs: tuple[str, ...]) -> tuple[str, ...]:
-    """The servers' order in block `block`: rotated every block, so that no
-    server always runs first (the first server of a run is measured slower)."""
-    k = block % len(configs)
-    return configs[k:] + configs[:k]
+    """The servers' order in block `block`: every other block the reverse of
+    the one before, so each pair runs in both orders every two blocks, and
+    rotated every two blocks, so no server is always first (the first server
+    of a run measures slower). Blocks 0-3 of two servers: AB, BA, BA, AB."""
+    k = (block // 2) % len(configs)
+    order = configs[k:] + configs[:k]
+    return order if block % 2 == 0 else order[::-1]
 
 
 # The figures compared pair by pair, block by block (`--repeat`).
@@ -456,7 +459,9 @@ def ratios(blocks: list[dict[str, dict]], configs: tuple[str, ...]) -> dict:
         figures = {}
         for key in RATIO_FIGURES:
             values = [(_figure(b[num], key), _figure(b[den], key)) for b in blocks]
-            figures[key] = block_summary([n / d for n, d in values if n is not None and d])
+            found = [n / d for n, d in values if n is not None and d]
+            if found:  # a figure no block has is left out (no NaN in the JSON)
+                figures[key] = block_summary(found)
         out[f"{num} / {den}"] = figures
     return out
 
@@ -468,8 +473,8 @@ def ratio_table(report: dict) -> list[str]:
     lines = ["| ratio, median over blocks [min-max] | " + " | ".join(RATIO_FIGURES) + " |",
              "|---|" + "---:|" * len(RATIO_FIGURES)]
     for pair, figures in report["ratios"].items():
-        cells = [f"{f['median']:.2f} [{f['spread'].get('min', float('nan')):.2f}-"
-                 f"{f['spread'].get('max', float('nan')):.2f}]" for f in (figures[k] for k in RATIO_FIGURES)]
+        cells = [f"{f['median']:.2f} [{f['spread']['min']:.2f}-{f['spread']['max']:.2f}]" if f else "-"
+                 for f in (figures.get(k) for k in RATIO_FIGURES)]
         lines.append(f"| {pair} | " + " | ".join(cells) + " |")
     return lines
 

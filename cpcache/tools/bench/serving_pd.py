@@ -9,7 +9,7 @@ before them and a stand-in answer, against
 `sglang_router.launch_router --pd-disaggregation` in front of a prefill
 server at `--tp 2 --attn-cp-size 2` and a decode server at tp 1
 (cpcache/testing/sglang_cpu/pd.py). One pair at a time, the pairs' order
-rotated every block (`--repeat` blocks):
+reversed every other block and rotated every two (`serving.order_of`; `--repeat` blocks):
 
 - `radix`: SGLang's plain radix cache on the prefill server;
 - `hicache-file` / `hicache-mooncake`: SGLang's HiCache (HOST_PAGES host

@@ -45,10 +45,13 @@ def test_a_burst_that_cannot_run_says_why_and_one_short_of_requests_counts_them(
 
 
 def test_repeated_blocks_rotate_the_order_and_compare_pairs_block_by_block():
+    assert [serving.order_of(b, ("A", "B")) for b in range(4)] == [("A", "B"), ("B", "A"), ("B", "A"), ("A", "B")]
     configs = ("cpcache-file", "hicache-file", "radix")
-    orders = [serving.order_of(b, configs) for b in range(4)]
-    assert [o[0] for o in orders] == ["cpcache-file", "hicache-file", "radix", "cpcache-file"]
+    orders = [serving.order_of(b, configs) for b in range(2 * len(configs))]
     assert all(sorted(o) == sorted(configs) for o in orders)
+    assert {o[0] for o in orders} == set(configs)  # none always first
+    for first, second in ((0, 1), (2, 3), (4, 5)):  # every pair both ways, every two blocks
+        assert orders[second] == orders[first][::-1]
 
     def at(ttft: float, hit: float, schedulers: float) -> dict:
         return {**row(20.0, {"median_itl_ms": 10.0}), "mean_ttft_ms": ttft, "cache": {"cache_hit_rate_pct": hit},
@@ -67,3 +70,10 @@ def test_repeated_blocks_rotate_the_order_and_compare_pairs_block_by_block():
     lines = serving.ratio_table({"ratios": found})
     assert lines[2].startswith("| cpcache-file / hicache-file | 1.05 [0.90-1.20] |")
     assert serving.ratio_table({"servers": {}}) == []
+    # A figure no block has is left out of the ratios, and shown as "-".
+    for b in blocks:
+        for r in b.values():
+            r["decode_only"] = None
+    found = serving.ratios(blocks, configs)
+    assert "decode_only_itl_ms" not in found["cpcache-file / hicache-file"]
+    assert serving.ratio_table({"ratios": found})[2].endswith("| - |")

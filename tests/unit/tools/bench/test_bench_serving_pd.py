@@ -16,11 +16,12 @@ def test_a_requests_turn_is_its_place_in_its_session():
     assert "ttft_later_mean_ms" not in serving_pd.turn_ttfts([1.0, 2.0], rounds=1)
 
 
-def test_every_pair_leads_a_block_in_turn():
+def test_every_pair_leads_a_block_in_turn_and_runs_both_ways():
     configs = serving_pd.CONFIGS
-    orders = [serving_pd.order_of(i, configs) for i in range(len(configs))]
-    assert [o[0] for o in orders] == list(configs)
+    orders = [serving_pd.order_of(i, configs) for i in range(2 * len(configs))]
+    assert {o[0] for o in orders} == set(configs)  # none always first
     assert all(sorted(o) == sorted(configs) for o in orders)
+    assert orders[1] == orders[0][::-1]  # every pair both ways in the first two blocks
 
 
 def test_cpcache_is_compared_with_hicache_on_the_same_store_and_each_with_radix():
