@@ -53,8 +53,9 @@ from cpcache.v1 import daemon_pb2_grpc as pb_grpc
 from cpcache.values import MAX_MESSAGE_BYTES, Reduce
 
 T = TypeVar("T")
-KEEPER_RETRY_S = 1.0  # how often an ended event keeper is opened again (`Client._keep_event_thread`)
 P = ParamSpec("P")
+
+KEEPER_RETRY_S = 1.0  # how often an ended event keeper is opened again (`Client._keep_event_thread`)
 
 # The longest a step whose daemon gave no answer waits for a daemon that may
 # still tell how it ended (a stopped peer): within SGLang's watchdog (300 s).
