@@ -34,6 +34,11 @@ random prompts, long answers, sent at once, three bursts in a row; medians): its
 (where prefills are admitted beside decodes) tells a decode step's own
 cost from what prefills beside it add.
 
+With `--repeat N`, N blocks of every server, the order reversed every
+other block and rotated every two (`order_of`: the first server of a run
+measures slower), and each pair's ratios per block, their median and
+spread (`ratios`: cpcache over HiCache on the same tier, each over radix).
+
 Every server runs with SGLang's `--sleep-on-idle` unless `--spin-when-idle`:
 an idle SGLang scheduler otherwise polls in a loop, a core per server at
 this load whatever its cache, and the CPU seconds measure mostly that loop.
@@ -508,7 +513,11 @@ def main(args: argparse.Namespace) -> int:
     slowdown = getattr(args, "slowdown", None) or SLOWDOWN
     policy = getattr(args, "prefetch_policy", None) or POLICY
     sleep_on_idle = not getattr(args, "spin_when_idle", False)
-    repeat = getattr(args, "repeat", None) or 1
+    repeat = getattr(args, "repeat", None)
+    repeat = 1 if repeat is None else repeat
+    if repeat < 1:
+        print("cpcache bench serving: --repeat must be at least 1 (blocks of every server)", file=sys.stderr)
+        return 2
     if keep:
         Path(keep).mkdir(parents=True, exist_ok=True)
         report = run(Path(keep), configs, requests, slowdown, policy, sleep_on_idle, repeat)

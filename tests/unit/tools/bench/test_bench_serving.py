@@ -1,5 +1,7 @@
 """The pure parts of `cpcache bench serving` (the servers themselves run in the bench)."""
 
+import argparse
+
 from cpcache.tools.bench import serving
 
 
@@ -77,3 +79,8 @@ def test_repeated_blocks_rotate_the_order_and_compare_pairs_block_by_block():
     found = serving.ratios(blocks, configs)
     assert "decode_only_itl_ms" not in found["cpcache-file / hicache-file"]
     assert serving.ratio_table({"ratios": found})[2].endswith("| - |")
+
+
+def test_fewer_than_one_block_is_refused_before_any_server_starts(capsys):
+    assert serving.main(argparse.Namespace(json=True, repeat=0)) == 2
+    assert "--repeat must be at least 1" in capsys.readouterr().err
