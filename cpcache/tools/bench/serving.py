@@ -349,8 +349,8 @@ def check_prompts(trace: Path) -> list[list[int]]:
 
 def run(work: Path, configs: tuple[str, ...] = CONFIGS, requests: int = REQUESTS, slowdown: float = SLOWDOWN,
         policy: str = POLICY, sleep_on_idle: bool = True, repeat: int = 1) -> dict:
-    """`repeat` blocks of every server, their order rotated each block
-    (ratios then per block: `report["ratios"]`)."""
+    """`repeat` blocks of every server in `order_of`'s order (ratios then
+    per block: `report["ratios"]`)."""
     from cpcache.testing.sglang_cpu.servers import PLAIN_FLAGS, Server
     from cpcache.tools.bench.sglang_pd import MODEL, make_model
 
@@ -370,7 +370,7 @@ def run(work: Path, configs: tuple[str, ...] = CONFIGS, requests: int = REQUESTS
         "device_pages": DEVICE_TOKENS // PAGE, "host_pages": HOST_PAGES, "prefetch_policy": policy,
         "idle_schedulers": "sleep (--sleep-on-idle)" if sleep_on_idle else "spin (SGLang's default)",
         "bounded_store_bytes": BOUND_PAGES * page_bytes(), "blocks": repeat,
-        "order": "rotated every block" if repeat > 1 else "as given"}}
+        "order": "reversed every other block, rotated every two" if repeat > 1 else "as given"}}
     blocks: list[dict[str, dict]] = []
     for block in range(repeat):
         rows: dict[str, dict] = {}
