@@ -51,11 +51,19 @@ class _Unsent:
                     or self.hold_releases)
 
 
+# The replies that may end a prefetch for one poll: the poll's own step's
+# and the next one's (the daemon asks the policy once more in the round
+# after the poll; at agreement lag 0, which the SGLang backend runs at).
+POLL_REPLIES = 2
+
+
 @dataclass
 class _Prefetch:
     rid: str | None
     done: Brought | None
     hold: bool = False
+    hit_known: bool = False  # an agreed reply told its storage hit
+    answered_by: int = 0  # the last step whose reply may still answer its latest poll
 
 
 class SessionOperations:
@@ -245,11 +253,26 @@ class SessionOperations:
         """Operations collected since the last step, which the next one carries."""
         return self._unsent.any()
 
+    def awaits_decisions(self) -> bool:
+        """Whether a round may decide something the session holds open: a
+        write or load a step carried, a prefetch whose storage hit is not
+        yet agreed, or one whose latest poll may still be answered. A
+        prefetch past its hit and its poll's answer waits for the next poll
+        (the daemon asks nothing of it until then), so it calls for no step:
+        a request queued behind others, its prefetch open, costs no round per
+        iteration. Every input is the scheduler's own calls and agreed
+        replies, alike on every rank."""
+        return bool(self._writes or self._loads) or any(
+            not p.hit_known or p.answered_by > self._step for p in self._prefetches.values())
+
     def next_step(self) -> tuple[int, CacheRequests]:
         """The next step's number and the operations collected for it."""
         self._step += 1
         requests, self._unsent = self._unsent.requests(), _Unsent()
         self.tally.carried(requests)
+        for op in requests.prefetch_polls:
+            if (prefetch := self._prefetches.get(op)) is not None:
+                prefetch.answered_by = self._step + POLL_REPLIES - 1
         return self._step, requests
 
     def not_taken(self, requests: CacheRequests) -> None:
@@ -283,6 +306,9 @@ class SessionOperations:
         self.host.follow(reply)
         if self.decisions is not None:
             self.decisions.add(reply)
+        for op in reply.prefetch_hits:
+            if (prefetch := self._prefetches.get(op)) is not None:
+                prefetch.hit_known = True
         for op, pages in reply.prefetch_done.items():
             self._end_prefetch(op, pages)
         for op in reply.prefetch_revoked:

@@ -57,16 +57,20 @@ class SchedulerSession(SessionOperations):
     # -- the synchronous scheduler's iteration ---------------------------------------------
 
     def busy(self) -> bool:
-        """Whether a step is in flight, or the next one has anything to send or wait for.
+        """Whether a step is in flight, or anything is collected or open (a
+        prefetch waiting for its next poll included)."""
+        return self.needs_step() or bool(self._prefetches)
+
+    def needs_step(self) -> bool:
+        """Whether a step is in flight, or the next one has anything to send
+        or a round may decide (`awaits_decisions`).
 
         Its inputs are this scheduler's own calls since the last step and what
-        agreed replies left open (writes and loads a step carried, not yet
-        decided; open prefetches): alike on every rank at the same iteration, never local I/O
-        progress or timing. So every rank skips the same iterations, and the
-        number of rounds stays a function of the scheduler's iterations
-        (docs/design.md rule 2)."""
-        return (self._in_flight is not None or self.has_unsent() or bool(self._writes) or bool(self._loads)
-                or bool(self._prefetches))
+        agreed replies left open: alike on every rank at the same iteration,
+        never local I/O progress or timing. So every rank skips the same
+        iterations, and the number of rounds stays a function of the
+        scheduler's iterations (docs/design.md rule 2)."""
+        return self._in_flight is not None or self.has_unsent() or self.awaits_decisions()
 
     def in_flight(self) -> bool:
         return self._in_flight is not None
@@ -79,12 +83,12 @@ class SchedulerSession(SessionOperations):
         them), alike on every rank. What the reply changes was built on, at
         the earliest, after it was taken: every step is checked by the daemon
         against the state the scheduler last read. An iteration with nothing
-        to say (`busy`) costs no call and no round. -> whether a reply was
+        to say (`needs_step`) costs no call and no round. -> whether a reply was
         taken or a step sent."""
-        if not self.busy():
+        if not self.needs_step():
             return False
         self.take_reply()
-        if self.busy():
+        if self.needs_step():
             with self._timed():
                 self._send()
         return True

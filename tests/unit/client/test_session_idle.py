@@ -29,17 +29,21 @@ pytestmark = pytest.mark.timeout(60)
 class ModelDaemon:
     """Answers steps as an agreed domain would, from the steps alone: a write
     is acked (or failed, one in seven) in the round after the step that
-    carried it, a prefetch ends two rounds after its step (revoked at once
-    when asked), a load is decided in its own step's round. `work` and
-    `ready` are this rank's own timing: CPU burnt before a reply is handed
-    over, and whether it reads as arrived before that."""
+    carried it; a prefetch's storage hit is agreed in the round after its
+    step, its pages are read one round later, and it ends only for a poll:
+    in the poll's own round or the next, once read (revoked at once when
+    asked); a load is decided in
+    its own step's round. `work` and `ready` are this rank's own timing:
+    CPU burnt before a reply is handed over, and whether it reads as arrived
+    before that."""
 
     def __init__(self, work: Callable[[], None] = lambda: None, ready: bool = True) -> None:
         self.work = work
         self.ready = ready  # whether a reply reads as arrived before it is waited for
         self.steps: list[int] = []
         self._writes: dict[int, tuple[int, tuple[bytes, ...]]] = {}  # op -> (round it is decided in, pages)
-        self._prefetches: dict[int, int] = {}  # op -> round it ends in
+        self._prefetches: dict[int, int] = {}  # op -> round its hit is agreed in
+        self._polled: dict[int, int] = {}  # op -> round of its latest poll
 
     def step_later(self, step: int, votes: object = (), requests: CacheRequests | None = None,
                    epoch: int | None = None) -> Callable[[], StepResult]:
@@ -48,18 +52,22 @@ class ModelDaemon:
         for write in requests.writes:
             self._writes[write.op_id] = (step + 1, write.pages)
         for prefetch in requests.prefetches:
-            self._prefetches[prefetch.op_id] = step + 2
+            self._prefetches[prefetch.op_id] = step + 1
+        for op in requests.prefetch_polls:
+            self._polled[op] = step
         acks = tuple(op for op, (at, _) in self._writes.items() if at == step and op % 7)
         failures = tuple(op for op, (at, _) in self._writes.items() if at == step and not op % 7)
         entered = tuple(page for op in acks for page in self._writes[op][1])
         for op in acks + failures:
             del self._writes[op]
         revoked = {op: "revoked" for op in requests.revokes if self._prefetches.pop(op, None) is not None}
-        done = {op: 1 for op, at in self._prefetches.items() if at == step}
+        hits = {op: 1 for op, at in self._prefetches.items() if at == step}
+        done = {op: 1 for op, polled in self._polled.items()
+                if op in self._prefetches and step >= self._prefetches[op] + 1 and step - polled <= 1}
         for op in done:
             del self._prefetches[op]
         reply = StepResult(step=step, round=step, decisions={}, digest=step, wire=b"", write_acks=acks,
-                           write_failures=failures, prefetch_done=done, prefetch_revoked=revoked,
+                           write_failures=failures, prefetch_hits=hits, prefetch_done=done, prefetch_revoked=revoked,
                            loads={x.op_id: len(x.pages) for x in requests.loads}, host_entered=entered)
 
         return _Waiting(reply, self.work, ready=self.ready)
@@ -175,3 +183,26 @@ def test_a_load_a_step_carried_keeps_iterations_stepping_until_it_is_decided():
     assert c.busy() and not ended  # open at the daemon: only a later round decides it
     c.follow(StepResult(step=step, round=step, decisions={}, digest=step, wire=b"", loads={op: 1}))
     assert ended == [True] and not c.busy()
+
+
+def test_a_prefetch_past_its_hit_steps_only_for_its_polls():
+    """A request queued behind others keeps its prefetch open for many
+    iterations; once its storage hit is agreed the daemon asks nothing of it
+    until it is polled, so those iterations send no step."""
+    daemon = ModelDaemon()
+    c = session_over(daemon)
+    c.prefetch([b"p1"], 16, None, rid="queued")
+    assert c.iterate()  # sends the prefetch
+    assert c.iterate()  # its step's reply: the hit is not agreed yet; one more step
+    assert c.iterate()  # the reply that agrees its hit: nothing more to send
+    assert daemon.steps == [1, 2]
+    assert not any(c.iterate() for _ in range(100))  # open, waiting for a poll: no step, no round
+    assert daemon.steps == [1, 2] and c.busy() and not c.needs_step()
+    polls = 0
+    while not c.prefetch_ended("queued"):  # SGLang polls at each iteration that it considers the request
+        polls += 1
+        assert c.iterate()
+    assert c.take_prefetched("queued") == 1 and polls == 2
+    assert not c.iterate() or not c.needs_step()  # the last poll's step (stale: ignored) is taken, then none
+    assert not c.busy() and not any(c.iterate() for _ in range(10))
+    assert daemon.steps == [1, 2, 3, 4]
