@@ -51,9 +51,9 @@ class _Unsent:
                     or self.hold_releases)
 
 
-# The replies that may end a prefetch for one poll: the poll's own step's
-# and the next one's (the daemon asks the policy once more in the round
-# after the poll; at agreement lag 0, which the SGLang backend runs at).
+# The replies a poll's answer may come in, counted from its own step's: at
+# agreement lag 0 (the SGLang backend refuses any other) a round asks its
+# questions before its step's operations open, so the next round answers.
 POLL_REPLIES = 2
 
 
@@ -62,8 +62,7 @@ class _Prefetch:
     rid: str | None
     done: Brought | None
     hold: bool = False
-    hit_known: bool = False  # an agreed reply told its storage hit
-    answered_by: int = 0  # the last step whose reply may still answer its latest poll
+    polled: bool = False  # a step carried a poll of it
 
 
 class SessionOperations:
@@ -91,6 +90,8 @@ class SessionOperations:
         self._writes: dict[int, tuple[int, Stored | None]] = {}  # open write op -> (pages, its end)
         self._loads: dict[int, tuple[int, Landed | None]] = {}  # open load op -> (pages, its end)
         self._signal_slots: dict[int, tuple[LoadSignals, int]] = {}  # open load op -> where its layers are published
+        self._hits_unknown: set[int] = set()  # prefetches a step carried, their storage hit not yet agreed
+        self._polls_answered_by = 0  # the last step whose reply may answer a poll sent
         # Called with every agreed reply, once the session followed it (the
         # SGLang backend's KV events of the host pool and storage).
         self.listeners: list[Callable[[StepResult], None]] = []
@@ -240,6 +241,7 @@ class SessionOperations:
         if op is None:
             return
         del self._prefetches[op]
+        self._hits_unknown.discard(op)  # the revoke below is the step it needs
         unsent = [p for p in self._unsent.prefetches if p.op_id == op]
         if unsent:  # never sent: nothing to revoke
             self._unsent.prefetches.remove(unsent[0])
@@ -262,17 +264,18 @@ class SessionOperations:
         a request queued behind others, its prefetch open, costs no round per
         iteration. Every input is the scheduler's own calls and agreed
         replies, alike on every rank."""
-        return bool(self._writes or self._loads) or any(
-            not p.hit_known or p.answered_by > self._step for p in self._prefetches.values())
+        return bool(self._writes or self._loads or self._hits_unknown) or self._polls_answered_by > self._step
 
     def next_step(self) -> tuple[int, CacheRequests]:
         """The next step's number and the operations collected for it."""
         self._step += 1
         requests, self._unsent = self._unsent.requests(), _Unsent()
         self.tally.carried(requests)
+        self._hits_unknown.update(p.op_id for p in requests.prefetches)
         for op in requests.prefetch_polls:
             if (prefetch := self._prefetches.get(op)) is not None:
-                prefetch.answered_by = self._step + POLL_REPLIES - 1
+                prefetch.polled = True
+                self._polls_answered_by = self._step + POLL_REPLIES - 1
         return self._step, requests
 
     def not_taken(self, requests: CacheRequests) -> None:
@@ -307,8 +310,10 @@ class SessionOperations:
         if self.decisions is not None:
             self.decisions.add(reply)
         for op in reply.prefetch_hits:
-            if (prefetch := self._prefetches.get(op)) is not None:
-                prefetch.hit_known = True
+            self._hits_unknown.discard(op)
+            if (prefetch := self._prefetches.get(op)) is not None and prefetch.polled:
+                # A poll before its hit waits at the daemon: the next round asks it.
+                self._polls_answered_by = max(self._polls_answered_by, reply.step + POLL_REPLIES - 1)
         for op, pages in reply.prefetch_done.items():
             self._end_prefetch(op, pages)
         for op in reply.prefetch_revoked:
@@ -329,6 +334,7 @@ class SessionOperations:
         return reply
 
     def _end_prefetch(self, op: int, pages: int) -> None:
+        self._hits_unknown.discard(op)
         prefetch = self._prefetches.pop(op, None)
         if prefetch is None:
             return  # released meanwhile

@@ -27,45 +27,54 @@ pytestmark = pytest.mark.timeout(60)
 
 
 class ModelDaemon:
-    """Answers steps as an agreed domain would, from the steps alone: a write
-    is acked (or failed, one in seven) in the round after the step that
-    carried it; a prefetch's storage hit is agreed in the round after its
-    step, its pages are read one round later, and it ends only for a poll:
-    in the poll's own round or the next, once read (revoked at once when
-    asked); a load is decided in
+    """Answers steps as an agreed domain at agreement lag 0 would, from the
+    steps alone. A round asks its questions of the operations open before
+    its step, then opens the step's. A write is acked (or failed, one in
+    seven) in the round after the step that carried it. A prefetch's
+    storage hit is agreed `lookup_rounds` after its step and its pages are
+    read `fetch_rounds` after that; only a poll lets it end: a round after
+    the poll's asks it once (a poll before the hit waits for it), and it
+    ends if read; a revoke ends it in its own round. A load is decided in
     its own step's round. `work` and `ready` are this rank's own timing:
     CPU burnt before a reply is handed over, and whether it reads as arrived
     before that."""
 
-    def __init__(self, work: Callable[[], None] = lambda: None, ready: bool = True) -> None:
+    def __init__(self, work: Callable[[], None] = lambda: None, ready: bool = True, *,
+                 lookup_rounds: int = 1, fetch_rounds: int = 1) -> None:
         self.work = work
         self.ready = ready  # whether a reply reads as arrived before it is waited for
+        self.lookup_rounds, self.fetch_rounds = lookup_rounds, fetch_rounds
         self.steps: list[int] = []
         self._writes: dict[int, tuple[int, tuple[bytes, ...]]] = {}  # op -> (round it is decided in, pages)
-        self._prefetches: dict[int, int] = {}  # op -> round its hit is agreed in
-        self._polled: dict[int, int] = {}  # op -> round of its latest poll
+        self._prefetches: dict[int, list[int]] = {}  # op -> [round its hit is agreed in, its poll's step (0: none)]
 
     def step_later(self, step: int, votes: object = (), requests: CacheRequests | None = None,
                    epoch: int | None = None) -> Callable[[], StepResult]:
         requests = requests or CacheRequests()
         self.steps.append(step)
+        hits, done = {}, {}
+        for op, (hit_round, polled) in list(self._prefetches.items()):  # asked before the step opens
+            if step == hit_round:
+                hits[op] = 1
+            elif step > hit_round and polled:
+                if step >= hit_round + self.fetch_rounds:
+                    done[op] = 1
+                    del self._prefetches[op]
+                else:
+                    self._prefetches[op][1] = 0  # not yet: the scheduler polls again
         for write in requests.writes:
             self._writes[write.op_id] = (step + 1, write.pages)
+        revoked = {op: "revoked" for op in requests.revokes if self._prefetches.pop(op, None) is not None}
         for prefetch in requests.prefetches:
-            self._prefetches[prefetch.op_id] = step + 1
+            self._prefetches[prefetch.op_id] = [step + self.lookup_rounds, 0]
         for op in requests.prefetch_polls:
-            self._polled[op] = step
+            if op in self._prefetches:
+                self._prefetches[op][1] = step
         acks = tuple(op for op, (at, _) in self._writes.items() if at == step and op % 7)
         failures = tuple(op for op, (at, _) in self._writes.items() if at == step and not op % 7)
         entered = tuple(page for op in acks for page in self._writes[op][1])
         for op in acks + failures:
             del self._writes[op]
-        revoked = {op: "revoked" for op in requests.revokes if self._prefetches.pop(op, None) is not None}
-        hits = {op: 1 for op, at in self._prefetches.items() if at == step}
-        done = {op: 1 for op, polled in self._polled.items()
-                if op in self._prefetches and step >= self._prefetches[op] + 1 and step - polled <= 1}
-        for op in done:
-            del self._prefetches[op]
         reply = StepResult(step=step, round=step, decisions={}, digest=step, wire=b"", write_acks=acks,
                            write_failures=failures, prefetch_hits=hits, prefetch_done=done, prefetch_revoked=revoked,
                            loads={x.op_id: len(x.pages) for x in requests.loads}, host_entered=entered)
@@ -202,7 +211,38 @@ def test_a_prefetch_past_its_hit_steps_only_for_its_polls():
     while not c.prefetch_ended("queued"):  # SGLang polls at each iteration that it considers the request
         polls += 1
         assert c.iterate()
-    assert c.take_prefetched("queued") == 1 and polls == 2
-    assert not c.iterate() or not c.needs_step()  # the last poll's step (stale: ignored) is taken, then none
+    assert c.take_prefetched("queued") == 1 and polls == 3  # asked in the round after its poll's
+    assert c.iterate() and not c.needs_step()  # takes the reply of the last (stale) poll; nothing else is open
     assert not c.busy() and not any(c.iterate() for _ in range(10))
-    assert daemon.steps == [1, 2, 3, 4]
+    assert daemon.steps == [1, 2, 3, 4, 5]
+
+
+def step_until_quiet(c: SchedulerSession, limit: int = 50) -> int:
+    """Iterate, with no call of the scheduler's, until an iteration sends nothing: -> iterations that did."""
+    for n in range(limit):
+        if not c.iterate():
+            return n
+    raise AssertionError(f"still stepping after {limit} iterations")
+
+
+def test_one_poll_is_followed_until_the_round_that_answers_it():
+    daemon = ModelDaemon()
+    c = session_over(daemon)
+    c.prefetch([b"p1"], 16, None, rid="r")
+    step_until_quiet(c)
+    assert not c.prefetch_ended("r")  # one poll, never repeated
+    step_until_quiet(c)
+    assert c.prefetch_ended("r") and c.take_prefetched("r") == 1  # answered by the round after its step's
+
+
+def test_a_poll_sent_before_a_slow_hit_is_answered_once_the_hit_is_agreed():
+    """The daemon keeps a poll that came before the hit and asks it in the
+    round after the hit's: the session steps until then."""
+    daemon = ModelDaemon(lookup_rounds=4)
+    c = session_over(daemon)
+    c.prefetch([b"p1"], 16, None, rid="r")
+    assert c.iterate()  # sends the prefetch
+    assert not c.prefetch_ended("r")  # polled at once, as SGLang does when the request is first considered
+    step_until_quiet(c)
+    assert c.prefetch_ended("r") and c.take_prefetched("r") == 1
+    assert daemon.steps == [1, 2, 3, 4, 5, 6]
