@@ -311,7 +311,8 @@ class SessionOperations:
             self.decisions.add(reply)
         for op in reply.prefetch_hits:
             self._hits_unknown.discard(op)
-            if (prefetch := self._prefetches.get(op)) is not None and prefetch.polled:
+            prefetch = self._prefetches.get(op)
+            if prefetch is not None and prefetch.polled and op not in reply.prefetch_revoked:
                 # A poll before its hit waits at the daemon: the next round asks it.
                 self._polls_answered_by = max(self._polls_answered_by, reply.step + POLL_REPLIES - 1)
         for op, pages in reply.prefetch_done.items():
