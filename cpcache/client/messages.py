@@ -40,6 +40,7 @@ class StepResult:
     host_left: tuple[bytes, ...] = ()  # pages evicted from it in `round`
     host_entered_slots: tuple[int, ...] = ()  # the host slot of each page of host_entered
     backup_pages: dict[int, tuple[bytes, ...]] = field(default_factory=dict)  # backup op -> the pages it wrote
+    daemon_open: int = 0  # the daemon's own operations (backups, retiring slots) later rounds decide
 
 
 def step_request(step: int, votes: Iterable[tuple[int, Reduce, int]] = (),
@@ -94,6 +95,7 @@ def step_result(reply: pb.StepReply) -> StepResult:
         host_left=tuple(reply.host_left),
         host_entered_slots=tuple(reply.host_entered_slots),
         backup_pages={b.op_id: tuple(b.pages) for b in reply.backups},
+        daemon_open=reply.daemon_open,
     )
 
 

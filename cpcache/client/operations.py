@@ -92,6 +92,7 @@ class SessionOperations:
         self._signal_slots: dict[int, tuple[LoadSignals, int]] = {}  # open load op -> where its layers are published
         self._hits_unknown: set[int] = set()  # prefetches a step carried, their storage hit not yet agreed
         self._polls_answered_by = 0  # the last step whose reply may answer a poll sent
+        self._daemon_open = 0  # the daemon's own open operations, as the last reply agreed
         # Called with every agreed reply, once the session followed it (the
         # SGLang backend's KV events of the host pool and storage).
         self.listeners: list[Callable[[StepResult], None]] = []
@@ -258,13 +259,16 @@ class SessionOperations:
     def awaits_decisions(self) -> bool:
         """Whether a round may decide something the session holds open: a
         write or load a step carried, a prefetch whose storage hit is not
-        yet agreed, or one whose latest poll may still be answered. A
+        yet agreed, or one whose latest poll may still be answered; or
+        something the daemon opened itself (a backup of acknowledged pages
+        to storage, host slots retiring), which only rounds decide. A
         prefetch past its hit and its poll's answer waits for the next poll
         (the daemon asks nothing of it until then), so it calls for no step:
         a request queued behind others, its prefetch open, costs no round per
         iteration. Every input is the scheduler's own calls and agreed
         replies, alike on every rank."""
-        return bool(self._writes or self._loads or self._hits_unknown) or self._polls_answered_by > self._step
+        return (bool(self._writes or self._loads or self._hits_unknown or self._daemon_open)
+                or self._polls_answered_by > self._step)
 
     def next_step(self) -> tuple[int, CacheRequests]:
         """The next step's number and the operations collected for it."""
@@ -307,6 +311,7 @@ class SessionOperations:
         reply lists it (prefetches, writes, loads)."""
         self.tally.followed(reply)
         self.host.follow(reply)
+        self._daemon_open = reply.daemon_open
         if self.decisions is not None:
             self.decisions.add(reply)
         for op in reply.prefetch_hits:

@@ -168,6 +168,7 @@ def step_reply(answer: StepAnswer) -> pb.StepReply:
     reply.host_entered.extend(d.host_entered)
     reply.host_entered_slots.extend(d.host_entered_slots)
     reply.host_left.extend(d.host_left)
+    reply.daemon_open = d.daemon_open
     return reply
 
 

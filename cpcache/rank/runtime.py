@@ -128,6 +128,7 @@ class CacheRuntime:
         applied.decided.merge(decisions)
         applied.decided.host_entered, applied.decided.host_left = state.ledger.index.take_changes()
         applied.decided.host_entered_slots = [state.ledger.index[page].slot for page in applied.decided.host_entered]
+        applied.decided.daemon_open = state.daemon_open()
         return applied
 
     def start(self, intents: list[Intent]) -> None:

@@ -104,11 +104,16 @@ class Decisions:
     host_entered: list[bytes] = field(default_factory=list)  # pages now resident in the host pool
     host_entered_slots: list[int] = field(default_factory=list)  # the slot of each
     host_left: list[bytes] = field(default_factory=list)  # pages no longer resident
+    # The daemon's own operations still open after the round (backups,
+    # retirements): the rounds that decide them wait for steps. Not
+    # compared: a function of the agreed state, which the digest covers.
+    daemon_open: int = field(default=0, compare=False)
 
     def merge(self, other: Decisions) -> Decisions:
         for name, values in vars(other).items():
-            getattr(self, name).extend(values)
+            if isinstance(values, list):
+                getattr(self, name).extend(values)
         return self
 
     def count(self) -> int:
-        return sum(len(v) for name, v in vars(self).items() if name != "backup_pages")
+        return sum(len(v) for name, v in vars(self).items() if isinstance(v, list) and name != "backup_pages")

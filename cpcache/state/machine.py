@@ -181,6 +181,11 @@ class CacheState:
         """Operations the next rounds may ask about."""
         return len(self.ledger.open_ops)
 
+    def daemon_open(self) -> int:
+        """Operations the daemon opened itself that later rounds decide:
+        backups (host -> storage) and retiring host slots."""
+        return len(self.ledger.of_kind(Backup)) + len(self.ledger.of_kind(Retirement))
+
     def apply(self, result: RoundResult) -> tuple[Decisions, list[Intent]]:
         """Apply an agreed round, operation by operation in serial order.
         Answers about operations that have closed since are ignored."""

@@ -355,7 +355,7 @@ class LoadDecision(_message.Message):
     def __init__(self, op_id: _Optional[int] = ..., pages: _Optional[int] = ...) -> None: ...
 
 class StepReply(_message.Message):
-    __slots__ = ("step", "round", "decisions", "state_digest", "prefetches", "write_acks", "backups", "loads", "write_failures", "load_failures", "epoch", "host_entered", "host_left", "host_entered_slots")
+    __slots__ = ("step", "round", "decisions", "state_digest", "prefetches", "write_acks", "backups", "loads", "write_failures", "load_failures", "epoch", "host_entered", "host_left", "host_entered_slots", "daemon_open")
     STEP_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     DECISIONS_FIELD_NUMBER: _ClassVar[int]
@@ -370,6 +370,7 @@ class StepReply(_message.Message):
     HOST_ENTERED_FIELD_NUMBER: _ClassVar[int]
     HOST_LEFT_FIELD_NUMBER: _ClassVar[int]
     HOST_ENTERED_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_OPEN_FIELD_NUMBER: _ClassVar[int]
     step: int
     round: int
     decisions: Decisions
@@ -384,7 +385,8 @@ class StepReply(_message.Message):
     host_entered: _containers.RepeatedScalarFieldContainer[bytes]
     host_left: _containers.RepeatedScalarFieldContainer[bytes]
     host_entered_slots: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step: _Optional[int] = ..., round: _Optional[int] = ..., decisions: _Optional[_Union[Decisions, _Mapping]] = ..., state_digest: _Optional[int] = ..., prefetches: _Optional[_Iterable[_Union[PrefetchDecision, _Mapping]]] = ..., write_acks: _Optional[_Iterable[int]] = ..., backups: _Optional[_Iterable[_Union[BackupDecision, _Mapping]]] = ..., loads: _Optional[_Iterable[_Union[LoadDecision, _Mapping]]] = ..., write_failures: _Optional[_Iterable[int]] = ..., load_failures: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ..., host_entered: _Optional[_Iterable[bytes]] = ..., host_left: _Optional[_Iterable[bytes]] = ..., host_entered_slots: _Optional[_Iterable[int]] = ...) -> None: ...
+    daemon_open: int
+    def __init__(self, step: _Optional[int] = ..., round: _Optional[int] = ..., decisions: _Optional[_Union[Decisions, _Mapping]] = ..., state_digest: _Optional[int] = ..., prefetches: _Optional[_Iterable[_Union[PrefetchDecision, _Mapping]]] = ..., write_acks: _Optional[_Iterable[int]] = ..., backups: _Optional[_Iterable[_Union[BackupDecision, _Mapping]]] = ..., loads: _Optional[_Iterable[_Union[LoadDecision, _Mapping]]] = ..., write_failures: _Optional[_Iterable[int]] = ..., load_failures: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ..., host_entered: _Optional[_Iterable[bytes]] = ..., host_left: _Optional[_Iterable[bytes]] = ..., host_entered_slots: _Optional[_Iterable[int]] = ..., daemon_open: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

@@ -78,6 +78,31 @@ async def test_a_scheduler_iteration_maps_to_one_flush(run_dir):
             assert 0 < cache.tally.reply_wait_seconds < cache.tally.step_seconds
 
 
+async def test_iterations_step_until_the_backups_of_acknowledged_pages_are_agreed(run_dir):
+    """The daemon backs acknowledged pages up to storage on its own (write
+    policy); only rounds agree those backups, and rounds come from steps. A
+    scheduler whose write was acknowledged, and which calls nothing more,
+    still steps until the backup is agreed, then stops."""
+    spec = DomainSpec(Topology(tp=1), run_dir, extra=dict(storage="file", storage_root=str(run_dir / "pages"),
+                                                          host_pool_pages=6))
+    async with LocalDomain(spec) as domain:
+        pool = DevicePool.create_sealed(GEOMETRY, 16)
+        with Client(domain.sockets[0], timeout_s=30) as client:
+            seed = client.attach("m", GEOMETRY, 16, pool_fd=pool.fd).key_seed
+            cache = SchedulerSession(client)
+            pages = [bytes.fromhex(h) for h in chain(list(range(48)), 16, seed)]
+            acked: list[bool] = []
+            cache.write_through(pages, [0, 1, 2], done=acked.append)
+            iterations = 0
+            while cache.iterate():  # each waits for the round of the step before
+                iterations += 1
+                assert iterations < 10_000, "still stepping"
+            assert acked == [True]
+            assert cache.tally.backups_stored == 1 and cache.tally.backups_failed == 0
+            assert not cache.needs_step() and not cache.iterate()
+            assert client.stats()["open_backups"] == 0
+
+
 def _thread_names() -> set[str]:
     """The threads alive now, by name (each new one gets a new name: "Thread-N (...)")."""
     return {t.name for t in threading.enumerate()}

@@ -40,10 +40,12 @@ class ModelDaemon:
     before that."""
 
     def __init__(self, work: Callable[[], None] = lambda: None, ready: bool = True, *,
-                 lookup_rounds: int = 1, fetch_rounds: int = 1) -> None:
+                 lookup_rounds: int = 1, fetch_rounds: int = 1, backup_rounds: int = 0) -> None:
         self.work = work
         self.ready = ready  # whether a reply reads as arrived before it is waited for
         self.lookup_rounds, self.fetch_rounds = lookup_rounds, fetch_rounds
+        self.backup_rounds = backup_rounds  # rounds from an ack to its backup's end (the daemon's own)
+        self._backups: dict[int, int] = {}  # op -> round its backup is agreed in
         self.steps: list[int] = []
         self._writes: dict[int, tuple[int, tuple[bytes, ...]]] = {}  # op -> (round it is decided in, pages)
         self._prefetches: dict[int, list[int]] = {}  # op -> [round its hit is agreed in, its poll's step (0: none)]
@@ -75,9 +77,14 @@ class ModelDaemon:
         entered = tuple(page for op in acks for page in self._writes[op][1])
         for op in acks + failures:
             del self._writes[op]
+        if self.backup_rounds:
+            self._backups.update((op, step + self.backup_rounds) for op in acks)
+        backed_up = {op: True for op, at in self._backups.items() if at == step}
+        self._backups = {op: at for op, at in self._backups.items() if at > step}
         reply = StepResult(step=step, round=step, decisions={}, digest=step, wire=b"", write_acks=acks,
                            write_failures=failures, prefetch_hits=hits, prefetch_done=done, prefetch_revoked=revoked,
-                           loads={x.op_id: len(x.pages) for x in requests.loads}, host_entered=entered)
+                           loads={x.op_id: len(x.pages) for x in requests.loads}, host_entered=entered,
+                           backups=backed_up, daemon_open=len(self._backups))
 
         return _Waiting(reply, self.work, ready=self.ready)
 
@@ -246,3 +253,13 @@ def test_a_poll_sent_before_a_slow_hit_is_answered_once_the_hit_is_agreed():
     step_until_quiet(c)
     assert c.prefetch_ended("r") and c.take_prefetched("r") == 1
     assert daemon.steps == [1, 2, 3, 4, 5, 6]
+
+
+def test_iterations_step_while_the_daemon_has_operations_of_its_own_open():
+    """A backup the daemon opened after an ack is decided only by rounds:
+    the session steps until the reply says none is open."""
+    daemon = ModelDaemon(backup_rounds=2)
+    c = session_over(daemon)
+    c.write_through([b"p1"], [3], None, done=lambda stored: None)
+    assert step_until_quiet(c) == 5  # the write's step, its ack's, two while its backup is open, its backup's reply
+    assert daemon.steps == [1, 2, 3, 4] and c.tally.backups_stored == 1 and not c.needs_step()
