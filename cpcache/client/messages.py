@@ -40,7 +40,7 @@ class StepResult:
     host_left: tuple[bytes, ...] = ()  # pages evicted from it in `round`
     host_entered_slots: tuple[int, ...] = ()  # the host slot of each page of host_entered
     backup_pages: dict[int, tuple[bytes, ...]] = field(default_factory=dict)  # backup op -> the pages it wrote
-    daemon_open: int = 0  # the daemon's own operations (backups, retiring slots) later rounds decide
+    daemon_open: int = 0  # backups the daemon opened itself (of written or loaded pages) later rounds decide
 
 
 def step_request(step: int, votes: Iterable[tuple[int, Reduce, int]] = (),

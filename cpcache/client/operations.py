@@ -92,7 +92,7 @@ class SessionOperations:
         self._signal_slots: dict[int, tuple[LoadSignals, int]] = {}  # open load op -> where its layers are published
         self._hits_unknown: set[int] = set()  # prefetches a step carried, their storage hit not yet agreed
         self._polls_answered_by = 0  # the last step whose reply may answer a poll sent
-        self._daemon_open = 0  # the daemon's own open operations, as the last reply agreed
+        self._daemon_open = 0  # the daemon's own open backups, as the last reply agreed
         # Called with every agreed reply, once the session followed it (the
         # SGLang backend's KV events of the host pool and storage).
         self.listeners: list[Callable[[StepResult], None]] = []
@@ -260,8 +260,8 @@ class SessionOperations:
         """Whether a round may decide something the session holds open: a
         write or load a step carried, a prefetch whose storage hit is not
         yet agreed, or one whose latest poll may still be answered; or
-        something the daemon opened itself (a backup of acknowledged pages
-        to storage, host slots retiring), which only rounds decide. A
+        something the daemon opened itself (a backup to storage of pages
+        written or loaded), which only rounds decide. A
         prefetch past its hit and its poll's answer waits for the next poll
         (the daemon asks nothing of it until then), so it calls for no step:
         a request queued behind others, its prefetch open, costs no round per

@@ -104,8 +104,8 @@ class Decisions:
     host_entered: list[bytes] = field(default_factory=list)  # pages now resident in the host pool
     host_entered_slots: list[int] = field(default_factory=list)  # the slot of each
     host_left: list[bytes] = field(default_factory=list)  # pages no longer resident
-    # The daemon's own operations still open after the round (backups,
-    # retirements): the rounds that decide them wait for steps. Not
+    # The backups the daemon opened itself still open after the round
+    # (`CacheState.daemon_open`): the rounds that decide them wait for steps. Not
     # compared: a function of the agreed state, which the digest covers.
     daemon_open: int = field(default=0, compare=False)
 

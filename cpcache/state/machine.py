@@ -39,8 +39,10 @@ from cpcache.state.ops.write import Write, open_write
 # raised whenever the same rounds could leave it different (2: a chain's
 # pages entering out of order count as their parent's children, and an
 # accepted prefetch takes the pages after one already resident; 3: an ended
-# prefetch may hold its pages).
-STATE_RULES = 3
+# prefetch may hold its pages; 4: replies count the daemon's own open
+# backups, which a scheduler steps for: daemons that do not would have
+# their ranks' schedulers step differently).
+STATE_RULES = 4
 
 
 class CacheState:
@@ -182,9 +184,12 @@ class CacheState:
         return len(self.ledger.open_ops)
 
     def daemon_open(self) -> int:
-        """Operations the daemon opened itself that later rounds decide:
-        backups (host -> storage) and retiring host slots."""
-        return len(self.ledger.of_kind(Backup)) + len(self.ledger.of_kind(Retirement))
+        """The backups (host -> storage) the daemon opened itself for pages a
+        scheduler wrote or loaded, which only later rounds decide, each
+        within the storage deadline. Not counted: backups to make room under
+        write_back (queued again while storage fails) and retiring slots
+        (the next step that needs room reclaims them)."""
+        return sum(not b.for_room for b in self.ledger.of_kind(Backup))
 
     def apply(self, result: RoundResult) -> tuple[Decisions, list[Intent]]:
         """Apply an agreed round, operation by operation in serial order.

@@ -16,6 +16,10 @@ from cpcache.state.questions import BACKUP_OUTCOME, BackupOutcome
 class Backup(Operation):
     serial: int
     pages: list[bytes]
+    # Queued to make room under write_back (not for pages the scheduler just
+    # wrote or loaded): queued again after each failure while storage is
+    # down, so a scheduler does not step for it (`CacheState.daemon_open`).
+    for_room: bool = False
 
     def label(self) -> str:
         return f"backup {self.serial}"
@@ -30,12 +34,12 @@ class Backup(Operation):
         return []
 
 
-def queue(ledger: Ledger, pages: list[bytes]) -> None:
+def queue(ledger: Ledger, pages: list[bytes], for_room: bool = False) -> None:
     """Back up `pages`: opened now, started at the end of the round being
     applied (`start_queued`)."""
     if pages:
         ledger.index.ref(pages, +1)
-        backup = Backup(ledger.serial(), pages)
+        backup = Backup(ledger.serial(), pages, for_room)
         ledger.add(backup)
         slots = tuple(ledger.index[p].slot for p in pages)  # held by the reference until it ends
         ledger.stores.append(Store(backup.serial, tuple(pages), slots, ledger.sharding))
@@ -52,7 +56,7 @@ def relieve_pressure(ledger: Ledger) -> None:
     if short <= 0:
         return
     # A page queued for a backup already holds a reference: not taken twice.
-    queue(ledger, ledger.index.least_recent_unbacked(short))
+    queue(ledger, ledger.index.least_recent_unbacked(short), for_room=True)
 
 
 def start_queued(ledger: Ledger) -> list[Intent]:

@@ -36,6 +36,7 @@ def test_write_through_backs_up_an_acknowledged_write_and_holds_its_pages_until_
     _, acked = c.write_and_ack(1, 1, 2)
     assert acked.decided == Decisions(write_acks=[1], host_entered=list(pages(1, 2)), host_entered_slots=[0, 1])
     assert acked.intents == [Store(2, pages(1, 2), (0, 1), SHARDING)]
+    assert c.state.daemon_open() == 1  # the scheduler steps until it is decided
     store = acked.intents[0]
     assert (store.keys, store.slots) == ((page(1).hex() + "_tp0_1", page(2).hex() + "_tp0_1"), (0, 1))  # one rank: all
     assert c.open_ops() == ["2: backup 2"]
@@ -151,6 +152,7 @@ def test_write_back_evicts_backed_up_pages_only_and_backs_pages_up_under_pressur
     assert s.decided == Decisions(write_acks=[2], host_entered=[page(4)], host_entered_slots=[3])
     assert s.intents == [Store(4, pages(2), (1,), SHARDING)]  # still no free slot: one more a round
     assert c.open_ops() == ["3: backup 3", "4: backup 4"]
+    assert c.state.daemon_open() == 0  # to make room: no scheduler steps for them (queued again if they fail)
     assert s.digest == 0x1cde0864ee521a93
 
     c.answer("backups", 3, STORED)
